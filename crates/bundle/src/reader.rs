@@ -1,0 +1,200 @@
+//! Opening a bundle: version and checksum checks, the plan, weights through mmap.
+
+use crate::writer::hex;
+use crate::{io_err, BundleError, Manifest, FORMAT_VERSION};
+use ir::{DType, Plan};
+use sha2::{Digest, Sha256};
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+/// An opened, verified bundle.
+#[derive(Debug)]
+pub struct Bundle {
+    /// Its directory.
+    pub root: PathBuf,
+    /// `manifest.json`.
+    pub manifest: Manifest,
+    /// `plan.json`.
+    pub plan: Plan,
+}
+
+/// The eos/bos ids a generation stops at / starts with (`tokenizer/generation_config.json`).
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct GenerationConfig {
+    /// Token ids that end generation.
+    #[serde(default)]
+    pub eos_token_id: Vec<u32>,
+    /// The beginning-of-sequence id, if the model has one.
+    #[serde(default)]
+    pub bos_token_id: Option<u32>,
+}
+
+fn sha256_file(path: &Path) -> Result<String, BundleError> {
+    let mut f = std::fs::File::open(path).map_err(|e| io_err(path, e))?;
+    let mut h = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = f.read(&mut buf).map_err(|e| io_err(path, e))?;
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+    }
+    Ok(hex(&h.finalize()))
+}
+
+impl Bundle {
+    /// Opens the bundle at `root`, checking its format version and every checksum.
+    pub fn open(root: &Path) -> Result<Bundle, BundleError> {
+        let shown = root.display().to_string();
+        if !root.is_dir() {
+            return Err(BundleError::NotABundle {
+                path: shown,
+                message: "no such directory".into(),
+            });
+        }
+        let mpath = root.join("manifest.json");
+        let text = std::fs::read_to_string(&mpath).map_err(|e| BundleError::NotABundle {
+            path: shown.clone(),
+            message: format!("manifest.json: {e}"),
+        })?;
+        let raw: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| BundleError::Malformed {
+                path: mpath.display().to_string(),
+                message: e.to_string(),
+            })?;
+        let found = raw
+            .get("format_version")
+            .and_then(|v| v.as_u64())
+            .unwrap_or(0) as u32;
+        if found > FORMAT_VERSION {
+            return Err(BundleError::NewerFormat {
+                path: shown,
+                found,
+                supported: FORMAT_VERSION,
+            });
+        }
+        let manifest: Manifest =
+            serde_json::from_value(raw).map_err(|e| BundleError::Malformed {
+                path: mpath.display().to_string(),
+                message: e.to_string(),
+            })?;
+        for (file, want) in &manifest.files {
+            let path = root.join(file);
+            if !path.is_file() {
+                return Err(BundleError::Malformed {
+                    path: shown,
+                    message: format!("`{file}` listed in manifest.json is missing"),
+                });
+            }
+            if &sha256_file(&path)? != want {
+                return Err(BundleError::Checksum {
+                    path: shown,
+                    file: file.clone(),
+                });
+            }
+        }
+        let ppath = root.join("plan.json");
+        let ptext = std::fs::read_to_string(&ppath).map_err(|e| io_err(&ppath, e))?;
+        let plan: Plan = serde_json::from_str(&ptext).map_err(|e| BundleError::Malformed {
+            path: ppath.display().to_string(),
+            message: e.to_string(),
+        })?;
+        Ok(Bundle {
+            root: root.to_path_buf(),
+            manifest,
+            plan,
+        })
+    }
+
+    /// Maps the weights of `rank`.
+    pub fn weights(&self, rank: usize) -> Result<WeightFile, BundleError> {
+        WeightFile::open(&self.root.join(format!("weights/rank{rank}.safetensors")))
+    }
+
+    /// The tokenizer directory, when the bundle has a tokenizer.
+    pub fn tokenizer_dir(&self) -> Option<PathBuf> {
+        let d = self.root.join("tokenizer");
+        d.join("tokenizer.json").is_file().then_some(d)
+    }
+
+    /// The generation config (eos ids); empty when absent.
+    pub fn generation_config(&self) -> Result<GenerationConfig, BundleError> {
+        let path = self.root.join("tokenizer/generation_config.json");
+        if !path.is_file() {
+            return Ok(GenerationConfig::default());
+        }
+        let text = std::fs::read_to_string(&path).map_err(|e| io_err(&path, e))?;
+        serde_json::from_str(&text).map_err(|e| BundleError::Malformed {
+            path: path.display().to_string(),
+            message: e.to_string(),
+        })
+    }
+}
+
+/// A memory-mapped safetensors file.
+pub struct WeightFile {
+    path: PathBuf,
+    map: memmap2::Mmap,
+}
+
+impl WeightFile {
+    /// Maps `path` and checks that its header parses.
+    pub fn open(path: &Path) -> Result<WeightFile, BundleError> {
+        let f = std::fs::File::open(path).map_err(|e| io_err(path, e))?;
+        // SAFETY: the file is opened read-only and bundles are not modified while in use (their
+        // checksums were verified when opened).
+        let map = unsafe { memmap2::Mmap::map(&f) }.map_err(|e| io_err(path, e))?;
+        let w = WeightFile {
+            path: path.to_path_buf(),
+            map,
+        };
+        w.tensors()?;
+        Ok(w)
+    }
+
+    fn tensors(&self) -> Result<safetensors::SafeTensors<'_>, BundleError> {
+        safetensors::SafeTensors::deserialize(&self.map).map_err(|e| BundleError::Malformed {
+            path: self.path.display().to_string(),
+            message: e.to_string(),
+        })
+    }
+
+    /// Names of the tensors in the file.
+    pub fn names(&self) -> Result<Vec<String>, BundleError> {
+        Ok(self.tensors()?.names().into_iter().cloned().collect())
+    }
+
+    /// A tensor's dtype, shape and raw bytes.
+    pub fn raw(&self, name: &str) -> Result<(DType, Vec<usize>, &[u8]), BundleError> {
+        let st = self.tensors()?;
+        let view = st.tensor(name).map_err(|e| BundleError::Malformed {
+            path: self.path.display().to_string(),
+            message: format!("tensor `{name}`: {e}"),
+        })?;
+        let dtype =
+            DType::from_safetensors_name(&format!("{:?}", view.dtype())).ok_or_else(|| {
+                BundleError::Malformed {
+                    path: self.path.display().to_string(),
+                    message: format!("tensor `{name}` has unsupported dtype {:?}", view.dtype()),
+                }
+            })?;
+        let shape = view.shape().to_vec();
+        let data = view.data();
+        // Re-borrow from the map so the slice outlives the SafeTensors view.
+        let start = data.as_ptr() as usize - self.map.as_ptr() as usize;
+        Ok((dtype, shape, &self.map[start..start + data.len()]))
+    }
+
+    /// A tensor as f32 values, checked against the expected shape.
+    pub fn f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, BundleError> {
+        let (dtype, got, bytes) = self.raw(name)?;
+        if got != shape {
+            return Err(BundleError::Malformed {
+                path: self.path.display().to_string(),
+                message: format!("tensor `{name}` has shape {got:?}, the plan expects {shape:?}"),
+            });
+        }
+        Ok(dtype.to_f32(bytes))
+    }
+}

@@ -1,0 +1,288 @@
+//! `engc compile`: model YAML + checkpoint → bundle, as one readable sequence of stages.
+
+use crate::checkpoint::Checkpoint;
+use crate::passes::{self, PassCtx};
+use crate::{lower, shard, CompileError};
+use bundle::{BundleWriter, GenerationConfig, TensorEntry};
+use ir::{DType, Plan};
+use spec::{BoundModel, ModelSpec};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+/// What to compile.
+#[derive(Debug, Clone)]
+pub struct CompileOptions {
+    /// The model YAML.
+    pub model: PathBuf,
+    /// The checkpoint directory.
+    pub checkpoint: PathBuf,
+    /// Tensor-parallel ranks.
+    pub tp: usize,
+    /// Weight dtype; the checkpoint's when `None`.
+    pub dtype: Option<DType>,
+    /// Where the tokenizer files are; the checkpoint directory when `None`.
+    pub tokenizer: Option<PathBuf>,
+    /// The bundle directory to write.
+    pub out: PathBuf,
+    /// Return the graph as text after this pass (`lower`, or a pipeline pass name).
+    pub dump_after: Option<String>,
+}
+
+/// What a successful compile produced.
+#[derive(Debug)]
+pub struct CompileReport {
+    /// The bundle written.
+    pub out: PathBuf,
+    /// The plan in it.
+    pub plan: Plan,
+    /// Things worth telling the user (unused tensors, missing tokenizer).
+    pub warnings: Vec<String>,
+    /// The graph text requested with `dump_after`.
+    pub dump: Option<String>,
+}
+
+/// Tokenizer files copied into the bundle when present.
+const TOKENIZER_FILES: [&str; 4] = [
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "special_tokens_map.json",
+];
+
+/// Compiles a model into a bundle.
+pub fn compile(opts: &CompileOptions) -> Result<CompileReport, CompileError> {
+    if opts.tp == 0 {
+        return Err(CompileError::Usage("--tp must be at least 1".into()));
+    }
+    let spec = ModelSpec::load(&opts.model)?;
+    let ckpt = Checkpoint::open(&opts.checkpoint)?;
+    let model = spec::bind(&spec, &ckpt.config)?;
+    let mut warnings = validate_checkpoint(&model, &ckpt)?;
+    let dtype = opts
+        .dtype
+        .or_else(|| config_dtype(&ckpt.config))
+        .or_else(|| ckpt.main_dtype())
+        .unwrap_or(DType::BF16);
+
+    let graph = lower::lower(&model, dtype, dtype)?;
+    let ctx = PassCtx {
+        tp: opts.tp,
+        model: &model,
+    };
+    let mut dump = None;
+    let graph = passes::run(graph, &ctx, |name, g| {
+        if opts.dump_after.as_deref() == Some(name) {
+            dump = Some(
+                g.to_plan()
+                    .map_or_else(|e| format!("<{e}>"), |p| p.to_text()),
+            );
+        }
+    })?;
+    if let Some(p) = &opts.dump_after {
+        if dump.is_none() {
+            let names: Vec<&str> = std::iter::once("lower")
+                .chain(passes::PIPELINE.iter().map(|(n, _)| *n))
+                .collect();
+            return Err(CompileError::Usage(format!(
+                "no pass named `{p}`; passes: {}",
+                names.join(", ")
+            )));
+        }
+    }
+    let plan = graph.to_plan().map_err(|e| CompileError::Pass {
+        pass: "plan".into(),
+        source: e,
+    })?;
+
+    let mut w = BundleWriter::create(&opts.out)?;
+    let plan_json =
+        serde_json::to_string_pretty(&plan).map_err(|e| CompileError::Usage(e.to_string()))?;
+    w.write_file("plan.json", plan_json.as_bytes())?;
+    for rank in 0..opts.tp {
+        write_rank_weights(&mut w, &plan, &model, &ckpt, rank, opts.tp)?;
+    }
+    let tok_dir = opts
+        .tokenizer
+        .clone()
+        .unwrap_or_else(|| opts.checkpoint.clone());
+    warnings.extend(write_tokenizer(&mut w, &tok_dir, &ckpt)?);
+    let params: BTreeMap<String, serde_json::Value> = model
+        .params
+        .iter()
+        .map(|(k, v)| (k.clone(), v.to_json()))
+        .collect();
+    let out = w.finish(&spec.name, params, opts.tp, dtype)?;
+    Ok(CompileReport {
+        out,
+        plan,
+        warnings,
+        dump,
+    })
+}
+
+/// Checks that every tensor the model names exists with its shape and a supported dtype.
+/// Returns a warning naming the checkpoint tensors the model does not use.
+fn validate_checkpoint(model: &BoundModel, ckpt: &Checkpoint) -> Result<Vec<String>, CompileError> {
+    for w in &model.weights {
+        let at = model.spec.locate(&format!("{}:", w.key));
+        let info = ckpt
+            .info(&w.name)
+            .ok_or_else(|| CompileError::MissingTensor {
+                name: w.name.clone(),
+                key: w.key.clone(),
+                at: at.clone(),
+                checkpoint: ckpt.dir.display().to_string(),
+            })?;
+        if info.shape != w.shape {
+            return Err(CompileError::ShapeMismatch {
+                name: w.name.clone(),
+                at,
+                expected: w.shape.clone(),
+                found: info.shape.clone(),
+            });
+        }
+        if info.dtype().is_none() {
+            return Err(CompileError::UnsupportedDtype {
+                name: w.name.clone(),
+                dtype: info.dtype_name.clone(),
+            });
+        }
+    }
+    let used: std::collections::HashSet<&str> =
+        model.weights.iter().map(|w| w.name.as_str()).collect();
+    let unused: Vec<&str> = ckpt.names().filter(|n| !used.contains(n)).collect();
+    Ok(match unused.len() {
+        0 => vec![],
+        n => vec![format!(
+            "{n} checkpoint tensor(s) unused by {}: {}{}",
+            model.spec.origin,
+            unused
+                .iter()
+                .take(8)
+                .copied()
+                .collect::<Vec<_>>()
+                .join(", "),
+            if n > 8 { ", ..." } else { "" }
+        )],
+    })
+}
+
+fn config_dtype(config: &serde_json::Value) -> Option<DType> {
+    ["torch_dtype", "dtype"].iter().find_map(|k| {
+        config
+            .get(*k)
+            .and_then(|v| v.as_str())
+            .and_then(DType::parse_float)
+    })
+}
+
+fn write_rank_weights(
+    w: &mut BundleWriter,
+    plan: &Plan,
+    model: &BoundModel,
+    ckpt: &Checkpoint,
+    rank: usize,
+    tp: usize,
+) -> Result<(), CompileError> {
+    let entries: Vec<TensorEntry> = plan
+        .weights()
+        .map(|(name, shape, dtype)| TensorEntry {
+            name: name.to_string(),
+            dtype,
+            shape: shape.to_vec(),
+        })
+        .collect();
+    let mut failure = None;
+    let result = w.write_safetensors(&format!("weights/rank{rank}.safetensors"), &entries, |i| {
+        let e = &entries[i];
+        let data = model
+            .weights
+            .iter()
+            .find(|bw| bw.name == e.name)
+            .ok_or_else(|| {
+                CompileError::Usage(format!("plan weight `{}` is not in the model", e.name))
+            })
+            .and_then(|bw| {
+                Ok(e.dtype
+                    .from_f32(&shard::cut(bw, &ckpt.read_f32(&e.name)?, tp, rank)?))
+            });
+        data.map_err(|err| {
+            let msg = err.to_string();
+            failure = Some(err);
+            bundle::BundleError::Malformed {
+                path: e.name.clone(),
+                message: msg,
+            }
+        })
+    });
+    match (result, failure) {
+        (Err(_), Some(err)) => Err(err),
+        (r, _) => Ok(r?),
+    }
+}
+
+/// Copies the tokenizer files and writes `generation_config.json` with the eos ids.
+fn write_tokenizer(
+    w: &mut BundleWriter,
+    dir: &Path,
+    ckpt: &Checkpoint,
+) -> Result<Vec<String>, CompileError> {
+    let mut warnings = Vec::new();
+    if !dir.is_dir() {
+        return Err(CompileError::Checkpoint {
+            path: dir.display().to_string(),
+            message: "tokenizer directory does not exist".into(),
+        });
+    }
+    if !dir.join("tokenizer.json").is_file() {
+        warnings.push(format!(
+            "no tokenizer.json in {}: the bundle can compute logits from ids but not generate text (pass --tokenizer DIR)",
+            dir.display()
+        ));
+    }
+    for f in TOKENIZER_FILES {
+        let p = dir.join(f);
+        if p.is_file() {
+            let bytes = std::fs::read(&p).map_err(|e| CompileError::Checkpoint {
+                path: p.display().to_string(),
+                message: e.to_string(),
+            })?;
+            w.write_file(&format!("tokenizer/{f}"), &bytes)?;
+        }
+    }
+    let gen_file = ckpt.dir.join("generation_config.json");
+    let gen_cfg: Option<serde_json::Value> = std::fs::read_to_string(&gen_file)
+        .ok()
+        .and_then(|t| serde_json::from_str(&t).ok());
+    let pick = |key: &str| {
+        gen_cfg
+            .as_ref()
+            .and_then(|g| g.get(key))
+            .or_else(|| ckpt.config.get(key))
+            .cloned()
+    };
+    let ids = |v: Option<serde_json::Value>| -> Vec<u32> {
+        match v {
+            Some(serde_json::Value::Array(a)) => a
+                .iter()
+                .filter_map(|x| x.as_u64().map(|x| x as u32))
+                .collect(),
+            Some(v) => v.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
+            None => vec![],
+        }
+    };
+    let cfg = GenerationConfig {
+        eos_token_id: ids(pick("eos_token_id")),
+        bos_token_id: ids(pick("bos_token_id")).first().copied(),
+    };
+    if cfg.eos_token_id.is_empty() {
+        warnings.push(
+            "no eos_token_id in the checkpoint config: generation stops only at --max-tokens"
+                .into(),
+        );
+    }
+    let text =
+        serde_json::to_string_pretty(&cfg).map_err(|e| CompileError::Usage(e.to_string()))?;
+    w.write_file("tokenizer/generation_config.json", text.as_bytes())?;
+    Ok(warnings)
+}

@@ -1,0 +1,117 @@
+//! The pass pipeline: named `Graph -> Result<Graph>` functions run top to bottom, the verifier
+//! after each.
+
+use crate::{shard, CompileError};
+use ir::{Graph, Op};
+use spec::{BoundModel, ShardKind};
+
+/// What passes may read besides the graph.
+pub struct PassCtx<'a> {
+    /// Tensor-parallel ranks.
+    pub tp: usize,
+    /// The bound model (weight shard kinds).
+    pub model: &'a BoundModel,
+}
+
+/// A pass.
+pub type Pass = fn(Graph, &PassCtx) -> Result<Graph, CompileError>;
+
+/// The pipeline, in order.
+pub const PIPELINE: &[(&str, Pass)] = &[("tensor_parallel", tensor_parallel)];
+
+/// Runs every pass of [`PIPELINE`], verifying after each; `observe(name, graph)` sees the graph
+/// after each pass (for `--dump-after` and tests).
+pub fn run(
+    mut g: Graph,
+    ctx: &PassCtx,
+    mut observe: impl FnMut(&str, &Graph),
+) -> Result<Graph, CompileError> {
+    g.verify().map_err(|e| CompileError::Pass {
+        pass: "lower".into(),
+        source: e,
+    })?;
+    observe("lower", &g);
+    for (name, pass) in PIPELINE {
+        g = pass(g, ctx)?;
+        g.verify().map_err(|e| CompileError::Pass {
+            pass: name.to_string(),
+            source: e,
+        })?;
+        observe(name, &g);
+    }
+    Ok(g)
+}
+
+/// Megatron-style tensor parallelism: weights take their per-rank shapes, attention ops their
+/// per-rank head counts (KV heads replicated when tp exceeds them), and an `all_reduce`
+/// follows every linear whose weight is row-parallel.
+pub fn tensor_parallel(mut g: Graph, ctx: &PassCtx) -> Result<Graph, CompileError> {
+    let tp = ctx.tp;
+    if tp == 1 {
+        return Ok(g);
+    }
+    let ir_err = |e: ir::IrError| CompileError::Pass {
+        pass: "tensor_parallel".into(),
+        source: e,
+    };
+    let mut row_weights = Vec::new();
+    for n in g.nodes() {
+        match &mut g.node_mut(n).op {
+            Op::Weight { name, shape, .. } => {
+                let w = ctx
+                    .model
+                    .weights
+                    .iter()
+                    .find(|w| &w.name == name)
+                    .ok_or_else(|| CompileError::Tp {
+                        weight: name.clone(),
+                        message: "is not declared by the model".into(),
+                    })?;
+                *shape = shard::shape(w, tp)?;
+                if w.shard == ShardKind::Row {
+                    row_weights.push(n);
+                }
+            }
+            Op::Attention {
+                heads, kv_heads, ..
+            } => {
+                if *heads % tp != 0 {
+                    return Err(CompileError::TpHeads { tp, heads: *heads });
+                }
+                *heads /= tp;
+                *kv_heads = if *kv_heads >= tp {
+                    if *kv_heads % tp != 0 {
+                        return Err(CompileError::TpHeads {
+                            tp,
+                            heads: *kv_heads,
+                        });
+                    }
+                    *kv_heads / tp
+                } else {
+                    1
+                };
+            }
+            _ => {}
+        }
+    }
+    g.reinfer().map_err(ir_err)?;
+    for n in g.nodes() {
+        let node = g.node(n);
+        if !matches!(node.op, Op::Linear { .. })
+            || !g.inputs(n).get(1).is_some_and(|w| row_weights.contains(w))
+        {
+            continue;
+        }
+        if matches!(node.op, Op::Linear { bias: true }) {
+            return Err(CompileError::Tp {
+                weight: node.label.clone(),
+                message: "a row-parallel linear with a bias is not supported (the bias would be added on every rank)".into(),
+            });
+        }
+        let label = format!("{}.all_reduce", node.label);
+        let r = g.add(Op::AllReduce, &[n], label).map_err(ir_err)?;
+        g.replace_uses(n, r, r);
+    }
+    g.tp = tp;
+    Ok(g)
+}

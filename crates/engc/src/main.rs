@@ -1,0 +1,173 @@
+//! `engc`: the compiler CLI. `engc compile` turns a model YAML and a checkpoint into a bundle;
+//! `engc inspect` describes a bundle.
+
+use bundle::Bundle;
+use clap::{Parser, Subcommand};
+use compiler::CompileOptions;
+use ir::{DType, Op};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(
+    name = "engc",
+    version,
+    about = "Compile model architectures (YAML) + checkpoints into plan bundles"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Compile MODEL.yaml with a checkpoint into a bundle directory.
+    Compile {
+        /// The model architecture (models/*.yaml).
+        model: PathBuf,
+        /// Checkpoint directory (config.json + safetensors).
+        #[arg(long)]
+        checkpoint: PathBuf,
+        /// Tensor-parallel ranks to shard the weights for.
+        #[arg(long, default_value_t = 1)]
+        tp: usize,
+        /// Weight dtype: bf16, f16 or f32 (default: the checkpoint's).
+        #[arg(long, value_parser = parse_dtype)]
+        dtype: Option<DType>,
+        /// Directory with tokenizer.json / tokenizer_config.json (default: the checkpoint).
+        #[arg(long)]
+        tokenizer: Option<PathBuf>,
+        /// Output bundle directory.
+        #[arg(short, long)]
+        out: PathBuf,
+        /// Print the graph after this pass (lower, tensor_parallel) on stdout.
+        #[arg(long)]
+        dump_after: Option<String>,
+    },
+    /// Describe a bundle.
+    Inspect {
+        /// The bundle directory.
+        bundle: PathBuf,
+        /// Print the lowered graph (the plan) as text.
+        #[arg(long)]
+        graph: bool,
+    },
+}
+
+fn parse_dtype(s: &str) -> Result<DType, String> {
+    DType::parse_float(s).ok_or_else(|| format!("unknown dtype `{s}` (expected bf16, f16 or f32)"))
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.cmd {
+        Cmd::Compile {
+            model,
+            checkpoint,
+            tp,
+            dtype,
+            tokenizer,
+            out,
+            dump_after,
+        } => {
+            let opts = CompileOptions {
+                model,
+                checkpoint,
+                tp,
+                dtype,
+                tokenizer,
+                out,
+                dump_after,
+            };
+            compile(&opts)
+        }
+        Cmd::Inspect { bundle, graph } => inspect(&bundle, graph),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn compile(opts: &CompileOptions) -> Result<(), String> {
+    let started = std::time::Instant::now();
+    let report = compiler::compile(opts).map_err(|e| e.to_string())?;
+    for w in &report.warnings {
+        eprintln!("warning: {w}");
+    }
+    if let Some(text) = &report.dump {
+        print!("{text}");
+    }
+    eprintln!(
+        "wrote {} ({} plan nodes, {} weights per rank) in {:.2}s",
+        report.out.display(),
+        report.plan.nodes.len(),
+        report.plan.weights().count(),
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+fn inspect(path: &std::path::Path, graph: bool) -> Result<(), String> {
+    let b = Bundle::open(path).map_err(|e| e.to_string())?;
+    if graph {
+        print!("{}", b.plan.to_text());
+        return Ok(());
+    }
+    let m = &b.manifest;
+    println!("bundle     {}", path.display());
+    println!(
+        "model      {} (format {}, engine {})",
+        m.model, m.format_version, m.engine_version
+    );
+    println!("tp         {}", m.tp);
+    println!("dtype      {}", m.dtype);
+    println!("params");
+    for (k, v) in &m.params {
+        println!("  {k:<16} {v}");
+    }
+    let mut ops: BTreeMap<&str, usize> = BTreeMap::new();
+    for n in &b.plan.nodes {
+        if !matches!(n.op, Op::Weight { .. }) {
+            *ops.entry(n.op.name()).or_default() += 1;
+        }
+    }
+    let ops: Vec<String> = ops.iter().map(|(k, v)| format!("{k} x{v}")).collect();
+    println!(
+        "plan       {} nodes: {}",
+        b.plan.nodes.len(),
+        ops.join(", ")
+    );
+    let kv = b.plan.kv;
+    println!(
+        "kv cache   {} layers x {} kv heads x {} head_dim per rank ({} bytes/token in f32)",
+        kv.layers,
+        kv.kv_heads,
+        kv.head_dim,
+        2 * kv.layers * kv.row() * 4
+    );
+    let bytes: usize = b
+        .plan
+        .weights()
+        .map(|(_, s, d)| s.iter().product::<usize>() * d.size())
+        .sum();
+    println!(
+        "weights    {} tensors, {:.1} MiB per rank",
+        b.plan.weights().count(),
+        bytes as f64 / (1 << 20) as f64
+    );
+    let gen = b.generation_config().map_err(|e| e.to_string())?;
+    match b.tokenizer_dir() {
+        Some(_) => println!("tokenizer  yes (eos ids {:?})", gen.eos_token_id),
+        None => println!("tokenizer  none (logits only)"),
+    }
+    println!("files");
+    for f in m.files.keys() {
+        println!("  {f}");
+    }
+    Ok(())
+}

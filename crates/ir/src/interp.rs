@@ -1,0 +1,295 @@
+//! The reference interpreter: runs a [`Plan`] in plain f32 Rust, one sequence at a time, with
+//! a KV cache. It is the oracle every backend is tested against, so it is written to be
+//! obviously right, not fast: one loop nest per op, exactly as [`Op`] documents it.
+
+use crate::op::Op;
+use crate::plan::Plan;
+use crate::IrError;
+
+/// The KV cache of one sequence: per layer, K and V rows (`kv_heads * head_dim` floats) for
+/// every position seen so far.
+#[derive(Debug, Clone, Default)]
+pub struct KvCache {
+    k: Vec<Vec<f32>>,
+    v: Vec<Vec<f32>>,
+    len: usize,
+}
+
+impl KvCache {
+    /// Number of positions cached.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether nothing is cached.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+enum Val {
+    Ids(Vec<i32>),
+    /// Row-major floats.
+    F(Vec<f32>),
+}
+
+/// A plan with its weights, converted to f32.
+pub struct Interpreter {
+    plan: Plan,
+    weights: Vec<Option<Vec<f32>>>,
+}
+
+impl Interpreter {
+    /// Prepares `plan`; `load(name, shape)` returns a weight's values as f32, row-major.
+    pub fn new(
+        plan: Plan,
+        mut load: impl FnMut(&str, &[usize]) -> Result<Vec<f32>, String>,
+    ) -> Result<Interpreter, IrError> {
+        if plan.tp != 1 {
+            return Err(IrError::Unsupported(format!(
+                "the reference interpreter runs one rank; this plan has tp={}",
+                plan.tp
+            )));
+        }
+        let mut weights = Vec::with_capacity(plan.nodes.len());
+        for n in &plan.nodes {
+            weights.push(match &n.op {
+                Op::Weight { name, shape, .. } => {
+                    let w = load(name, shape).map_err(|m| IrError::Weight {
+                        name: name.clone(),
+                        message: m,
+                    })?;
+                    let want: usize = shape.iter().product();
+                    if w.len() != want {
+                        return Err(IrError::Weight {
+                            name: name.clone(),
+                            message: format!(
+                                "has {} values, expected {want} for shape {shape:?}",
+                                w.len()
+                            ),
+                        });
+                    }
+                    Some(w)
+                }
+                _ => None,
+            });
+        }
+        Ok(Interpreter { plan, weights })
+    }
+
+    /// The plan being run.
+    pub fn plan(&self) -> &Plan {
+        &self.plan
+    }
+
+    /// An empty KV cache for one sequence.
+    pub fn new_cache(&self) -> KvCache {
+        KvCache {
+            k: vec![Vec::new(); self.plan.kv.layers],
+            v: vec![Vec::new(); self.plan.kv.layers],
+            len: 0,
+        }
+    }
+
+    /// Runs one step: `tokens` at positions `cache.len()..`, appending to the cache. Returns the
+    /// logits of the positions `rows` (indices into `tokens`), `rows.len() × vocab` floats.
+    pub fn forward(
+        &self,
+        cache: &mut KvCache,
+        tokens: &[u32],
+        rows: &[usize],
+    ) -> Result<Vec<f32>, IrError> {
+        let vocab = self.plan.vocab;
+        if let Some(t) = tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(IrError::Input(format!(
+                "token id {t} is outside the vocabulary (size {vocab})"
+            )));
+        }
+        if let Some(r) = rows.iter().find(|&&r| r >= tokens.len()) {
+            return Err(IrError::Input(format!(
+                "logit row {r} is outside the {} tokens of the step",
+                tokens.len()
+            )));
+        }
+        let t_len = tokens.len();
+        let start = cache.len;
+        let mut vals: Vec<Option<Val>> = Vec::with_capacity(self.plan.nodes.len());
+        for (i, n) in self.plan.nodes.iter().enumerate() {
+            let f = |j: usize| -> &[f32] {
+                match (&vals[n.inputs[j]], &self.weights[n.inputs[j]]) {
+                    (Some(Val::F(v)), _) => v,
+                    (_, Some(w)) => w,
+                    _ => &[],
+                }
+            };
+            let cols = n.ty.last().unwrap_or(0);
+            let v = match &n.op {
+                Op::Tokens => Some(Val::Ids(tokens.iter().map(|&t| t as i32).collect())),
+                Op::Positions => Some(Val::Ids((0..t_len).map(|t| (start + t) as i32).collect())),
+                Op::Weight { .. } => None,
+                Op::Embedding => {
+                    let Some(Val::Ids(ids)) = &vals[n.inputs[0]] else {
+                        unreachable!("verified: tokens")
+                    };
+                    Some(Val::F(embedding(ids, f(1), cols)))
+                }
+                Op::Linear { bias } => {
+                    let b = if *bias { Some(f(2)) } else { None };
+                    Some(Val::F(linear(f(0), f(1), b, cols)))
+                }
+                Op::RmsNorm { eps } => Some(Val::F(rms_norm(f(0), f(1), *eps))),
+                Op::Rope {
+                    head_dim,
+                    theta,
+                    scaling,
+                } => {
+                    let Some(Val::Ids(pos)) = &vals[n.inputs[1]] else {
+                        unreachable!("verified: positions")
+                    };
+                    let (inv, scale) = scaling.inv_freq(*head_dim, *theta);
+                    Some(Val::F(rope(f(0), pos, *head_dim, &inv, scale)))
+                }
+                Op::Attention {
+                    heads,
+                    kv_heads,
+                    head_dim,
+                    scale,
+                    layer,
+                } => {
+                    let (k, v) = (&mut cache.k[*layer], &mut cache.v[*layer]);
+                    if k.len() != start * kv_heads * head_dim {
+                        return Err(IrError::Input(format!(
+                            "KV cache of layer {layer} holds {} floats, expected {} positions",
+                            k.len(),
+                            start
+                        )));
+                    }
+                    k.extend_from_slice(f(1));
+                    v.extend_from_slice(f(2));
+                    Some(Val::F(attention(
+                        f(0),
+                        k,
+                        v,
+                        start,
+                        *heads,
+                        *kv_heads,
+                        *head_dim,
+                        *scale,
+                    )))
+                }
+                Op::Silu => Some(Val::F(
+                    f(0).iter().map(|&x| x / (1.0 + (-x).exp())).collect(),
+                )),
+                Op::Mul => Some(Val::F(f(0).iter().zip(f(1)).map(|(a, b)| a * b).collect())),
+                Op::Add => Some(Val::F(f(0).iter().zip(f(1)).map(|(a, b)| a + b).collect())),
+                Op::AllReduce => Some(Val::F(f(0).to_vec())),
+                Op::Logits => {
+                    let h = f(1).len() / cols;
+                    let x = f(0);
+                    let sel: Vec<f32> = rows
+                        .iter()
+                        .flat_map(|&r| x[r * h..(r + 1) * h].iter().copied())
+                        .collect();
+                    Some(Val::F(linear(&sel, f(1), None, cols)))
+                }
+            };
+            debug_assert!(i == vals.len());
+            vals.push(v);
+        }
+        cache.len += t_len;
+        match vals.swap_remove(self.plan.output) {
+            Some(Val::F(v)) => Ok(v),
+            _ => Err(IrError::Verify("the output is not a float tensor".into())),
+        }
+    }
+}
+
+fn embedding(ids: &[i32], table: &[f32], h: usize) -> Vec<f32> {
+    ids.iter()
+        .flat_map(|&t| table[t as usize * h..(t as usize + 1) * h].iter().copied())
+        .collect()
+}
+
+/// `x [T, K] · w [N, K]ᵀ + b [N]`.
+fn linear(x: &[f32], w: &[f32], b: Option<&[f32]>, n: usize) -> Vec<f32> {
+    let k = w.len() / n;
+    let mut out = Vec::with_capacity(x.len() / k * n);
+    for row in x.chunks_exact(k) {
+        for (j, wr) in w.chunks_exact(k).enumerate() {
+            let dot: f32 = row.iter().zip(wr).map(|(a, b)| a * b).sum();
+            out.push(dot + b.map_or(0.0, |b| b[j]));
+        }
+    }
+    out
+}
+
+fn rms_norm(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
+    let n = w.len();
+    let mut out = Vec::with_capacity(x.len());
+    for row in x.chunks_exact(n) {
+        let ms = row.iter().map(|v| v * v).sum::<f32>() / n as f32;
+        let r = 1.0 / (ms + eps).sqrt();
+        out.extend(row.iter().zip(w).map(|(v, g)| v * r * g));
+    }
+    out
+}
+
+fn rope(x: &[f32], pos: &[i32], d: usize, inv_freq: &[f64], scale: f64) -> Vec<f32> {
+    let mut out = x.to_vec();
+    let cols = x.len() / pos.len();
+    let half = d / 2;
+    for (t, &p) in pos.iter().enumerate() {
+        for head in out[t * cols..(t + 1) * cols].chunks_exact_mut(d) {
+            for i in 0..half {
+                // f32 angles, as HF computes them (inv_freq and positions in float32).
+                let angle = (p as f32) * (inv_freq[i] as f32);
+                let (sin, cos) = (angle.sin() * scale as f32, angle.cos() * scale as f32);
+                let (a, b) = (head[i], head[i + half]);
+                head[i] = a * cos - b * sin;
+                head[i + half] = b * cos + a * sin;
+            }
+        }
+    }
+    out
+}
+
+#[allow(clippy::too_many_arguments)]
+fn attention(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    start: usize,
+    heads: usize,
+    kv_heads: usize,
+    d: usize,
+    scale: f32,
+) -> Vec<f32> {
+    let t_len = q.len() / (heads * d);
+    let kv_row = kv_heads * d;
+    let group = heads / kv_heads;
+    let mut out = vec![0.0f32; q.len()];
+    for t in 0..t_len {
+        let visible = start + t + 1;
+        for h in 0..heads {
+            let kvh = h / group;
+            let qv = &q[(t * heads + h) * d..(t * heads + h + 1) * d];
+            let scores: Vec<f32> = (0..visible)
+                .map(|s| {
+                    let kv = &k[s * kv_row + kvh * d..s * kv_row + (kvh + 1) * d];
+                    qv.iter().zip(kv).map(|(a, b)| a * b).sum::<f32>() * scale
+                })
+                .collect();
+            let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let exps: Vec<f32> = scores.iter().map(|s| (s - max).exp()).collect();
+            let sum: f32 = exps.iter().sum();
+            let o = &mut out[(t * heads + h) * d..(t * heads + h + 1) * d];
+            for (s, e) in exps.iter().enumerate() {
+                let vv = &v[s * kv_row + kvh * d..s * kv_row + (kvh + 1) * d];
+                for (oi, vi) in o.iter_mut().zip(vv) {
+                    *oi += e / sum * vi;
+                }
+            }
+        }
+    }
+    out
+}

@@ -1,0 +1,299 @@
+//! The op set: every operation a model graph can contain, each with its shape rule
+//! ([`Op::infer`]) and reference semantics (documented here, implemented in
+//! [`crate::interp`]). Backends match on [`Op`] exhaustively: adding a variant makes the compiler
+//! list every place that must learn it (`docs/adding-an-op.md`).
+//!
+//! Notation: `T` is the number of tokens in the step, `R` the number of logit rows requested.
+//! Activations are `[T, features]`, heads laid out head-major (`[T, heads * head_dim]`).
+
+use crate::rope::RopeScaling;
+use crate::types::{DType, Dim, TensorType};
+use crate::IrError;
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+/// One operation of the graph.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum Op {
+    /// The step's token ids: `[T] i32`. No inputs.
+    Tokens,
+    /// The step's absolute positions: `[T] i32`. No inputs.
+    Positions,
+    /// A weight tensor of the bundle, stored in `dtype`. No inputs.
+    Weight {
+        /// Tensor name in the bundle's weight files.
+        name: String,
+        /// Concrete (per-rank) shape.
+        shape: Vec<usize>,
+        /// Storage type.
+        dtype: DType,
+    },
+    /// `out[t] = table[tokens[t]]`. Inputs: tokens `[T]`, table `[V, H]` → `[T, H]`.
+    Embedding,
+    /// `out = x · wᵀ (+ bias)`. Inputs: x `[T, K]`, w `[N, K]`, optional bias `[N]` → `[T, N]`.
+    Linear {
+        /// Whether a bias input follows the weight.
+        bias: bool,
+    },
+    /// `out = x / sqrt(mean(x²) + eps) * w` over the last dim. Inputs: x `[T, N]`, w `[N]`.
+    RmsNorm {
+        /// Added to the mean square.
+        eps: f32,
+    },
+    /// Rotary embedding, rotate-half (GPT-NeoX) layout, on every head of x: for pair
+    /// `(i, i + d/2)` with angle `pos · inv_freq[i]`, `(a, b) → (a cos − b sin, b cos + a sin)`,
+    /// cos and sin scaled by the scaling's attention factor. Inputs: x `[T, h·d]`, positions
+    /// `[T]` → `[T, h·d]`.
+    Rope {
+        /// Size of one head.
+        head_dim: usize,
+        /// Base of the frequencies.
+        theta: f64,
+        /// Frequency scaling.
+        scaling: RopeScaling,
+    },
+    /// Causal grouped-query attention over the KV cache of `layer`. The step's k and v rows
+    /// are appended to the cache of the sequence at its positions; query row `t` attends to
+    /// every cached position `≤` its own. Query head `h` reads KV head `h / (heads /
+    /// kv_heads)`; scores are scaled by `scale` and soft-maxed in f32. Inputs: q `[T, heads·d]`,
+    /// k `[T, kv_heads·d]`, v `[T, kv_heads·d]` → `[T, heads·d]`.
+    Attention {
+        /// Query heads (on this rank).
+        heads: usize,
+        /// KV heads (on this rank).
+        kv_heads: usize,
+        /// Size of one head.
+        head_dim: usize,
+        /// Score scale, normally `1/sqrt(head_dim)`.
+        scale: f32,
+        /// Index of the KV cache layer this op owns.
+        layer: usize,
+    },
+    /// `x · sigmoid(x)`, elementwise.
+    Silu,
+    /// Elementwise product of two same-shaped inputs.
+    Mul,
+    /// Elementwise sum of two same-shaped inputs.
+    Add,
+    /// Sum of x over the tensor-parallel ranks (identity with one rank). Input x → same type.
+    AllReduce,
+    /// Logits of the requested rows: `out[r] = x[rows[r]] · wᵀ` in f32. Inputs: x `[T, H]`,
+    /// w `[V, H]` → `[R, V] f32`. The rows are chosen by the runtime for each step.
+    Logits,
+}
+
+impl Op {
+    /// The op's name as written in model YAML and in printed graphs.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Op::Tokens => "tokens",
+            Op::Positions => "positions",
+            Op::Weight { .. } => "weight",
+            Op::Embedding => "embedding",
+            Op::Linear { .. } => "linear",
+            Op::RmsNorm { .. } => "rms_norm",
+            Op::Rope { .. } => "rope",
+            Op::Attention { .. } => "attention",
+            Op::Silu => "silu",
+            Op::Mul => "mul",
+            Op::Add => "add",
+            Op::AllReduce => "all_reduce",
+            Op::Logits => "logits",
+        }
+    }
+
+    /// Names of the ops a model YAML may call, for error messages.
+    pub const CALLABLE: [&'static str; 8] = [
+        "embedding",
+        "linear",
+        "rms_norm",
+        "rope",
+        "attention",
+        "silu",
+        "logits",
+        "all_reduce",
+    ];
+
+    /// The number of inputs the op takes.
+    pub fn arity(&self) -> usize {
+        match self {
+            Op::Tokens | Op::Positions | Op::Weight { .. } => 0,
+            Op::Silu | Op::AllReduce => 1,
+            Op::Embedding
+            | Op::RmsNorm { .. }
+            | Op::Rope { .. }
+            | Op::Mul
+            | Op::Add
+            | Op::Logits => 2,
+            Op::Linear { bias } => 2 + usize::from(*bias),
+            Op::Attention { .. } => 3,
+        }
+    }
+
+    /// The op's attributes as `key=value` text, for printing.
+    pub fn attrs(&self) -> String {
+        match self {
+            Op::RmsNorm { eps } => format!("eps={eps:e}"),
+            Op::Rope {
+                head_dim,
+                theta,
+                scaling,
+            } => format!(
+                "head_dim={head_dim}, theta={theta}, scaling={}",
+                serde_json::to_string(scaling).unwrap_or_default()
+            ),
+            Op::Attention {
+                heads,
+                kv_heads,
+                head_dim,
+                scale,
+                layer,
+            } => {
+                format!("heads={heads}, kv_heads={kv_heads}, head_dim={head_dim}, scale={scale}, layer={layer}")
+            }
+            Op::Tokens
+            | Op::Positions
+            | Op::Weight { .. }
+            | Op::Embedding
+            | Op::Linear { .. }
+            | Op::Silu
+            | Op::Mul
+            | Op::Add
+            | Op::AllReduce
+            | Op::Logits => String::new(),
+        }
+    }
+
+    /// Infers the output type from the input types (the shape rule of each variant), checking
+    /// that the inputs fit. `act` is the activation dtype of the graph.
+    pub fn infer(&self, inputs: &[&TensorType], act: DType) -> Result<TensorType, IrError> {
+        if inputs.len() != self.arity() {
+            return Err(self.err(format!(
+                "takes {} inputs, got {}",
+                self.arity(),
+                inputs.len()
+            )));
+        }
+        let rows = |t: &TensorType, what: &str| -> Result<usize, IrError> {
+            match (t.shape.as_slice(), t.dtype.is_float()) {
+                ([Dim::T, Dim::N(n)], true) => Ok(*n),
+                _ => Err(self.err(format!("{what} must be a float [T, n] activation, got {t}"))),
+            }
+        };
+        let mat = |t: &TensorType, what: &str| -> Result<(usize, usize), IrError> {
+            match t.shape.as_slice() {
+                [Dim::N(a), Dim::N(b)] if t.dtype.is_float() => Ok((*a, *b)),
+                _ => Err(self.err(format!("{what} must be a float [n, k] weight, got {t}"))),
+            }
+        };
+        let vec = |t: &TensorType, n: usize, what: &str| -> Result<(), IrError> {
+            if t.shape == [Dim::N(n)] && t.dtype.is_float() {
+                Ok(())
+            } else {
+                Err(self.err(format!("{what} must be a float [{n}] vector, got {t}")))
+            }
+        };
+        let ids = |t: &TensorType, what: &str| -> Result<(), IrError> {
+            if t.shape == [Dim::T] && t.dtype == DType::I32 {
+                Ok(())
+            } else {
+                Err(self.err(format!("{what} must be [T] i32, got {t}")))
+            }
+        };
+        let act2 = |n: usize| TensorType::new(vec![Dim::T, Dim::N(n)], act);
+        Ok(match self {
+            Op::Tokens | Op::Positions => TensorType::new(vec![Dim::T], DType::I32),
+            Op::Weight { shape, dtype, .. } => TensorType::fixed(shape, *dtype),
+            Op::Embedding => {
+                ids(inputs[0], "tokens")?;
+                act2(mat(inputs[1], "table")?.1)
+            }
+            Op::Linear { bias } => {
+                let k = rows(inputs[0], "x")?;
+                let (n, wk) = mat(inputs[1], "weight")?;
+                if wk != k {
+                    return Err(
+                        self.err(format!("x has {k} features but the weight is [{n}, {wk}]"))
+                    );
+                }
+                if *bias {
+                    vec(inputs[2], n, "bias")?;
+                }
+                act2(n)
+            }
+            Op::RmsNorm { .. } => {
+                let n = rows(inputs[0], "x")?;
+                vec(inputs[1], n, "weight")?;
+                act2(n)
+            }
+            Op::Rope { head_dim, .. } => {
+                let n = rows(inputs[0], "x")?;
+                ids(inputs[1], "positions")?;
+                if *head_dim == 0 || head_dim % 2 != 0 || n % head_dim != 0 {
+                    return Err(self.err(format!(
+                        "{n} features are not whole heads of even size {head_dim}"
+                    )));
+                }
+                act2(n)
+            }
+            Op::Attention {
+                heads,
+                kv_heads,
+                head_dim,
+                ..
+            } => {
+                let (q, k, v) = (
+                    rows(inputs[0], "q")?,
+                    rows(inputs[1], "k")?,
+                    rows(inputs[2], "v")?,
+                );
+                if *kv_heads == 0 || heads % kv_heads != 0 {
+                    return Err(self.err(format!(
+                        "{heads} query heads are not a multiple of {kv_heads} kv heads"
+                    )));
+                }
+                if q != heads * head_dim || k != kv_heads * head_dim || v != k {
+                    return Err(self.err(format!(
+                        "q/k/v have {q}/{k}/{v} features; expected {}/{}/{} for {heads} heads, {kv_heads} kv heads of {head_dim}",
+                        heads * head_dim,
+                        kv_heads * head_dim,
+                        kv_heads * head_dim
+                    )));
+                }
+                act2(q)
+            }
+            Op::Silu | Op::AllReduce => act2(rows(inputs[0], "x")?),
+            Op::Mul | Op::Add => {
+                let (a, b) = (rows(inputs[0], "lhs")?, rows(inputs[1], "rhs")?);
+                if a != b {
+                    return Err(self.err(format!("operands have {a} and {b} features")));
+                }
+                act2(a)
+            }
+            Op::Logits => {
+                let h = rows(inputs[0], "x")?;
+                let (v, wh) = mat(inputs[1], "weight")?;
+                if wh != h {
+                    return Err(
+                        self.err(format!("x has {h} features but the weight is [{v}, {wh}]"))
+                    );
+                }
+                TensorType::new(vec![Dim::R, Dim::N(v)], DType::F32)
+            }
+        })
+    }
+
+    fn err(&self, message: String) -> IrError {
+        IrError::Shape {
+            op: self.name().to_string(),
+            message,
+        }
+    }
+}
+
+impl fmt::Display for Op {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}

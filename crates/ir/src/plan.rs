@@ -1,0 +1,113 @@
+//! The plan: the verified graph as a flat program in topological order, serialised into the
+//! bundle as `plan.json`. The runtime executes plans; it never sees graphs or passes.
+
+use crate::op::Op;
+use crate::types::{DType, TensorType};
+use serde::{Deserialize, Serialize};
+use std::fmt::Write;
+
+/// Shape of the KV cache the plan's attention ops use.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KvLayout {
+    /// Number of attention layers.
+    pub layers: usize,
+    /// KV heads per rank.
+    pub kv_heads: usize,
+    /// Size of one head.
+    pub head_dim: usize,
+}
+
+impl KvLayout {
+    /// Floats of K (or of V) per token per layer.
+    pub fn row(&self) -> usize {
+        self.kv_heads * self.head_dim
+    }
+}
+
+/// One step of the program.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PlanNode {
+    /// The operation.
+    #[serde(flatten)]
+    pub op: Op,
+    /// Indices of earlier nodes, in slot order.
+    pub inputs: Vec<usize>,
+    /// Output type.
+    pub ty: TensorType,
+    /// Where it came from in the model YAML.
+    pub label: String,
+}
+
+/// A forward step as a flat program.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Plan {
+    /// Nodes in topological order.
+    pub nodes: Vec<PlanNode>,
+    /// Index of the logits node.
+    pub output: usize,
+    /// Element type of activations.
+    pub act_dtype: DType,
+    /// KV cache layout (per rank).
+    pub kv: KvLayout,
+    /// Tensor-parallel ranks.
+    pub tp: usize,
+    /// Vocabulary size (columns of the logits).
+    pub vocab: usize,
+}
+
+impl Plan {
+    /// The weights the plan reads: (name, shape, dtype).
+    pub fn weights(&self) -> impl Iterator<Item = (&str, &[usize], DType)> {
+        self.nodes.iter().filter_map(|n| match &n.op {
+            Op::Weight { name, shape, dtype } => Some((name.as_str(), shape.as_slice(), *dtype)),
+            _ => None,
+        })
+    }
+
+    /// The program as text, one node per line:
+    /// `%7 = linear(%5, @model.layers.0.mlp.up_proj.weight) : [T, 192] bf16  # L0.up`.
+    /// Weights appear inline as `@name` and take no number of their own. This is what the
+    /// compiler's golden tests compare.
+    pub fn to_text(&self) -> String {
+        let mut s = String::new();
+        let _ = writeln!(
+            s,
+            "plan tp={} act={} vocab={} kv(layers={}, kv_heads={}, head_dim={})",
+            self.tp, self.act_dtype, self.vocab, self.kv.layers, self.kv.kv_heads, self.kv.head_dim
+        );
+        let mut number = vec![0usize; self.nodes.len()];
+        let mut next = 0;
+        for (i, n) in self.nodes.iter().enumerate() {
+            if matches!(n.op, Op::Weight { .. }) {
+                continue;
+            }
+            number[i] = next;
+            next += 1;
+            let args: Vec<String> = n
+                .inputs
+                .iter()
+                .map(|&j| match &self.nodes[j].op {
+                    Op::Weight { name, .. } => format!("@{name}"),
+                    _ => format!("%{}", number[j]),
+                })
+                .collect();
+            let attrs = n.op.attrs();
+            let attrs = if attrs.is_empty() {
+                String::new()
+            } else {
+                format!("{{{attrs}}}")
+            };
+            let out = if i == self.output { "  (output)" } else { "" };
+            let _ = writeln!(
+                s,
+                "%{} = {}{attrs}({}) : {}  # {}{out}",
+                number[i],
+                n.op.name(),
+                args.join(", "),
+                n.ty,
+                n.label
+            );
+        }
+        s
+    }
+}

@@ -1,0 +1,245 @@
+//! Rotary position embedding: frequencies for every scaling type that HF configs name.
+
+use crate::IrError;
+use serde::{Deserialize, Serialize};
+
+/// RoPE scaling, as `rope_scaling` (transformers 4.x) or `rope_parameters` (5.x) describe it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "lowercase")]
+pub enum RopeScaling {
+    /// Plain RoPE.
+    Default,
+    /// Position interpolation: every frequency divided by `factor`.
+    Linear {
+        /// The divisor.
+        factor: f64,
+    },
+    /// Llama 3.1's frequency-dependent scaling.
+    Llama3 {
+        /// Scale for low frequencies.
+        factor: f64,
+        /// Wavelength threshold factor for low frequencies.
+        low_freq_factor: f64,
+        /// Wavelength threshold factor for high frequencies.
+        high_freq_factor: f64,
+        /// Context length the model was trained with.
+        original_max_positions: f64,
+    },
+    /// YaRN.
+    Yarn {
+        /// Context extension factor.
+        factor: f64,
+        /// Context length the model was trained with.
+        original_max_positions: f64,
+        /// Fast boundary of the ramp (rotations).
+        beta_fast: f64,
+        /// Slow boundary of the ramp (rotations).
+        beta_slow: f64,
+        /// Multiplier applied to cos and sin.
+        attention_factor: f64,
+    },
+}
+
+fn field(cfg: &serde_json::Value, key: &str) -> Option<f64> {
+    cfg.get(key).and_then(serde_json::Value::as_f64)
+}
+
+fn yarn_mscale(scale: f64, mscale: f64) -> f64 {
+    if scale <= 1.0 {
+        1.0
+    } else {
+        0.1 * mscale * scale.ln() + 1.0
+    }
+}
+
+impl RopeScaling {
+    /// Reads the scaling from a config object (`rope_scaling` or `rope_parameters`); null means
+    /// [`RopeScaling::Default`]. `max_positions` is `max_position_embeddings`, used where the
+    /// config omits the original context length.
+    pub fn from_config(
+        cfg: &serde_json::Value,
+        max_positions: Option<f64>,
+    ) -> Result<RopeScaling, IrError> {
+        if cfg.is_null() {
+            return Ok(RopeScaling::Default);
+        }
+        let kind = cfg
+            .get("rope_type")
+            .or_else(|| cfg.get("type"))
+            .and_then(|v| v.as_str())
+            .unwrap_or("default");
+        let need = |key: &str| {
+            field(cfg, key).ok_or_else(|| IrError::Attr {
+                op: "rope".into(),
+                message: format!("rope scaling `{kind}` needs `{key}` in {cfg}"),
+            })
+        };
+        let orig = || {
+            field(cfg, "original_max_position_embeddings")
+                .or(max_positions)
+                .ok_or_else(|| IrError::Attr {
+                    op: "rope".into(),
+                    message: format!(
+                        "rope scaling `{kind}` needs original_max_position_embeddings"
+                    ),
+                })
+        };
+        Ok(match kind {
+            "default" => RopeScaling::Default,
+            "linear" => RopeScaling::Linear { factor: need("factor")? },
+            "llama3" => RopeScaling::Llama3 {
+                factor: need("factor")?,
+                low_freq_factor: need("low_freq_factor")?,
+                high_freq_factor: need("high_freq_factor")?,
+                original_max_positions: orig()?,
+            },
+            "yarn" => {
+                let factor = need("factor")?;
+                let attention_factor = match field(cfg, "attention_factor") {
+                    Some(a) => a,
+                    None => match (field(cfg, "mscale"), field(cfg, "mscale_all_dim")) {
+                        (Some(m), Some(all)) => yarn_mscale(factor, m) / yarn_mscale(factor, all),
+                        _ => yarn_mscale(factor, 1.0),
+                    },
+                };
+                RopeScaling::Yarn {
+                    factor,
+                    original_max_positions: orig()?,
+                    beta_fast: field(cfg, "beta_fast").unwrap_or(32.0),
+                    beta_slow: field(cfg, "beta_slow").unwrap_or(1.0),
+                    attention_factor,
+                }
+            }
+            other => {
+                return Err(IrError::Attr {
+                    op: "rope".into(),
+                    message: format!("unsupported rope scaling type `{other}` (supported: default, linear, llama3, yarn)"),
+                })
+            }
+        })
+    }
+
+    /// The inverse frequencies (`head_dim / 2` of them) and the factor applied to cos and sin.
+    pub fn inv_freq(&self, head_dim: usize, theta: f64) -> (Vec<f64>, f64) {
+        let half = head_dim / 2;
+        let base: Vec<f64> = (0..half)
+            .map(|i| 1.0 / theta.powf((2 * i) as f64 / head_dim as f64))
+            .collect();
+        match *self {
+            RopeScaling::Default => (base, 1.0),
+            RopeScaling::Linear { factor } => (base.iter().map(|f| f / factor).collect(), 1.0),
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_positions,
+            } => {
+                let low_wavelen = original_max_positions / low_freq_factor;
+                let high_wavelen = original_max_positions / high_freq_factor;
+                let out = base
+                    .iter()
+                    .map(|&f| {
+                        let wavelen = 2.0 * std::f64::consts::PI / f;
+                        if wavelen < high_wavelen {
+                            f
+                        } else if wavelen > low_wavelen {
+                            f / factor
+                        } else {
+                            let smooth = (original_max_positions / wavelen - low_freq_factor)
+                                / (high_freq_factor - low_freq_factor);
+                            (1.0 - smooth) * f / factor + smooth * f
+                        }
+                    })
+                    .collect();
+                (out, 1.0)
+            }
+            RopeScaling::Yarn {
+                factor,
+                original_max_positions,
+                beta_fast,
+                beta_slow,
+                attention_factor,
+            } => {
+                let d = head_dim as f64;
+                let correction = |rot: f64| {
+                    d * (original_max_positions / (rot * 2.0 * std::f64::consts::PI)).ln()
+                        / (2.0 * theta.ln())
+                };
+                let low = correction(beta_fast).floor().max(0.0);
+                let mut high = correction(beta_slow).ceil().min(d - 1.0);
+                if low == high {
+                    high += 0.001;
+                }
+                let out = base
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &f)| {
+                        let ramp = ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
+                        let extrapolation = 1.0 - ramp;
+                        (f / factor) * (1.0 - extrapolation) + f * extrapolation
+                    })
+                    .collect();
+                (out, attention_factor)
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn parses_both_config_styles() {
+        let v4 = json!({"type": "linear", "factor": 2.0});
+        assert_eq!(
+            RopeScaling::from_config(&v4, None).unwrap(),
+            RopeScaling::Linear { factor: 2.0 }
+        );
+        let v5 = json!({"rope_type": "default", "rope_theta": 100000.0});
+        assert_eq!(
+            RopeScaling::from_config(&v5, None).unwrap(),
+            RopeScaling::Default
+        );
+        let bad = json!({"rope_type": "dynamic-ish", "factor": 2.0});
+        assert!(RopeScaling::from_config(&bad, None)
+            .unwrap_err()
+            .to_string()
+            .contains("unsupported rope scaling"));
+        let missing = json!({"rope_type": "llama3", "factor": 8.0});
+        assert!(RopeScaling::from_config(&missing, None)
+            .unwrap_err()
+            .to_string()
+            .contains("low_freq_factor"));
+    }
+
+    #[test]
+    fn llama3_keeps_high_and_scales_low_frequencies() {
+        let s = RopeScaling::from_config(
+            &json!({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+            None,
+        )
+        .unwrap();
+        let (base, _) = RopeScaling::Default.inv_freq(128, 500000.0);
+        let (f, att) = s.inv_freq(128, 500000.0);
+        assert_eq!(att, 1.0);
+        assert_eq!(f[0], base[0]); // wavelength 2π < 2048: unchanged
+        assert!((f[63] - base[63] / 8.0).abs() < 1e-15); // longest wavelength: divided by factor
+        assert!(f.windows(2).all(|w| w[0] >= w[1]));
+    }
+
+    #[test]
+    fn yarn_ramps_between_extrapolation_and_interpolation() {
+        let s = RopeScaling::from_config(
+            &json!({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}),
+            None,
+        )
+        .unwrap();
+        let (base, _) = RopeScaling::Default.inv_freq(128, 1e6);
+        let (f, att) = s.inv_freq(128, 1e6);
+        assert!((att - (0.1 * 4f64.ln() + 1.0)).abs() < 1e-12);
+        assert_eq!(f[0], base[0]);
+        assert!((f[63] - base[63] / 4.0).abs() < 1e-18);
+    }
+}

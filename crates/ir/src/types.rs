@@ -1,0 +1,194 @@
+//! Element types, dimensions and tensor types.
+
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+/// Element type of a tensor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DType {
+    /// 32-bit float.
+    F32,
+    /// 16-bit IEEE float.
+    F16,
+    /// bfloat16.
+    BF16,
+    /// 32-bit signed integer (token ids, positions).
+    I32,
+}
+
+impl DType {
+    /// Size of one element in bytes.
+    pub fn size(self) -> usize {
+        match self {
+            DType::F32 | DType::I32 => 4,
+            DType::F16 | DType::BF16 => 2,
+        }
+    }
+
+    /// Parses `bf16`, `f16`, `f32` (and the HF spellings `bfloat16`, `float16`, `float32`).
+    pub fn parse_float(s: &str) -> Option<DType> {
+        match s {
+            "bf16" | "bfloat16" => Some(DType::BF16),
+            "f16" | "fp16" | "float16" | "half" => Some(DType::F16),
+            "f32" | "fp32" | "float32" | "float" => Some(DType::F32),
+            _ => None,
+        }
+    }
+
+    /// Whether this is a floating-point type.
+    pub fn is_float(self) -> bool {
+        !matches!(self, DType::I32)
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            DType::F32 => "f32",
+            DType::F16 => "f16",
+            DType::BF16 => "bf16",
+            DType::I32 => "i32",
+        })
+    }
+}
+
+/// One dimension of a shape: concrete after binding, except the step's token count `T` and the
+/// number `R` of rows whose logits the runtime asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Dim {
+    /// The number of tokens in the step.
+    T,
+    /// The number of logit rows requested.
+    R,
+    /// A concrete size.
+    N(usize),
+}
+
+impl fmt::Display for Dim {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Dim::T => f.write_str("T"),
+            Dim::R => f.write_str("R"),
+            Dim::N(n) => write!(f, "{n}"),
+        }
+    }
+}
+
+/// Shape and element type of a value.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct TensorType {
+    /// Dimensions, outermost first.
+    pub shape: Vec<Dim>,
+    /// Element type.
+    pub dtype: DType,
+}
+
+impl TensorType {
+    /// A type from parts.
+    pub fn new(shape: Vec<Dim>, dtype: DType) -> Self {
+        TensorType { shape, dtype }
+    }
+
+    /// A concrete shape.
+    pub fn fixed(shape: &[usize], dtype: DType) -> Self {
+        TensorType::new(shape.iter().map(|&n| Dim::N(n)).collect(), dtype)
+    }
+
+    /// The size of dimension `i` when it is concrete.
+    pub fn dim(&self, i: usize) -> Option<usize> {
+        match self.shape.get(i) {
+            Some(Dim::N(n)) => Some(*n),
+            _ => None,
+        }
+    }
+
+    /// The size of the last dimension when it is concrete.
+    pub fn last(&self) -> Option<usize> {
+        self.shape.len().checked_sub(1).and_then(|i| self.dim(i))
+    }
+}
+
+impl fmt::Display for TensorType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let dims: Vec<String> = self.shape.iter().map(Dim::to_string).collect();
+        write!(f, "[{}] {}", dims.join(", "), self.dtype)
+    }
+}
+
+impl DType {
+    /// Decodes little-endian values of this type into f32 (integers are converted).
+    pub fn to_f32(self, bytes: &[u8]) -> Vec<f32> {
+        match self {
+            DType::F32 => bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+            DType::I32 => bytes
+                .chunks_exact(4)
+                .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]) as f32)
+                .collect(),
+            DType::BF16 => bytes
+                .chunks_exact(2)
+                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            DType::F16 => bytes
+                .chunks_exact(2)
+                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+        }
+    }
+
+    /// Encodes f32 values as little-endian values of this type (round to nearest even).
+    pub fn from_f32(self, values: &[f32]) -> Vec<u8> {
+        let mut out = Vec::with_capacity(values.len() * self.size());
+        for &v in values {
+            match self {
+                DType::F32 => out.extend_from_slice(&v.to_le_bytes()),
+                DType::I32 => out.extend_from_slice(&(v as i32).to_le_bytes()),
+                DType::BF16 => out.extend_from_slice(&half::bf16::from_f32(v).to_le_bytes()),
+                DType::F16 => out.extend_from_slice(&half::f16::from_f32(v).to_le_bytes()),
+            }
+        }
+        out
+    }
+
+    /// The safetensors spelling (`BF16`, `F16`, `F32`, `I32`).
+    pub fn safetensors_name(self) -> &'static str {
+        match self {
+            DType::F32 => "F32",
+            DType::F16 => "F16",
+            DType::BF16 => "BF16",
+            DType::I32 => "I32",
+        }
+    }
+
+    /// Parses the safetensors spelling.
+    pub fn from_safetensors_name(s: &str) -> Option<DType> {
+        match s {
+            "F32" => Some(DType::F32),
+            "F16" => Some(DType::F16),
+            "BF16" => Some(DType::BF16),
+            "I32" => Some(DType::I32),
+            _ => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn conversions_round_trip() {
+        let v = [1.0f32, -2.5, 0.15625, 65504.0];
+        for d in [DType::F32, DType::F16, DType::BF16] {
+            let back = d.to_f32(&d.from_f32(&v));
+            assert_eq!(back[..3], v[..3], "{d}");
+        }
+        assert_eq!(
+            DType::BF16.to_f32(&DType::BF16.from_f32(&[1.00390625]))[0],
+            1.0
+        );
+    }
+}

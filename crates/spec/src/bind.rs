@@ -1,0 +1,234 @@
+//! Binding a [`ModelSpec`] to a checkpoint's `config.json`: parameters get values, weights get
+//! concrete names and shapes.
+
+use crate::expr::parse_expr;
+use crate::model::{scalar_text, ModelSpec, ParamSpec, ShardKind, WeightSpec};
+use crate::value::{eval, Value};
+use crate::SpecError;
+
+/// A model spec with every parameter and weight shape made concrete.
+#[derive(Debug, Clone)]
+pub struct BoundModel {
+    /// The spec that was bound.
+    pub spec: ModelSpec,
+    /// Parameter values in declaration order.
+    pub params: Vec<(String, Value)>,
+    /// Number of layers (the `layers` parameter).
+    pub layers: usize,
+    /// Every weight that exists for this config (global ones first, then per layer).
+    pub weights: Vec<BoundWeight>,
+    /// Weight keys that do not exist for this config but stand for another (`tied_to`).
+    pub aliases: Vec<(String, String)>,
+}
+
+/// A weight with its concrete checkpoint name and shape.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BoundWeight {
+    /// YAML key (`q`, `embed`).
+    pub key: String,
+    /// Layer index for per-layer weights.
+    pub layer: Option<usize>,
+    /// Tensor name in the checkpoint.
+    pub name: String,
+    /// Full (unsharded) shape.
+    pub shape: Vec<usize>,
+    /// Tensor-parallel split.
+    pub shard: ShardKind,
+    /// Split in units of this many heads (see [`WeightSpec::shard_heads`]).
+    pub shard_heads: Option<usize>,
+}
+
+impl BoundModel {
+    /// The value of a parameter.
+    pub fn param(&self, name: &str) -> Option<&Value> {
+        self.params.iter().find(|(n, _)| n == name).map(|(_, v)| v)
+    }
+
+    /// Finds a weight by YAML key and layer, following `tied_to` aliases.
+    pub fn weight(&self, key: &str, layer: Option<usize>) -> Option<&BoundWeight> {
+        let key = self
+            .aliases
+            .iter()
+            .find(|(k, _)| k == key)
+            .map_or(key, |(_, t)| t.as_str());
+        let per_layer = self.spec.per_layer_weights.iter().any(|(k, _)| k == key);
+        let layer = if per_layer { layer } else { None };
+        self.weights
+            .iter()
+            .find(|w| w.key == key && w.layer == layer)
+    }
+
+    /// Whether `key` names a weight in the spec (existing for this config or not).
+    pub fn declares_weight(&self, key: &str) -> bool {
+        let s = &self.spec;
+        s.weights
+            .iter()
+            .chain(&s.per_layer_weights)
+            .any(|(k, _)| k == key)
+    }
+}
+
+/// Looks up a dotted path (`rope_parameters.rope_theta`) in a JSON object.
+fn json_path<'a>(config: &'a serde_json::Value, path: &str) -> Option<&'a serde_json::Value> {
+    path.split('.')
+        .try_fold(config, |v, part| v.get(part))
+        .filter(|v| !v.is_null())
+}
+
+/// Binds `spec` to `config` (the parsed config.json).
+pub fn bind(spec: &ModelSpec, config: &serde_json::Value) -> Result<BoundModel, SpecError> {
+    if let Some(archs) = config.get("architectures").and_then(|a| a.as_array()) {
+        let names: Vec<&str> = archs.iter().filter_map(|a| a.as_str()).collect();
+        if !spec.architectures.is_empty()
+            && !names
+                .iter()
+                .any(|n| spec.architectures.iter().any(|a| a == n))
+        {
+            return Err(SpecError::Architecture {
+                origin: spec.origin.clone(),
+                config: names.join(", "),
+                supported: spec.architectures.join(", "),
+            });
+        }
+    }
+    let mut params: Vec<(String, Value)> = Vec::new();
+    for (name, p) in &spec.params {
+        let v = bind_param(spec, name, p, config, &params)?;
+        params.push((name.clone(), v));
+    }
+    let lookup = |n: &str| params.iter().find(|(k, _)| k == n).map(|(_, v)| v.clone());
+    let layers = lookup("layers")
+        .and_then(|v| v.as_usize())
+        .ok_or_else(|| SpecError::Schema {
+            at: spec.origin.clone(),
+            message: "params must define `layers` (the number of layers) as a non-negative integer"
+                .into(),
+        })?;
+    let mut bound = BoundModel {
+        spec: spec.clone(),
+        params: params.clone(),
+        layers,
+        weights: Vec::new(),
+        aliases: Vec::new(),
+    };
+    for (key, w) in &spec.weights {
+        if let Some(bw) = bind_weight(spec, key, w, None, &lookup, &mut bound.aliases)? {
+            bound.weights.push(bw);
+        }
+    }
+    for layer in 0..layers {
+        for (key, w) in &spec.per_layer_weights {
+            let mut aliases = Vec::new();
+            if let Some(bw) = bind_weight(spec, key, w, Some(layer), &lookup, &mut aliases)? {
+                bound.weights.push(bw);
+            }
+            if layer == 0 {
+                bound.aliases.extend(aliases);
+            }
+        }
+    }
+    Ok(bound)
+}
+
+fn bind_param(
+    spec: &ModelSpec,
+    name: &str,
+    p: &ParamSpec,
+    config: &serde_json::Value,
+    earlier: &[(String, Value)],
+) -> Result<Value, SpecError> {
+    let at = spec.locate(&format!("{name}:"));
+    let eval_text = |text: &str| -> Result<Value, SpecError> {
+        let e = parse_expr(text).map_err(|e| SpecError::Param {
+            at: at.clone(),
+            param: name.to_string(),
+            message: e.to_string(),
+        })?;
+        let lookup = |n: &str| earlier.iter().find(|(k, _)| k == n).map(|(_, v)| v.clone());
+        eval(&e, &lookup).map_err(|message| SpecError::Param {
+            at: at.clone(),
+            param: name.to_string(),
+            message: format!("{message} in `{text}`"),
+        })
+    };
+    match p {
+        ParamSpec::Expr(text) => eval_text(text),
+        ParamSpec::Config { keys, default } => {
+            if let Some(v) = keys.iter().find_map(|k| json_path(config, k)) {
+                return Ok(Value::from_json(v));
+            }
+            match default {
+                Some(d) => eval_text(d),
+                None => Err(SpecError::MissingConfigKey {
+                    at,
+                    param: name.to_string(),
+                    keys: keys.join(" or "),
+                }),
+            }
+        }
+    }
+}
+
+fn bind_weight(
+    spec: &ModelSpec,
+    key: &str,
+    w: &WeightSpec,
+    layer: Option<usize>,
+    lookup: &dyn Fn(&str) -> Option<Value>,
+    aliases: &mut Vec<(String, String)>,
+) -> Result<Option<BoundWeight>, SpecError> {
+    let at = spec.locate(&format!("{key}:"));
+    let werr = |message: String| SpecError::Weight {
+        at: at.clone(),
+        weight: key.to_string(),
+        message,
+    };
+    let eval_text = |text: &str| -> Result<Value, SpecError> {
+        let e = parse_expr(text).map_err(|e| werr(e.to_string()))?;
+        eval(&e, lookup).map_err(|m| werr(format!("{m} in `{text}`")))
+    };
+    if let Some(cond) = &w.when {
+        let v = eval_text(cond)?;
+        let exists = v
+            .as_bool()
+            .ok_or_else(|| werr(format!("`when: {cond}` is {v}, not a bool")))?;
+        if !exists {
+            if let Some(t) = &w.tied_to {
+                aliases.push((key.to_string(), t.clone()));
+            }
+            return Ok(None);
+        }
+    }
+    let mut shape = Vec::with_capacity(w.shape.len());
+    for d in &w.shape {
+        let text = scalar_text(d)
+            .ok_or_else(|| werr(format!("shape entry {d:?} is not an expression")))?;
+        let v = eval_text(&text)?;
+        shape.push(
+            v.as_usize()
+                .ok_or_else(|| werr(format!("shape entry `{text}` is {v}, not a size")))?,
+        );
+    }
+    let shard_heads = match &w.shard_heads {
+        None => None,
+        Some(text) => {
+            let v = eval_text(text)?;
+            Some(
+                v.as_usize()
+                    .ok_or_else(|| werr(format!("shard_heads `{text}` is {v}, not a count")))?,
+            )
+        }
+    };
+    let name = match layer {
+        Some(i) => w.name.replace("{i}", &i.to_string()),
+        None => w.name.clone(),
+    };
+    Ok(Some(BoundWeight {
+        key: key.to_string(),
+        layer,
+        name,
+        shape,
+        shard: w.shard,
+        shard_heads,
+    }))
+}
