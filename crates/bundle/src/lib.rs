@@ -95,8 +95,5 @@ pub enum BundleError {
 }
 
 pub(crate) fn io_err(path: &std::path::Path, e: impl std::fmt::Display) -> BundleError {
-    BundleError::Io {
-        path: path.display().to_string(),
-        message: e.to_string(),
-    }
+    BundleError::Io { path: path.display().to_string(), message: e.to_string() }
 }

@@ -48,37 +48,19 @@ impl Bundle {
     pub fn open(root: &Path) -> Result<Bundle, BundleError> {
         let shown = root.display().to_string();
         if !root.is_dir() {
-            return Err(BundleError::NotABundle {
-                path: shown,
-                message: "no such directory".into(),
-            });
+            return Err(BundleError::NotABundle { path: shown, message: "no such directory".into() });
         }
         let mpath = root.join("manifest.json");
-        let text = std::fs::read_to_string(&mpath).map_err(|e| BundleError::NotABundle {
-            path: shown.clone(),
-            message: format!("manifest.json: {e}"),
-        })?;
-        let raw: serde_json::Value =
-            serde_json::from_str(&text).map_err(|e| BundleError::Malformed {
-                path: mpath.display().to_string(),
-                message: e.to_string(),
-            })?;
-        let found = raw
-            .get("format_version")
-            .and_then(|v| v.as_u64())
-            .unwrap_or(0) as u32;
+        let text = std::fs::read_to_string(&mpath)
+            .map_err(|e| BundleError::NotABundle { path: shown.clone(), message: format!("manifest.json: {e}") })?;
+        let raw: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| BundleError::Malformed { path: mpath.display().to_string(), message: e.to_string() })?;
+        let found = raw.get("format_version").and_then(|v| v.as_u64()).unwrap_or(0) as u32;
         if found > FORMAT_VERSION {
-            return Err(BundleError::NewerFormat {
-                path: shown,
-                found,
-                supported: FORMAT_VERSION,
-            });
+            return Err(BundleError::NewerFormat { path: shown, found, supported: FORMAT_VERSION });
         }
-        let manifest: Manifest =
-            serde_json::from_value(raw).map_err(|e| BundleError::Malformed {
-                path: mpath.display().to_string(),
-                message: e.to_string(),
-            })?;
+        let manifest: Manifest = serde_json::from_value(raw)
+            .map_err(|e| BundleError::Malformed { path: mpath.display().to_string(), message: e.to_string() })?;
         for (file, want) in &manifest.files {
             let path = root.join(file);
             if !path.is_file() {
@@ -88,23 +70,14 @@ impl Bundle {
                 });
             }
             if &sha256_file(&path)? != want {
-                return Err(BundleError::Checksum {
-                    path: shown,
-                    file: file.clone(),
-                });
+                return Err(BundleError::Checksum { path: shown, file: file.clone() });
             }
         }
         let ppath = root.join("plan.json");
         let ptext = std::fs::read_to_string(&ppath).map_err(|e| io_err(&ppath, e))?;
-        let plan: Plan = serde_json::from_str(&ptext).map_err(|e| BundleError::Malformed {
-            path: ppath.display().to_string(),
-            message: e.to_string(),
-        })?;
-        Ok(Bundle {
-            root: root.to_path_buf(),
-            manifest,
-            plan,
-        })
+        let plan: Plan = serde_json::from_str(&ptext)
+            .map_err(|e| BundleError::Malformed { path: ppath.display().to_string(), message: e.to_string() })?;
+        Ok(Bundle { root: root.to_path_buf(), manifest, plan })
     }
 
     /// Maps the weights of `rank`.
@@ -125,10 +98,8 @@ impl Bundle {
             return Ok(GenerationConfig::default());
         }
         let text = std::fs::read_to_string(&path).map_err(|e| io_err(&path, e))?;
-        serde_json::from_str(&text).map_err(|e| BundleError::Malformed {
-            path: path.display().to_string(),
-            message: e.to_string(),
-        })
+        serde_json::from_str(&text)
+            .map_err(|e| BundleError::Malformed { path: path.display().to_string(), message: e.to_string() })
     }
 }
 
@@ -145,19 +116,14 @@ impl WeightFile {
         // SAFETY: the file is opened read-only and bundles are not modified while in use (their
         // checksums were verified when opened).
         let map = unsafe { memmap2::Mmap::map(&f) }.map_err(|e| io_err(path, e))?;
-        let w = WeightFile {
-            path: path.to_path_buf(),
-            map,
-        };
+        let w = WeightFile { path: path.to_path_buf(), map };
         w.tensors()?;
         Ok(w)
     }
 
     fn tensors(&self) -> Result<safetensors::SafeTensors<'_>, BundleError> {
-        safetensors::SafeTensors::deserialize(&self.map).map_err(|e| BundleError::Malformed {
-            path: self.path.display().to_string(),
-            message: e.to_string(),
-        })
+        safetensors::SafeTensors::deserialize(&self.map)
+            .map_err(|e| BundleError::Malformed { path: self.path.display().to_string(), message: e.to_string() })
     }
 
     /// Names of the tensors in the file.
@@ -173,11 +139,9 @@ impl WeightFile {
             message: format!("tensor `{name}`: {e}"),
         })?;
         let dtype =
-            DType::from_safetensors_name(&format!("{:?}", view.dtype())).ok_or_else(|| {
-                BundleError::Malformed {
-                    path: self.path.display().to_string(),
-                    message: format!("tensor `{name}` has unsupported dtype {:?}", view.dtype()),
-                }
+            DType::from_safetensors_name(&format!("{:?}", view.dtype())).ok_or_else(|| BundleError::Malformed {
+                path: self.path.display().to_string(),
+                message: format!("tensor `{name}` has unsupported dtype {:?}", view.dtype()),
             })?;
         let shape = view.shape().to_vec();
         let data = view.data();

@@ -44,9 +44,7 @@ struct HashingFile {
 impl HashingFile {
     fn write(&mut self, bytes: &[u8]) -> Result<(), BundleError> {
         self.hash.update(bytes);
-        self.file
-            .write_all(bytes)
-            .map_err(|e| io_err(&self.path, e))
+        self.file.write_all(bytes).map_err(|e| io_err(&self.path, e))
     }
 }
 
@@ -60,20 +58,13 @@ impl BundleWriter {
                 message: "exists and is not a bundle; refusing to overwrite it".into(),
             });
         }
-        let name = out
-            .file_name()
-            .map_or("bundle".into(), |n| n.to_string_lossy().to_string());
+        let name = out.file_name().map_or("bundle".into(), |n| n.to_string_lossy().to_string());
         let tmp = out.with_file_name(format!(".{name}.partial-{}", std::process::id()));
         if tmp.exists() {
             std::fs::remove_dir_all(&tmp).map_err(|e| io_err(&tmp, e))?;
         }
         std::fs::create_dir_all(&tmp).map_err(|e| io_err(&tmp, e))?;
-        Ok(BundleWriter {
-            out: out.to_path_buf(),
-            tmp,
-            files: BTreeMap::new(),
-            done: false,
-        })
+        Ok(BundleWriter { out: out.to_path_buf(), tmp, files: BTreeMap::new(), done: false })
     }
 
     fn open(&self, rel: &str) -> Result<HashingFile, BundleError> {
@@ -82,11 +73,7 @@ impl BundleWriter {
             std::fs::create_dir_all(dir).map_err(|e| io_err(dir, e))?;
         }
         let file = std::fs::File::create(&path).map_err(|e| io_err(&path, e))?;
-        Ok(HashingFile {
-            file: std::io::BufWriter::new(file),
-            hash: Sha256::new(),
-            path,
-        })
+        Ok(HashingFile { file: std::io::BufWriter::new(file), hash: Sha256::new(), path })
     }
 
     fn close(&mut self, rel: &str, mut f: HashingFile) -> Result<(), BundleError> {
@@ -132,12 +119,7 @@ impl BundleWriter {
             if bytes.len() != t.bytes() {
                 return Err(BundleError::Malformed {
                     path: rel.to_string(),
-                    message: format!(
-                        "tensor `{}` has {} bytes, expected {}",
-                        t.name,
-                        bytes.len(),
-                        t.bytes()
-                    ),
+                    message: format!("tensor `{}` has {} bytes, expected {}", t.name, bytes.len(), t.bytes()),
                 });
             }
             f.write(&bytes)?;

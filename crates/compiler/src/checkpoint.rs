@@ -34,10 +34,7 @@ pub struct Checkpoint {
 }
 
 fn ckpt_err(path: &Path, message: impl Into<String>) -> CompileError {
-    CompileError::Checkpoint {
-        path: path.display().to_string(),
-        message: message.into(),
-    }
+    CompileError::Checkpoint { path: path.display().to_string(), message: message.into() }
 }
 
 impl Checkpoint {
@@ -47,16 +44,11 @@ impl Checkpoint {
             return Err(ckpt_err(dir, "checkpoint directory does not exist"));
         }
         let cpath = dir.join("config.json");
-        let text = std::fs::read_to_string(&cpath)
-            .map_err(|e| ckpt_err(&cpath, format!("cannot read config.json: {e}")))?;
-        let config: serde_json::Value = serde_json::from_str(&text)
-            .map_err(|e| ckpt_err(&cpath, format!("malformed JSON: {e}")))?;
-        let mut ck = Checkpoint {
-            dir: dir.to_path_buf(),
-            config,
-            files: Vec::new(),
-            tensors: BTreeMap::new(),
-        };
+        let text =
+            std::fs::read_to_string(&cpath).map_err(|e| ckpt_err(&cpath, format!("cannot read config.json: {e}")))?;
+        let config: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| ckpt_err(&cpath, format!("malformed JSON: {e}")))?;
+        let mut ck = Checkpoint { dir: dir.to_path_buf(), config, files: Vec::new(), tensors: BTreeMap::new() };
         for path in weight_files(dir)? {
             ck.add_file(&path)?;
         }
@@ -74,11 +66,7 @@ impl Checkpoint {
             .map_err(|e| ckpt_err(path, format!("not a valid safetensors file: {e}")))?;
         let idx = self.files.len();
         for (name, info) in meta.tensors() {
-            let t = TensorInfo {
-                dtype_name: format!("{:?}", info.dtype),
-                shape: info.shape.clone(),
-                file: idx,
-            };
+            let t = TensorInfo { dtype_name: format!("{:?}", info.dtype), shape: info.shape.clone(), file: idx };
             self.tensors.insert(name, t);
         }
         self.files.push((path.to_path_buf(), map));
@@ -97,20 +85,13 @@ impl Checkpoint {
 
     /// A tensor as f32 values.
     pub fn read_f32(&self, name: &str) -> Result<Vec<f32>, CompileError> {
-        let info = self
-            .tensors
-            .get(name)
-            .ok_or_else(|| ckpt_err(&self.dir, format!("tensor `{name}` is missing")))?;
+        let info = self.tensors.get(name).ok_or_else(|| ckpt_err(&self.dir, format!("tensor `{name}` is missing")))?;
         let (path, map) = &self.files[info.file];
-        let st = safetensors::SafeTensors::deserialize(map)
-            .map_err(|e| ckpt_err(path, e.to_string()))?;
-        let view = st
-            .tensor(name)
-            .map_err(|e| ckpt_err(path, format!("tensor `{name}`: {e}")))?;
-        let dtype = info.dtype().ok_or_else(|| CompileError::UnsupportedDtype {
-            name: name.to_string(),
-            dtype: info.dtype_name.clone(),
-        })?;
+        let st = safetensors::SafeTensors::deserialize(map).map_err(|e| ckpt_err(path, e.to_string()))?;
+        let view = st.tensor(name).map_err(|e| ckpt_err(path, format!("tensor `{name}`: {e}")))?;
+        let dtype = info
+            .dtype()
+            .ok_or_else(|| CompileError::UnsupportedDtype { name: name.to_string(), dtype: info.dtype_name.clone() })?;
         Ok(dtype.to_f32(view.data()))
     }
 
@@ -122,10 +103,7 @@ impl Checkpoint {
                 *counts.entry(d.to_string()).or_default() += t.shape.iter().product::<usize>();
             }
         }
-        counts
-            .into_iter()
-            .max_by_key(|(_, n)| *n)
-            .and_then(|(d, _)| DType::parse_float(&d))
+        counts.into_iter().max_by_key(|(_, n)| *n).and_then(|(d, _)| DType::parse_float(&d))
     }
 }
 
@@ -135,16 +113,13 @@ fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, CompileError> {
     let index = dir.join("model.safetensors.index.json");
     if index.is_file() {
         let text = std::fs::read_to_string(&index).map_err(|e| ckpt_err(&index, e.to_string()))?;
-        let v: serde_json::Value = serde_json::from_str(&text)
-            .map_err(|e| ckpt_err(&index, format!("malformed JSON: {e}")))?;
+        let v: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| ckpt_err(&index, format!("malformed JSON: {e}")))?;
         let map = v
             .get("weight_map")
             .and_then(|m| m.as_object())
             .ok_or_else(|| ckpt_err(&index, "has no `weight_map` object"))?;
-        let mut files: Vec<String> = map
-            .values()
-            .filter_map(|f| f.as_str().map(String::from))
-            .collect();
+        let mut files: Vec<String> = map.values().filter_map(|f| f.as_str().map(String::from)).collect();
         files.sort();
         files.dedup();
         return files
@@ -154,10 +129,7 @@ fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, CompileError> {
                 if p.is_file() {
                     Ok(p)
                 } else {
-                    Err(ckpt_err(
-                        &index,
-                        format!("names shard `{f}`, which is missing"),
-                    ))
+                    Err(ckpt_err(&index, format!("names shard `{f}`, which is missing")))
                 }
             })
             .collect();

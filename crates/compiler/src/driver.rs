@@ -42,12 +42,8 @@ pub struct CompileReport {
 }
 
 /// Tokenizer files copied into the bundle when present.
-const TOKENIZER_FILES: [&str; 4] = [
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "chat_template.jinja",
-    "special_tokens_map.json",
-];
+const TOKENIZER_FILES: [&str; 4] =
+    ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"];
 
 /// Compiles a model into a bundle.
 pub fn compile(opts: &CompileOptions) -> Result<CompileReport, CompileError> {
@@ -58,66 +54,36 @@ pub fn compile(opts: &CompileOptions) -> Result<CompileReport, CompileError> {
     let ckpt = Checkpoint::open(&opts.checkpoint)?;
     let model = spec::bind(&spec, &ckpt.config)?;
     let mut warnings = validate_checkpoint(&model, &ckpt)?;
-    let dtype = opts
-        .dtype
-        .or_else(|| config_dtype(&ckpt.config))
-        .or_else(|| ckpt.main_dtype())
-        .unwrap_or(DType::BF16);
+    let dtype = opts.dtype.or_else(|| config_dtype(&ckpt.config)).or_else(|| ckpt.main_dtype()).unwrap_or(DType::BF16);
 
     let graph = lower::lower(&model, dtype, dtype)?;
-    let ctx = PassCtx {
-        tp: opts.tp,
-        model: &model,
-    };
+    let ctx = PassCtx { tp: opts.tp, model: &model };
     let mut dump = None;
     let graph = passes::run(graph, &ctx, |name, g| {
         if opts.dump_after.as_deref() == Some(name) {
-            dump = Some(
-                g.to_plan()
-                    .map_or_else(|e| format!("<{e}>"), |p| p.to_text()),
-            );
+            dump = Some(g.to_plan().map_or_else(|e| format!("<{e}>"), |p| p.to_text()));
         }
     })?;
     if let Some(p) = &opts.dump_after {
         if dump.is_none() {
-            let names: Vec<&str> = std::iter::once("lower")
-                .chain(passes::PIPELINE.iter().map(|(n, _)| *n))
-                .collect();
-            return Err(CompileError::Usage(format!(
-                "no pass named `{p}`; passes: {}",
-                names.join(", ")
-            )));
+            let names: Vec<&str> = std::iter::once("lower").chain(passes::PIPELINE.iter().map(|(n, _)| *n)).collect();
+            return Err(CompileError::Usage(format!("no pass named `{p}`; passes: {}", names.join(", "))));
         }
     }
-    let plan = graph.to_plan().map_err(|e| CompileError::Pass {
-        pass: "plan".into(),
-        source: e,
-    })?;
+    let plan = graph.to_plan().map_err(|e| CompileError::Pass { pass: "plan".into(), source: e })?;
 
     let mut w = BundleWriter::create(&opts.out)?;
-    let plan_json =
-        serde_json::to_string_pretty(&plan).map_err(|e| CompileError::Usage(e.to_string()))?;
+    let plan_json = serde_json::to_string_pretty(&plan).map_err(|e| CompileError::Usage(e.to_string()))?;
     w.write_file("plan.json", plan_json.as_bytes())?;
     for rank in 0..opts.tp {
         write_rank_weights(&mut w, &plan, &model, &ckpt, rank, opts.tp)?;
     }
-    let tok_dir = opts
-        .tokenizer
-        .clone()
-        .unwrap_or_else(|| opts.checkpoint.clone());
+    let tok_dir = opts.tokenizer.clone().unwrap_or_else(|| opts.checkpoint.clone());
     warnings.extend(write_tokenizer(&mut w, &tok_dir, &ckpt)?);
-    let params: BTreeMap<String, serde_json::Value> = model
-        .params
-        .iter()
-        .map(|(k, v)| (k.clone(), v.to_json()))
-        .collect();
+    let params: BTreeMap<String, serde_json::Value> =
+        model.params.iter().map(|(k, v)| (k.clone(), v.to_json())).collect();
     let out = w.finish(&spec.name, params, opts.tp, dtype)?;
-    Ok(CompileReport {
-        out,
-        plan,
-        warnings,
-        dump,
-    })
+    Ok(CompileReport { out, plan, warnings, dump })
 }
 
 /// Checks that every tensor the model names exists with its shape and a supported dtype.
@@ -125,14 +91,12 @@ pub fn compile(opts: &CompileOptions) -> Result<CompileReport, CompileError> {
 fn validate_checkpoint(model: &BoundModel, ckpt: &Checkpoint) -> Result<Vec<String>, CompileError> {
     for w in &model.weights {
         let at = model.spec.locate(&format!("{}:", w.key));
-        let info = ckpt
-            .info(&w.name)
-            .ok_or_else(|| CompileError::MissingTensor {
-                name: w.name.clone(),
-                key: w.key.clone(),
-                at: at.clone(),
-                checkpoint: ckpt.dir.display().to_string(),
-            })?;
+        let info = ckpt.info(&w.name).ok_or_else(|| CompileError::MissingTensor {
+            name: w.name.clone(),
+            key: w.key.clone(),
+            at: at.clone(),
+            checkpoint: ckpt.dir.display().to_string(),
+        })?;
         if info.shape != w.shape {
             return Err(CompileError::ShapeMismatch {
                 name: w.name.clone(),
@@ -142,38 +106,24 @@ fn validate_checkpoint(model: &BoundModel, ckpt: &Checkpoint) -> Result<Vec<Stri
             });
         }
         if info.dtype().is_none() {
-            return Err(CompileError::UnsupportedDtype {
-                name: w.name.clone(),
-                dtype: info.dtype_name.clone(),
-            });
+            return Err(CompileError::UnsupportedDtype { name: w.name.clone(), dtype: info.dtype_name.clone() });
         }
     }
-    let used: std::collections::HashSet<&str> =
-        model.weights.iter().map(|w| w.name.as_str()).collect();
+    let used: std::collections::HashSet<&str> = model.weights.iter().map(|w| w.name.as_str()).collect();
     let unused: Vec<&str> = ckpt.names().filter(|n| !used.contains(n)).collect();
     Ok(match unused.len() {
         0 => vec![],
         n => vec![format!(
             "{n} checkpoint tensor(s) unused by {}: {}{}",
             model.spec.origin,
-            unused
-                .iter()
-                .take(8)
-                .copied()
-                .collect::<Vec<_>>()
-                .join(", "),
+            unused.iter().take(8).copied().collect::<Vec<_>>().join(", "),
             if n > 8 { ", ..." } else { "" }
         )],
     })
 }
 
 fn config_dtype(config: &serde_json::Value) -> Option<DType> {
-    ["torch_dtype", "dtype"].iter().find_map(|k| {
-        config
-            .get(*k)
-            .and_then(|v| v.as_str())
-            .and_then(DType::parse_float)
-    })
+    ["torch_dtype", "dtype"].iter().find_map(|k| config.get(*k).and_then(|v| v.as_str()).and_then(DType::parse_float))
 }
 
 fn write_rank_weights(
@@ -186,11 +136,7 @@ fn write_rank_weights(
 ) -> Result<(), CompileError> {
     let entries: Vec<TensorEntry> = plan
         .weights()
-        .map(|(name, shape, dtype)| TensorEntry {
-            name: name.to_string(),
-            dtype,
-            shape: shape.to_vec(),
-        })
+        .map(|(name, shape, dtype)| TensorEntry { name: name.to_string(), dtype, shape: shape.to_vec() })
         .collect();
     let mut failure = None;
     let result = w.write_safetensors(&format!("weights/rank{rank}.safetensors"), &entries, |i| {
@@ -199,20 +145,12 @@ fn write_rank_weights(
             .weights
             .iter()
             .find(|bw| bw.name == e.name)
-            .ok_or_else(|| {
-                CompileError::Usage(format!("plan weight `{}` is not in the model", e.name))
-            })
-            .and_then(|bw| {
-                Ok(e.dtype
-                    .from_f32(&shard::cut(bw, &ckpt.read_f32(&e.name)?, tp, rank)?))
-            });
+            .ok_or_else(|| CompileError::Usage(format!("plan weight `{}` is not in the model", e.name)))
+            .and_then(|bw| Ok(e.dtype.from_f32(&shard::cut(bw, &ckpt.read_f32(&e.name)?, tp, rank)?)));
         data.map_err(|err| {
             let msg = err.to_string();
             failure = Some(err);
-            bundle::BundleError::Malformed {
-                path: e.name.clone(),
-                message: msg,
-            }
+            bundle::BundleError::Malformed { path: e.name.clone(), message: msg }
         })
     });
     match (result, failure) {
@@ -222,11 +160,7 @@ fn write_rank_weights(
 }
 
 /// Copies the tokenizer files and writes `generation_config.json` with the eos ids.
-fn write_tokenizer(
-    w: &mut BundleWriter,
-    dir: &Path,
-    ckpt: &Checkpoint,
-) -> Result<Vec<String>, CompileError> {
+fn write_tokenizer(w: &mut BundleWriter, dir: &Path, ckpt: &Checkpoint) -> Result<Vec<String>, CompileError> {
     let mut warnings = Vec::new();
     if !dir.is_dir() {
         return Err(CompileError::Checkpoint {
@@ -243,30 +177,18 @@ fn write_tokenizer(
     for f in TOKENIZER_FILES {
         let p = dir.join(f);
         if p.is_file() {
-            let bytes = std::fs::read(&p).map_err(|e| CompileError::Checkpoint {
-                path: p.display().to_string(),
-                message: e.to_string(),
-            })?;
+            let bytes = std::fs::read(&p)
+                .map_err(|e| CompileError::Checkpoint { path: p.display().to_string(), message: e.to_string() })?;
             w.write_file(&format!("tokenizer/{f}"), &bytes)?;
         }
     }
     let gen_file = ckpt.dir.join("generation_config.json");
-    let gen_cfg: Option<serde_json::Value> = std::fs::read_to_string(&gen_file)
-        .ok()
-        .and_then(|t| serde_json::from_str(&t).ok());
-    let pick = |key: &str| {
-        gen_cfg
-            .as_ref()
-            .and_then(|g| g.get(key))
-            .or_else(|| ckpt.config.get(key))
-            .cloned()
-    };
+    let gen_cfg: Option<serde_json::Value> =
+        std::fs::read_to_string(&gen_file).ok().and_then(|t| serde_json::from_str(&t).ok());
+    let pick = |key: &str| gen_cfg.as_ref().and_then(|g| g.get(key)).or_else(|| ckpt.config.get(key)).cloned();
     let ids = |v: Option<serde_json::Value>| -> Vec<u32> {
         match v {
-            Some(serde_json::Value::Array(a)) => a
-                .iter()
-                .filter_map(|x| x.as_u64().map(|x| x as u32))
-                .collect(),
+            Some(serde_json::Value::Array(a)) => a.iter().filter_map(|x| x.as_u64().map(|x| x as u32)).collect(),
             Some(v) => v.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
             None => vec![],
         }
@@ -276,13 +198,9 @@ fn write_tokenizer(
         bos_token_id: ids(pick("bos_token_id")).first().copied(),
     };
     if cfg.eos_token_id.is_empty() {
-        warnings.push(
-            "no eos_token_id in the checkpoint config: generation stops only at --max-tokens"
-                .into(),
-        );
+        warnings.push("no eos_token_id in the checkpoint config: generation stops only at --max-tokens".into());
     }
-    let text =
-        serde_json::to_string_pretty(&cfg).map_err(|e| CompileError::Usage(e.to_string()))?;
+    let text = serde_json::to_string_pretty(&cfg).map_err(|e| CompileError::Usage(e.to_string()))?;
     w.write_file("tokenizer/generation_config.json", text.as_bytes())?;
     Ok(warnings)
 }

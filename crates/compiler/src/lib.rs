@@ -52,9 +52,7 @@ pub enum CompileError {
         found: Vec<usize>,
     },
     /// A tensor's dtype is not bf16, f16 or f32.
-    #[error(
-        "tensor `{name}` has dtype {dtype}, which is not supported (supported: bf16, f16, f32)"
-    )]
+    #[error("tensor `{name}` has dtype {dtype}, which is not supported (supported: bf16, f16, f32)")]
     UnsupportedDtype {
         /// Tensor name.
         name: String,
@@ -80,9 +78,7 @@ pub enum CompileError {
         source: ir::IrError,
     },
     /// tp does not divide the heads.
-    #[error(
-        "--tp {tp} does not divide the {heads} attention heads; choose a tp that divides them"
-    )]
+    #[error("--tp {tp} does not divide the {heads} attention heads; choose a tp that divides them")]
     TpHeads {
         /// Requested ranks.
         tp: usize,

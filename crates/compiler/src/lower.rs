@@ -53,15 +53,11 @@ pub fn lower(model: &BoundModel, act: DType, weight_dtype: DType) -> Result<Grap
             }
         }
     }
-    let out = l
-        .vars
-        .get("logits")
-        .copied()
-        .ok_or_else(|| CompileError::Graph {
-            at: model.spec.origin.clone(),
-            statement: String::new(),
-            message: "the graph never assigns `logits`".into(),
-        })?;
+    let out = l.vars.get("logits").copied().ok_or_else(|| CompileError::Graph {
+        at: model.spec.origin.clone(),
+        statement: String::new(),
+        message: "the graph never assigns `logits`".into(),
+    })?;
     l.g.output = Some(out);
     Ok(l.g)
 }
@@ -85,9 +81,7 @@ impl Lowerer<'_> {
             match self.expr(e, &label).map_err(&err)? {
                 Term::Node(n) => results.push((target.clone(), n)),
                 Term::Absent => {
-                    return Err(err(format!(
-                        "`{target}` would be a weight that does not exist for this config"
-                    )))
+                    return Err(err(format!("`{target}` would be a weight that does not exist for this config")))
                 }
             }
         }
@@ -98,9 +92,7 @@ impl Lowerer<'_> {
     fn node(&mut self, e: &Expr, label: &str) -> Result<NodeIndex, String> {
         match self.expr(e, label)? {
             Term::Node(n) => Ok(n),
-            Term::Absent => Err(format!(
-                "`{e}` is a weight that does not exist for this config (its `when` is false)"
-            )),
+            Term::Absent => Err(format!("`{e}` is a weight that does not exist for this config (its `when` is false)")),
         }
     }
 
@@ -113,17 +105,12 @@ impl Lowerer<'_> {
                 self.add(op, &[a, b], label)
             }
             Expr::Call { name, args, kwargs } => self.call(name, args, kwargs, label),
-            other => Err(format!(
-                "`{other}` is not a tensor expression (use calls, names, `+` and `*`)"
-            )),
+            other => Err(format!("`{other}` is not a tensor expression (use calls, names, `+` and `*`)")),
         }
     }
 
     fn add(&mut self, op: Op, inputs: &[NodeIndex], label: &str) -> Result<Term, String> {
-        self.g
-            .add(op, inputs, label)
-            .map(Term::Node)
-            .map_err(|e| e.to_string())
+        self.g.add(op, inputs, label).map(Term::Node).map_err(|e| e.to_string())
     }
 
     fn resolve(&mut self, name: &str) -> Result<Term, String> {
@@ -134,15 +121,8 @@ impl Lowerer<'_> {
             if let Some(&n) = self.weights.get(&w.name) {
                 return Ok(Term::Node(n));
             }
-            let op = Op::Weight {
-                name: w.name.clone(),
-                shape: w.shape.clone(),
-                dtype: self.weight_dtype,
-            };
-            let n = self
-                .g
-                .add(op, &[], w.name.clone())
-                .map_err(|e| e.to_string())?;
+            let op = Op::Weight { name: w.name.clone(), shape: w.shape.clone(), dtype: self.weight_dtype };
+            let n = self.g.add(op, &[], w.name.clone()).map_err(|e| e.to_string())?;
             self.weights.insert(w.name.clone(), n);
             return Ok(Term::Node(n));
         }
@@ -152,17 +132,9 @@ impl Lowerer<'_> {
         let input = match name {
             "tokens" => Op::Tokens,
             "positions" => Op::Positions,
-            _ => {
-                return Err(format!(
-                    "unknown name `{name}` (not a variable, a weight, `tokens` or `positions`)"
-                ))
-            }
+            _ => return Err(format!("unknown name `{name}` (not a variable, a weight, `tokens` or `positions`)")),
         };
-        let key = if name == "tokens" {
-            "tokens"
-        } else {
-            "positions"
-        };
+        let key = if name == "tokens" { "tokens" } else { "positions" };
         if let Some(&n) = self.inputs.get(key) {
             return Ok(Term::Node(n));
         }
@@ -171,69 +143,46 @@ impl Lowerer<'_> {
         Ok(Term::Node(n))
     }
 
-    fn call(
-        &mut self,
-        name: &str,
-        args: &[Expr],
-        kwargs: &[(String, Expr)],
-        label: &str,
-    ) -> Result<Term, String> {
+    fn call(&mut self, name: &str, args: &[Expr], kwargs: &[(String, Expr)], label: &str) -> Result<Term, String> {
+        let allowed: &[&str] = match name {
+            "embedding" | "silu" | "all_reduce" | "logits" | "linear" => &[],
+            "rms_norm" => &["eps"],
+            "rope" => &["head_dim", "theta", "scaling", "max_positions"],
+            "attention" => &["heads", "kv_heads", "head_dim", "scale"],
+            _ => return Err(format!("unknown op `{name}`; the ops are: {}", Op::CALLABLE.join(", "))),
+        };
         let attrs = Attrs::new(name, kwargs, self.model)?;
+        attrs.check(allowed)?;
         let arity = |lo: usize, hi: usize| -> Result<(), String> {
             if args.len() < lo || args.len() > hi {
-                let want = if lo == hi {
-                    lo.to_string()
-                } else {
-                    format!("{lo} to {hi}")
-                };
-                return Err(format!(
-                    "`{name}` takes {want} tensor arguments, got {}",
-                    args.len()
-                ));
+                let want = if lo == hi { lo.to_string() } else { format!("{lo} to {hi}") };
+                return Err(format!("`{name}` takes {want} tensor arguments, got {}", args.len()));
             }
             Ok(())
         };
-        let (op, allowed): (Op, &[&str]) = match name {
-            "embedding" => (Op::Embedding, &[]),
-            "silu" => (Op::Silu, &[]),
-            "all_reduce" => (Op::AllReduce, &[]),
-            "logits" => (Op::Logits, &[]),
+        let op = match name {
+            "embedding" => Op::Embedding,
+            "silu" => Op::Silu,
+            "all_reduce" => Op::AllReduce,
+            "logits" => Op::Logits,
             "linear" => {
                 arity(2, 3)?;
-                attrs.check(&[])?;
                 let mut ins = vec![self.node(&args[0], label)?, self.node(&args[1], label)?];
                 if let Some(b) = args.get(2) {
                     if let Term::Node(n) = self.expr(b, label)? {
                         ins.push(n);
                     }
                 }
-                return self.add(
-                    Op::Linear {
-                        bias: ins.len() == 3,
-                    },
-                    &ins,
-                    label,
-                );
+                return self.add(Op::Linear { bias: ins.len() == 3 }, &ins, label);
             }
-            "rms_norm" => (
-                Op::RmsNorm {
-                    eps: attrs.f64("eps")? as f32,
-                },
-                &["eps"],
-            ),
+            "rms_norm" => Op::RmsNorm { eps: attrs.f64("eps")? as f32 },
             "rope" => {
                 let max_positions = attrs.opt("max_positions").and_then(|v| v.as_f64());
                 let scaling = match attrs.opt("scaling") {
-                    Some(v) => RopeScaling::from_config(&v.to_json(), max_positions)
-                        .map_err(|e| e.to_string())?,
+                    Some(v) => RopeScaling::from_config(&v.to_json(), max_positions).map_err(|e| e.to_string())?,
                     None => RopeScaling::Default,
                 };
-                let op = Op::Rope {
-                    head_dim: attrs.usize("head_dim")?,
-                    theta: attrs.f64("theta")?,
-                    scaling,
-                };
-                (op, &["head_dim", "theta", "scaling", "max_positions"])
+                Op::Rope { head_dim: attrs.usize("head_dim")?, theta: attrs.f64("theta")?, scaling }
             }
             "attention" => {
                 let head_dim = attrs.usize("head_dim")?;
@@ -249,21 +198,12 @@ impl Lowerer<'_> {
                     layer: self.next_kv_layer,
                 };
                 self.next_kv_layer += 1;
-                (op, &["heads", "kv_heads", "head_dim", "scale"])
+                op
             }
-            _ => {
-                return Err(format!(
-                    "unknown op `{name}`; the ops are: {}",
-                    Op::CALLABLE.join(", ")
-                ))
-            }
+            _ => unreachable!("unknown ops are rejected above"),
         };
-        attrs.check(allowed)?;
         arity(op.arity(), op.arity())?;
-        let ins = args
-            .iter()
-            .map(|a| self.node(a, label))
-            .collect::<Result<Vec<_>, _>>()?;
+        let ins = args.iter().map(|a| self.node(a, label)).collect::<Result<Vec<_>, _>>()?;
         self.add(op, &ins, label)
     }
 }
@@ -275,11 +215,7 @@ struct Attrs<'a> {
 }
 
 impl<'a> Attrs<'a> {
-    fn new(
-        op: &'a str,
-        kwargs: &[(String, Expr)],
-        model: &BoundModel,
-    ) -> Result<Attrs<'a>, String> {
+    fn new(op: &'a str, kwargs: &[(String, Expr)], model: &BoundModel) -> Result<Attrs<'a>, String> {
         let lookup = |n: &str| model.param(n).cloned();
         let values = kwargs
             .iter()
@@ -293,46 +229,31 @@ impl<'a> Attrs<'a> {
     }
 
     fn check(&self, allowed: &[&str]) -> Result<(), String> {
-        match self
-            .values
-            .iter()
-            .find(|(k, _)| !allowed.contains(&k.as_str()))
-        {
+        match self.values.iter().find(|(k, _)| !allowed.contains(&k.as_str())) {
             Some((k, _)) => Err(format!(
                 "`{}` has no attribute `{k}` (it takes: {})",
                 self.op,
-                if allowed.is_empty() {
-                    "none".into()
-                } else {
-                    allowed.join(", ")
-                }
+                if allowed.is_empty() { "none".into() } else { allowed.join(", ") }
             )),
             None => Ok(()),
         }
     }
 
     fn opt(&self, key: &str) -> Option<Value> {
-        self.values
-            .iter()
-            .find(|(k, _)| k == key)
-            .map(|(_, v)| v.clone())
-            .filter(|v| *v != Value::Null)
+        self.values.iter().find(|(k, _)| k == key).map(|(_, v)| v.clone()).filter(|v| *v != Value::Null)
     }
 
     fn get(&self, key: &str) -> Result<Value, String> {
-        self.opt(key)
-            .ok_or_else(|| format!("`{}` needs the attribute `{key}=...`", self.op))
+        self.opt(key).ok_or_else(|| format!("`{}` needs the attribute `{key}=...`", self.op))
     }
 
     fn usize(&self, key: &str) -> Result<usize, String> {
         let v = self.get(key)?;
-        v.as_usize()
-            .ok_or_else(|| format!("`{}` attribute `{key}` is {v}, not a count", self.op))
+        v.as_usize().ok_or_else(|| format!("`{}` attribute `{key}` is {v}, not a count", self.op))
     }
 
     fn f64(&self, key: &str) -> Result<f64, String> {
         let v = self.get(key)?;
-        v.as_f64()
-            .ok_or_else(|| format!("`{}` attribute `{key}` is {v}, not a number", self.op))
+        v.as_f64().ok_or_else(|| format!("`{}` attribute `{key}` is {v}, not a number", self.op))
     }
 }

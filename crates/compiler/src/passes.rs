@@ -21,22 +21,12 @@ pub const PIPELINE: &[(&str, Pass)] = &[("tensor_parallel", tensor_parallel)];
 
 /// Runs every pass of [`PIPELINE`], verifying after each; `observe(name, graph)` sees the graph
 /// after each pass (for `--dump-after` and tests).
-pub fn run(
-    mut g: Graph,
-    ctx: &PassCtx,
-    mut observe: impl FnMut(&str, &Graph),
-) -> Result<Graph, CompileError> {
-    g.verify().map_err(|e| CompileError::Pass {
-        pass: "lower".into(),
-        source: e,
-    })?;
+pub fn run(mut g: Graph, ctx: &PassCtx, mut observe: impl FnMut(&str, &Graph)) -> Result<Graph, CompileError> {
+    g.verify().map_err(|e| CompileError::Pass { pass: "lower".into(), source: e })?;
     observe("lower", &g);
     for (name, pass) in PIPELINE {
         g = pass(g, ctx)?;
-        g.verify().map_err(|e| CompileError::Pass {
-            pass: name.to_string(),
-            source: e,
-        })?;
+        g.verify().map_err(|e| CompileError::Pass { pass: name.to_string(), source: e })?;
         observe(name, &g);
     }
     Ok(g)
@@ -50,62 +40,49 @@ pub fn tensor_parallel(mut g: Graph, ctx: &PassCtx) -> Result<Graph, CompileErro
     if tp == 1 {
         return Ok(g);
     }
-    let ir_err = |e: ir::IrError| CompileError::Pass {
-        pass: "tensor_parallel".into(),
-        source: e,
-    };
+    let ir_err = |e: ir::IrError| CompileError::Pass { pass: "tensor_parallel".into(), source: e };
+    // Heads first, so that a tp that does not divide them is reported as such rather than as
+    // the first weight that cannot be split.
+    for n in g.nodes() {
+        if let Op::Attention { heads, kv_heads, .. } = &mut g.node_mut(n).op {
+            if *heads % tp != 0 {
+                return Err(CompileError::TpHeads { tp, heads: *heads });
+            }
+            *heads /= tp;
+            *kv_heads = if *kv_heads >= tp {
+                if *kv_heads % tp != 0 {
+                    return Err(CompileError::TpHeads { tp, heads: *kv_heads });
+                }
+                *kv_heads / tp
+            } else {
+                1
+            };
+        }
+    }
     let mut row_weights = Vec::new();
     for n in g.nodes() {
-        match &mut g.node_mut(n).op {
-            Op::Weight { name, shape, .. } => {
-                let w = ctx
-                    .model
-                    .weights
-                    .iter()
-                    .find(|w| &w.name == name)
-                    .ok_or_else(|| CompileError::Tp {
-                        weight: name.clone(),
-                        message: "is not declared by the model".into(),
-                    })?;
-                *shape = shard::shape(w, tp)?;
-                if w.shard == ShardKind::Row {
-                    row_weights.push(n);
-                }
+        if let Op::Weight { name, shape, .. } = &mut g.node_mut(n).op {
+            let w = ctx.model.weights.iter().find(|w| &w.name == name).ok_or_else(|| CompileError::Tp {
+                weight: name.clone(),
+                message: "is not declared by the model".into(),
+            })?;
+            *shape = shard::shape(w, tp)?;
+            if w.shard == ShardKind::Row {
+                row_weights.push(n);
             }
-            Op::Attention {
-                heads, kv_heads, ..
-            } => {
-                if *heads % tp != 0 {
-                    return Err(CompileError::TpHeads { tp, heads: *heads });
-                }
-                *heads /= tp;
-                *kv_heads = if *kv_heads >= tp {
-                    if *kv_heads % tp != 0 {
-                        return Err(CompileError::TpHeads {
-                            tp,
-                            heads: *kv_heads,
-                        });
-                    }
-                    *kv_heads / tp
-                } else {
-                    1
-                };
-            }
-            _ => {}
         }
     }
     g.reinfer().map_err(ir_err)?;
     for n in g.nodes() {
         let node = g.node(n);
-        if !matches!(node.op, Op::Linear { .. })
-            || !g.inputs(n).get(1).is_some_and(|w| row_weights.contains(w))
-        {
+        if !matches!(node.op, Op::Linear { .. }) || !g.inputs(n).get(1).is_some_and(|w| row_weights.contains(w)) {
             continue;
         }
         if matches!(node.op, Op::Linear { bias: true }) {
             return Err(CompileError::Tp {
                 weight: node.label.clone(),
-                message: "a row-parallel linear with a bias is not supported (the bias would be added on every rank)".into(),
+                message: "a row-parallel linear with a bias is not supported (the bias would be added on every rank)"
+                    .into(),
             });
         }
         let label = format!("{}.all_reduce", node.label);

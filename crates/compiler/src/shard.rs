@@ -25,16 +25,11 @@ pub fn slice(w: &BoundWeight, tp: usize, rank: usize) -> Result<Option<Slice>, C
         ShardKind::Replicated => unreachable!("returned above"),
     };
     let size = w.shape.get(dim).copied().unwrap_or(0);
-    let err = |message: String| CompileError::Tp {
-        weight: w.name.clone(),
-        message,
-    };
+    let err = |message: String| CompileError::Tp { weight: w.name.clone(), message };
     let range = match w.shard_heads {
         Some(heads) => {
             if heads == 0 || size % heads != 0 {
-                return Err(err(format!(
-                    "dimension {dim} ({size}) is not a whole number of {heads} heads"
-                )));
+                return Err(err(format!("dimension {dim} ({size}) is not a whole number of {heads} heads")));
             }
             let unit = size / heads;
             if tp <= heads {
@@ -44,7 +39,7 @@ pub fn slice(w: &BoundWeight, tp: usize, rank: usize) -> Result<Option<Slice>, C
                 let per = heads / tp;
                 rank * per * unit..(rank + 1) * per * unit
             } else {
-                if tp % heads != 0 {
+                if !tp.is_multiple_of(heads) {
                     return Err(err(format!("tp {tp} is more than the {heads} heads and not a multiple of them, so they cannot be replicated evenly")));
                 }
                 let head = rank / (tp / heads);
@@ -53,9 +48,7 @@ pub fn slice(w: &BoundWeight, tp: usize, rank: usize) -> Result<Option<Slice>, C
         }
         None => {
             if size % tp != 0 {
-                return Err(err(format!(
-                    "tp {tp} does not divide dimension {dim} ({size})"
-                )));
+                return Err(err(format!("tp {tp} does not divide dimension {dim} ({size})")));
             }
             let per = size / tp;
             rank * per..(rank + 1) * per
@@ -74,12 +67,7 @@ pub fn shape(w: &BoundWeight, tp: usize) -> Result<Vec<usize>, CompileError> {
 }
 
 /// Cuts `rank`'s slice out of the full tensor `data` (row-major, shape `w.shape`).
-pub fn cut(
-    w: &BoundWeight,
-    data: &[f32],
-    tp: usize,
-    rank: usize,
-) -> Result<Vec<f32>, CompileError> {
+pub fn cut(w: &BoundWeight, data: &[f32], tp: usize, rank: usize) -> Result<Vec<f32>, CompileError> {
     let Some(sl) = slice(w, tp, rank)? else {
         return Ok(data.to_vec());
     };
@@ -99,14 +87,7 @@ mod tests {
     use super::*;
 
     fn w(shape: Vec<usize>, shard: ShardKind, heads: Option<usize>) -> BoundWeight {
-        BoundWeight {
-            key: "w".into(),
-            layer: None,
-            name: "w".into(),
-            shape,
-            shard,
-            shard_heads: heads,
-        }
+        BoundWeight { key: "w".into(), layer: None, name: "w".into(), shape, shard, shard_heads: heads }
     }
 
     #[test]
@@ -117,27 +98,16 @@ mod tests {
         assert_eq!(parts.concat(), data);
         let row = w(vec![4, 6], ShardKind::Row, None);
         let p0 = cut(&row, &data, 2, 0).unwrap();
-        assert_eq!(
-            p0,
-            vec![0., 1., 2., 6., 7., 8., 12., 13., 14., 18., 19., 20.]
-        );
+        assert_eq!(p0, vec![0., 1., 2., 6., 7., 8., 12., 13., 14., 18., 19., 20.]);
     }
 
     #[test]
     fn kv_heads_replicate_beyond_their_count() {
         let kv = w(vec![2 * 3, 4], ShardKind::Column, Some(2));
-        let ranges: Vec<_> = (0..4)
-            .map(|r| slice(&kv, 4, r).unwrap().unwrap().range)
-            .collect();
+        let ranges: Vec<_> = (0..4).map(|r| slice(&kv, 4, r).unwrap().unwrap().range).collect();
         assert_eq!(ranges, vec![0..3, 0..3, 3..6, 3..6]);
-        assert!(slice(&kv, 3, 0)
-            .unwrap_err()
-            .to_string()
-            .contains("not a multiple"));
+        assert!(slice(&kv, 3, 0).unwrap_err().to_string().contains("not a multiple"));
         let q = w(vec![6, 4], ShardKind::Column, Some(3));
-        assert!(slice(&q, 2, 0)
-            .unwrap_err()
-            .to_string()
-            .contains("does not divide the 3 heads"));
+        assert!(slice(&q, 2, 0).unwrap_err().to_string().contains("does not divide the 3 heads"));
     }
 }

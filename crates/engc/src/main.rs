@@ -10,11 +10,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 #[derive(Parser)]
-#[command(
-    name = "engc",
-    version,
-    about = "Compile model architectures (YAML) + checkpoints into plan bundles"
-)]
+#[command(name = "engc", version, about = "Compile model architectures (YAML) + checkpoints into plan bundles")]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -62,24 +58,8 @@ fn parse_dtype(s: &str) -> Result<DType, String> {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.cmd {
-        Cmd::Compile {
-            model,
-            checkpoint,
-            tp,
-            dtype,
-            tokenizer,
-            out,
-            dump_after,
-        } => {
-            let opts = CompileOptions {
-                model,
-                checkpoint,
-                tp,
-                dtype,
-                tokenizer,
-                out,
-                dump_after,
-            };
+        Cmd::Compile { model, checkpoint, tp, dtype, tokenizer, out, dump_after } => {
+            let opts = CompileOptions { model, checkpoint, tp, dtype, tokenizer, out, dump_after };
             compile(&opts)
         }
         Cmd::Inspect { bundle, graph } => inspect(&bundle, graph),
@@ -120,10 +100,7 @@ fn inspect(path: &std::path::Path, graph: bool) -> Result<(), String> {
     }
     let m = &b.manifest;
     println!("bundle     {}", path.display());
-    println!(
-        "model      {} (format {}, engine {})",
-        m.model, m.format_version, m.engine_version
-    );
+    println!("model      {} (format {}, engine {})", m.model, m.format_version, m.engine_version);
     println!("tp         {}", m.tp);
     println!("dtype      {}", m.dtype);
     println!("params");
@@ -137,11 +114,7 @@ fn inspect(path: &std::path::Path, graph: bool) -> Result<(), String> {
         }
     }
     let ops: Vec<String> = ops.iter().map(|(k, v)| format!("{k} x{v}")).collect();
-    println!(
-        "plan       {} nodes: {}",
-        b.plan.nodes.len(),
-        ops.join(", ")
-    );
+    println!("plan       {} nodes: {}", b.plan.nodes.len(), ops.join(", "));
     let kv = b.plan.kv;
     println!(
         "kv cache   {} layers x {} kv heads x {} head_dim per rank ({} bytes/token in f32)",
@@ -150,16 +123,8 @@ fn inspect(path: &std::path::Path, graph: bool) -> Result<(), String> {
         kv.head_dim,
         2 * kv.layers * kv.row() * 4
     );
-    let bytes: usize = b
-        .plan
-        .weights()
-        .map(|(_, s, d)| s.iter().product::<usize>() * d.size())
-        .sum();
-    println!(
-        "weights    {} tensors, {:.1} MiB per rank",
-        b.plan.weights().count(),
-        bytes as f64 / (1 << 20) as f64
-    );
+    let bytes: usize = b.plan.weights().map(|(_, s, d)| s.iter().product::<usize>() * d.size()).sum();
+    println!("weights    {} tensors, {:.1} MiB per rank", b.plan.weights().count(), bytes as f64 / (1 << 20) as f64);
     let gen = b.generation_config().map_err(|e| e.to_string())?;
     match b.tokenizer_dir() {
         Some(_) => println!("tokenizer  yes (eos ids {:?})", gen.eos_token_id),

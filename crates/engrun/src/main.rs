@@ -84,30 +84,11 @@ fn main() -> ExitCode {
             ignore_eos,
             device,
         } => {
-            let sampling = SamplingParams {
-                temperature,
-                top_k,
-                top_p,
-                seed,
-                ..Default::default()
-            };
-            let args = GenArgs {
-                prompt,
-                chat,
-                system,
-                max_tokens,
-                sampling,
-                ignore_eos,
-                device,
-            };
+            let sampling = SamplingParams { temperature, top_k, top_p, seed, ..Default::default() };
+            let args = GenArgs { prompt, chat, system, max_tokens, sampling, ignore_eos, device };
             generate(&bundle, &args)
         }
-        Cmd::Logits {
-            bundle,
-            ids,
-            device,
-            out,
-        } => logits(&bundle, &ids, device, &out),
+        Cmd::Logits { bundle, ids, device, out } => logits(&bundle, &ids, device, &out),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -146,10 +127,7 @@ fn open(path: &Path, device: Device) -> Result<(Bundle, Box<dyn runtime::Backend
 fn generate(path: &Path, a: &GenArgs) -> Result<(), String> {
     let (b, mut backend) = open(path, a.device)?;
     let dir = b.tokenizer_dir().ok_or_else(|| {
-        format!(
-            "{} has no tokenizer; compile it with --tokenizer DIR, or use `engrun logits`",
-            path.display()
-        )
+        format!("{} has no tokenizer; compile it with --tokenizer DIR, or use `engrun logits`", path.display())
     })?;
     let tok = text::Tokenizer::load(&dir).map_err(|e| e.to_string())?;
     let prompt = if a.chat {
@@ -164,20 +142,12 @@ fn generate(path: &Path, a: &GenArgs) -> Result<(), String> {
     }
     .map_err(|e| e.to_string())?;
     let gen = b.generation_config().map_err(|e| e.to_string())?;
-    let max_context = b
-        .manifest
-        .params
-        .get("max_positions")
-        .and_then(|v| v.as_u64())
-        .map_or(usize::MAX, |v| v as usize);
+    let max_context =
+        b.manifest.params.get("max_positions").and_then(|v| v.as_u64()).map_or(usize::MAX, |v| v as usize);
     let req = GenerateRequest {
         prompt,
         max_tokens: a.max_tokens,
-        stop_ids: if a.ignore_eos {
-            vec![]
-        } else {
-            gen.eos_token_id
-        },
+        stop_ids: if a.ignore_eos { vec![] } else { gen.eos_token_id },
         sampling: a.sampling.clone(),
         max_context,
     };
@@ -203,11 +173,7 @@ fn generate(path: &Path, a: &GenArgs) -> Result<(), String> {
         req.prompt.len(),
         res.finish,
         res.prefill.as_secs_f64() * 1e3,
-        if n > 1 {
-            (n - 1) as f64 / res.decode.as_secs_f64()
-        } else {
-            0.0
-        }
+        if n > 1 { (n - 1) as f64 / res.decode.as_secs_f64() } else { 0.0 }
     );
     Ok(())
 }
@@ -215,7 +181,11 @@ fn generate(path: &Path, a: &GenArgs) -> Result<(), String> {
 fn logits(path: &Path, ids: &str, device: Device, out: &Path) -> Result<(), String> {
     let ids: Vec<u32> = ids
         .split(',')
-        .map(|s| s.trim().parse::<u32>().map_err(|_| format!("--ids: `{s}` is not a token id (expected comma-separated non-negative integers)")))
+        .map(|s| {
+            s.trim()
+                .parse::<u32>()
+                .map_err(|_| format!("--ids: `{s}` is not a token id (expected comma-separated non-negative integers)"))
+        })
         .collect::<Result<_, _>>()?;
     if ids.is_empty() {
         return Err("--ids is empty".into());
@@ -224,19 +194,9 @@ fn logits(path: &Path, ids: &str, device: Device, out: &Path) -> Result<(), Stri
     let rows: Vec<usize> = (0..ids.len()).collect();
     let logits = backend.forward(0, &ids, &rows).map_err(|e| e.to_string())?;
     let bytes: Vec<u8> = logits.iter().flat_map(|v| v.to_le_bytes()).collect();
-    let view = safetensors::tensor::TensorView::new(
-        safetensors::Dtype::F32,
-        vec![ids.len(), backend.vocab()],
-        &bytes,
-    )
-    .map_err(|e| e.to_string())?;
-    safetensors::serialize_to_file([("logits", view)], &None, out)
-        .map_err(|e| format!("{}: {e}", out.display()))?;
-    eprintln!(
-        "wrote logits [{}, {}] to {}",
-        ids.len(),
-        backend.vocab(),
-        out.display()
-    );
+    let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![ids.len(), backend.vocab()], &bytes)
+        .map_err(|e| e.to_string())?;
+    safetensors::serialize_to_file([("logits", view)], &None, out).map_err(|e| format!("{}: {e}", out.display()))?;
+    eprintln!("wrote logits [{}, {}] to {}", ids.len(), backend.vocab(), out.display());
     Ok(())
 }

@@ -36,21 +36,11 @@ pub struct Graph {
 impl Graph {
     /// An empty graph.
     pub fn new(act_dtype: DType) -> Graph {
-        Graph {
-            g: StableDiGraph::new(),
-            output: None,
-            act_dtype,
-            tp: 1,
-        }
+        Graph { g: StableDiGraph::new(), output: None, act_dtype, tp: 1 }
     }
 
     /// Adds a node after checking and inferring its type.
-    pub fn add(
-        &mut self,
-        op: Op,
-        inputs: &[NodeIndex],
-        label: impl Into<String>,
-    ) -> Result<NodeIndex, IrError> {
+    pub fn add(&mut self, op: Op, inputs: &[NodeIndex], label: impl Into<String>) -> Result<NodeIndex, IrError> {
         let tys: Vec<&TensorType> = inputs.iter().map(|&i| &self.g[i].ty).collect();
         let label = label.into();
         let ty = op.infer(&tys, self.act_dtype).map_err(|e| e.at(&label))?;
@@ -73,11 +63,8 @@ impl Graph {
 
     /// Inputs of `n` in slot order.
     pub fn inputs(&self, n: NodeIndex) -> Vec<NodeIndex> {
-        let mut e: Vec<(usize, NodeIndex)> = self
-            .g
-            .edges_directed(n, Direction::Incoming)
-            .map(|e| (*e.weight(), e.source()))
-            .collect();
+        let mut e: Vec<(usize, NodeIndex)> =
+            self.g.edges_directed(n, Direction::Incoming).map(|e| (*e.weight(), e.source())).collect();
         e.sort();
         e.into_iter().map(|(_, s)| s).collect()
     }
@@ -110,10 +97,7 @@ impl Graph {
             let ins = self.inputs(n);
             let tys: Vec<&TensorType> = ins.iter().map(|&i| &self.g[i].ty).collect();
             let node = &self.g[n];
-            let ty = node
-                .op
-                .infer(&tys, self.act_dtype)
-                .map_err(|e| e.at(&node.label))?;
+            let ty = node.op.infer(&tys, self.act_dtype).map_err(|e| e.at(&node.label))?;
             self.g[n].ty = ty;
         }
         Ok(())
@@ -123,23 +107,15 @@ impl Graph {
     /// algorithm, smallest index first), so plans follow the model YAML's statement order.
     fn topo(&self) -> Result<Vec<NodeIndex>, IrError> {
         use std::cmp::Reverse;
-        let mut indegree: HashMap<NodeIndex, usize> = self
-            .g
-            .node_indices()
-            .map(|n| (n, self.g.edges_directed(n, Direction::Incoming).count()))
-            .collect();
-        let mut ready: std::collections::BinaryHeap<Reverse<NodeIndex>> = indegree
-            .iter()
-            .filter(|(_, &d)| d == 0)
-            .map(|(&n, _)| Reverse(n))
-            .collect();
+        let mut indegree: HashMap<NodeIndex, usize> =
+            self.g.node_indices().map(|n| (n, self.g.edges_directed(n, Direction::Incoming).count())).collect();
+        let mut ready: std::collections::BinaryHeap<Reverse<NodeIndex>> =
+            indegree.iter().filter(|(_, &d)| d == 0).map(|(&n, _)| Reverse(n)).collect();
         let mut order = Vec::with_capacity(indegree.len());
         while let Some(Reverse(n)) = ready.pop() {
             order.push(n);
             for e in self.g.edges_directed(n, Direction::Outgoing) {
-                let d = indegree
-                    .get_mut(&e.target())
-                    .expect("every node has an in-degree");
+                let d = indegree.get_mut(&e.target()).expect("every node has an in-degree");
                 *d -= 1;
                 if *d == 0 {
                     ready.push(Reverse(e.target()));
@@ -147,14 +123,9 @@ impl Graph {
             }
         }
         if order.len() != indegree.len() {
-            let stuck = indegree
-                .iter()
-                .find(|(_, &d)| d > 0)
-                .map(|(&n, _)| self.g[n].label.clone())
-                .unwrap_or_default();
-            return Err(IrError::Verify(format!(
-                "the graph has a cycle through `{stuck}`"
-            )));
+            let stuck =
+                indegree.iter().find(|(_, &d)| d > 0).map(|(&n, _)| self.g[n].label.clone()).unwrap_or_default();
+            return Err(IrError::Verify(format!("the graph has a cycle through `{stuck}`")));
         }
         Ok(order)
     }
@@ -170,10 +141,7 @@ impl Graph {
             let node = &self.g[n];
             let ins = self.inputs(n);
             let tys: Vec<&TensorType> = ins.iter().map(|&i| &self.g[i].ty).collect();
-            let ty = node
-                .op
-                .infer(&tys, self.act_dtype)
-                .map_err(|e| IrError::Verify(e.at(&node.label).to_string()))?;
+            let ty = node.op.infer(&tys, self.act_dtype).map_err(|e| IrError::Verify(e.at(&node.label).to_string()))?;
             if ty != node.ty {
                 return Err(IrError::Verify(format!(
                     "`{}` ({}) is typed {} but its inputs give {ty}",
@@ -181,24 +149,13 @@ impl Graph {
                 )));
             }
             match &node.op {
-                Op::Weight { name, .. } => {
-                    if weights.insert(name, n).is_some() {
-                        return Err(IrError::Verify(format!(
-                            "weight `{name}` appears in two nodes"
-                        )));
-                    }
+                Op::Weight { name, .. } if weights.insert(name, n).is_some() => {
+                    return Err(IrError::Verify(format!("weight `{name}` appears in two nodes")));
                 }
-                Op::Attention {
-                    kv_heads,
-                    head_dim,
-                    layer,
-                    ..
-                } => {
-                    if layers.insert(*layer, (*kv_heads, *head_dim)).is_some() {
-                        return Err(IrError::Verify(format!(
-                            "two attention ops use KV layer {layer}"
-                        )));
-                    }
+                Op::Attention { kv_heads, head_dim, layer, .. }
+                    if layers.insert(*layer, (*kv_heads, *head_dim)).is_some() =>
+                {
+                    return Err(IrError::Verify(format!("two attention ops use KV layer {layer}")));
                 }
                 _ => {}
             }
@@ -211,27 +168,18 @@ impl Graph {
             )));
         }
         if layers.values().any(|l| Some(l) != layers.values().next()) {
-            return Err(IrError::Verify(
-                "attention layers have different KV layouts".into(),
-            ));
+            return Err(IrError::Verify("attention layers have different KV layouts".into()));
         }
-        let out = self
-            .output
-            .ok_or_else(|| IrError::Verify("the graph has no output (assign `logits`)".into()))?;
+        let out = self.output.ok_or_else(|| IrError::Verify("the graph has no output (assign `logits`)".into()))?;
         if !matches!(self.g[out].op, Op::Logits) {
             return Err(IrError::Verify(format!(
                 "the output `{}` is a {}, not logits",
                 self.g[out].label, self.g[out].op
             )));
         }
-        let n_logits = order
-            .iter()
-            .filter(|&&n| matches!(self.g[n].op, Op::Logits))
-            .count();
+        let n_logits = order.iter().filter(|&&n| matches!(self.g[n].op, Op::Logits)).count();
         if n_logits != 1 {
-            return Err(IrError::Verify(format!(
-                "{n_logits} logits ops; the graph needs exactly one"
-            )));
+            return Err(IrError::Verify(format!("{n_logits} logits ops; the graph needs exactly one")));
         }
         Ok(())
     }
@@ -239,9 +187,7 @@ impl Graph {
     /// Linearises the verified graph into a [`Plan`], dropping nodes the output does not use.
     pub fn to_plan(&self) -> Result<Plan, IrError> {
         self.verify()?;
-        let out = self
-            .output
-            .ok_or_else(|| IrError::Verify("no output".into()))?;
+        let out = self.output.ok_or_else(|| IrError::Verify("no output".into()))?;
         let mut live = vec![out];
         let mut seen = std::collections::HashSet::from([out]);
         while let Some(n) = live.pop() {
@@ -256,15 +202,8 @@ impl Graph {
         let mut kv = KvLayout::default();
         for n in self.topo()?.into_iter().filter(|n| seen.contains(n)) {
             let node = &self.g[n];
-            if let Op::Attention {
-                kv_heads, head_dim, ..
-            } = node.op
-            {
-                kv = KvLayout {
-                    layers: kv.layers + 1,
-                    kv_heads,
-                    head_dim,
-                };
+            if let Op::Attention { kv_heads, head_dim, .. } = node.op {
+                kv = KvLayout { layers: kv.layers + 1, kv_heads, head_dim };
             }
             ids.insert(n, nodes.len());
             nodes.push(PlanNode {
@@ -275,13 +214,6 @@ impl Graph {
             });
         }
         let vocab = self.g[out].ty.last().unwrap_or(0);
-        Ok(Plan {
-            output: ids[&out],
-            nodes,
-            act_dtype: self.act_dtype,
-            kv,
-            tp: self.tp,
-            vocab,
-        })
+        Ok(Plan { output: ids[&out], nodes, act_dtype: self.act_dtype, kv, tp: self.tp, vocab })
     }
 }

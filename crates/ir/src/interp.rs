@@ -55,18 +55,12 @@ impl Interpreter {
         for n in &plan.nodes {
             weights.push(match &n.op {
                 Op::Weight { name, shape, .. } => {
-                    let w = load(name, shape).map_err(|m| IrError::Weight {
-                        name: name.clone(),
-                        message: m,
-                    })?;
+                    let w = load(name, shape).map_err(|m| IrError::Weight { name: name.clone(), message: m })?;
                     let want: usize = shape.iter().product();
                     if w.len() != want {
                         return Err(IrError::Weight {
                             name: name.clone(),
-                            message: format!(
-                                "has {} values, expected {want} for shape {shape:?}",
-                                w.len()
-                            ),
+                            message: format!("has {} values, expected {want} for shape {shape:?}", w.len()),
                         });
                     }
                     Some(w)
@@ -84,32 +78,18 @@ impl Interpreter {
 
     /// An empty KV cache for one sequence.
     pub fn new_cache(&self) -> KvCache {
-        KvCache {
-            k: vec![Vec::new(); self.plan.kv.layers],
-            v: vec![Vec::new(); self.plan.kv.layers],
-            len: 0,
-        }
+        KvCache { k: vec![Vec::new(); self.plan.kv.layers], v: vec![Vec::new(); self.plan.kv.layers], len: 0 }
     }
 
     /// Runs one step: `tokens` at positions `cache.len()..`, appending to the cache. Returns the
     /// logits of the positions `rows` (indices into `tokens`), `rows.len() × vocab` floats.
-    pub fn forward(
-        &self,
-        cache: &mut KvCache,
-        tokens: &[u32],
-        rows: &[usize],
-    ) -> Result<Vec<f32>, IrError> {
+    pub fn forward(&self, cache: &mut KvCache, tokens: &[u32], rows: &[usize]) -> Result<Vec<f32>, IrError> {
         let vocab = self.plan.vocab;
         if let Some(t) = tokens.iter().find(|&&t| t as usize >= vocab) {
-            return Err(IrError::Input(format!(
-                "token id {t} is outside the vocabulary (size {vocab})"
-            )));
+            return Err(IrError::Input(format!("token id {t} is outside the vocabulary (size {vocab})")));
         }
         if let Some(r) = rows.iter().find(|&&r| r >= tokens.len()) {
-            return Err(IrError::Input(format!(
-                "logit row {r} is outside the {} tokens of the step",
-                tokens.len()
-            )));
+            return Err(IrError::Input(format!("logit row {r} is outside the {} tokens of the step", tokens.len())));
         }
         let t_len = tokens.len();
         let start = cache.len;
@@ -128,9 +108,7 @@ impl Interpreter {
                 Op::Positions => Some(Val::Ids((0..t_len).map(|t| (start + t) as i32).collect())),
                 Op::Weight { .. } => None,
                 Op::Embedding => {
-                    let Some(Val::Ids(ids)) = &vals[n.inputs[0]] else {
-                        unreachable!("verified: tokens")
-                    };
+                    let Some(Val::Ids(ids)) = &vals[n.inputs[0]] else { unreachable!("verified: tokens") };
                     Some(Val::F(embedding(ids, f(1), cols)))
                 }
                 Op::Linear { bias } => {
@@ -138,24 +116,12 @@ impl Interpreter {
                     Some(Val::F(linear(f(0), f(1), b, cols)))
                 }
                 Op::RmsNorm { eps } => Some(Val::F(rms_norm(f(0), f(1), *eps))),
-                Op::Rope {
-                    head_dim,
-                    theta,
-                    scaling,
-                } => {
-                    let Some(Val::Ids(pos)) = &vals[n.inputs[1]] else {
-                        unreachable!("verified: positions")
-                    };
+                Op::Rope { head_dim, theta, scaling } => {
+                    let Some(Val::Ids(pos)) = &vals[n.inputs[1]] else { unreachable!("verified: positions") };
                     let (inv, scale) = scaling.inv_freq(*head_dim, *theta);
                     Some(Val::F(rope(f(0), pos, *head_dim, &inv, scale)))
                 }
-                Op::Attention {
-                    heads,
-                    kv_heads,
-                    head_dim,
-                    scale,
-                    layer,
-                } => {
+                Op::Attention { heads, kv_heads, head_dim, scale, layer } => {
                     let (k, v) = (&mut cache.k[*layer], &mut cache.v[*layer]);
                     if k.len() != start * kv_heads * head_dim {
                         return Err(IrError::Input(format!(
@@ -166,30 +132,16 @@ impl Interpreter {
                     }
                     k.extend_from_slice(f(1));
                     v.extend_from_slice(f(2));
-                    Some(Val::F(attention(
-                        f(0),
-                        k,
-                        v,
-                        start,
-                        *heads,
-                        *kv_heads,
-                        *head_dim,
-                        *scale,
-                    )))
+                    Some(Val::F(attention(f(0), k, v, start, *heads, *kv_heads, *head_dim, *scale)))
                 }
-                Op::Silu => Some(Val::F(
-                    f(0).iter().map(|&x| x / (1.0 + (-x).exp())).collect(),
-                )),
+                Op::Silu => Some(Val::F(f(0).iter().map(|&x| x / (1.0 + (-x).exp())).collect())),
                 Op::Mul => Some(Val::F(f(0).iter().zip(f(1)).map(|(a, b)| a * b).collect())),
                 Op::Add => Some(Val::F(f(0).iter().zip(f(1)).map(|(a, b)| a + b).collect())),
                 Op::AllReduce => Some(Val::F(f(0).to_vec())),
                 Op::Logits => {
                     let h = f(1).len() / cols;
                     let x = f(0);
-                    let sel: Vec<f32> = rows
-                        .iter()
-                        .flat_map(|&r| x[r * h..(r + 1) * h].iter().copied())
-                        .collect();
+                    let sel: Vec<f32> = rows.iter().flat_map(|&r| x[r * h..(r + 1) * h].iter().copied()).collect();
                     Some(Val::F(linear(&sel, f(1), None, cols)))
                 }
             };
@@ -205,9 +157,7 @@ impl Interpreter {
 }
 
 fn embedding(ids: &[i32], table: &[f32], h: usize) -> Vec<f32> {
-    ids.iter()
-        .flat_map(|&t| table[t as usize * h..(t as usize + 1) * h].iter().copied())
-        .collect()
+    ids.iter().flat_map(|&t| table[t as usize * h..(t as usize + 1) * h].iter().copied()).collect()
 }
 
 /// `x [T, K] · w [N, K]ᵀ + b [N]`.

@@ -68,9 +68,6 @@ pub enum IrError {
 impl IrError {
     /// Wraps the error with the label of the node it happened at.
     pub fn at(self, label: &str) -> IrError {
-        IrError::At {
-            label: label.to_string(),
-            source: Box::new(self),
-        }
+        IrError::At { label: label.to_string(), source: Box::new(self) }
     }
 }

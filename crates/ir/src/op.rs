@@ -104,28 +104,15 @@ impl Op {
     }
 
     /// Names of the ops a model YAML may call, for error messages.
-    pub const CALLABLE: [&'static str; 8] = [
-        "embedding",
-        "linear",
-        "rms_norm",
-        "rope",
-        "attention",
-        "silu",
-        "logits",
-        "all_reduce",
-    ];
+    pub const CALLABLE: [&'static str; 8] =
+        ["embedding", "linear", "rms_norm", "rope", "attention", "silu", "logits", "all_reduce"];
 
     /// The number of inputs the op takes.
     pub fn arity(&self) -> usize {
         match self {
             Op::Tokens | Op::Positions | Op::Weight { .. } => 0,
             Op::Silu | Op::AllReduce => 1,
-            Op::Embedding
-            | Op::RmsNorm { .. }
-            | Op::Rope { .. }
-            | Op::Mul
-            | Op::Add
-            | Op::Logits => 2,
+            Op::Embedding | Op::RmsNorm { .. } | Op::Rope { .. } | Op::Mul | Op::Add | Op::Logits => 2,
             Op::Linear { bias } => 2 + usize::from(*bias),
             Op::Attention { .. } => 3,
         }
@@ -135,21 +122,11 @@ impl Op {
     pub fn attrs(&self) -> String {
         match self {
             Op::RmsNorm { eps } => format!("eps={eps:e}"),
-            Op::Rope {
-                head_dim,
-                theta,
-                scaling,
-            } => format!(
+            Op::Rope { head_dim, theta, scaling } => format!(
                 "head_dim={head_dim}, theta={theta}, scaling={}",
                 serde_json::to_string(scaling).unwrap_or_default()
             ),
-            Op::Attention {
-                heads,
-                kv_heads,
-                head_dim,
-                scale,
-                layer,
-            } => {
+            Op::Attention { heads, kv_heads, head_dim, scale, layer } => {
                 format!("heads={heads}, kv_heads={kv_heads}, head_dim={head_dim}, scale={scale}, layer={layer}")
             }
             Op::Tokens
@@ -169,11 +146,7 @@ impl Op {
     /// that the inputs fit. `act` is the activation dtype of the graph.
     pub fn infer(&self, inputs: &[&TensorType], act: DType) -> Result<TensorType, IrError> {
         if inputs.len() != self.arity() {
-            return Err(self.err(format!(
-                "takes {} inputs, got {}",
-                self.arity(),
-                inputs.len()
-            )));
+            return Err(self.err(format!("takes {} inputs, got {}", self.arity(), inputs.len())));
         }
         let rows = |t: &TensorType, what: &str| -> Result<usize, IrError> {
             match (t.shape.as_slice(), t.dtype.is_float()) {
@@ -213,9 +186,7 @@ impl Op {
                 let k = rows(inputs[0], "x")?;
                 let (n, wk) = mat(inputs[1], "weight")?;
                 if wk != k {
-                    return Err(
-                        self.err(format!("x has {k} features but the weight is [{n}, {wk}]"))
-                    );
+                    return Err(self.err(format!("x has {k} features but the weight is [{n}, {wk}]")));
                 }
                 if *bias {
                     vec(inputs[2], n, "bias")?;
@@ -231,27 +202,14 @@ impl Op {
                 let n = rows(inputs[0], "x")?;
                 ids(inputs[1], "positions")?;
                 if *head_dim == 0 || head_dim % 2 != 0 || n % head_dim != 0 {
-                    return Err(self.err(format!(
-                        "{n} features are not whole heads of even size {head_dim}"
-                    )));
+                    return Err(self.err(format!("{n} features are not whole heads of even size {head_dim}")));
                 }
                 act2(n)
             }
-            Op::Attention {
-                heads,
-                kv_heads,
-                head_dim,
-                ..
-            } => {
-                let (q, k, v) = (
-                    rows(inputs[0], "q")?,
-                    rows(inputs[1], "k")?,
-                    rows(inputs[2], "v")?,
-                );
+            Op::Attention { heads, kv_heads, head_dim, .. } => {
+                let (q, k, v) = (rows(inputs[0], "q")?, rows(inputs[1], "k")?, rows(inputs[2], "v")?);
                 if *kv_heads == 0 || heads % kv_heads != 0 {
-                    return Err(self.err(format!(
-                        "{heads} query heads are not a multiple of {kv_heads} kv heads"
-                    )));
+                    return Err(self.err(format!("{heads} query heads are not a multiple of {kv_heads} kv heads")));
                 }
                 if q != heads * head_dim || k != kv_heads * head_dim || v != k {
                     return Err(self.err(format!(
@@ -275,9 +233,7 @@ impl Op {
                 let h = rows(inputs[0], "x")?;
                 let (v, wh) = mat(inputs[1], "weight")?;
                 if wh != h {
-                    return Err(
-                        self.err(format!("x has {h} features but the weight is [{v}, {wh}]"))
-                    );
+                    return Err(self.err(format!("x has {h} features but the weight is [{v}, {wh}]")));
                 }
                 TensorType::new(vec![Dim::R, Dim::N(v)], DType::F32)
             }
@@ -285,10 +241,7 @@ impl Op {
     }
 
     fn err(&self, message: String) -> IrError {
-        IrError::Shape {
-            op: self.name().to_string(),
-            message,
-        }
+        IrError::Shape { op: self.name().to_string(), message }
     }
 }
 

@@ -92,11 +92,7 @@ impl Plan {
                 })
                 .collect();
             let attrs = n.op.attrs();
-            let attrs = if attrs.is_empty() {
-                String::new()
-            } else {
-                format!("{{{attrs}}}")
-            };
+            let attrs = if attrs.is_empty() { String::new() } else { format!("{{{attrs}}}") };
             let out = if i == self.output { "  (output)" } else { "" };
             let _ = writeln!(
                 s,

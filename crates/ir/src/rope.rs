@@ -56,18 +56,11 @@ impl RopeScaling {
     /// Reads the scaling from a config object (`rope_scaling` or `rope_parameters`); null means
     /// [`RopeScaling::Default`]. `max_positions` is `max_position_embeddings`, used where the
     /// config omits the original context length.
-    pub fn from_config(
-        cfg: &serde_json::Value,
-        max_positions: Option<f64>,
-    ) -> Result<RopeScaling, IrError> {
+    pub fn from_config(cfg: &serde_json::Value, max_positions: Option<f64>) -> Result<RopeScaling, IrError> {
         if cfg.is_null() {
             return Ok(RopeScaling::Default);
         }
-        let kind = cfg
-            .get("rope_type")
-            .or_else(|| cfg.get("type"))
-            .and_then(|v| v.as_str())
-            .unwrap_or("default");
+        let kind = cfg.get("rope_type").or_else(|| cfg.get("type")).and_then(|v| v.as_str()).unwrap_or("default");
         let need = |key: &str| {
             field(cfg, key).ok_or_else(|| IrError::Attr {
                 op: "rope".into(),
@@ -75,14 +68,10 @@ impl RopeScaling {
             })
         };
         let orig = || {
-            field(cfg, "original_max_position_embeddings")
-                .or(max_positions)
-                .ok_or_else(|| IrError::Attr {
-                    op: "rope".into(),
-                    message: format!(
-                        "rope scaling `{kind}` needs original_max_position_embeddings"
-                    ),
-                })
+            field(cfg, "original_max_position_embeddings").or(max_positions).ok_or_else(|| IrError::Attr {
+                op: "rope".into(),
+                message: format!("rope scaling `{kind}` needs original_max_position_embeddings"),
+            })
         };
         Ok(match kind {
             "default" => RopeScaling::Default,
@@ -113,7 +102,9 @@ impl RopeScaling {
             other => {
                 return Err(IrError::Attr {
                     op: "rope".into(),
-                    message: format!("unsupported rope scaling type `{other}` (supported: default, linear, llama3, yarn)"),
+                    message: format!(
+                        "unsupported rope scaling type `{other}` (supported: default, linear, llama3, yarn)"
+                    ),
                 })
             }
         })
@@ -122,18 +113,11 @@ impl RopeScaling {
     /// The inverse frequencies (`head_dim / 2` of them) and the factor applied to cos and sin.
     pub fn inv_freq(&self, head_dim: usize, theta: f64) -> (Vec<f64>, f64) {
         let half = head_dim / 2;
-        let base: Vec<f64> = (0..half)
-            .map(|i| 1.0 / theta.powf((2 * i) as f64 / head_dim as f64))
-            .collect();
+        let base: Vec<f64> = (0..half).map(|i| 1.0 / theta.powf((2 * i) as f64 / head_dim as f64)).collect();
         match *self {
             RopeScaling::Default => (base, 1.0),
             RopeScaling::Linear { factor } => (base.iter().map(|f| f / factor).collect(), 1.0),
-            RopeScaling::Llama3 {
-                factor,
-                low_freq_factor,
-                high_freq_factor,
-                original_max_positions,
-            } => {
+            RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_positions } => {
                 let low_wavelen = original_max_positions / low_freq_factor;
                 let high_wavelen = original_max_positions / high_freq_factor;
                 let out = base
@@ -153,17 +137,10 @@ impl RopeScaling {
                     .collect();
                 (out, 1.0)
             }
-            RopeScaling::Yarn {
-                factor,
-                original_max_positions,
-                beta_fast,
-                beta_slow,
-                attention_factor,
-            } => {
+            RopeScaling::Yarn { factor, original_max_positions, beta_fast, beta_slow, attention_factor } => {
                 let d = head_dim as f64;
                 let correction = |rot: f64| {
-                    d * (original_max_positions / (rot * 2.0 * std::f64::consts::PI)).ln()
-                        / (2.0 * theta.ln())
+                    d * (original_max_positions / (rot * 2.0 * std::f64::consts::PI)).ln() / (2.0 * theta.ln())
                 };
                 let low = correction(beta_fast).floor().max(0.0);
                 let mut high = correction(beta_slow).ceil().min(d - 1.0);
@@ -193,25 +170,13 @@ mod tests {
     #[test]
     fn parses_both_config_styles() {
         let v4 = json!({"type": "linear", "factor": 2.0});
-        assert_eq!(
-            RopeScaling::from_config(&v4, None).unwrap(),
-            RopeScaling::Linear { factor: 2.0 }
-        );
+        assert_eq!(RopeScaling::from_config(&v4, None).unwrap(), RopeScaling::Linear { factor: 2.0 });
         let v5 = json!({"rope_type": "default", "rope_theta": 100000.0});
-        assert_eq!(
-            RopeScaling::from_config(&v5, None).unwrap(),
-            RopeScaling::Default
-        );
+        assert_eq!(RopeScaling::from_config(&v5, None).unwrap(), RopeScaling::Default);
         let bad = json!({"rope_type": "dynamic-ish", "factor": 2.0});
-        assert!(RopeScaling::from_config(&bad, None)
-            .unwrap_err()
-            .to_string()
-            .contains("unsupported rope scaling"));
+        assert!(RopeScaling::from_config(&bad, None).unwrap_err().to_string().contains("unsupported rope scaling"));
         let missing = json!({"rope_type": "llama3", "factor": 8.0});
-        assert!(RopeScaling::from_config(&missing, None)
-            .unwrap_err()
-            .to_string()
-            .contains("low_freq_factor"));
+        assert!(RopeScaling::from_config(&missing, None).unwrap_err().to_string().contains("low_freq_factor"));
     }
 
     #[test]

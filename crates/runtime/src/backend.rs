@@ -27,9 +27,7 @@ impl FromStr for Device {
             "ref" => Ok(Device::Ref),
             "cpu" => Ok(Device::Cpu),
             "cuda" => Ok(Device::Cuda),
-            other => Err(format!(
-                "unknown device `{other}` (expected ref, cpu or cuda)"
-            )),
+            other => Err(format!("unknown device `{other}` (expected ref, cpu or cuda)")),
         }
     }
 }
@@ -40,12 +38,7 @@ pub trait Backend {
     fn vocab(&self) -> usize;
     /// Runs `tokens` for sequence `seq` (created on first use) at its next positions and
     /// returns the logits of the rows `rows` (indices into `tokens`), `rows.len() × vocab`.
-    fn forward(
-        &mut self,
-        seq: SeqId,
-        tokens: &[u32],
-        rows: &[usize],
-    ) -> Result<Vec<f32>, RuntimeError>;
+    fn forward(&mut self, seq: SeqId, tokens: &[u32], rows: &[usize]) -> Result<Vec<f32>, RuntimeError>;
     /// Number of positions cached for `seq` (0 if unknown).
     fn seq_len(&self, seq: SeqId) -> usize;
     /// Drops the KV cache of `seq`.
@@ -62,13 +55,9 @@ impl RefBackend {
     /// Loads rank 0's weights of `bundle` as f32.
     pub fn new(bundle: &Bundle) -> Result<RefBackend, RuntimeError> {
         let weights = bundle.weights(0)?;
-        let interp = Interpreter::new(bundle.plan.clone(), |name, shape| {
-            weights.f32(name, shape).map_err(|e| e.to_string())
-        })?;
-        Ok(RefBackend {
-            interp,
-            caches: HashMap::new(),
-        })
+        let interp =
+            Interpreter::new(bundle.plan.clone(), |name, shape| weights.f32(name, shape).map_err(|e| e.to_string()))?;
+        Ok(RefBackend { interp, caches: HashMap::new() })
     }
 }
 
@@ -77,16 +66,8 @@ impl Backend for RefBackend {
         self.interp.plan().vocab
     }
 
-    fn forward(
-        &mut self,
-        seq: SeqId,
-        tokens: &[u32],
-        rows: &[usize],
-    ) -> Result<Vec<f32>, RuntimeError> {
-        let cache = self
-            .caches
-            .entry(seq)
-            .or_insert_with(|| self.interp.new_cache());
+    fn forward(&mut self, seq: SeqId, tokens: &[u32], rows: &[usize]) -> Result<Vec<f32>, RuntimeError> {
+        let cache = self.caches.entry(seq).or_insert_with(|| self.interp.new_cache());
         Ok(self.interp.forward(cache, tokens, rows)?)
     }
 

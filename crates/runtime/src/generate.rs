@@ -79,12 +79,7 @@ pub fn generate(
             }
             logits = backend.forward(seq, &[next], &[0])?;
         }
-        Ok(GenerateOutput {
-            ids,
-            finish,
-            prefill,
-            decode: start.elapsed() - prefill,
-        })
+        Ok(GenerateOutput { ids, finish, prefill, decode: start.elapsed() - prefill })
     })();
     backend.release(seq);
     result

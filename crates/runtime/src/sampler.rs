@@ -20,13 +20,7 @@ pub struct SamplingParams {
 
 impl Default for SamplingParams {
     fn default() -> Self {
-        SamplingParams {
-            temperature: 0.0,
-            top_k: 0,
-            top_p: 1.0,
-            min_p: 0.0,
-            seed: 0,
-        }
+        SamplingParams { temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, seed: 0 }
     }
 }
 
@@ -35,10 +29,7 @@ impl SamplingParams {
     pub fn validate(&self) -> Result<(), RuntimeError> {
         let bad = |m: String| Err(RuntimeError::Invalid(m));
         if !self.temperature.is_finite() || self.temperature < 0.0 || self.temperature > 100.0 {
-            return bad(format!(
-                "temperature must be in [0, 100], got {}",
-                self.temperature
-            ));
+            return bad(format!("temperature must be in [0, 100], got {}", self.temperature));
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return bad(format!("top_p must be in (0, 1], got {}", self.top_p));
@@ -77,25 +68,16 @@ impl Sampler {
     /// Chooses a token from one row of logits.
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
         let argmax = || {
-            logits
-                .iter()
-                .enumerate()
-                .fold(
-                    (0, f32::NEG_INFINITY),
-                    |b, (i, &v)| if v > b.1 { (i, v) } else { b },
-                )
-                .0 as u32
+            logits.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &v)| if v > b.1 { (i, v) } else { b }).0
+                as u32
         };
         if self.params.temperature == 0.0 || self.params.top_k == 1 {
             return argmax();
         }
         let t = self.params.temperature;
         let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut probs: Vec<(u32, f64)> = logits
-            .iter()
-            .enumerate()
-            .map(|(i, &l)| (i as u32, (((l - max) / t) as f64).exp()))
-            .collect();
+        let mut probs: Vec<(u32, f64)> =
+            logits.iter().enumerate().map(|(i, &l)| (i as u32, (((l - max) / t) as f64).exp())).collect();
         probs.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
         if self.params.top_k > 0 {
             probs.truncate(self.params.top_k);
@@ -105,10 +87,7 @@ impl Sampler {
         let mut kept = 0.0;
         let mut keep = 0;
         for p in &probs {
-            if keep > 0
-                && (kept / total >= self.params.top_p as f64
-                    || p.1 < self.params.min_p as f64 * top)
-            {
+            if keep > 0 && (kept / total >= self.params.top_p as f64 || p.1 < self.params.min_p as f64 * top) {
                 break;
             }
             kept += p.1;
@@ -135,11 +114,7 @@ mod tests {
         let logits = [0.1, 2.0, 1.9, -1.0];
         let mut s = Sampler::new(SamplingParams::default()).unwrap();
         assert_eq!(s.sample(&logits), 1);
-        let p = SamplingParams {
-            temperature: 1.0,
-            seed: 7,
-            ..Default::default()
-        };
+        let p = SamplingParams { temperature: 1.0, seed: 7, ..Default::default() };
         let a: Vec<u32> = {
             let mut s = Sampler::new(p.clone()).unwrap();
             (0..32).map(|_| s.sample(&logits)).collect()
@@ -150,11 +125,7 @@ mod tests {
         };
         assert_eq!(a, b);
         assert!(a.contains(&2) && a.contains(&1), "{a:?}");
-        let k = SamplingParams {
-            temperature: 1.0,
-            top_k: 2,
-            ..Default::default()
-        };
+        let k = SamplingParams { temperature: 1.0, top_k: 2, ..Default::default() };
         let mut s = Sampler::new(k).unwrap();
         assert!((0..64).all(|_| matches!(s.sample(&logits), 1 | 2)));
     }
@@ -162,22 +133,10 @@ mod tests {
     #[test]
     fn rejects_absurd_params() {
         for p in [
-            SamplingParams {
-                temperature: -1.0,
-                ..Default::default()
-            },
-            SamplingParams {
-                temperature: f32::NAN,
-                ..Default::default()
-            },
-            SamplingParams {
-                top_p: 0.0,
-                ..Default::default()
-            },
-            SamplingParams {
-                min_p: 2.0,
-                ..Default::default()
-            },
+            SamplingParams { temperature: -1.0, ..Default::default() },
+            SamplingParams { temperature: f32::NAN, ..Default::default() },
+            SamplingParams { top_p: 0.0, ..Default::default() },
+            SamplingParams { min_p: 2.0, ..Default::default() },
         ] {
             assert!(Sampler::new(p).is_err());
         }

@@ -46,44 +46,29 @@ impl BoundModel {
 
     /// Finds a weight by YAML key and layer, following `tied_to` aliases.
     pub fn weight(&self, key: &str, layer: Option<usize>) -> Option<&BoundWeight> {
-        let key = self
-            .aliases
-            .iter()
-            .find(|(k, _)| k == key)
-            .map_or(key, |(_, t)| t.as_str());
+        let key = self.aliases.iter().find(|(k, _)| k == key).map_or(key, |(_, t)| t.as_str());
         let per_layer = self.spec.per_layer_weights.iter().any(|(k, _)| k == key);
         let layer = if per_layer { layer } else { None };
-        self.weights
-            .iter()
-            .find(|w| w.key == key && w.layer == layer)
+        self.weights.iter().find(|w| w.key == key && w.layer == layer)
     }
 
     /// Whether `key` names a weight in the spec (existing for this config or not).
     pub fn declares_weight(&self, key: &str) -> bool {
         let s = &self.spec;
-        s.weights
-            .iter()
-            .chain(&s.per_layer_weights)
-            .any(|(k, _)| k == key)
+        s.weights.iter().chain(&s.per_layer_weights).any(|(k, _)| k == key)
     }
 }
 
 /// Looks up a dotted path (`rope_parameters.rope_theta`) in a JSON object.
 fn json_path<'a>(config: &'a serde_json::Value, path: &str) -> Option<&'a serde_json::Value> {
-    path.split('.')
-        .try_fold(config, |v, part| v.get(part))
-        .filter(|v| !v.is_null())
+    path.split('.').try_fold(config, |v, part| v.get(part)).filter(|v| !v.is_null())
 }
 
 /// Binds `spec` to `config` (the parsed config.json).
 pub fn bind(spec: &ModelSpec, config: &serde_json::Value) -> Result<BoundModel, SpecError> {
     if let Some(archs) = config.get("architectures").and_then(|a| a.as_array()) {
         let names: Vec<&str> = archs.iter().filter_map(|a| a.as_str()).collect();
-        if !spec.architectures.is_empty()
-            && !names
-                .iter()
-                .any(|n| spec.architectures.iter().any(|a| a == n))
-        {
+        if !spec.architectures.is_empty() && !names.iter().any(|n| spec.architectures.iter().any(|a| a == n)) {
             return Err(SpecError::Architecture {
                 origin: spec.origin.clone(),
                 config: names.join(", "),
@@ -97,20 +82,12 @@ pub fn bind(spec: &ModelSpec, config: &serde_json::Value) -> Result<BoundModel, 
         params.push((name.clone(), v));
     }
     let lookup = |n: &str| params.iter().find(|(k, _)| k == n).map(|(_, v)| v.clone());
-    let layers = lookup("layers")
-        .and_then(|v| v.as_usize())
-        .ok_or_else(|| SpecError::Schema {
-            at: spec.origin.clone(),
-            message: "params must define `layers` (the number of layers) as a non-negative integer"
-                .into(),
-        })?;
-    let mut bound = BoundModel {
-        spec: spec.clone(),
-        params: params.clone(),
-        layers,
-        weights: Vec::new(),
-        aliases: Vec::new(),
-    };
+    let layers = lookup("layers").and_then(|v| v.as_usize()).ok_or_else(|| SpecError::Schema {
+        at: spec.origin.clone(),
+        message: "params must define `layers` (the number of layers) as a non-negative integer".into(),
+    })?;
+    let mut bound =
+        BoundModel { spec: spec.clone(), params: params.clone(), layers, weights: Vec::new(), aliases: Vec::new() };
     for (key, w) in &spec.weights {
         if let Some(bw) = bind_weight(spec, key, w, None, &lookup, &mut bound.aliases)? {
             bound.weights.push(bw);
@@ -159,11 +136,7 @@ fn bind_param(
             }
             match default {
                 Some(d) => eval_text(d),
-                None => Err(SpecError::MissingConfigKey {
-                    at,
-                    param: name.to_string(),
-                    keys: keys.join(" or "),
-                }),
+                None => Err(SpecError::MissingConfigKey { at, param: name.to_string(), keys: keys.join(" or ") }),
             }
         }
     }
@@ -178,20 +151,14 @@ fn bind_weight(
     aliases: &mut Vec<(String, String)>,
 ) -> Result<Option<BoundWeight>, SpecError> {
     let at = spec.locate(&format!("{key}:"));
-    let werr = |message: String| SpecError::Weight {
-        at: at.clone(),
-        weight: key.to_string(),
-        message,
-    };
+    let werr = |message: String| SpecError::Weight { at: at.clone(), weight: key.to_string(), message };
     let eval_text = |text: &str| -> Result<Value, SpecError> {
         let e = parse_expr(text).map_err(|e| werr(e.to_string()))?;
         eval(&e, lookup).map_err(|m| werr(format!("{m} in `{text}`")))
     };
     if let Some(cond) = &w.when {
         let v = eval_text(cond)?;
-        let exists = v
-            .as_bool()
-            .ok_or_else(|| werr(format!("`when: {cond}` is {v}, not a bool")))?;
+        let exists = v.as_bool().ok_or_else(|| werr(format!("`when: {cond}` is {v}, not a bool")))?;
         if !exists {
             if let Some(t) = &w.tied_to {
                 aliases.push((key.to_string(), t.clone()));
@@ -201,34 +168,20 @@ fn bind_weight(
     }
     let mut shape = Vec::with_capacity(w.shape.len());
     for d in &w.shape {
-        let text = scalar_text(d)
-            .ok_or_else(|| werr(format!("shape entry {d:?} is not an expression")))?;
+        let text = scalar_text(d).ok_or_else(|| werr(format!("shape entry {d:?} is not an expression")))?;
         let v = eval_text(&text)?;
-        shape.push(
-            v.as_usize()
-                .ok_or_else(|| werr(format!("shape entry `{text}` is {v}, not a size")))?,
-        );
+        shape.push(v.as_usize().ok_or_else(|| werr(format!("shape entry `{text}` is {v}, not a size")))?);
     }
     let shard_heads = match &w.shard_heads {
         None => None,
         Some(text) => {
             let v = eval_text(text)?;
-            Some(
-                v.as_usize()
-                    .ok_or_else(|| werr(format!("shard_heads `{text}` is {v}, not a count")))?,
-            )
+            Some(v.as_usize().ok_or_else(|| werr(format!("shard_heads `{text}` is {v}, not a count")))?)
         }
     };
     let name = match layer {
         Some(i) => w.name.replace("{i}", &i.to_string()),
         None => w.name.clone(),
     };
-    Ok(Some(BoundWeight {
-        key: key.to_string(),
-        layer,
-        name,
-        shape,
-        shard: w.shard,
-        shard_heads,
-    }))
+    Ok(Some(BoundWeight { key: key.to_string(), layer, name, shape, shard: w.shard, shard_heads }))
 }

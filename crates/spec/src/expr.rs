@@ -158,26 +158,18 @@ enum Tok {
     Sym(&'static str),
 }
 
-const SYMBOLS: [&str; 17] = [
-    "//", "==", "!=", "<=", ">=", "+", "-", "*", "/", "%", "<", ">", "(", ")", ",", "=", ":",
-];
+const SYMBOLS: [&str; 17] = ["//", "==", "!=", "<=", ">=", "+", "-", "*", "/", "%", "<", ">", "(", ")", ",", "=", ":"];
 
 fn tokenize(src: &str) -> Result<Vec<(Tok, usize)>, ParseError> {
     let chars: Vec<char> = src.chars().collect();
-    let err = |message: String, at: usize| ParseError {
-        message,
-        column: at + 1,
-        source_text: src.to_string(),
-    };
+    let err = |message: String, at: usize| ParseError { message, column: at + 1, source_text: src.to_string() };
     let mut out = Vec::new();
     let mut i = 0;
     while i < chars.len() {
         let c = chars[i];
         if c.is_whitespace() {
             i += 1;
-        } else if c.is_ascii_digit()
-            || (c == '.' && chars.get(i + 1).is_some_and(|d| d.is_ascii_digit()))
-        {
+        } else if c.is_ascii_digit() || (c == '.' && chars.get(i + 1).is_some_and(|d| d.is_ascii_digit())) {
             let start = i;
             while i < chars.len()
                 && (chars[i].is_ascii_alphanumeric()
@@ -189,22 +181,14 @@ fn tokenize(src: &str) -> Result<Vec<(Tok, usize)>, ParseError> {
             }
             let text: String = chars[start..i].iter().filter(|c| **c != '_').collect();
             let tok = if text.contains(['.', 'e', 'E']) {
-                Tok::Float(
-                    text.parse()
-                        .map_err(|_| err(format!("bad number `{text}`"), start))?,
-                )
+                Tok::Float(text.parse().map_err(|_| err(format!("bad number `{text}`"), start))?)
             } else {
-                Tok::Int(
-                    text.parse()
-                        .map_err(|_| err(format!("bad number `{text}`"), start))?,
-                )
+                Tok::Int(text.parse().map_err(|_| err(format!("bad number `{text}`"), start))?)
             };
             out.push((tok, start));
         } else if c.is_alphabetic() || c == '_' {
             let start = i;
-            while i < chars.len()
-                && (chars[i].is_alphanumeric() || chars[i] == '_' || chars[i] == '.')
-            {
+            while i < chars.len() && (chars[i].is_alphanumeric() || chars[i] == '_' || chars[i] == '.') {
                 i += 1;
             }
             out.push((Tok::Ident(chars[start..i].iter().collect()), start));
@@ -243,16 +227,8 @@ struct Parser<'a> {
 
 impl Parser<'_> {
     fn err(&self, message: impl Into<String>) -> ParseError {
-        let column = self
-            .toks
-            .get(self.pos)
-            .map_or(self.src.chars().count(), |t| t.1)
-            + 1;
-        ParseError {
-            message: message.into(),
-            column,
-            source_text: self.src.to_string(),
-        }
+        let column = self.toks.get(self.pos).map_or(self.src.chars().count(), |t| t.1) + 1;
+        ParseError { message: message.into(), column, source_text: self.src.to_string() }
     }
 
     fn peek(&self) -> Option<&Tok> {
@@ -402,12 +378,10 @@ impl Parser<'_> {
         let mut kwargs = Vec::new();
         if !self.eat_sym(")") {
             loop {
-                let is_kw = matches!(self.peek(), Some(Tok::Ident(_)))
-                    && matches!(self.peek_at(1), Some(Tok::Sym("=")));
+                let is_kw =
+                    matches!(self.peek(), Some(Tok::Ident(_))) && matches!(self.peek_at(1), Some(Tok::Sym("=")));
                 if is_kw {
-                    let Some(Tok::Ident(k)) = self.peek().cloned() else {
-                        unreachable!("checked above")
-                    };
+                    let Some(Tok::Ident(k)) = self.peek().cloned() else { unreachable!("checked above") };
                     self.pos += 2;
                     kwargs.push((k, self.expr()?));
                 } else if !kwargs.is_empty() {
@@ -434,11 +408,7 @@ impl Parser<'_> {
 
 /// Parses one expression.
 pub fn parse_expr(src: &str) -> Result<Expr, ParseError> {
-    let mut p = Parser {
-        toks: tokenize(src)?,
-        pos: 0,
-        src,
-    };
+    let mut p = Parser { toks: tokenize(src)?, pos: 0, src };
     let e = p.expr()?;
     p.finish()?;
     Ok(e)
@@ -455,11 +425,7 @@ pub struct Statement {
 
 /// Parses a graph statement `name[, name...] = expr[, expr...]`.
 pub fn parse_statement(src: &str) -> Result<Statement, ParseError> {
-    let mut p = Parser {
-        toks: tokenize(src)?,
-        pos: 0,
-        src,
-    };
+    let mut p = Parser { toks: tokenize(src)?, pos: 0, src };
     let mut targets = Vec::new();
     loop {
         match p.peek().cloned() {
@@ -481,11 +447,7 @@ pub fn parse_statement(src: &str) -> Result<Statement, ParseError> {
     p.finish()?;
     if values.len() != targets.len() {
         return Err(ParseError {
-            message: format!(
-                "{} names on the left but {} expressions on the right",
-                targets.len(),
-                values.len()
-            ),
+            message: format!("{} names on the left but {} expressions on the right", targets.len(), values.len()),
             column: 1,
             source_text: src.to_string(),
         });
@@ -501,19 +463,10 @@ mod tests {
     fn precedence_and_calls() {
         let e = parse_expr("x + linear(silu(a) * b, down, bias=c)").unwrap();
         assert_eq!(e.to_string(), "(x + linear((silu(a) * b), down, bias=c))");
-        assert_eq!(
-            parse_expr("not a and b or c").unwrap().to_string(),
-            "((not a and b) or c)"
-        );
-        assert_eq!(
-            parse_expr("a // 2 - -3").unwrap().to_string(),
-            "((a // 2) - -3)"
-        );
+        assert_eq!(parse_expr("not a and b or c").unwrap().to_string(), "((not a and b) or c)");
+        assert_eq!(parse_expr("a // 2 - -3").unwrap().to_string(), "((a // 2) - -3)");
         assert_eq!(parse_expr("1e-6").unwrap(), Expr::Float(1e-6));
-        assert_eq!(
-            parse_expr("rope_parameters.rope_theta").unwrap(),
-            Expr::Ident("rope_parameters.rope_theta".into())
-        );
+        assert_eq!(parse_expr("rope_parameters.rope_theta").unwrap(), Expr::Ident("rope_parameters.rope_theta".into()));
     }
 
     #[test]
@@ -530,9 +483,6 @@ mod tests {
         assert_eq!(e.column, 5);
         let e = parse_expr("f(a, b").unwrap_err();
         assert!(e.message.contains("expected `,`"), "{e}");
-        assert!(parse_expr("a $ b")
-            .unwrap_err()
-            .message
-            .contains("unexpected character"));
+        assert!(parse_expr("a $ b").unwrap_err().message.contains("unexpected character"));
     }
 }

@@ -179,9 +179,7 @@ impl ModelSpec {
             let name = spec.key_name(k, "weights")?;
             if name == "per_layer" {
                 let serde_yaml::Value::Mapping(m) = v else {
-                    return Err(
-                        spec.schema_error("weights.per_layer", "must be a mapping of weights")
-                    );
+                    return Err(spec.schema_error("weights.per_layer", "must be a mapping of weights"));
                 };
                 for (lk, lv) in m {
                     let lname = spec.key_name(lk, "weights.per_layer")?;
@@ -196,12 +194,9 @@ impl ModelSpec {
         for item in raw.graph {
             let parsed = match item {
                 RawGraphItem::Stmt(s) => GraphItem::Stmt(spec.statement(&s)?),
-                RawGraphItem::PerLayer { per_layer } => GraphItem::PerLayer(
-                    per_layer
-                        .iter()
-                        .map(|s| spec.statement(s))
-                        .collect::<Result<_, _>>()?,
-                ),
+                RawGraphItem::PerLayer { per_layer } => {
+                    GraphItem::PerLayer(per_layer.iter().map(|s| spec.statement(s)).collect::<Result<_, _>>()?)
+                }
             };
             spec.graph.push(parsed);
         }
@@ -211,10 +206,8 @@ impl ModelSpec {
     /// Reads and parses a model YAML file.
     pub fn load(path: &std::path::Path) -> Result<ModelSpec, SpecError> {
         let origin = path.display().to_string();
-        let source = std::fs::read_to_string(path).map_err(|e| SpecError::Io {
-            path: origin.clone(),
-            message: e.to_string(),
-        })?;
+        let source = std::fs::read_to_string(path)
+            .map_err(|e| SpecError::Io { path: origin.clone(), message: e.to_string() })?;
         Self::parse(&source, &origin)
     }
 
@@ -234,10 +227,7 @@ impl ModelSpec {
 
     fn schema_error(&self, at: &str, message: &str) -> SpecError {
         let last = at.rsplit('.').next().unwrap_or(at);
-        SpecError::Schema {
-            at: format!("{} ({at})", self.locate(&format!("{last}:"))),
-            message: message.to_string(),
-        }
+        SpecError::Schema { at: format!("{} ({at})", self.locate(&format!("{last}:"))), message: message.to_string() }
     }
 
     fn key_name(&self, k: &serde_yaml::Value, section: &str) -> Result<String, SpecError> {
@@ -249,21 +239,14 @@ impl ModelSpec {
 
     fn param_spec(&self, name: &str, v: &serde_yaml::Value) -> Result<ParamSpec, SpecError> {
         if let serde_yaml::Value::String(s) = v {
-            return Ok(ParamSpec::Config {
-                keys: vec![s.clone()],
-                default: None,
-            });
+            return Ok(ParamSpec::Config { keys: vec![s.clone()], default: None });
         }
         if let Some(text) = scalar_text(v) {
             return Ok(ParamSpec::Expr(text));
         }
         let at = format!("params.{name}");
-        let obj: RawParamObj = serde_yaml::from_value(v.clone()).map_err(|e| {
-            self.schema_error(
-                &at,
-                &format!("expected a key, an expression or {{key, default}}: {e}"),
-            )
-        })?;
+        let obj: RawParamObj = serde_yaml::from_value(v.clone())
+            .map_err(|e| self.schema_error(&at, &format!("expected a key, an expression or {{key, default}}: {e}")))?;
         match (obj.key, obj.expr) {
             (Some(_), Some(_)) => Err(self.schema_error(&at, "give `key` or `expr`, not both")),
             (None, Some(expr)) => Ok(ParamSpec::Expr(expr)),
@@ -274,9 +257,10 @@ impl ModelSpec {
                 };
                 let default = match obj.default {
                     None => None,
-                    Some(d) => Some(scalar_text(&d).ok_or_else(|| {
-                        self.schema_error(&at, "default must be a scalar or an expression")
-                    })?),
+                    Some(d) => Some(
+                        scalar_text(&d)
+                            .ok_or_else(|| self.schema_error(&at, "default must be a scalar or an expression"))?,
+                    ),
                 };
                 Ok(ParamSpec::Config { keys, default })
             }
@@ -285,8 +269,7 @@ impl ModelSpec {
     }
 
     fn weight_spec(&self, name: &str, v: &serde_yaml::Value) -> Result<WeightSpec, SpecError> {
-        serde_yaml::from_value(v.clone())
-            .map_err(|e| self.schema_error(&format!("weights.{name}"), &e.to_string()))
+        serde_yaml::from_value(v.clone()).map_err(|e| self.schema_error(&format!("weights.{name}"), &e.to_string()))
     }
 
     fn statement(&self, text: &str) -> Result<Located<Statement>, SpecError> {
@@ -299,10 +282,6 @@ impl ModelSpec {
             statement: text.to_string(),
             message: format!("{} (column {})", e.message, e.column),
         })?;
-        Ok(Located {
-            value,
-            text: text.to_string(),
-            line,
-        })
+        Ok(Located { value, text: text.to_string(), line })
     }
 }

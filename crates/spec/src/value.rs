@@ -83,9 +83,7 @@ impl Value {
             Value::Null => serde_json::Value::Null,
             Value::Bool(b) => (*b).into(),
             Value::Int(i) => (*i).into(),
-            Value::Float(x) => {
-                serde_json::Number::from_f64(*x).map_or(serde_json::Value::Null, Into::into)
-            }
+            Value::Float(x) => serde_json::Number::from_f64(*x).map_or(serde_json::Value::Null, Into::into),
             Value::Str(s) => s.clone().into(),
             Value::Json(j) => j.clone(),
         }
@@ -119,17 +117,10 @@ pub fn eval(e: &Expr, lookup: &dyn Fn(&str) -> Option<Value>) -> Result<Value, S
         },
         Expr::Unary(UnOp::Not, a) => {
             let v = eval(a, lookup)?;
-            Value::Bool(
-                !v.as_bool()
-                    .ok_or_else(|| format!("`not` needs a bool, got {v}"))?,
-            )
+            Value::Bool(!v.as_bool().ok_or_else(|| format!("`not` needs a bool, got {v}"))?)
         }
         Expr::Binary(op, a, b) => binary(*op, eval(a, lookup)?, eval(b, lookup)?)?,
-        Expr::Call { name, .. } => {
-            return Err(format!(
-                "`{name}(...)` is not allowed in a value expression"
-            ))
-        }
+        Expr::Call { name, .. } => return Err(format!("`{name}(...)` is not allowed in a value expression")),
     })
 }
 
@@ -171,11 +162,7 @@ fn binary(op: BinOp, a: Value, b: Value) -> Result<Value, String> {
         });
     }
     let (Some(x), Some(y)) = (a.as_f64(), b.as_f64()) else {
-        return Err(format!(
-            "arithmetic needs numbers, got {} and {}",
-            a.type_name(),
-            b.type_name()
-        ));
+        return Err(format!("arithmetic needs numbers, got {} and {}", a.type_name(), b.type_name()));
     };
     Ok(match op {
         Add => Value::Float(x + y),
@@ -210,10 +197,7 @@ mod tests {
     #[test]
     fn arithmetic() {
         assert_eq!(ev("hidden / heads").unwrap(), Value::Int(32));
-        assert_eq!(
-            ev("hidden / 3 * 3").unwrap().as_f64().unwrap().round(),
-            64.0
-        );
+        assert_eq!(ev("hidden / 3 * 3").unwrap().as_f64().unwrap().round(), 64.0);
         assert_eq!(ev("hidden // 3").unwrap(), Value::Int(21));
         assert_eq!(ev("not tie").unwrap(), Value::Bool(false));
         assert_eq!(ev("heads == 2.0 and tie").unwrap(), Value::Bool(true));

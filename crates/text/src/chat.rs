@@ -15,9 +15,7 @@ pub struct ChatTemplate {
 
 impl std::fmt::Debug for ChatTemplate {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ChatTemplate")
-            .field("specials", &self.specials)
-            .finish()
+        f.debug_struct("ChatTemplate").field("specials", &self.specials).finish()
     }
 }
 
@@ -69,8 +67,7 @@ fn tojson(v: Value, kwargs: minijinja::value::Kwargs) -> Result<String, Error> {
     let _: Option<bool> = kwargs.get("ensure_ascii")?;
     let _: Option<bool> = kwargs.get("sort_keys")?;
     kwargs.assert_all_used()?;
-    let json = serde_json::to_value(&v)
-        .map_err(|e| Error::new(ErrorKind::InvalidOperation, e.to_string()))?;
+    let json = serde_json::to_value(&v).map_err(|e| Error::new(ErrorKind::InvalidOperation, e.to_string()))?;
     let mut out = String::new();
     py_json(&json, indent, 0, &mut out);
     Ok(out)
@@ -83,9 +80,7 @@ fn raise_exception(msg: String) -> Result<Value, Error> {
 fn strftime_now(fmt: String) -> String {
     // Days since the epoch → civil date (proleptic Gregorian), enough for the date formats
     // templates use (%d %b %Y, %Y-%m-%d).
-    let secs = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs()) as i64;
+    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()) as i64;
     let z = secs.div_euclid(86_400) + 719_468;
     let era = z.div_euclid(146_097);
     let doe = z - era * 146_097;
@@ -146,10 +141,8 @@ impl ChatTemplate {
             }
         }
         if let Some(Json::Array(extra)) = tokenizer_config.get("additional_special_tokens") {
-            specials.insert(
-                "additional_special_tokens".into(),
-                Json::Array(extra.iter().filter_map(token_text).collect()),
-            );
+            specials
+                .insert("additional_special_tokens".into(), Json::Array(extra.iter().filter_map(token_text).collect()));
         }
         Ok(ChatTemplate { env, specials })
     }
@@ -164,19 +157,13 @@ impl ChatTemplate {
     ) -> Result<String, TextError> {
         let mut ctx = self.specials.clone();
         ctx.insert("messages".into(), messages.clone());
-        ctx.insert(
-            "add_generation_prompt".into(),
-            Json::Bool(add_generation_prompt),
-        );
+        ctx.insert("add_generation_prompt".into(), Json::Bool(add_generation_prompt));
         ctx.insert("tools".into(), Json::Null);
         ctx.insert("documents".into(), Json::Null);
         if let Some(Json::Object(extra)) = extra {
             ctx.extend(extra.clone());
         }
-        let tmpl = self
-            .env
-            .get_template("chat")
-            .map_err(|e| TextError::Template(e.to_string()))?;
+        let tmpl = self.env.get_template("chat").map_err(|e| TextError::Template(e.to_string()))?;
         tmpl.render(Value::from_serialize(&ctx))
             .map_err(|e| TextError::Template(format!("rendering the chat template failed: {e:#}")))
     }
@@ -189,26 +176,15 @@ mod tests {
 
     #[test]
     fn tojson_matches_python() {
-        let t =
-            ChatTemplate::new("{{ x | tojson }}|{{ x | tojson(indent=2) }}", &json!({})).unwrap();
-        let out = t
-            .render(
-                &json!([]),
-                false,
-                Some(&json!({"x": {"a": [1, "<é>"], "b": {}}})),
-            )
-            .unwrap();
+        let t = ChatTemplate::new("{{ x | tojson }}|{{ x | tojson(indent=2) }}", &json!({})).unwrap();
+        let out = t.render(&json!([]), false, Some(&json!({"x": {"a": [1, "<é>"], "b": {}}}))).unwrap();
         assert_eq!(out, "{\"a\": [1, \"<é>\"], \"b\": {}}|{\n  \"a\": [\n    1,\n    \"<é>\"\n  ],\n  \"b\": {}\n}");
     }
 
     #[test]
     fn python_methods_and_raise() {
         let t = ChatTemplate::new("{{ 'a,b'.split(',')[1].upper() }}{% if messages|length == 0 %}{{ raise_exception('no messages') }}{% endif %}", &json!({})).unwrap();
-        assert!(t
-            .render(&json!([]), false, None)
-            .unwrap_err()
-            .to_string()
-            .contains("no messages"));
+        assert!(t.render(&json!([]), false, None).unwrap_err().to_string().contains("no messages"));
         assert_eq!(t.render(&json!([1]), false, None).unwrap(), "B");
     }
 }

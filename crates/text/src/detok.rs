@@ -19,10 +19,7 @@ pub struct IncrementalDecoder {
 impl IncrementalDecoder {
     /// A decoder; `skip_special` leaves special tokens out of the text.
     pub fn new(skip_special: bool) -> Self {
-        IncrementalDecoder {
-            skip_special,
-            ..Default::default()
-        }
+        IncrementalDecoder { skip_special, ..Default::default() }
     }
 
     /// Adds one token and returns the text it completes (possibly empty).
@@ -30,10 +27,7 @@ impl IncrementalDecoder {
         self.ids.push(id);
         let before = tok.decode(&self.ids[self.prefix..self.read], self.skip_special)?;
         let after = tok.decode(&self.ids[self.prefix..], self.skip_special)?;
-        if after.len() > before.len()
-            && !after.ends_with('\u{FFFD}')
-            && after.is_char_boundary(before.len())
-        {
+        if after.len() > before.len() && !after.ends_with('\u{FFFD}') && after.is_char_boundary(before.len()) {
             let piece = after[before.len()..].to_string();
             self.prefix = self.read;
             self.read = self.ids.len();

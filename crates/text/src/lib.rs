@@ -40,17 +40,12 @@ pub struct Tokenizer {
 
 impl std::fmt::Debug for Tokenizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Tokenizer")
-            .field("chat", &self.chat.is_some())
-            .finish()
+        f.debug_struct("Tokenizer").field("chat", &self.chat.is_some()).finish()
     }
 }
 
 fn load_err(path: &Path, e: impl std::fmt::Display) -> TextError {
-    TextError::Load {
-        path: path.display().to_string(),
-        message: e.to_string(),
-    }
+    TextError::Load { path: path.display().to_string(), message: e.to_string() }
 }
 
 /// The chat template source: `chat_template.jinja` if present, else tokenizer_config.json's
@@ -58,9 +53,7 @@ fn load_err(path: &Path, e: impl std::fmt::Display) -> TextError {
 fn template_source(dir: &Path, config: &Json) -> Result<Option<String>, TextError> {
     let file = dir.join("chat_template.jinja");
     if file.is_file() {
-        return std::fs::read_to_string(&file)
-            .map(Some)
-            .map_err(|e| load_err(&file, e));
+        return std::fs::read_to_string(&file).map(Some).map_err(|e| load_err(&file, e));
     }
     Ok(match config.get("chat_template") {
         Some(Json::String(s)) => Some(s.clone()),
@@ -96,18 +89,13 @@ impl Tokenizer {
 
     /// Token ids of `text`; `add_special` adds what the tokenizer's post-processor adds (BOS).
     pub fn encode(&self, text: &str, add_special: bool) -> Result<Vec<u32>, TextError> {
-        let enc = self
-            .inner
-            .encode(text, add_special)
-            .map_err(|e| TextError::Tokenize(e.to_string()))?;
+        let enc = self.inner.encode(text, add_special).map_err(|e| TextError::Tokenize(e.to_string()))?;
         Ok(enc.get_ids().to_vec())
     }
 
     /// Text of `ids`, optionally without special tokens.
     pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String, TextError> {
-        self.inner
-            .decode(ids, skip_special)
-            .map_err(|e| TextError::Tokenize(e.to_string()))
+        self.inner.decode(ids, skip_special).map_err(|e| TextError::Tokenize(e.to_string()))
     }
 
     /// Number of tokens in the vocabulary, added tokens included.
@@ -122,20 +110,14 @@ impl Tokenizer {
         add_generation_prompt: bool,
         extra: Option<&Json>,
     ) -> Result<String, TextError> {
-        let chat = self
-            .chat
-            .as_ref()
-            .ok_or_else(|| TextError::Template("this tokenizer has no chat template".into()))?;
+        let chat =
+            self.chat.as_ref().ok_or_else(|| TextError::Template("this tokenizer has no chat template".into()))?;
         chat.render(messages, add_generation_prompt, extra)
     }
 
     /// Renders the chat template and tokenizes it as HF does (no special tokens added: the
     /// template writes them).
-    pub fn encode_chat(
-        &self,
-        messages: &Json,
-        add_generation_prompt: bool,
-    ) -> Result<Vec<u32>, TextError> {
+    pub fn encode_chat(&self, messages: &Json, add_generation_prompt: bool) -> Result<Vec<u32>, TextError> {
         let text = self.apply_chat_template(messages, add_generation_prompt, None)?;
         self.encode(&text, false)
     }

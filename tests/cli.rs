@@ -1,0 +1,113 @@
+//! compile → bundle → inspect / generate / logits, end to end through the CLIs.
+
+use e2e::*;
+use std::path::Path;
+
+fn s(p: &Path) -> &str {
+    p.to_str().expect("utf-8 path")
+}
+
+fn compile_cli(fixture_name: &str, out: &Path, extra: &[&str]) {
+    let ck = fixture(fixture_name);
+    let yaml = model_yaml(fixture_name);
+    let mut args = vec!["compile", s(&yaml), "--checkpoint", s(&ck), "-o", s(out)];
+    args.extend_from_slice(extra);
+    let o = run("engc", &args);
+    assert!(o.status.success(), "engc compile failed: {}", stderr(&o));
+}
+
+#[test]
+fn qwen2_compile_inspect_generate_logits() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = dir.path().join("q.bundle");
+    compile_cli("tiny-qwen2", &b, &[]);
+
+    let o = run("engc", &["inspect", s(&b)]);
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success() && text.contains("qwen2") && text.contains("eos ids [151645]"), "{text}");
+
+    let gen = |extra: &[&str]| {
+        let mut args =
+            vec!["generate", s(&b), "--prompt", "What is the capital of France?", "--chat", "--max-tokens", "6"];
+        args.extend_from_slice(extra);
+        let o = run("engrun", &args);
+        assert!(o.status.success(), "generate failed: {}", stderr(&o));
+        assert!(stderr(&o).contains("generated"), "stats go to stderr");
+        String::from_utf8(o.stdout).expect("generated text is UTF-8")
+    };
+    let greedy = gen(&["--temperature", "0"]);
+    assert!(!greedy.trim().is_empty());
+    assert_eq!(greedy, gen(&["--temperature", "0"]), "greedy is deterministic");
+    assert_eq!(
+        gen(&["--temperature", "0.9", "--seed", "5"]),
+        gen(&["--temperature", "0.9", "--seed", "5"]),
+        "same seed, same text"
+    );
+
+    // logits of the 5-token reference prompt through the CLI, against HF
+    let prompt = ids(&goldens("tiny-qwen2")["prompts"][1]["ids"]);
+    let list: Vec<String> = prompt.iter().map(u32::to_string).collect();
+    let out = dir.path().join("logits.safetensors");
+    let o = run("engrun", &["logits", s(&b), "--ids", &list.join(","), "--device", "ref", "-o", s(&out)]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let (shape, got) = read_f32(&out, "logits");
+    let (_, want) = read_f32(&fixture("tiny-qwen2").join("reference/logits.safetensors"), "all_logits.5");
+    assert_eq!(shape, vec![5, 151936]);
+    assert!(rel_err(&got, &want) < 1e-4);
+}
+
+#[test]
+fn llama_with_borrowed_tokenizer_generates() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = dir.path().join("l.bundle");
+    let tok = fixture("smollm2-135m");
+    compile_cli("tiny-llama", &b, &["--tokenizer", s(&tok), "--dtype", "f32"]);
+    let o = run("engrun", &["generate", s(&b), "--prompt", "Hello", "--chat", "--max-tokens", "4"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+}
+
+/// `--tp 2` shards per rank; the per-rank weights concatenate back to the originals.
+#[test]
+fn tp2_shards_concatenate_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = dir.path().join("q2.bundle");
+    compile_cli("tiny-qwen2", &b, &["--tp", "2"]);
+    let bundle = bundle::Bundle::open(&b).unwrap();
+    assert_eq!(bundle.manifest.tp, 2);
+    assert!(bundle.plan.nodes.iter().any(|n| matches!(n.op, ir::Op::AllReduce)));
+    let ranks = [bundle.weights(0).unwrap(), bundle.weights(1).unwrap()];
+    let orig = fixture("tiny-qwen2").join("model.safetensors");
+    let bytes = std::fs::read(&orig).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut kinds = std::collections::BTreeMap::new();
+    for name in ranks[0].names().unwrap() {
+        let full = st.tensor(&name).unwrap();
+        let shape = full.shape().to_vec();
+        let (_, s0, d0) = ranks[0].raw(&name).unwrap();
+        let (_, _s1, d1) = ranks[1].raw(&name).unwrap();
+        let kind = if s0 == shape {
+            assert_eq!(d0, full.data(), "{name} replicated on rank 0");
+            assert_eq!(d1, full.data(), "{name} replicated on rank 1");
+            "replicated"
+        } else if s0[0] * 2 == shape[0] {
+            assert_eq!([d0, d1].concat(), full.data(), "{name}: column shards");
+            "column"
+        } else {
+            let (rows, half) = (shape[0], s0[1] * 2);
+            assert_eq!(half, shape[1]);
+            let row_bytes = s0[1] * 2;
+            let mut joined = Vec::new();
+            for r in 0..rows {
+                joined.extend_from_slice(&d0[r * row_bytes..(r + 1) * row_bytes]);
+                joined.extend_from_slice(&d1[r * row_bytes..(r + 1) * row_bytes]);
+            }
+            assert_eq!(joined, full.data(), "{name}: row shards");
+            "row"
+        };
+        kinds.insert(name.clone(), kind);
+    }
+    assert_eq!(kinds["model.layers.0.self_attn.q_proj.weight"], "column");
+    assert_eq!(kinds["model.layers.0.self_attn.k_proj.weight"], "replicated", "1 KV head is replicated on 2 ranks");
+    assert_eq!(kinds["model.layers.0.mlp.down_proj.weight"], "row");
+    assert_eq!(kinds["model.layers.1.self_attn.o_proj.weight"], "row");
+}

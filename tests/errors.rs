@@ -1,0 +1,225 @@
+//! Bad input: each case exits non-zero with a message that names the problem and where, and a
+//! failed compile leaves no bundle (complete or partial) behind.
+
+use e2e::*;
+use std::path::{Path, PathBuf};
+
+struct Case {
+    dir: tempfile::TempDir,
+}
+
+impl Case {
+    fn new() -> Case {
+        Case { dir: tempfile::tempdir().unwrap() }
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    /// A model YAML derived from qwen2.yaml by replacing `from` with `to`.
+    fn yaml(&self, from: &str, to: &str) -> PathBuf {
+        let src = std::fs::read_to_string(repo().join("models/qwen2.yaml")).unwrap();
+        assert!(src.contains(from), "qwen2.yaml has no `{from}`");
+        let p = self.path("bad.yaml");
+        std::fs::write(&p, src.replacen(from, to, 1)).unwrap();
+        p
+    }
+
+    /// A checkpoint directory with tiny-qwen2's weights and an edited config.json.
+    fn checkpoint(&self, edit: impl FnOnce(&mut serde_json::Value)) -> PathBuf {
+        let d = self.path("ckpt");
+        std::fs::create_dir_all(&d).unwrap();
+        let src = fixture("tiny-qwen2");
+        let mut cfg: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+        edit(&mut cfg);
+        std::fs::write(d.join("config.json"), cfg.to_string()).unwrap();
+        std::os::unix::fs::symlink(src.join("model.safetensors"), d.join("model.safetensors")).unwrap();
+        d
+    }
+
+    /// Runs `engc compile` and checks it fails with every `needle` in its message and leaves
+    /// nothing behind.
+    fn compile_fails(&self, yaml: &Path, ckpt: &Path, extra: &[&str], needles: &[&str]) {
+        let out = self.path("out.bundle");
+        let mut args = vec![
+            "compile",
+            yaml.to_str().unwrap(),
+            "--checkpoint",
+            ckpt.to_str().unwrap(),
+            "-o",
+            out.to_str().unwrap(),
+        ];
+        args.extend_from_slice(extra);
+        let o = run("engc", &args);
+        let err = stderr(&o);
+        assert!(!o.status.success(), "expected failure, got success: {err}");
+        for n in needles {
+            assert!(err.contains(n), "message lacks `{n}`: {err}");
+        }
+        assert!(!out.exists(), "a failed compile left {}", out.display());
+        let partial: Vec<_> = std::fs::read_dir(self.dir.path())
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .filter(|e| e.file_name().to_string_lossy().contains("partial"))
+            .collect();
+        assert!(partial.is_empty(), "a failed compile left a partial bundle");
+    }
+}
+
+fn qwen() -> PathBuf {
+    repo().join("models/qwen2.yaml")
+}
+
+#[test]
+fn malformed_yaml_names_line_and_column() {
+    let c = Case::new();
+    let y = c.yaml("  hidden: hidden_size\n", "  hidden: [hidden_size\n");
+    c.compile_fails(&y, &fixture("tiny-qwen2"), &[], &["bad.yaml:", "malformed model YAML", "line", "column"]);
+}
+
+#[test]
+fn unknown_op_is_named_with_its_line() {
+    let c = Case::new();
+    let y = c.yaml("silu(linear(h, gate_proj))", "swish(linear(h, gate_proj))");
+    c.compile_fails(&y, &fixture("tiny-qwen2"), &[], &["bad.yaml:49", "unknown op `swish`", "silu"]);
+}
+
+#[test]
+fn missing_config_key_without_default() {
+    let c = Case::new();
+    let ck = c.checkpoint(|cfg| {
+        cfg.as_object_mut().unwrap().remove("num_attention_heads");
+    });
+    c.compile_fails(&qwen(), &ck, &[], &["qwen2.yaml:", "parameter `heads`", "num_attention_heads", "no default"]);
+}
+
+#[test]
+fn missing_tensor() {
+    let c = Case::new();
+    let y = c.yaml("model.norm.weight", "model.final_norm.weight");
+    c.compile_fails(
+        &y,
+        &fixture("tiny-qwen2"),
+        &[],
+        &["bad.yaml:", "model.final_norm.weight", "missing from the checkpoint"],
+    );
+}
+
+#[test]
+fn shape_mismatch() {
+    let c = Case::new();
+    let ck = c.checkpoint(|cfg| cfg["intermediate_size"] = 256.into());
+    c.compile_fails(&qwen(), &ck, &[], &["model.layers.0.mlp.gate_proj.weight", "[192, 64]", "[256, 64]"]);
+}
+
+#[test]
+fn unsupported_dtype() {
+    let c = Case::new();
+    let d = c.path("f64ckpt");
+    std::fs::create_dir_all(&d).unwrap();
+    std::fs::copy(fixture("tiny-qwen2").join("config.json"), d.join("config.json")).unwrap();
+    let data = vec![0u8; 151936 * 64 * 8];
+    let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F64, vec![151936, 64], &data).unwrap();
+    safetensors::serialize_to_file([("model.embed_tokens.weight", view)], &None, &d.join("model.safetensors")).unwrap();
+    c.compile_fails(&qwen(), &d, &[], &["model.embed_tokens.weight", "F64", "not supported"]);
+}
+
+#[test]
+fn checkpoint_directory_missing() {
+    let c = Case::new();
+    let missing = c.path("nope");
+    c.compile_fails(&qwen(), &missing, &[], &["nope", "does not exist"]);
+}
+
+#[test]
+fn tp_that_does_not_divide_heads() {
+    let c = Case::new();
+    c.compile_fails(
+        &repo().join("models/llama.yaml"),
+        &fixture("tiny-llama"),
+        &["--tp", "3"],
+        &["--tp 3", "4 attention heads"],
+    );
+}
+
+#[test]
+fn architecture_mismatch() {
+    let c = Case::new();
+    c.compile_fails(&qwen(), &fixture("tiny-llama"), &[], &["LlamaForCausalLM", "qwen2.yaml"]);
+}
+
+fn good_bundle(c: &Case) -> PathBuf {
+    let out = c.path("good.bundle");
+    let o = run(
+        "engc",
+        &[
+            "compile",
+            qwen().to_str().unwrap(),
+            "--checkpoint",
+            fixture("tiny-qwen2").to_str().unwrap(),
+            "-o",
+            out.to_str().unwrap(),
+        ],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    out
+}
+
+fn engrun_fails(args: &[&str], needles: &[&str]) {
+    let o = run("engrun", args);
+    let err = stderr(&o);
+    assert!(!o.status.success(), "expected failure: {err}");
+    for n in needles {
+        assert!(err.contains(n), "message lacks `{n}`: {err}");
+    }
+}
+
+#[test]
+fn bundle_with_bad_checksum_is_refused() {
+    let c = Case::new();
+    let b = good_bundle(&c);
+    let w = b.join("weights/rank0.safetensors");
+    let mut bytes = std::fs::read(&w).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0x55;
+    std::fs::write(&w, bytes).unwrap();
+    let bs = b.to_str().unwrap();
+    engrun_fails(
+        &["generate", bs, "--prompt", "hi"],
+        &["checksum mismatch", "weights/rank0.safetensors", "engc compile"],
+    );
+    engrun_fails(&["logits", bs, "--ids", "1,2", "-o", c.path("l.st").to_str().unwrap()], &["checksum mismatch"]);
+}
+
+#[test]
+fn bundle_with_newer_format_is_refused() {
+    let c = Case::new();
+    let b = good_bundle(&c);
+    let m = b.join("manifest.json");
+    let text = std::fs::read_to_string(&m).unwrap().replace("\"format_version\": 1", "\"format_version\": 99");
+    std::fs::write(&m, text).unwrap();
+    engrun_fails(&["generate", b.to_str().unwrap(), "--prompt", "hi"], &["format 99", "upgrade engrun"]);
+    let o = run("engc", &["inspect", b.to_str().unwrap()]);
+    assert!(!o.status.success() && stderr(&o).contains("format 99"));
+}
+
+#[test]
+fn not_a_bundle() {
+    engrun_fails(&["generate", "/nonexistent/x.bundle", "--prompt", "hi"], &["/nonexistent/x.bundle", "not a bundle"]);
+}
+
+#[test]
+fn bad_runtime_arguments() {
+    let c = Case::new();
+    let b = good_bundle(&c);
+    let bs = b.to_str().unwrap();
+    let out = c.path("l.st");
+    let os = out.to_str().unwrap();
+    engrun_fails(&["logits", bs, "--ids", "1,x,3", "-o", os], &["`x` is not a token id"]);
+    engrun_fails(&["logits", bs, "--ids", "1,999999999", "-o", os], &["999999999", "outside the vocabulary"]);
+    engrun_fails(&["generate", bs, "--prompt", "hi", "--max-tokens", "5000"], &["exceeds the context length 4096"]);
+    engrun_fails(&["generate", bs, "--prompt", "hi", "--temperature=-1"], &["temperature"]);
+    engrun_fails(&["generate", bs, "--prompt", "hi", "--device", "gpu9"], &["unknown device `gpu9`"]);
+}

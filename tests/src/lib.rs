@@ -1,0 +1,110 @@
+//! Helpers shared by the end-to-end tests: fixture paths, compiling fixtures into bundles,
+//! running the CLIs, reading reference logits and comparing them.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+/// The repository root.
+pub fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("tests/ has a parent").to_path_buf()
+}
+
+/// `../shared/fixtures` (or `$ENGINE_FIXTURES`).
+pub fn fixtures() -> PathBuf {
+    std::env::var_os("ENGINE_FIXTURES").map_or_else(|| repo().join("../shared/fixtures"), PathBuf::from)
+}
+
+/// A fixture directory by name (`tiny-qwen2`).
+pub fn fixture(name: &str) -> PathBuf {
+    let p = fixtures().join(name);
+    assert!(p.is_dir(), "fixture {} is missing", p.display());
+    p
+}
+
+/// The model YAML for a fixture.
+pub fn model_yaml(fixture: &str) -> PathBuf {
+    repo().join(if fixture.contains("qwen") { "models/qwen2.yaml" } else { "models/llama.yaml" })
+}
+
+/// Compiles a fixture into a bundle inside `dir`. The tiny-llama fixture borrows SmolLM2's
+/// tokenizer (same vocabulary size).
+pub fn compile_fixture(name: &str, dir: &Path, tp: usize, dtype: Option<ir::DType>) -> PathBuf {
+    let out = dir.join(format!("{name}-tp{tp}.bundle"));
+    let tokenizer = (name == "tiny-llama").then(|| fixture("smollm2-135m"));
+    let opts = compiler::CompileOptions {
+        model: model_yaml(name),
+        checkpoint: fixture(name),
+        tp,
+        dtype,
+        tokenizer,
+        out: out.clone(),
+        dump_after: None,
+    };
+    compiler::compile(&opts).unwrap_or_else(|e| panic!("compiling {name}: {e}"));
+    out
+}
+
+/// Path of a release or debug binary built by `cargo build --bins` (the README's test command
+/// builds them first).
+pub fn bin(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("test binary path");
+    // target/<profile>/deps/<test> → target/<profile>/<name>
+    let p = exe.parent().and_then(Path::parent).expect("target dir").join(name);
+    assert!(
+        p.is_file(),
+        "{} is not built: run `cargo build --bins` before the tests (the README's test command does)",
+        p.display()
+    );
+    p
+}
+
+/// Runs a CLI with arguments.
+pub fn run(name: &str, args: &[&str]) -> Output {
+    Command::new(bin(name)).args(args).output().unwrap_or_else(|e| panic!("running {name}: {e}"))
+}
+
+/// stderr as text.
+pub fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// Reads an f32 tensor from a safetensors file.
+pub fn read_f32(path: &Path, name: &str) -> (Vec<usize>, Vec<f32>) {
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let st = safetensors::SafeTensors::deserialize(&bytes).expect("valid safetensors");
+    let t = st.tensor(name).unwrap_or_else(|e| panic!("{name} in {}: {e}", path.display()));
+    (t.shape().to_vec(), ir::DType::F32.to_f32(t.data()))
+}
+
+/// max |a - b| / max |b|: the relative error the acceptance criteria use.
+pub fn rel_err(got: &[f32], want: &[f32]) -> f32 {
+    assert_eq!(got.len(), want.len(), "length mismatch");
+    let diff = got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+    let scale = want.iter().map(|b| b.abs()).fold(0.0f32, f32::max);
+    diff / scale.max(f32::MIN_POSITIVE)
+}
+
+/// Argmax of a row and the gap between its top two values.
+pub fn top2(row: &[f32]) -> (u32, f32) {
+    let (mut best, mut second) = ((0usize, f32::NEG_INFINITY), f32::NEG_INFINITY);
+    for (i, &v) in row.iter().enumerate() {
+        if v > best.1 {
+            second = best.1;
+            best = (i, v);
+        } else if v > second {
+            second = v;
+        }
+    }
+    (best.0 as u32, best.1 - second)
+}
+
+/// The fixture's reference goldens.
+pub fn goldens(name: &str) -> serde_json::Value {
+    let p = fixture(name).join("reference/goldens.json");
+    serde_json::from_str(&std::fs::read_to_string(&p).expect("goldens.json")).expect("valid JSON")
+}
+
+/// A list of ids from JSON.
+pub fn ids(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array().expect("array").iter().map(|x| x.as_u64().expect("id") as u32).collect()
+}
