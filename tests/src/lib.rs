@@ -108,3 +108,62 @@ pub fn goldens(name: &str) -> serde_json::Value {
 pub fn ids(v: &serde_json::Value) -> Vec<u32> {
     v.as_array().expect("array").iter().map(|x| x.as_u64().expect("id") as u32).collect()
 }
+
+/// Checks a backend against a fixture's HF reference: logits of the last position of every
+/// prompt and of every position of the 5-token prompt within `tol` relative; argmax per
+/// position and the greedy continuation where the top-2 margin is clear.
+pub fn check_backend_against_hf(name: &str, b: &mut dyn runtime::Backend, tol: f32) {
+    let vocab = b.vocab();
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture(name).join("config.json")).unwrap()).unwrap();
+    let eos: Vec<u32> = match &config["eos_token_id"] {
+        serde_json::Value::Array(a) => a.iter().map(|v| v.as_u64().unwrap() as u32).collect(),
+        v => v.as_u64().map(|v| vec![v as u32]).unwrap_or_default(),
+    };
+    let g = goldens(name);
+    let refs = fixture(name).join("reference/logits.safetensors");
+    for (i, p) in g["prompts"].as_array().unwrap().iter().enumerate() {
+        let prompt = ids(&p["ids"]);
+        let rows: Vec<usize> = (0..prompt.len()).collect();
+        let logits = b.forward(i as u64, &prompt, &rows).unwrap();
+        let (_, last) = read_f32(&refs, &format!("last_logits.{i}"));
+        let got_last = &logits[(prompt.len() - 1) * vocab..];
+        let err = rel_err(got_last, &last);
+        assert!(err < tol, "{name} prompt {i}: last-position logits rel err {err}");
+        eprintln!("{name} prompt {i} ({} tokens): last-position rel err {err:.2e}", prompt.len());
+        if prompt.len() == 5 {
+            let (shape, all) = read_f32(&refs, "all_logits.5");
+            assert_eq!(shape, vec![5, vocab]);
+            let err = rel_err(&logits, &all);
+            assert!(err < tol, "{name}: all-position logits rel err {err}");
+        }
+        // argmax per position where the top-2 margin is clear
+        let scale = last.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        for (pos, want) in ids(&p["argmax_each_position"]).iter().enumerate() {
+            let (got, margin) = top2(&logits[pos * vocab..(pos + 1) * vocab]);
+            if margin > tol * scale {
+                assert_eq!(got, *want, "{name} prompt {i} position {pos}");
+            }
+        }
+        // Greedy continuation, compared while every step's margin is clear. The reference
+        // generated 16 tokens with eos suppressed (as `min_new_tokens` does), so eos is masked.
+        let mut next_logits = got_last.to_vec();
+        let mut compared = 0;
+        for (step, want) in ids(&p["greedy_16"]).iter().enumerate() {
+            for &e in &eos {
+                next_logits[e as usize] = f32::NEG_INFINITY;
+            }
+            let (got, margin) = top2(&next_logits);
+            if margin <= tol * scale {
+                break;
+            }
+            compared += 1;
+            let want_logit = next_logits[*want as usize];
+            assert_eq!(got, *want, "{name} prompt {i} greedy step {step}: margin {margin}, scale {scale}, logit of HF's token {want_logit}, ours {}", next_logits[got as usize]);
+            next_logits = b.forward(i as u64, &[got], &[0]).unwrap();
+        }
+        eprintln!("{name} prompt {i}: {compared} of 16 greedy tokens compared (clear margins)");
+        assert!(compared > 0 || i > 0, "no greedy token had a clear margin");
+        b.release(i as u64);
+    }
+}

@@ -1,6 +1,8 @@
-//! Reading a Hugging Face checkpoint directory: `config.json` and safetensors weights, single
-//! file or sharded (`model-0000K-of-0000N.safetensors` + `model.safetensors.index.json`).
+//! Reading a checkpoint: a Hugging Face directory (`config.json` and safetensors weights,
+//! single file or sharded as `model-0000K-of-0000N.safetensors` + `model.safetensors.index.json`)
+//! or a GGUF file (see [`crate::gguf`]), presented alike: a config and tensors under HF names.
 
+use crate::gguf::{hf_name, Gguf};
 use crate::CompileError;
 use ir::DType;
 use std::collections::BTreeMap;
@@ -9,15 +11,24 @@ use std::path::{Path, PathBuf};
 /// A tensor's description in the checkpoint.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TensorInfo {
-    /// Element type as safetensors spells it (`BF16`, `F8_E4M3`, ...).
+    /// Element type as the file spells it (`BF16`, `F8_E4M3`, `Q4_1`, ...).
     pub dtype_name: String,
-    /// Shape.
+    /// Shape (HF order: slowest dimension first).
     pub shape: Vec<usize>,
-    file: usize,
+    /// Whether the engine can read this element type.
+    pub readable: bool,
+    /// Safetensors file index, or the GGUF tensor name.
+    location: Location,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+enum Location {
+    File(usize),
+    Gguf(String),
 }
 
 impl TensorInfo {
-    /// The dtype, when it is one the engine reads (bf16, f16, f32).
+    /// The safetensors dtype, when it is one the engine reads (bf16, f16, f32).
     pub fn dtype(&self) -> Option<DType> {
         DType::from_safetensors_name(&self.dtype_name).filter(|d| d.is_float())
     }
@@ -25,11 +36,14 @@ impl TensorInfo {
 
 /// An opened checkpoint.
 pub struct Checkpoint {
-    /// The directory.
+    /// The directory (for a GGUF file, the directory that holds it).
     pub dir: PathBuf,
-    /// Parsed `config.json`.
+    /// The path given: the directory, or the GGUF file.
+    pub path: PathBuf,
+    /// Parsed `config.json` (for GGUF, built from the metadata).
     pub config: serde_json::Value,
     files: Vec<(PathBuf, memmap2::Mmap)>,
+    gguf: Option<Gguf>,
     tensors: BTreeMap<String, TensorInfo>,
 }
 
@@ -38,8 +52,12 @@ fn ckpt_err(path: &Path, message: impl Into<String>) -> CompileError {
 }
 
 impl Checkpoint {
-    /// Opens `dir`, reading config.json and every safetensors header.
+    /// Opens a checkpoint directory (reading config.json and every safetensors header) or a
+    /// `.gguf` file.
     pub fn open(dir: &Path) -> Result<Checkpoint, CompileError> {
+        if dir.is_file() {
+            return Self::open_gguf(dir);
+        }
         if !dir.is_dir() {
             return Err(ckpt_err(dir, "checkpoint directory does not exist"));
         }
@@ -48,7 +66,14 @@ impl Checkpoint {
             std::fs::read_to_string(&cpath).map_err(|e| ckpt_err(&cpath, format!("cannot read config.json: {e}")))?;
         let config: serde_json::Value =
             serde_json::from_str(&text).map_err(|e| ckpt_err(&cpath, format!("malformed JSON: {e}")))?;
-        let mut ck = Checkpoint { dir: dir.to_path_buf(), config, files: Vec::new(), tensors: BTreeMap::new() };
+        let mut ck = Checkpoint {
+            dir: dir.to_path_buf(),
+            path: dir.to_path_buf(),
+            config,
+            files: Vec::new(),
+            gguf: None,
+            tensors: BTreeMap::new(),
+        };
         for path in weight_files(dir)? {
             ck.add_file(&path)?;
         }
@@ -56,6 +81,32 @@ impl Checkpoint {
             return Err(ckpt_err(dir, "no *.safetensors weights found"));
         }
         Ok(ck)
+    }
+
+    fn open_gguf(path: &Path) -> Result<Checkpoint, CompileError> {
+        let g = Gguf::open(path)?;
+        let config = g.hf_config()?;
+        let mut tensors = BTreeMap::new();
+        for t in g.tensors.values() {
+            // Tensors with no HF counterpart (e.g. rope_freqs) keep their GGUF name, so that
+            // they are reported as unused.
+            let name = hf_name(&t.name).unwrap_or_else(|| t.name.clone());
+            let info = TensorInfo {
+                dtype_name: t.ty.name().to_string(),
+                shape: t.shape.clone(),
+                readable: true,
+                location: Location::Gguf(t.name.clone()),
+            };
+            tensors.insert(name, info);
+        }
+        Ok(Checkpoint {
+            dir: path.parent().map_or_else(|| PathBuf::from("."), Path::to_path_buf),
+            path: path.to_path_buf(),
+            config,
+            files: Vec::new(),
+            gguf: Some(g),
+            tensors,
+        })
     }
 
     fn add_file(&mut self, path: &Path) -> Result<(), CompileError> {
@@ -66,7 +117,9 @@ impl Checkpoint {
             .map_err(|e| ckpt_err(path, format!("not a valid safetensors file: {e}")))?;
         let idx = self.files.len();
         for (name, info) in meta.tensors() {
-            let t = TensorInfo { dtype_name: format!("{:?}", info.dtype), shape: info.shape.clone(), file: idx };
+            let dtype_name = format!("{:?}", info.dtype);
+            let readable = DType::from_safetensors_name(&dtype_name).is_some_and(DType::is_float);
+            let t = TensorInfo { dtype_name, shape: info.shape.clone(), readable, location: Location::File(idx) };
             self.tensors.insert(name, t);
         }
         self.files.push((path.to_path_buf(), map));
@@ -85,8 +138,13 @@ impl Checkpoint {
 
     /// A tensor as f32 values.
     pub fn read_f32(&self, name: &str) -> Result<Vec<f32>, CompileError> {
-        let info = self.tensors.get(name).ok_or_else(|| ckpt_err(&self.dir, format!("tensor `{name}` is missing")))?;
-        let (path, map) = &self.files[info.file];
+        let info = self.tensors.get(name).ok_or_else(|| ckpt_err(&self.path, format!("tensor `{name}` is missing")))?;
+        let file = match (&info.location, &self.gguf) {
+            (Location::Gguf(gname), Some(g)) => return g.read_f32(gname),
+            (Location::File(i), _) => *i,
+            (Location::Gguf(_), None) => unreachable!("GGUF locations come only from a GGUF file"),
+        };
+        let (path, map) = &self.files[file];
         let st = safetensors::SafeTensors::deserialize(map).map_err(|e| ckpt_err(path, e.to_string()))?;
         let view = st.tensor(name).map_err(|e| ckpt_err(path, format!("tensor `{name}`: {e}")))?;
         let dtype = info

@@ -78,7 +78,7 @@ pub fn compile(opts: &CompileOptions) -> Result<CompileReport, CompileError> {
     for rank in 0..opts.tp {
         write_rank_weights(&mut w, &plan, &model, &ckpt, rank, opts.tp)?;
     }
-    let tok_dir = opts.tokenizer.clone().unwrap_or_else(|| opts.checkpoint.clone());
+    let tok_dir = opts.tokenizer.clone().unwrap_or_else(|| ckpt.dir.clone());
     warnings.extend(write_tokenizer(&mut w, &tok_dir, &ckpt)?);
     let params: BTreeMap<String, serde_json::Value> =
         model.params.iter().map(|(k, v)| (k.clone(), v.to_json())).collect();
@@ -95,7 +95,7 @@ fn validate_checkpoint(model: &BoundModel, ckpt: &Checkpoint) -> Result<Vec<Stri
             name: w.name.clone(),
             key: w.key.clone(),
             at: at.clone(),
-            checkpoint: ckpt.dir.display().to_string(),
+            checkpoint: ckpt.path.display().to_string(),
         })?;
         if info.shape != w.shape {
             return Err(CompileError::ShapeMismatch {
@@ -105,7 +105,7 @@ fn validate_checkpoint(model: &BoundModel, ckpt: &Checkpoint) -> Result<Vec<Stri
                 found: info.shape.clone(),
             });
         }
-        if info.dtype().is_none() {
+        if !info.readable {
             return Err(CompileError::UnsupportedDtype { name: w.name.clone(), dtype: info.dtype_name.clone() });
         }
     }
