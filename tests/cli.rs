@@ -111,3 +111,58 @@ fn tp2_shards_concatenate_back() {
     assert_eq!(kinds["model.layers.0.mlp.down_proj.weight"], "row");
     assert_eq!(kinds["model.layers.1.self_attn.o_proj.weight"], "row");
 }
+
+/// A checkpoint split into `model-0000K-of-00002.safetensors` with an index compiles to the same
+/// weights as the single file, and a tensor the model does not use is reported as a warning.
+#[test]
+fn sharded_checkpoint_loads_and_unused_tensors_warn() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = fixture("tiny-qwen2");
+    let ck = dir.path().join("sharded");
+    std::fs::create_dir_all(&ck).unwrap();
+    for f in ["config.json", "tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(src.join(f), ck.join(f)).unwrap();
+    }
+    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut names: Vec<String> = st.names().into_iter().cloned().collect();
+    names.sort();
+    let extra = vec![0u8; 16];
+    let mut weight_map = serde_json::Map::new();
+    for (k, part) in names.chunks(names.len() / 2 + 1).enumerate() {
+        let file = format!("model-{:05}-of-00002.safetensors", k + 1);
+        let mut views: Vec<(String, safetensors::tensor::TensorView)> =
+            part.iter().map(|n| (n.clone(), st.tensor(n).unwrap())).collect();
+        if k == 1 {
+            views.push((
+                "model.extra.weight".into(),
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![4], &extra).unwrap(),
+            ));
+        }
+        for (n, _) in &views {
+            weight_map.insert(n.clone(), file.clone().into());
+        }
+        safetensors::serialize_to_file(views, &None, &ck.join(&file)).unwrap();
+    }
+    let index = serde_json::json!({"metadata": {}, "weight_map": weight_map});
+    std::fs::write(ck.join("model.safetensors.index.json"), index.to_string()).unwrap();
+
+    let b = dir.path().join("sharded.bundle");
+    let yaml = model_yaml("tiny-qwen2");
+    let o = run("engc", &["compile", s(&yaml), "--checkpoint", s(&ck), "-o", s(&b)]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("warning: 1 checkpoint tensor(s) unused") && stderr(&o).contains("model.extra.weight"),
+        "{}",
+        stderr(&o)
+    );
+    let single = compile_fixture("tiny-qwen2", dir.path(), 1, None);
+    let (a, b) = (bundle::Bundle::open(&single).unwrap(), bundle::Bundle::open(&b).unwrap());
+    let (wa, wb) = (a.weights(0).unwrap(), b.weights(0).unwrap());
+    let mut na = wa.names().unwrap();
+    na.sort();
+    assert_eq!(na.len(), 26);
+    for n in na {
+        assert_eq!(wa.raw(&n).unwrap(), wb.raw(&n).unwrap(), "{n}");
+    }
+}

@@ -223,3 +223,51 @@ fn bad_runtime_arguments() {
     engrun_fails(&["generate", bs, "--prompt", "hi", "--temperature=-1"], &["temperature"]);
     engrun_fails(&["generate", bs, "--prompt", "hi", "--device", "gpu9"], &["unknown device `gpu9`"]);
 }
+
+/// A minimal GGUF v3 file: `general.architecture = llama` and one 2x32 tensor of type `ty`
+/// whose data is `data_len` bytes.
+fn gguf_bytes(magic: &[u8; 4], ty: u32, data_len: usize) -> Vec<u8> {
+    let mut b = magic.to_vec();
+    b.extend(3u32.to_le_bytes());
+    b.extend(1u64.to_le_bytes()); // tensors
+    b.extend(1u64.to_le_bytes()); // metadata
+    let s = |b: &mut Vec<u8>, t: &str| {
+        b.extend((t.len() as u64).to_le_bytes());
+        b.extend(t.as_bytes());
+    };
+    s(&mut b, "general.architecture");
+    b.extend(8u32.to_le_bytes());
+    s(&mut b, "llama");
+    s(&mut b, "token_embd.weight");
+    b.extend(2u32.to_le_bytes());
+    b.extend(32u64.to_le_bytes());
+    b.extend(2u64.to_le_bytes());
+    b.extend(ty.to_le_bytes());
+    b.extend(0u64.to_le_bytes());
+    while b.len() % 32 != 0 {
+        b.push(0);
+    }
+    b.extend(vec![0u8; data_len]);
+    b
+}
+
+#[test]
+fn bad_gguf_files() {
+    let c = Case::new();
+    let llama = repo().join("models/llama.yaml");
+    let write = |name: &str, bytes: Vec<u8>| {
+        let p = c.path(name);
+        std::fs::write(&p, bytes).unwrap();
+        p
+    };
+    let magic = write("magic.gguf", gguf_bytes(b"GGJT", 0, 256));
+    c.compile_fails(&llama, &magic, &[], &["magic.gguf", "wrong magic", "GGUF"]);
+    let quant = write("quant.gguf", gguf_bytes(b"GGUF", 12, 256));
+    c.compile_fails(&llama, &quant, &[], &["quant.gguf", "token_embd.weight", "quantization type 12", "not supported"]);
+    let truncated = write("truncated.gguf", gguf_bytes(b"GGUF", 0, 100));
+    c.compile_fails(&llama, &truncated, &[], &["truncated.gguf", "token_embd.weight", "truncated"]);
+    let mut header_cut = gguf_bytes(b"GGUF", 0, 256);
+    header_cut.truncate(40);
+    let cut = write("cut.gguf", header_cut);
+    c.compile_fails(&llama, &cut, &[], &["cut.gguf", "truncated"]);
+}

@@ -276,7 +276,7 @@ impl Gguf {
     fn bytes(&self, t: &GgufTensor) -> Result<&[u8], CompileError> {
         let n: usize = t.shape.iter().product();
         let (per, size) = t.ty.block();
-        if n % per != 0 {
+        if !n.is_multiple_of(per) {
             return Err(self.err(format!("tensor `{}` has {n} elements, not whole {}-element blocks", t.name, per)));
         }
         let start = self.data_start + t.offset;
