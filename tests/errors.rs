@@ -244,7 +244,7 @@ fn gguf_bytes(magic: &[u8; 4], ty: u32, data_len: usize) -> Vec<u8> {
     b.extend(2u64.to_le_bytes());
     b.extend(ty.to_le_bytes());
     b.extend(0u64.to_le_bytes());
-    while b.len() % 32 != 0 {
+    while !b.len().is_multiple_of(32) {
         b.push(0);
     }
     b.extend(vec![0u8; data_len]);
