@@ -1,0 +1,50 @@
+//! The CPU JIT linear kernel on SmolLM2-135M's shapes: weight bytes streamed per second, the
+//! number that bounds batch-1 decode (compare with the machine's copy bandwidth in
+//! docs/perf.md). `cargo bench -p benches --bench linear`.
+
+use codegen_cpu::{LinearKernel, Pool};
+use ir::DType;
+use std::time::Instant;
+
+fn main() {
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    // (name, k, n): SmolLM2-135M's projections and its tied lm_head.
+    let shapes = [
+        ("qkv-like 576x576", 576, 576),
+        ("gate/up 576x1536", 576, 1536),
+        ("down 1536x576", 1536, 576),
+        ("lm_head 576x49152", 576, 49152),
+    ];
+    println!("threads available: {threads}");
+    println!("{:<20} {:>5} {:>6} {:>4} {:>10} {:>9}", "shape", "dtype", "batch", "thr", "us/call", "GB/s(w)");
+    for (name, k, n) in shapes {
+        for dtype in [DType::F32, DType::BF16] {
+            let kernel = LinearKernel::compile(k, n, dtype).expect("compiles");
+            let w = dtype.from_f32(&(0..n * k).map(|i| ((i % 97) as f32 - 48.0) / 97.0).collect::<Vec<_>>());
+            for batch in [1, 8] {
+                let x: Vec<f32> = (0..batch * k).map(|i| ((i % 13) as f32) / 13.0).collect();
+                let mut out = vec![0.0; batch * n];
+                for thr in [1, threads] {
+                    let pool = Pool::new(thr);
+                    let mut best = f64::MAX;
+                    for _ in 0..5 {
+                        let reps = (2e8 / (w.len() as f64)).ceil() as usize;
+                        let t = Instant::now();
+                        for _ in 0..reps {
+                            kernel.run(&pool, &x, &w, &mut out);
+                        }
+                        best = best.min(t.elapsed().as_secs_f64() / reps as f64);
+                    }
+                    println!(
+                        "{name:<20} {dtype:>5} {batch:>6} {thr:>4} {:>10.1} {:>9.2}",
+                        best * 1e6,
+                        w.len() as f64 / best / 1e9
+                    );
+                    if threads == 1 {
+                        break;
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,1 @@
+//! Benchmarks live in `benches/*.rs` (`cargo bench -p benches`).

@@ -1,0 +1,48 @@
+//! `codegen-cpu`: plan kernels lowered to Cranelift IR and JIT-compiled to native code when a
+//! bundle is loaded for the CPU.
+//!
+//! Cranelift does no auto-vectorisation or unrolling and has 128-bit SIMD only, so each kernel is
+//! emitted as explicit `f32x4` code, unrolled, with the model's shapes (feature sizes) as
+//! constants. This first slice is the linear kernel, the one that bounds decode speed; the other
+//! ops of the plan follow (see `docs/perf.md` and the CPU backend issue).
+#![deny(missing_docs)]
+
+mod linear;
+mod pool;
+
+pub use linear::LinearKernel;
+pub use pool::Pool;
+
+use cranelift_codegen::settings::{self, Configurable};
+use cranelift_jit::{JITBuilder, JITModule};
+
+/// Errors of JIT compilation.
+#[derive(Debug, thiserror::Error)]
+pub enum JitError {
+    /// The host is not supported by Cranelift, or a setting was rejected.
+    #[error("cannot set up the Cranelift JIT for this host: {0}")]
+    Host(String),
+    /// Cranelift rejected a generated function (a bug in the lowering).
+    #[error("Cranelift could not compile `{kernel}`: {message}")]
+    Compile {
+        /// The kernel.
+        kernel: String,
+        /// Cranelift's message.
+        message: String,
+    },
+    /// A kernel was asked for with shapes or types it does not support.
+    #[error("{0}")]
+    Unsupported(String),
+}
+
+/// A JIT module set up for speed on the host CPU.
+pub(crate) fn new_module() -> Result<JITModule, JitError> {
+    let host = |e: &dyn std::fmt::Display| JitError::Host(e.to_string());
+    let mut flags = settings::builder();
+    for (k, v) in [("opt_level", "speed"), ("use_colocated_libcalls", "false"), ("is_pic", "false")] {
+        flags.set(k, v).map_err(|e| host(&e))?;
+    }
+    let isa =
+        cranelift_native::builder().map_err(|e| host(&e))?.finish(settings::Flags::new(flags)).map_err(|e| host(&e))?;
+    Ok(JITModule::new(JITBuilder::with_isa(isa, cranelift_module::default_libcall_names())))
+}
