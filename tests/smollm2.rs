@@ -42,6 +42,8 @@ fn smollm2_gguf_matches_hf() {
     assert_eq!(b.generation_config().unwrap().eos_token_id, vec![2]);
     let mut backend = runtime::RefBackend::new(&b).unwrap();
     check_backend_against_hf("smollm2-135m", &mut backend, 1e-3);
+    let mut cpu = runtime::CpuBackend::new(&b).unwrap();
+    check_backend_against_hf("smollm2-135m", &mut cpu, 1e-3);
 }
 
 #[test]
@@ -54,24 +56,12 @@ fn smollm2_chat_golden_through_the_cli() {
     .unwrap();
     for case in g.as_array().unwrap() {
         let q = case["question"].as_str().unwrap();
-        let o = run(
-            "engrun",
-            &[
-                "generate",
-                b.to_str().unwrap(),
-                "--device",
-                "ref",
-                "--chat",
-                "--temperature",
-                "0",
-                "--max-tokens",
-                "48",
-                "--prompt",
-                q,
-            ],
-        );
-        assert!(o.status.success(), "{}", stderr(&o));
-        let text = String::from_utf8(o.stdout).unwrap();
-        assert_eq!(text.trim_end_matches('\n'), case["greedy_text"].as_str().unwrap());
+        for device in ["ref", "cpu"] {
+            let args = ["generate", b.to_str().unwrap(), "--device", device, "--chat", "--temperature", "0"];
+            let o = run("engrun", &[&args[..], &["--max-tokens", "48", "--prompt", q]].concat());
+            assert!(o.status.success(), "{}", stderr(&o));
+            let text = String::from_utf8(o.stdout).unwrap();
+            assert_eq!(text.trim_end_matches('\n'), case["greedy_text"].as_str().unwrap(), "--device {device}");
+        }
     }
 }

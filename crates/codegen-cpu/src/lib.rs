@@ -7,9 +7,11 @@
 //! ops of the plan follow (see `docs/perf.md` and the CPU backend issue).
 #![deny(missing_docs)]
 
+mod kernels;
 mod linear;
 mod pool;
 
+pub use kernels::{AttentionKernel, BinaryKernel, BinaryOp, EmbeddingKernel, RmsNormKernel, RopeKernel};
 pub use linear::LinearKernel;
 pub use pool::Pool;
 
@@ -35,7 +37,12 @@ pub enum JitError {
     Unsupported(String),
 }
 
-/// A JIT module set up for speed on the host CPU.
+/// `expf`, for kernels: Cranelift has no exp instruction.
+extern "C" fn engine_expf(x: f32) -> f32 {
+    x.exp()
+}
+
+/// A JIT module set up for speed on the host CPU, with the math functions kernels call.
 pub(crate) fn new_module() -> Result<JITModule, JitError> {
     let host = |e: &dyn std::fmt::Display| JitError::Host(e.to_string());
     let mut flags = settings::builder();
@@ -44,5 +51,7 @@ pub(crate) fn new_module() -> Result<JITModule, JitError> {
     }
     let isa =
         cranelift_native::builder().map_err(|e| host(&e))?.finish(settings::Flags::new(flags)).map_err(|e| host(&e))?;
-    Ok(JITModule::new(JITBuilder::with_isa(isa, cranelift_module::default_libcall_names())))
+    let mut builder = JITBuilder::with_isa(isa, cranelift_module::default_libcall_names());
+    builder.symbol("engine_expf", engine_expf as *const u8);
+    Ok(JITModule::new(builder))
 }

@@ -48,8 +48,8 @@ enum Cmd {
         /// Keep generating past eos tokens.
         #[arg(long)]
         ignore_eos: bool,
-        /// ref (reference interpreter), cpu or cuda.
-        #[arg(long, default_value = "ref")]
+        /// cpu (Cranelift JIT, the default without a GPU), ref (reference interpreter) or cuda.
+        #[arg(long, default_value = "cpu")]
         device: Device,
     },
     /// Write the f32 logits of every position of `--ids` to a safetensors file (tensor
@@ -60,8 +60,8 @@ enum Cmd {
         /// Comma-separated token ids.
         #[arg(long)]
         ids: String,
-        /// ref (reference interpreter), cpu or cuda.
-        #[arg(long, default_value = "ref")]
+        /// cpu (Cranelift JIT, the default without a GPU), ref (reference interpreter) or cuda.
+        #[arg(long, default_value = "cpu")]
         device: Device,
         /// Output file.
         #[arg(short, long)]

@@ -84,8 +84,9 @@ impl Backend for RefBackend {
 pub fn load(bundle: &Bundle, device: Device) -> Result<Box<dyn Backend>, RuntimeError> {
     match device {
         Device::Ref => Ok(Box::new(RefBackend::new(bundle)?)),
-        Device::Cpu | Device::Cuda => Err(RuntimeError::Unsupported(format!(
-            "the {device:?} backend is not part of this build yet; use --device ref"
-        ))),
+        Device::Cpu => Ok(Box::new(crate::CpuBackend::new(bundle)?)),
+        Device::Cuda => {
+            Err(RuntimeError::Unsupported("the CUDA backend is not part of this build yet; use --device cpu".into()))
+        }
     }
 }

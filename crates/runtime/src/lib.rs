@@ -1,13 +1,15 @@
 //! `runtime`: runs compiled bundles. It loads a bundle onto a backend ([`load`]), and drives
 //! generation ([`generate`]) with a [`Sampler`]. Backends see only the bundle's plan and
-//! weights, never the compiler. Today's backend is the reference interpreter (`--device ref`);
-//! the Cranelift (`cpu`) and CUDA (`cuda`) backends plug in behind the same [`Backend`] trait.
+//! weights, never the compiler. Backends: the reference interpreter (`--device ref`) and the Cranelift JIT
+//! ([`CpuBackend`], `--device cpu`); CUDA plugs in behind the same [`Backend`] trait.
 
 mod backend;
+mod cpu;
 mod generate;
 mod sampler;
 
 pub use backend::{load, Backend, Device, RefBackend, SeqId};
+pub use cpu::CpuBackend;
 pub use generate::{generate, FinishReason, GenerateOutput, GenerateRequest};
 pub use sampler::{Sampler, SamplingParams};
 

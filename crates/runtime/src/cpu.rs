@@ -1,0 +1,338 @@
+//! The CPU backend: every op of the plan runs as a kernel JIT-compiled by Cranelift
+//! (`codegen-cpu`), specialised to the plan's shapes when the bundle is loaded. Linear,
+//! logits and attention are split across cores.
+
+use crate::backend::{Backend, SeqId};
+use crate::RuntimeError;
+use bundle::Bundle;
+use codegen_cpu::{
+    AttentionKernel, BinaryKernel, BinaryOp, EmbeddingKernel, LinearKernel, Pool, RmsNormKernel, RopeKernel,
+};
+use ir::{DType, Op, Plan};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// A weight as the kernels read it.
+enum Weight {
+    /// Matrices (linear, logits, embedding) in their storage dtype (f32 or bf16).
+    Raw(Vec<u8>, DType),
+    /// Vectors (norm weights, biases) in f32.
+    F32(Vec<f32>),
+}
+
+/// The compiled kernel of one plan node.
+enum Step {
+    None,
+    Embedding(Arc<EmbeddingKernel>),
+    Linear(Arc<LinearKernel>, Option<Arc<BinaryKernel>>),
+    RmsNorm(Arc<RmsNormKernel>),
+    Rope(Arc<RopeKernel>, Vec<f32>, f32),
+    Attention(Arc<AttentionKernel>),
+    Binary(Arc<BinaryKernel>),
+    Logits(Arc<LinearKernel>),
+}
+
+struct Cache {
+    k: Vec<Vec<f32>>,
+    v: Vec<Vec<f32>>,
+    len: usize,
+}
+
+/// Kernels compiled once per distinct specialisation (layers share them).
+#[derive(Default)]
+struct KernelCache {
+    linear: HashMap<(usize, usize, DType), Arc<LinearKernel>>,
+    binary: HashMap<BinaryOp, Arc<BinaryKernel>>,
+    norm: HashMap<(usize, u32), Arc<RmsNormKernel>>,
+    rope: HashMap<(usize, usize), Arc<RopeKernel>>,
+    attention: HashMap<(usize, usize, u32), Arc<AttentionKernel>>,
+    embedding: HashMap<(usize, DType), Arc<EmbeddingKernel>>,
+}
+
+fn jit<T>(r: Result<T, codegen_cpu::JitError>) -> Result<Arc<T>, RuntimeError> {
+    r.map(Arc::new).map_err(|e| RuntimeError::Unsupported(e.to_string()))
+}
+
+macro_rules! cached {
+    ($map:expr, $key:expr, $make:expr) => {
+        match $map.get(&$key) {
+            Some(k) => k.clone(),
+            None => {
+                let k = jit($make)?;
+                $map.insert($key, k.clone());
+                k
+            }
+        }
+    };
+}
+
+/// The plan with its kernels and weights.
+pub struct CpuBackend {
+    plan: Plan,
+    steps: Vec<Step>,
+    weights: Vec<Option<Weight>>,
+    caches: HashMap<SeqId, Cache>,
+    pool: Pool,
+}
+
+fn matrix_dtype(d: DType) -> DType {
+    if d == DType::BF16 {
+        DType::BF16
+    } else {
+        DType::F32
+    }
+}
+
+impl CpuBackend {
+    /// Loads rank 0's weights of `bundle` and JIT-compiles a kernel for every node.
+    pub fn new(bundle: &Bundle) -> Result<CpuBackend, RuntimeError> {
+        let plan = bundle.plan.clone();
+        if plan.tp != 1 {
+            return Err(RuntimeError::Unsupported(format!(
+                "the CPU backend runs one rank; this bundle has tp={}",
+                plan.tp
+            )));
+        }
+        let file = bundle.weights(0)?;
+        let is_matrix = |i: usize| {
+            plan.nodes
+                .iter()
+                .any(|n| matches!(n.op, Op::Linear { .. } | Op::Logits | Op::Embedding) && n.inputs.get(1) == Some(&i))
+        };
+        let mut weights = Vec::with_capacity(plan.nodes.len());
+        for (i, n) in plan.nodes.iter().enumerate() {
+            weights.push(match &n.op {
+                Op::Weight { name, shape, .. } => {
+                    let (dtype, got, bytes) = file.raw(name)?;
+                    if got != *shape {
+                        return Err(RuntimeError::Invalid(format!(
+                            "weight `{name}` has shape {got:?}, the plan expects {shape:?}"
+                        )));
+                    }
+                    Some(if is_matrix(i) {
+                        let md = matrix_dtype(dtype);
+                        let raw = if md == dtype { bytes.to_vec() } else { md.from_f32(&dtype.to_f32(bytes)) };
+                        Weight::Raw(raw, md)
+                    } else {
+                        Weight::F32(dtype.to_f32(bytes))
+                    })
+                }
+                _ => None,
+            });
+        }
+        let mut kc = KernelCache::default();
+        let mut steps = Vec::with_capacity(plan.nodes.len());
+        for n in &plan.nodes {
+            let wdtype = |j: usize| match &weights[n.inputs[j]] {
+                Some(Weight::Raw(_, d)) => *d,
+                _ => DType::F32,
+            };
+            let in_cols = |j: usize| plan.nodes[n.inputs[j]].ty.last().unwrap_or(0);
+            let cols = n.ty.last().unwrap_or(0);
+            let step = match &n.op {
+                Op::Tokens | Op::Positions | Op::Weight { .. } | Op::AllReduce => Step::None,
+                Op::Embedding => {
+                    Step::Embedding(cached!(kc.embedding, (cols, wdtype(1)), EmbeddingKernel::compile(cols, wdtype(1))))
+                }
+                Op::Linear { bias } => {
+                    let key = (in_cols(0), cols, wdtype(1));
+                    let lin = cached!(kc.linear, key, LinearKernel::compile(key.0, key.1, key.2));
+                    let add = if *bias {
+                        Some(cached!(kc.binary, BinaryOp::Add, BinaryKernel::compile(BinaryOp::Add)))
+                    } else {
+                        None
+                    };
+                    Step::Linear(lin, add)
+                }
+                Op::Logits => {
+                    let key = (in_cols(0), cols, wdtype(1));
+                    Step::Logits(cached!(kc.linear, key, LinearKernel::compile(key.0, key.1, key.2)))
+                }
+                Op::RmsNorm { eps } => {
+                    Step::RmsNorm(cached!(kc.norm, (cols, eps.to_bits()), RmsNormKernel::compile(cols, *eps)))
+                }
+                Op::Rope { head_dim, theta, scaling } => {
+                    let k = cached!(kc.rope, (cols, *head_dim), RopeKernel::compile(cols, *head_dim));
+                    let (inv, scale) = scaling.inv_freq(*head_dim, *theta);
+                    Step::Rope(k, inv.iter().map(|&f| f as f32).collect(), scale as f32)
+                }
+                Op::Attention { kv_heads, head_dim, scale, .. } => {
+                    let key = (*head_dim, kv_heads * head_dim, scale.to_bits());
+                    Step::Attention(cached!(kc.attention, key, AttentionKernel::compile(key.0, key.1, *scale)))
+                }
+                Op::Silu => Step::Binary(cached!(kc.binary, BinaryOp::Silu, BinaryKernel::compile(BinaryOp::Silu))),
+                Op::Mul => Step::Binary(cached!(kc.binary, BinaryOp::Mul, BinaryKernel::compile(BinaryOp::Mul))),
+                Op::Add => Step::Binary(cached!(kc.binary, BinaryOp::Add, BinaryKernel::compile(BinaryOp::Add))),
+            };
+            steps.push(step);
+        }
+        Ok(CpuBackend { plan, steps, weights, caches: HashMap::new(), pool: Pool::with_all_cores() })
+    }
+
+    fn raw(&self, node: usize) -> &[u8] {
+        match &self.weights[node] {
+            Some(Weight::Raw(b, _)) => b,
+            _ => &[],
+        }
+    }
+
+    fn vector(&self, node: usize) -> &[f32] {
+        match &self.weights[node] {
+            Some(Weight::F32(v)) => v,
+            _ => &[],
+        }
+    }
+}
+
+/// Per-row `cos` then `sin` tables for the positions `start..start + rows`, as HF computes
+/// them (f32 angles), scaled by the attention factor.
+fn rope_tables(inv: &[f32], scale: f32, start: usize, rows: usize) -> Vec<f32> {
+    let mut cs = Vec::with_capacity(rows * 2 * inv.len());
+    for t in 0..rows {
+        let p = (start + t) as f32;
+        cs.extend(inv.iter().map(|f| (p * f).cos() * scale));
+        cs.extend(inv.iter().map(|f| (p * f).sin() * scale));
+    }
+    cs
+}
+
+impl Backend for CpuBackend {
+    fn vocab(&self) -> usize {
+        self.plan.vocab
+    }
+
+    fn forward(&mut self, seq: SeqId, tokens: &[u32], rows: &[usize]) -> Result<Vec<f32>, RuntimeError> {
+        let vocab = self.plan.vocab;
+        if let Some(t) = tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(RuntimeError::Invalid(format!("token id {t} is outside the vocabulary (size {vocab})")));
+        }
+        if let Some(r) = rows.iter().find(|&&r| r >= tokens.len()) {
+            return Err(RuntimeError::Invalid(format!(
+                "logit row {r} is outside the {} tokens of the step",
+                tokens.len()
+            )));
+        }
+        let layers = self.plan.kv.layers;
+        let mut cache = self.caches.remove(&seq).unwrap_or_else(|| Cache {
+            k: vec![Vec::new(); layers],
+            v: vec![Vec::new(); layers],
+            len: 0,
+        });
+        let result = self.run(&mut cache, tokens, rows);
+        if result.is_ok() {
+            cache.len += tokens.len();
+        }
+        self.caches.insert(seq, cache);
+        result
+    }
+
+    fn seq_len(&self, seq: SeqId) -> usize {
+        self.caches.get(&seq).map_or(0, |c| c.len)
+    }
+
+    fn release(&mut self, seq: SeqId) {
+        self.caches.remove(&seq);
+    }
+}
+
+impl CpuBackend {
+    fn run(&self, cache: &mut Cache, tokens: &[u32], rows: &[usize]) -> Result<Vec<f32>, RuntimeError> {
+        let t_len = tokens.len();
+        let start = cache.len;
+        let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
+        let mut vals: Vec<Vec<f32>> = Vec::with_capacity(self.plan.nodes.len());
+        for (i, n) in self.plan.nodes.iter().enumerate() {
+            let cols = n.ty.last().unwrap_or(0);
+            let input = |j: usize| vals[n.inputs[j]].as_slice();
+            let out = match (&self.steps[i], &n.op) {
+                (Step::Embedding(k), _) => {
+                    let mut o = vec![0.0; t_len * cols];
+                    k.run(self.raw(n.inputs[1]), &ids, &mut o);
+                    o
+                }
+                (Step::Linear(k, bias), _) => {
+                    let mut o = vec![0.0; t_len * cols];
+                    k.run(&self.pool, input(0), self.raw(n.inputs[1]), &mut o);
+                    if let Some(add) = bias {
+                        let b = self.vector(n.inputs[2]);
+                        for row in o.chunks_mut(cols) {
+                            let r = row.to_vec();
+                            add.run(&r, b, row);
+                        }
+                    }
+                    o
+                }
+                (Step::Logits(k), _) => {
+                    let x = input(0);
+                    let h = x.len() / t_len.max(1);
+                    let sel: Vec<f32> = rows.iter().flat_map(|&r| x[r * h..(r + 1) * h].iter().copied()).collect();
+                    let mut o = vec![0.0; rows.len() * cols];
+                    k.run(&self.pool, &sel, self.raw(n.inputs[1]), &mut o);
+                    o
+                }
+                (Step::RmsNorm(k), _) => {
+                    let mut o = vec![0.0; t_len * cols];
+                    k.run(input(0), self.vector(n.inputs[1]), &mut o);
+                    o
+                }
+                (Step::Rope(k, inv, scale), _) => {
+                    let mut o = vec![0.0; t_len * cols];
+                    k.run(input(0), &rope_tables(inv, *scale, start, t_len), &mut o);
+                    o
+                }
+                (Step::Attention(k), Op::Attention { heads, kv_heads, head_dim, layer, .. }) => {
+                    let (kc, vc) = (&mut cache.k[*layer], &mut cache.v[*layer]);
+                    kc.extend_from_slice(input(1));
+                    vc.extend_from_slice(input(2));
+                    self.attention(k, input(0), kc, vc, start, (*heads, *kv_heads, *head_dim))
+                }
+                (Step::Binary(k), _) => {
+                    let a = input(0);
+                    let b = if n.inputs.len() > 1 { input(1) } else { a };
+                    let mut o = vec![0.0; a.len()];
+                    k.run(a, b, &mut o);
+                    o
+                }
+                (Step::None, Op::AllReduce) => input(0).to_vec(),
+                (Step::None, _) => Vec::new(),
+                (Step::Attention(_), _) => unreachable!("attention steps are built from attention ops"),
+            };
+            vals.push(out);
+        }
+        Ok(vals.swap_remove(self.plan.output))
+    }
+
+    /// Causal GQA attention of the step's queries over the cache, heads split across cores.
+    fn attention(
+        &self,
+        k: &AttentionKernel,
+        q: &[f32],
+        kc: &[f32],
+        vc: &[f32],
+        start: usize,
+        (heads, kv_heads, d): (usize, usize, usize),
+    ) -> Vec<f32> {
+        let t_len = q.len() / (heads * d);
+        let group = heads / kv_heads;
+        let mut out = vec![0.0f32; q.len()];
+        let out_ptr = out.as_mut_ptr() as usize;
+        let jobs = t_len * heads;
+        let parts = if jobs * (start + t_len) * d < 64 * 1024 { 1 } else { self.pool.threads().min(jobs) };
+        self.pool.run(parts, &|part| {
+            let mut scores = vec![0.0f32; start + t_len];
+            for job in (part..jobs).step_by(parts) {
+                let (t, h) = (job / heads, job % heads);
+                let kvh = h / group;
+                let qrow = &q[(t * heads + h) * d..(t * heads + h + 1) * d];
+                // SAFETY: each job writes its own d floats of `out`; the cache holds
+                // start + t_len positions of `stride` floats, so n = start + t + 1 positions
+                // starting at the KV head's offset are in bounds.
+                unsafe {
+                    let o = std::slice::from_raw_parts_mut((out_ptr as *mut f32).add((t * heads + h) * d), d);
+                    k.run(qrow, kc.as_ptr().add(kvh * d), vc.as_ptr().add(kvh * d), start + t + 1, &mut scores, o);
+                }
+            }
+        });
+        out
+    }
+}
