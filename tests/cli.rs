@@ -166,3 +166,37 @@ fn sharded_checkpoint_loads_and_unused_tensors_warn() {
         assert_eq!(wa.raw(&n).unwrap(), wb.raw(&n).unwrap(), "{n}");
     }
 }
+
+/// `engrun bench --json` prints one JSON object with the agreed fields.
+#[test]
+fn bench_reports_json() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = compile_fixture("tiny-llama", dir.path(), 1, None);
+    let o = run(
+        "engrun",
+        &[
+            "bench",
+            s(&b),
+            "--num-prompts",
+            "3",
+            "--input-len",
+            "9",
+            "--output-len",
+            "4",
+            "--random-range-ratio",
+            "0.5",
+            "--json",
+        ],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("one JSON object");
+    for key in ["requests", "input_tokens", "output_tokens", "duration_s", "output_tok_s", "ttft_ms_p50", "tpot_ms_p50"]
+    {
+        assert!(v.get(key).is_some(), "missing {key}: {v}");
+    }
+    assert_eq!(v["requests"], 3);
+    let out = v["output_tokens"].as_u64().unwrap();
+    assert!((6..=12).contains(&out), "output lengths uniform in [2, 4]: {out}");
+    let o = run("engrun", &["bench", s(&b), "--num-prompts", "0"]);
+    assert!(!o.status.success() && stderr(&o).contains("num-prompts"));
+}

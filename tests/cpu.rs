@@ -61,3 +61,32 @@ fn cpu_rejects_bad_ids() {
     assert!(c.forward(1, &[1, 2], &[5]).unwrap_err().to_string().contains("logit row 5"));
     assert_eq!(c.seq_len(1), 0, "a failed step leaves the cache as it was");
 }
+
+/// A batched step over sequences of different lengths equals running each alone.
+#[test]
+fn batched_steps_equal_single_sequences() {
+    use runtime::SeqChunk;
+    let b = bundle::Bundle::open(&bundles().1[1].0).unwrap();
+    let (mut r, mut c) = (RefBackend::new(&b).unwrap(), CpuBackend::new(&b).unwrap());
+    let prompts: Vec<Vec<u32>> = vec![(1..12).collect(), vec![400, 17], (100..131).collect()];
+    let rows: Vec<Vec<usize>> = prompts.iter().map(|p| vec![0, p.len() - 1]).collect();
+    let chunks: Vec<SeqChunk> = prompts
+        .iter()
+        .zip(&rows)
+        .enumerate()
+        .map(|(i, (p, r))| SeqChunk { seq: i as u64, tokens: p, rows: r })
+        .collect();
+    let got = c.forward_batch(&chunks).unwrap();
+    let want: Vec<f32> = chunks.iter().flat_map(|ch| r.forward(ch.seq, ch.tokens, ch.rows).unwrap()).collect();
+    assert!(rel_err(&got, &want) < 1e-4, "batched prefill rel err {}", rel_err(&got, &want));
+    let next = [[5u32], [6], [7]];
+    let decode: Vec<SeqChunk> =
+        next.iter().enumerate().map(|(i, t)| SeqChunk { seq: i as u64, tokens: t, rows: &[0] }).collect();
+    let got = c.forward_batch(&decode).unwrap();
+    let want: Vec<f32> = decode.iter().flat_map(|ch| r.forward(ch.seq, ch.tokens, ch.rows).unwrap()).collect();
+    assert!(rel_err(&got, &want) < 1e-4, "batched decode rel err {}", rel_err(&got, &want));
+    assert_eq!((c.seq_len(0), c.seq_len(1), c.seq_len(2)), (12, 3, 32));
+    let dup = [SeqChunk { seq: 0, tokens: &[1], rows: &[0] }, SeqChunk { seq: 0, tokens: &[2], rows: &[0] }];
+    assert!(c.forward_batch(&dup).unwrap_err().to_string().contains("appears twice"));
+    assert_eq!(c.seq_len(0), 12, "a rejected batch changes nothing");
+}

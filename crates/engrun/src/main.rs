@@ -52,6 +52,33 @@ enum Cmd {
         #[arg(long, default_value = "cpu")]
         device: Device,
     },
+    /// Offline throughput: random prompts, eos ignored, run as one batch; reports TTFT, TPOT,
+    /// prefill and decode tokens/s and decode's fraction of the measured memory bandwidth.
+    Bench {
+        /// The bundle directory.
+        bundle: PathBuf,
+        /// cpu (Cranelift JIT, the default without a GPU), ref (reference interpreter) or cuda.
+        #[arg(long, default_value = "cpu")]
+        device: Device,
+        /// Number of requests.
+        #[arg(long, default_value_t = 8)]
+        num_prompts: usize,
+        /// Prompt length (maximum, with --random-range-ratio).
+        #[arg(long, default_value_t = 128)]
+        input_len: usize,
+        /// Output length (maximum, with --random-range-ratio).
+        #[arg(long, default_value_t = 128)]
+        output_len: usize,
+        /// Lengths uniform in [len * ratio, len].
+        #[arg(long, default_value_t = 1.0)]
+        random_range_ratio: f64,
+        /// Seed of the random prompts.
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
     /// Write the f32 logits of every position of `--ids` to a safetensors file (tensor
     /// `logits`, shape [n, vocab]).
     Logits {
@@ -89,6 +116,16 @@ fn main() -> ExitCode {
             generate(&bundle, &args)
         }
         Cmd::Logits { bundle, ids, device, out } => logits(&bundle, &ids, device, &out),
+        Cmd::Bench { bundle, device, num_prompts, input_len, output_len, random_range_ratio, seed, json } => {
+            let opts = runtime::bench::BenchOptions {
+                num_prompts,
+                input_len,
+                output_len,
+                range_ratio: random_range_ratio,
+                seed,
+            };
+            bench(&bundle, device, &opts, json)
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -198,5 +235,31 @@ fn logits(path: &Path, ids: &str, device: Device, out: &Path) -> Result<(), Stri
         .map_err(|e| e.to_string())?;
     safetensors::serialize_to_file([("logits", view)], &None, out).map_err(|e| format!("{}: {e}", out.display()))?;
     eprintln!("wrote logits [{}, {}] to {}", ids.len(), backend.vocab(), out.display());
+    Ok(())
+}
+
+fn bench(path: &Path, device: Device, opts: &runtime::bench::BenchOptions, json: bool) -> Result<(), String> {
+    let (b, mut backend) = open(path, device)?;
+    let weight_bytes: usize = b.plan.weights().map(|(_, s, d)| s.iter().product::<usize>() * d.size()).sum();
+    let kv = b.plan.kv;
+    let kv_bytes = 2 * kv.layers * kv.row() * 4;
+    let r = runtime::bench::run(backend.as_mut(), opts, weight_bytes, kv_bytes).map_err(|e| e.to_string())?;
+    if json {
+        println!("{}", serde_json::to_string(&r).map_err(|e| e.to_string())?);
+    } else {
+        println!(
+            "requests {}  input tokens {}  output tokens {}  in {:.2} s",
+            r.requests, r.input_tokens, r.output_tokens, r.duration_s
+        );
+        println!("output      {:.1} tok/s", r.output_tok_s);
+        println!("prefill     {:.1} tok/s   (TTFT p50 {:.1} ms)", r.prefill_tok_s, r.ttft_ms_p50);
+        println!("decode      {:.1} tok/s   (TPOT p50 {:.2} ms)", r.decode_tok_s, r.tpot_ms_p50);
+        println!(
+            "bandwidth   {:.1} GB/s measured copy; decode reads {:.0}% of it ({:.1} MB weights + KV per step)",
+            r.bandwidth_gb_s,
+            r.decode_bandwidth_fraction * 100.0,
+            weight_bytes as f64 / 1e6
+        );
+    }
     Ok(())
 }

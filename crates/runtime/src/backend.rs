@@ -32,6 +32,18 @@ impl FromStr for Device {
     }
 }
 
+/// One sequence's part of a batched step: its new tokens and the rows (indices into `tokens`)
+/// whose logits are wanted.
+#[derive(Debug, Clone, Copy)]
+pub struct SeqChunk<'a> {
+    /// The sequence.
+    pub seq: SeqId,
+    /// Its tokens in this step, at its next positions.
+    pub tokens: &'a [u32],
+    /// Rows of `tokens` whose logits are returned.
+    pub rows: &'a [usize],
+}
+
 /// A loaded model that runs forward steps for sequences.
 pub trait Backend {
     /// Vocabulary size (columns of the logits).
@@ -39,6 +51,16 @@ pub trait Backend {
     /// Runs `tokens` for sequence `seq` (created on first use) at its next positions and
     /// returns the logits of the rows `rows` (indices into `tokens`), `rows.len() × vocab`.
     fn forward(&mut self, seq: SeqId, tokens: &[u32], rows: &[usize]) -> Result<Vec<f32>, RuntimeError>;
+    /// Runs one step over several sequences and returns the logits of every chunk's rows, chunk
+    /// after chunk. Backends that batch (the CPU and CUDA ones) run all the chunks' tokens
+    /// through each weight once; this default runs the chunks one by one.
+    fn forward_batch(&mut self, batch: &[SeqChunk]) -> Result<Vec<f32>, RuntimeError> {
+        let mut out = Vec::new();
+        for c in batch {
+            out.extend(self.forward(c.seq, c.tokens, c.rows)?);
+        }
+        Ok(out)
+    }
     /// Number of positions cached for `seq` (0 if unknown).
     fn seq_len(&self, seq: SeqId) -> usize;
     /// Drops the KV cache of `seq`.

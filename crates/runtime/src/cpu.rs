@@ -2,7 +2,7 @@
 //! (`codegen-cpu`), specialised to the plan's shapes when the bundle is loaded. Linear,
 //! logits and attention are split across cores.
 
-use crate::backend::{Backend, SeqId};
+use crate::backend::{Backend, SeqChunk, SeqId};
 use crate::RuntimeError;
 use bundle::Bundle;
 use codegen_cpu::{
@@ -184,12 +184,12 @@ impl CpuBackend {
     }
 }
 
-/// Per-row `cos` then `sin` tables for the positions `start..start + rows`, as HF computes
-/// them (f32 angles), scaled by the attention factor.
-fn rope_tables(inv: &[f32], scale: f32, start: usize, rows: usize) -> Vec<f32> {
-    let mut cs = Vec::with_capacity(rows * 2 * inv.len());
-    for t in 0..rows {
-        let p = (start + t) as f32;
+/// Per-row `cos` then `sin` tables for `positions`, as HF computes them (f32 angles), scaled
+/// by the attention factor.
+fn rope_tables(inv: &[f32], scale: f32, positions: &[usize]) -> Vec<f32> {
+    let mut cs = Vec::with_capacity(positions.len() * 2 * inv.len());
+    for &p in positions {
+        let p = p as f32;
         cs.extend(inv.iter().map(|f| (p * f).cos() * scale));
         cs.extend(inv.iter().map(|f| (p * f).sin() * scale));
     }
@@ -202,27 +202,50 @@ impl Backend for CpuBackend {
     }
 
     fn forward(&mut self, seq: SeqId, tokens: &[u32], rows: &[usize]) -> Result<Vec<f32>, RuntimeError> {
+        self.forward_batch(&[SeqChunk { seq, tokens, rows }])
+    }
+
+    fn forward_batch(&mut self, batch: &[SeqChunk]) -> Result<Vec<f32>, RuntimeError> {
         let vocab = self.plan.vocab;
-        if let Some(t) = tokens.iter().find(|&&t| t as usize >= vocab) {
-            return Err(RuntimeError::Invalid(format!("token id {t} is outside the vocabulary (size {vocab})")));
-        }
-        if let Some(r) = rows.iter().find(|&&r| r >= tokens.len()) {
-            return Err(RuntimeError::Invalid(format!(
-                "logit row {r} is outside the {} tokens of the step",
-                tokens.len()
-            )));
+        for (i, c) in batch.iter().enumerate() {
+            if let Some(t) = c.tokens.iter().find(|&&t| t as usize >= vocab) {
+                return Err(RuntimeError::Invalid(format!("token id {t} is outside the vocabulary (size {vocab})")));
+            }
+            if let Some(r) = c.rows.iter().find(|&&r| r >= c.tokens.len()) {
+                return Err(RuntimeError::Invalid(format!(
+                    "logit row {r} is outside the {} tokens of the step",
+                    c.tokens.len()
+                )));
+            }
+            if c.tokens.is_empty() || batch[..i].iter().any(|o| o.seq == c.seq) {
+                return Err(RuntimeError::Invalid(format!(
+                    "sequence {} is empty or appears twice in the batch",
+                    c.seq
+                )));
+            }
         }
         let layers = self.plan.kv.layers;
-        let mut cache = self.caches.remove(&seq).unwrap_or_else(|| Cache {
-            k: vec![Vec::new(); layers],
-            v: vec![Vec::new(); layers],
-            len: 0,
-        });
-        let result = self.run(&mut cache, tokens, rows);
-        if result.is_ok() {
-            cache.len += tokens.len();
+        let mut caches: Vec<Cache> = batch
+            .iter()
+            .map(|c| {
+                self.caches.remove(&c.seq).unwrap_or_else(|| Cache {
+                    k: vec![Vec::new(); layers],
+                    v: vec![Vec::new(); layers],
+                    len: 0,
+                })
+            })
+            .collect();
+        let result = self.run(&mut caches, batch);
+        let row = self.plan.kv.row();
+        for (c, mut cache) in batch.iter().zip(caches) {
+            if result.is_ok() {
+                cache.len += c.tokens.len();
+            }
+            for l in cache.k.iter_mut().chain(cache.v.iter_mut()) {
+                l.truncate(cache.len * row);
+            }
+            self.caches.insert(c.seq, cache);
         }
-        self.caches.insert(seq, cache);
         result
     }
 
@@ -236,10 +259,21 @@ impl Backend for CpuBackend {
 }
 
 impl CpuBackend {
-    fn run(&self, cache: &mut Cache, tokens: &[u32], rows: &[usize]) -> Result<Vec<f32>, RuntimeError> {
-        let t_len = tokens.len();
-        let start = cache.len;
-        let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
+    /// Runs one step: the chunks' tokens concatenated, each chunk at its own positions and
+    /// against its own cache.
+    fn run(&self, caches: &mut [Cache], batch: &[SeqChunk]) -> Result<Vec<f32>, RuntimeError> {
+        let ids: Vec<i32> = batch.iter().flat_map(|c| c.tokens.iter().map(|&t| t as i32)).collect();
+        let t_len = ids.len();
+        let positions: Vec<usize> =
+            batch.iter().zip(caches.iter()).flat_map(|(c, k)| k.len..k.len + c.tokens.len()).collect();
+        let mut offsets = Vec::with_capacity(batch.len());
+        let mut rows = Vec::new();
+        let mut off = 0;
+        for c in batch {
+            offsets.push(off);
+            rows.extend(c.rows.iter().map(|r| off + r));
+            off += c.tokens.len();
+        }
         let mut vals: Vec<Vec<f32>> = Vec::with_capacity(self.plan.nodes.len());
         for (i, n) in self.plan.nodes.iter().enumerate() {
             let cols = n.ty.last().unwrap_or(0);
@@ -277,14 +311,22 @@ impl CpuBackend {
                 }
                 (Step::Rope(k, inv, scale), _) => {
                     let mut o = vec![0.0; t_len * cols];
-                    k.run(input(0), &rope_tables(inv, *scale, start, t_len), &mut o);
+                    k.run(input(0), &rope_tables(inv, *scale, &positions), &mut o);
                     o
                 }
                 (Step::Attention(k), Op::Attention { heads, kv_heads, head_dim, layer, .. }) => {
-                    let (kc, vc) = (&mut cache.k[*layer], &mut cache.v[*layer]);
-                    kc.extend_from_slice(input(1));
-                    vc.extend_from_slice(input(2));
-                    self.attention(k, input(0), kc, vc, start, (*heads, *kv_heads, *head_dim))
+                    let dims = (*heads, *kv_heads, *head_dim);
+                    let (q_row, kv_row) = (heads * head_dim, kv_heads * head_dim);
+                    let mut o = Vec::with_capacity(t_len * q_row);
+                    for ((c, cache), &off) in batch.iter().zip(caches.iter_mut()).zip(&offsets) {
+                        let seg = off..off + c.tokens.len();
+                        let (kc, vc) = (&mut cache.k[*layer], &mut cache.v[*layer]);
+                        kc.extend_from_slice(&input(1)[seg.start * kv_row..seg.end * kv_row]);
+                        vc.extend_from_slice(&input(2)[seg.start * kv_row..seg.end * kv_row]);
+                        let q = &input(0)[seg.start * q_row..seg.end * q_row];
+                        o.extend(self.attention(k, q, kc, vc, cache.len, dims));
+                    }
+                    o
                 }
                 (Step::Binary(k), _) => {
                     let a = input(0);

@@ -4,11 +4,12 @@
 //! ([`CpuBackend`], `--device cpu`); CUDA plugs in behind the same [`Backend`] trait.
 
 mod backend;
+pub mod bench;
 mod cpu;
 mod generate;
 mod sampler;
 
-pub use backend::{load, Backend, Device, RefBackend, SeqId};
+pub use backend::{load, Backend, Device, RefBackend, SeqChunk, SeqId};
 pub use cpu::CpuBackend;
 pub use generate::{generate, FinishReason, GenerateOutput, GenerateRequest};
 pub use sampler::{Sampler, SamplingParams};

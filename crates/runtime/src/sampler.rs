@@ -56,6 +56,16 @@ impl Sampler {
         Ok(Sampler { params, state })
     }
 
+    /// The index of the largest logit (the greedy choice).
+    pub fn argmax(logits: &[f32]) -> u32 {
+        logits.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &v)| if v > b.1 { (i, v) } else { b }).0 as u32
+    }
+
+    /// A uniform number in [0, 1) from the sampler's generator.
+    pub fn uniform(&mut self) -> f64 {
+        self.next_f64()
+    }
+
     fn next_f64(&mut self) -> f64 {
         self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.state;
@@ -67,12 +77,8 @@ impl Sampler {
 
     /// Chooses a token from one row of logits.
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
-        let argmax = || {
-            logits.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &v)| if v > b.1 { (i, v) } else { b }).0
-                as u32
-        };
         if self.params.temperature == 0.0 || self.params.top_k == 1 {
-            return argmax();
+            return Sampler::argmax(logits);
         }
         let t = self.params.temperature;
         let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);

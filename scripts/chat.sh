@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# One command from a fresh checkout to a real model answering on the CPU: builds the release
+# binaries, fetches SmolLM2-135M-Instruct's GGUF (cached), compiles a bundle (cached), chats.
+# Usage: scripts/chat.sh ["question"] [extra engrun generate flags...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+question="${1:-What is the capital of France?}"
+shift || true
+cargo build --release --bins --quiet
+gguf=$(scripts/fetch-smollm2.sh)
+bundle="${ENGINE_CACHE:-$HOME/.cache/engine}/smollm2-135m-f32.bundle"
+if [ ! -f "$bundle/manifest.json" ] || [ "$gguf" -nt "$bundle/manifest.json" ] || [ target/release/engc -nt "$bundle/manifest.json" ]; then
+  target/release/engc compile models/llama.yaml --checkpoint "$gguf" \
+    --tokenizer ../shared/fixtures/smollm2-135m --dtype f32 -o "$bundle"
+fi
+exec target/release/engrun generate "$bundle" --device cpu --chat --max-tokens 128 --prompt "$question" "$@"
