@@ -108,7 +108,7 @@ pub fn run(
         .collect();
     let logits = backend.forward_batch(&chunks)?;
     let prefill_s = start.elapsed().as_secs_f64();
-    let mut next: Vec<u32> = logits.chunks(vocab).map(|row| Sampler::argmax(row)).collect();
+    let mut next: Vec<u32> = logits.chunks(vocab).map(Sampler::argmax).collect();
     let mut produced = vec![1usize; prompts.len()];
     let mut decode_s = 0.0;
     let mut decode_tokens = 0;
