@@ -71,7 +71,7 @@ fn compile(
 }
 
 /// Emits `for i in (start..end).step_by(step) { body(i) }` and continues after the loop.
-fn counted(
+pub(crate) fn counted(
     b: &mut FunctionBuilder,
     start: Value,
     end: Value,
@@ -96,13 +96,13 @@ fn counted(
 }
 
 /// `base + index * scale` as a pointer.
-fn at(b: &mut FunctionBuilder, base: Value, index: Value, scale: i64) -> Value {
+pub(crate) fn at(b: &mut FunctionBuilder, base: Value, index: Value, scale: i64) -> Value {
     let off = b.ins().imul_imm_s(index, scale);
     b.ins().iadd(base, off)
 }
 
 /// Horizontal sum of an f32x4.
-fn hsum(b: &mut FunctionBuilder, v: Value) -> Value {
+pub(crate) fn hsum(b: &mut FunctionBuilder, v: Value) -> Value {
     let mut s = b.ins().extractlane(v, 0);
     for lane in 1..4u8 {
         let l = b.ins().extractlane(v, lane);

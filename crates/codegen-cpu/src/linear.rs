@@ -1,8 +1,8 @@
 //! `out[t, j] = Σₖ x[t, k] · w[j, k]`: the linear kernel, specialised to `k` (input features),
 //! `n` (output features) and the weight dtype, and split across threads by output rows.
 
+use crate::kernels::{at, counted, hsum};
 use crate::{new_module, JitError, Pool};
-use cranelift_codegen::ir::condcodes::IntCC;
 use cranelift_codegen::ir::{types, AbiParam, InstBuilder, MemFlagsData, UserFuncName, Value};
 use cranelift_frontend::{FunctionBuilder, FunctionBuilderContext, Variable};
 use cranelift_jit::JITModule;
@@ -12,8 +12,6 @@ use ir::DType;
 /// `fn(x, w, out, rows, j0, j1)`: rows `0..rows` of x, output features `j0..j1`.
 type LinearFn = unsafe extern "C" fn(*const f32, *const u8, *mut f32, i64, i64, i64);
 
-/// Floats consumed per iteration of the inner loop: four `f32x4` accumulators.
-const STEP: usize = 16;
 
 /// A compiled linear kernel.
 pub struct LinearKernel {
@@ -67,117 +65,80 @@ fn load_w1(b: &mut FunctionBuilder, wdtype: DType, p: Value, off: usize) -> Valu
     }
 }
 
+/// Emits the kernel: for every output feature j (outer, so each weight row is read once per
+/// call), the batch rows in blocks of 4 (one weight load feeds four FMAs), then the rest one
+/// by one.
 fn build(b: &mut FunctionBuilder, k: usize, n: usize, wdtype: DType) {
-    let es = wdtype.size() as i64;
-    let entry = b.create_block();
-    b.append_block_params_for_function_params(entry);
-    // Loop order: output feature j outer, batch row t inner, so that each weight row is read
-    // from memory once and reused from L1 for every row of the batch.
-    let [j_head, t_init, t_head, row, k_body, k_done, j_next, exit] = [(); 8].map(|_| b.create_block());
-    b.switch_to_block(entry);
-    let p = b.block_params(entry).to_vec();
+    let p = b.block_params(b.current_block().expect("in the entry block")).to_vec();
     let (x, w, out, rows, j0, j1) = (p[0], p[1], p[2], p[3], p[4], p[5]);
-    let t = b.declare_var(types::I64);
-    let j = b.declare_var(types::I64);
-    let kk = b.declare_var(types::I64);
-    let acc: [Variable; 4] = [(); 4].map(|_| b.declare_var(types::F32X4));
     let zero = b.ins().iconst(types::I64, 0);
-    b.def_var(j, j0);
-    b.ins().jump(j_head, &[]);
+    let rows4 = b.ins().band_imm_s(rows, !3);
+    let es = wdtype.size();
+    counted(b, j0, j1, 1, |b, j| {
+        let wrow = at(b, w, j, (k * es) as i64);
+        let dims = Dims { k, n, wdtype };
+        counted(b, zero, rows4, 4, |b, t| emit_rows(b, &dims, 4, t, j, x, wrow, out));
+        counted(b, rows4, rows, 1, |b, t| emit_rows(b, &dims, 1, t, j, x, wrow, out));
+    });
+}
 
-    b.switch_to_block(j_head);
-    let jv = b.use_var(j);
-    let more_j = b.ins().icmp(IntCC::SignedLessThan, jv, j1);
-    b.ins().brif(more_j, t_init, &[], exit, &[]);
+struct Dims {
+    k: usize,
+    n: usize,
+    wdtype: DType,
+}
 
-    b.switch_to_block(t_init);
-    b.def_var(t, zero);
-    b.ins().jump(t_head, &[]);
-
-    b.switch_to_block(t_head);
-    let tv = b.use_var(t);
-    let more_t = b.ins().icmp(IntCC::SignedLessThan, tv, rows);
-    b.ins().brif(more_t, row, &[], j_next, &[]);
-
-    // Row set-up: base pointers, zeroed accumulators.
-    b.switch_to_block(row);
-    let tv = b.use_var(t);
-    let jv = b.use_var(j);
-    let xoff = b.ins().imul_imm_s(tv, (k * 4) as i64);
-    let xrow = b.ins().iadd(x, xoff);
-    let woff = b.ins().imul_imm_s(jv, k as i64 * es);
-    let wrow = b.ins().iadd(w, woff);
+/// `out[t + r, j] = x[t + r] · w[j]` for `r < nrows`: `nrows` rows per pass, `vecs` f32x4
+/// accumulators per row (independent FMA chains), the k tail unrolled at compile time.
+#[allow(clippy::too_many_arguments)]
+fn emit_rows(b: &mut FunctionBuilder, d: &Dims, nrows: usize, t: Value, j: Value, x: Value, wrow: Value, out: Value) {
+    let vecs = if nrows == 1 { 4 } else { 2 };
+    let step = vecs * 4;
+    let main = d.k / step * step;
     let fz = b.ins().f32const(0.0);
     let vz = b.ins().splat(types::F32X4, fz);
-    for a in acc {
+    let acc: Vec<Variable> = (0..nrows * vecs).map(|_| b.declare_var(types::F32X4)).collect();
+    for &a in &acc {
         b.def_var(a, vz);
     }
-    b.def_var(kk, zero);
-    let main = k / STEP * STEP;
+    let xt = at(b, x, t, (d.k * 4) as i64);
     if main > 0 {
-        b.ins().jump(k_body, &[]);
-    } else {
-        b.ins().jump(k_done, &[]);
+        let (zero, end) = (b.ins().iconst(types::I64, 0), b.ins().iconst(types::I64, main as i64));
+        counted(b, zero, end, step as i64, |b, kk| {
+            let wp = at(b, wrow, kk, d.wdtype.size() as i64);
+            let xp = at(b, xt, kk, 4);
+            let mut wv = Vec::with_capacity(vecs);
+            for h in 0..vecs / 2 {
+                wv.extend(load_w8(b, d.wdtype, wp, h * 8));
+            }
+            for r in 0..nrows {
+                for (q, &w4) in wv.iter().enumerate() {
+                    let xv = b.ins().load(types::F32X4, flags(), xp, (r * d.k * 4 + q * 16) as i32);
+                    let a = b.use_var(acc[r * vecs + q]);
+                    let f = b.ins().fma(xv, w4, a);
+                    b.def_var(acc[r * vecs + q], f);
+                }
+            }
+        });
     }
-
-    // Inner loop: 16 floats of x against 16 weights, four independent FMA chains.
-    b.switch_to_block(k_body);
-    let kv = b.use_var(kk);
-    let xo = b.ins().imul_imm_s(kv, 4);
-    let xp = b.ins().iadd(xrow, xo);
-    let wo = b.ins().imul_imm_s(kv, es);
-    let wp = b.ins().iadd(wrow, wo);
-    for half in 0..2 {
-        let wv = load_w8(b, wdtype, wp, half * 8);
-        for (q, w4) in wv.into_iter().enumerate() {
-            let u = half * 2 + q;
-            let xv = b.ins().load(types::F32X4, flags(), xp, (u * 16) as i32);
-            let a = b.use_var(acc[u]);
-            let r = b.ins().fma(xv, w4, a);
-            b.def_var(acc[u], r);
+    for r in 0..nrows {
+        let mut v = b.use_var(acc[r * vecs]);
+        for q in 1..vecs {
+            let a = b.use_var(acc[r * vecs + q]);
+            v = b.ins().fadd(v, a);
         }
+        let mut sum = hsum(b, v);
+        for i in main..d.k {
+            let xs = b.ins().load(types::F32, flags(), xt, ((r * d.k + i) * 4) as i32);
+            let ws = load_w1(b, d.wdtype, wrow, i);
+            sum = b.ins().fma(xs, ws, sum);
+        }
+        let tr = b.ins().iadd_imm_s(t, r as i64);
+        let orow = b.ins().imul_imm_s(tr, d.n as i64);
+        let oidx = b.ins().iadd(orow, j);
+        let op = at(b, out, oidx, 4);
+        b.ins().store(flags(), sum, op, 0);
     }
-    let next = b.ins().iadd_imm_s(kv, STEP as i64);
-    b.def_var(kk, next);
-    let more_k = b.ins().icmp_imm_s(IntCC::SignedLessThan, next, main as i64);
-    b.ins().brif(more_k, k_body, &[], k_done, &[]);
-
-    // Reduce the accumulators, add the tail (k % 16, unrolled at compile time), store.
-    b.switch_to_block(k_done);
-    let a: Vec<Value> = acc.iter().map(|&v| b.use_var(v)).collect();
-    let s01 = b.ins().fadd(a[0], a[1]);
-    let s23 = b.ins().fadd(a[2], a[3]);
-    let s = b.ins().fadd(s01, s23);
-    let mut sum = b.ins().extractlane(s, 0);
-    for lane in 1..4u8 {
-        let l = b.ins().extractlane(s, lane);
-        sum = b.ins().fadd(sum, l);
-    }
-    for i in main..k {
-        let xs = b.ins().load(types::F32, flags(), xrow, (i * 4) as i32);
-        let ws = load_w1(b, wdtype, wrow, i);
-        sum = b.ins().fma(xs, ws, sum);
-    }
-    let tv = b.use_var(t);
-    let jv = b.use_var(j);
-    let orow = b.ins().imul_imm_s(tv, n as i64);
-    let oidx = b.ins().iadd(orow, jv);
-    let ooff = b.ins().imul_imm_s(oidx, 4);
-    let op = b.ins().iadd(out, ooff);
-    b.ins().store(flags(), sum, op, 0);
-    let tn = b.ins().iadd_imm_s(tv, 1);
-    b.def_var(t, tn);
-    b.ins().jump(t_head, &[]);
-
-    b.switch_to_block(j_next);
-    let jv = b.use_var(j);
-    let jn = b.ins().iadd_imm_s(jv, 1);
-    b.def_var(j, jn);
-    b.ins().jump(j_head, &[]);
-
-    b.switch_to_block(exit);
-    b.ins().return_(&[]);
-    b.seal_all_blocks();
 }
 
 impl LinearKernel {
@@ -206,7 +167,12 @@ impl LinearKernel {
         let mut fctx = FunctionBuilderContext::new();
         {
             let mut b = FunctionBuilder::new(&mut ctx.func, &mut fctx);
+            let entry = b.create_block();
+            b.append_block_params_for_function_params(entry);
+            b.switch_to_block(entry);
             build(&mut b, k, n, wdtype);
+            b.ins().return_(&[]);
+            b.seal_all_blocks();
             b.finalize(target);
         }
         module.define_function(id, &mut ctx).map_err(|e| err(&format!("{e:?}")))?;
@@ -262,7 +228,7 @@ mod tests {
 
     #[test]
     fn matches_scalar_reference_for_odd_shapes_and_dtypes() {
-        for &(k, n, rows) in &[(64, 192, 1), (576, 37, 3), (13, 5, 2), (16, 1, 4), (100, 64, 5), (576, 1000, 8)] {
+        for &(k, n, rows) in &[(64, 192, 1), (576, 37, 3), (13, 5, 2), (16, 1, 4), (100, 64, 5), (576, 1000, 8), (64, 33, 7), (24, 9, 13)] {
             for dtype in [DType::F32, DType::BF16] {
                 let x = values(rows * k, 1);
                 let wf: Vec<f32> = dtype.to_f32(&dtype.from_f32(&values(n * k, 7)));
