@@ -15,8 +15,8 @@ fn mf() -> MemFlagsData {
 }
 
 /// A compiled function and the module that owns its code.
-struct Compiled {
-    code: *const u8,
+pub(crate) struct Compiled {
+    pub(crate) code: *const u8,
     _module: JITModule,
 }
 
@@ -26,13 +26,13 @@ unsafe impl Send for Compiled {}
 unsafe impl Sync for Compiled {}
 
 /// What a kernel body can use besides the builder: its parameters and the exp function.
-struct Env {
-    params: Vec<Value>,
-    expf: FuncRef,
+pub(crate) struct Env {
+    pub(crate) params: Vec<Value>,
+    pub(crate) expf: FuncRef,
 }
 
 /// Compiles one function with `ptrs` pointer parameters followed by `ints` i64 parameters.
-fn compile(
+pub(crate) fn compile(
     name: &str,
     ptrs: usize,
     ints: usize,

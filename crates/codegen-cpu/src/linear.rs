@@ -1,17 +1,14 @@
 //! `out[t, j] = Σₖ x[t, k] · w[j, k]`: the linear kernel, specialised to `k` (input features),
 //! `n` (output features) and the weight dtype, and split across threads by output rows.
 
-use crate::kernels::{at, counted, hsum};
-use crate::{new_module, JitError, Pool};
-use cranelift_codegen::ir::{types, AbiParam, InstBuilder, MemFlagsData, UserFuncName, Value};
-use cranelift_frontend::{FunctionBuilder, FunctionBuilderContext, Variable};
-use cranelift_jit::JITModule;
-use cranelift_module::{Linkage, Module};
+use crate::kernels::{at, compile, counted, hsum, Compiled};
+use crate::{JitError, Pool};
+use cranelift_codegen::ir::{types, InstBuilder, MemFlagsData, Value};
+use cranelift_frontend::{FunctionBuilder, Variable};
 use ir::DType;
 
 /// `fn(x, w, out, rows, j0, j1)`: rows `0..rows` of x, output features `j0..j1`.
 type LinearFn = unsafe extern "C" fn(*const f32, *const u8, *mut f32, i64, i64, i64);
-
 
 /// A compiled linear kernel.
 pub struct LinearKernel {
@@ -20,14 +17,8 @@ pub struct LinearKernel {
     n: usize,
     wdtype: DType,
     // Owns the code `f` points into.
-    _module: JITModule,
+    _code: Compiled,
 }
-
-// SAFETY: the compiled function is pure code over the pointers it is given; the module that
-// owns it is never mutated after finalisation.
-unsafe impl Send for LinearKernel {}
-// SAFETY: as above; calls share no state.
-unsafe impl Sync for LinearKernel {}
 
 fn flags() -> MemFlagsData {
     MemFlagsData::trusted()
@@ -68,8 +59,7 @@ fn load_w1(b: &mut FunctionBuilder, wdtype: DType, p: Value, off: usize) -> Valu
 /// Emits the kernel: for every output feature j (outer, so each weight row is read once per
 /// call), the batch rows in blocks of 4 (one weight load feeds four FMAs), then the rest one
 /// by one.
-fn build(b: &mut FunctionBuilder, k: usize, n: usize, wdtype: DType) {
-    let p = b.block_params(b.current_block().expect("in the entry block")).to_vec();
+fn build(b: &mut FunctionBuilder, p: &[Value], k: usize, n: usize, wdtype: DType) {
     let (x, w, out, rows, j0, j1) = (p[0], p[1], p[2], p[3], p[4], p[5]);
     let zero = b.ins().iconst(types::I64, 0);
     let rows4 = b.ins().band_imm_s(rows, !3);
@@ -150,38 +140,10 @@ impl LinearKernel {
                 "linear: {wdtype} weights are not supported by the CPU JIT (f32, bf16 are)"
             )));
         }
-        let name = format!("linear_k{k}_n{n}_{wdtype}");
-        let err = |m: &dyn std::fmt::Display| JitError::Compile { kernel: name.clone(), message: m.to_string() };
-        let mut module = new_module()?;
-        let ptr = module.target_config().pointer_type();
-        let mut ctx = module.make_context();
-        for _ in 0..3 {
-            ctx.func.signature.params.push(AbiParam::new(ptr));
-        }
-        for _ in 0..3 {
-            ctx.func.signature.params.push(AbiParam::new(types::I64));
-        }
-        let id = module.declare_function(&name, Linkage::Local, &ctx.func.signature).map_err(|e| err(&e))?;
-        ctx.func.name = UserFuncName::user(0, id.as_u32());
-        let target = module.target_config();
-        let mut fctx = FunctionBuilderContext::new();
-        {
-            let mut b = FunctionBuilder::new(&mut ctx.func, &mut fctx);
-            let entry = b.create_block();
-            b.append_block_params_for_function_params(entry);
-            b.switch_to_block(entry);
-            build(&mut b, k, n, wdtype);
-            b.ins().return_(&[]);
-            b.seal_all_blocks();
-            b.finalize(target);
-        }
-        module.define_function(id, &mut ctx).map_err(|e| err(&format!("{e:?}")))?;
-        module.clear_context(&mut ctx);
-        module.finalize_definitions().map_err(|e| err(&e))?;
-        let code = module.get_finalized_function(id);
-        // SAFETY: the function was declared with exactly this signature above.
-        let f = unsafe { std::mem::transmute::<*const u8, LinearFn>(code) };
-        Ok(LinearKernel { f, k, n, wdtype, _module: module })
+        let c = compile(&format!("linear_k{k}_n{n}_{wdtype}"), 3, 3, |b, env| build(b, &env.params, k, n, wdtype))?;
+        // SAFETY: the function was compiled with exactly this signature.
+        let f = unsafe { std::mem::transmute::<*const u8, LinearFn>(c.code) };
+        Ok(LinearKernel { f, k, n, wdtype, _code: c })
     }
 
     /// `out[t, j] = x[t] · w[j]` for every row of `x` (`rows × k` floats) and every `j` in
@@ -228,7 +190,16 @@ mod tests {
 
     #[test]
     fn matches_scalar_reference_for_odd_shapes_and_dtypes() {
-        for &(k, n, rows) in &[(64, 192, 1), (576, 37, 3), (13, 5, 2), (16, 1, 4), (100, 64, 5), (576, 1000, 8), (64, 33, 7), (24, 9, 13)] {
+        for &(k, n, rows) in &[
+            (64, 192, 1),
+            (576, 37, 3),
+            (13, 5, 2),
+            (16, 1, 4),
+            (100, 64, 5),
+            (576, 1000, 8),
+            (64, 33, 7),
+            (24, 9, 13),
+        ] {
             for dtype in [DType::F32, DType::BF16] {
                 let x = values(rows * k, 1);
                 let wf: Vec<f32> = dtype.to_f32(&dtype.from_f32(&values(n * k, 7)));
