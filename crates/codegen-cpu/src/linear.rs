@@ -64,12 +64,89 @@ fn build(b: &mut FunctionBuilder, p: &[Value], k: usize, n: usize, wdtype: DType
     let zero = b.ins().iconst(types::I64, 0);
     let rows4 = b.ins().band_imm_s(rows, !3);
     let es = wdtype.size();
-    counted(b, j0, j1, 1, |b, j| {
+    let dims = Dims { k, n, wdtype };
+    // Pairs of output features: blocks of 4 rows x 2 features (one x load feeds two FMAs, one
+    // weight load four), then the remaining rows one by one.
+    let span = b.ins().isub(j1, j0);
+    let pairs = b.ins().band_imm_s(span, !1);
+    let pairs_end = b.ins().iadd(j0, pairs);
+    counted(b, j0, pairs_end, 2, |b, j| {
         let wrow = at(b, w, j, (k * es) as i64);
-        let dims = Dims { k, n, wdtype };
+        counted(b, zero, rows4, 4, |b, t| emit_pair(b, &dims, t, j, x, wrow, out));
+        let j_next = b.ins().iadd_imm_s(j, 1);
+        let wnext = at(b, w, j_next, (k * es) as i64);
+        counted(b, rows4, rows, 1, |b, t| {
+            emit_rows(b, &dims, 1, t, j, x, wrow, out);
+            emit_rows(b, &dims, 1, t, j_next, x, wnext, out);
+        });
+    });
+    counted(b, pairs_end, j1, 1, |b, j| {
+        let wrow = at(b, w, j, (k * es) as i64);
         counted(b, zero, rows4, 4, |b, t| emit_rows(b, &dims, 4, t, j, x, wrow, out));
         counted(b, rows4, rows, 1, |b, t| emit_rows(b, &dims, 1, t, j, x, wrow, out));
     });
+}
+
+/// Loads 4 weights at `p + off` (in elements) as one `f32x4`.
+fn load_w4(b: &mut FunctionBuilder, wdtype: DType, p: Value, off: usize) -> Value {
+    match wdtype {
+        DType::BF16 => {
+            let h = b.ins().uload16x4(flags(), p, (off * 2) as i32);
+            let s = b.ins().ishl_imm_u(h, 16);
+            b.ins().bitcast(
+                types::F32X4,
+                MemFlagsData::new().with_endianness(cranelift_codegen::ir::Endianness::Little),
+                s,
+            )
+        }
+        _ => b.ins().load(types::F32X4, flags(), p, (off * 4) as i32),
+    }
+}
+
+/// `out[t + r, j + f]` for 4 rows and 2 features: 8 accumulators, 4 floats per step.
+#[allow(clippy::too_many_arguments)]
+fn emit_pair(b: &mut FunctionBuilder, d: &Dims, t: Value, j: Value, x: Value, wrow: Value, out: Value) {
+    let main = d.k / 4 * 4;
+    let fz = b.ins().f32const(0.0);
+    let vz = b.ins().splat(types::F32X4, fz);
+    let acc: Vec<Variable> = (0..8).map(|_| b.declare_var(types::F32X4)).collect();
+    for &a in &acc {
+        b.def_var(a, vz);
+    }
+    let xt = at(b, x, t, (d.k * 4) as i64);
+    if main > 0 {
+        let (zero, end) = (b.ins().iconst(types::I64, 0), b.ins().iconst(types::I64, main as i64));
+        counted(b, zero, end, 4, |b, kk| {
+            let wp = at(b, wrow, kk, d.wdtype.size() as i64);
+            let xp = at(b, xt, kk, 4);
+            let w = [load_w4(b, d.wdtype, wp, 0), load_w4(b, d.wdtype, wp, d.k)];
+            for r in 0..4 {
+                let xv = b.ins().load(types::F32X4, flags(), xp, (r * d.k * 4) as i32);
+                for (f, &wv) in w.iter().enumerate() {
+                    let a = b.use_var(acc[r * 2 + f]);
+                    let v = b.ins().fma(xv, wv, a);
+                    b.def_var(acc[r * 2 + f], v);
+                }
+            }
+        });
+    }
+    for r in 0..4 {
+        for f in 0..2 {
+            let v = b.use_var(acc[r * 2 + f]);
+            let mut sum = hsum(b, v);
+            for i in main..d.k {
+                let xs = b.ins().load(types::F32, flags(), xt, ((r * d.k + i) * 4) as i32);
+                let ws = load_w1(b, d.wdtype, wrow, f * d.k + i);
+                sum = b.ins().fma(xs, ws, sum);
+            }
+            let tr = b.ins().iadd_imm_s(t, r as i64);
+            let orow = b.ins().imul_imm_s(tr, d.n as i64);
+            let jf = b.ins().iadd_imm_s(j, f as i64);
+            let oidx = b.ins().iadd(orow, jf);
+            let op = at(b, out, oidx, 4);
+            b.ins().store(flags(), sum, op, 0);
+        }
+    }
 }
 
 struct Dims {
