@@ -26,7 +26,8 @@ enum Step {
     Embedding(Arc<EmbeddingKernel>),
     Linear(Arc<LinearKernel>, Option<Arc<BinaryKernel>>),
     RmsNorm(Arc<RmsNormKernel>),
-    Rope(Arc<RopeKernel>, Vec<f32>, f32),
+    /// The kernel and the index of its frequencies in `CpuBackend::rope_freqs`.
+    Rope(Arc<RopeKernel>, usize),
     Attention(Arc<AttentionKernel>),
     Binary(Arc<BinaryKernel>),
     Logits(Arc<LinearKernel>),
@@ -73,6 +74,8 @@ pub struct CpuBackend {
     weights: Vec<Option<Weight>>,
     caches: HashMap<SeqId, Cache>,
     pool: Pool,
+    /// Distinct RoPE (inverse frequencies, cos/sin scale) of the plan; layers share them.
+    rope_freqs: Vec<(Vec<f32>, f32)>,
 }
 
 fn matrix_dtype(d: DType) -> DType {
@@ -121,6 +124,7 @@ impl CpuBackend {
             });
         }
         let mut kc = KernelCache::default();
+        let mut rope_freqs: Vec<(Vec<f32>, f32)> = Vec::new();
         let mut steps = Vec::with_capacity(plan.nodes.len());
         for n in &plan.nodes {
             let wdtype = |j: usize| match &weights[n.inputs[j]] {
@@ -154,7 +158,12 @@ impl CpuBackend {
                 Op::Rope { head_dim, theta, scaling } => {
                     let k = cached!(kc.rope, (cols, *head_dim), RopeKernel::compile(cols, *head_dim));
                     let (inv, scale) = scaling.inv_freq(*head_dim, *theta);
-                    Step::Rope(k, inv.iter().map(|&f| f as f32).collect(), scale as f32)
+                    let freqs = (inv.iter().map(|&f| f as f32).collect::<Vec<_>>(), scale as f32);
+                    let idx = rope_freqs.iter().position(|f| *f == freqs).unwrap_or_else(|| {
+                        rope_freqs.push(freqs);
+                        rope_freqs.len() - 1
+                    });
+                    Step::Rope(k, idx)
                 }
                 Op::Attention { kv_heads, head_dim, scale, .. } => {
                     let key = (*head_dim, kv_heads * head_dim, scale.to_bits());
@@ -166,7 +175,7 @@ impl CpuBackend {
             };
             steps.push(step);
         }
-        Ok(CpuBackend { plan, steps, weights, caches: HashMap::new(), pool: Pool::with_all_cores() })
+        Ok(CpuBackend { plan, steps, weights, caches: HashMap::new(), pool: Pool::with_all_cores(), rope_freqs })
     }
 
     fn raw(&self, node: usize) -> &[u8] {
@@ -274,6 +283,9 @@ impl CpuBackend {
             rows.extend(c.rows.iter().map(|r| off + r));
             off += c.tokens.len();
         }
+        // cos/sin tables for this step's positions, once per distinct RoPE of the plan.
+        let rope_tables: Vec<Vec<f32>> =
+            self.rope_freqs.iter().map(|(inv, scale)| rope_tables(inv, *scale, &positions)).collect();
         let mut vals: Vec<Vec<f32>> = Vec::with_capacity(self.plan.nodes.len());
         for (i, n) in self.plan.nodes.iter().enumerate() {
             let cols = n.ty.last().unwrap_or(0);
@@ -309,9 +321,9 @@ impl CpuBackend {
                     k.run(input(0), self.vector(n.inputs[1]), &mut o);
                     o
                 }
-                (Step::Rope(k, inv, scale), _) => {
+                (Step::Rope(k, idx), _) => {
                     let mut o = vec![0.0; t_len * cols];
-                    k.run(input(0), &rope_tables(inv, *scale, &positions), &mut o);
+                    k.run(input(0), &tables[*idx], &mut o);
                     o
                 }
                 (Step::Attention(k), Op::Attention { heads, kv_heads, head_dim, layer, .. }) => {
