@@ -284,7 +284,7 @@ impl CpuBackend {
             off += c.tokens.len();
         }
         // cos/sin tables for this step's positions, once per distinct RoPE of the plan.
-        let rope_tables: Vec<Vec<f32>> =
+        let tables: Vec<Vec<f32>> =
             self.rope_freqs.iter().map(|(inv, scale)| rope_tables(inv, *scale, &positions)).collect();
         let mut vals: Vec<Vec<f32>> = Vec::with_capacity(self.plan.nodes.len());
         for (i, n) in self.plan.nodes.iter().enumerate() {
