@@ -20,7 +20,7 @@ fn bundles() -> &'static (tempfile::TempDir, Vec<(PathBuf, usize)>) {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 12, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
 
     /// Random prompts: prefill of every position, then three decode steps, agree within 1e-4.
     #[test]
