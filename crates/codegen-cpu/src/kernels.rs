@@ -198,6 +198,19 @@ impl BinaryKernel {
             f(a.as_ptr(), b.as_ptr(), out.as_mut_ptr(), out.len() as i64)
         }
     }
+
+    /// `a = a op b` in place (each element is read before it is written, so the output may
+    /// alias the first operand).
+    pub fn run_in_place(&self, a: &mut [f32], b: &[f32]) {
+        assert_eq!(a.len(), b.len(), "operand lengths");
+        // SAFETY: the signature matches `compile`; both buffers hold `len` floats, and the
+        // kernel loads a[i..i+4] before storing out[i..i+4], so out may alias a.
+        unsafe {
+            let f: unsafe extern "C" fn(*const f32, *const f32, *mut f32, i64) = std::mem::transmute(self.c.code);
+            let p = a.as_mut_ptr();
+            f(p, b.as_ptr(), p, a.len() as i64)
+        }
+    }
 }
 
 /// `fn(x, w, out, rows)`: rms_norm over rows of `n` floats with f32 weights.
@@ -497,6 +510,9 @@ mod tests {
             close(&out, &a.iter().zip(&b).map(|(x, y)| x + y).collect::<Vec<_>>());
             BinaryKernel::compile(BinaryOp::Mul).unwrap().run(&a, &b, &mut out);
             close(&out, &a.iter().zip(&b).map(|(x, y)| x * y).collect::<Vec<_>>());
+            let mut in_place = a.clone();
+            BinaryKernel::compile(BinaryOp::Add).unwrap().run_in_place(&mut in_place, &b);
+            close(&in_place, &a.iter().zip(&b).map(|(x, y)| x + y).collect::<Vec<_>>());
             BinaryKernel::compile(BinaryOp::Silu).unwrap().run(&a, &b, &mut out);
             close(&out, &a.iter().map(|x| x / (1.0 + (-x).exp())).collect::<Vec<_>>());
         }

@@ -84,13 +84,7 @@ impl Interpreter {
     /// Runs one step: `tokens` at positions `cache.len()..`, appending to the cache. Returns the
     /// logits of the positions `rows` (indices into `tokens`), `rows.len() × vocab` floats.
     pub fn forward(&self, cache: &mut KvCache, tokens: &[u32], rows: &[usize]) -> Result<Vec<f32>, IrError> {
-        let vocab = self.plan.vocab;
-        if let Some(t) = tokens.iter().find(|&&t| t as usize >= vocab) {
-            return Err(IrError::Input(format!("token id {t} is outside the vocabulary (size {vocab})")));
-        }
-        if let Some(r) = rows.iter().find(|&&r| r >= tokens.len()) {
-            return Err(IrError::Input(format!("logit row {r} is outside the {} tokens of the step", tokens.len())));
-        }
+        self.plan.check_step(tokens, rows)?;
         let t_len = tokens.len();
         let start = cache.len;
         let mut vals: Vec<Option<Val>> = Vec::with_capacity(self.plan.nodes.len());

@@ -56,6 +56,22 @@ pub struct Plan {
 }
 
 impl Plan {
+    /// Checks a step's inputs against the plan: every token id inside the vocabulary, every
+    /// requested logit row inside the step. Backends call it before running anything.
+    pub fn check_step(&self, tokens: &[u32], rows: &[usize]) -> Result<(), crate::IrError> {
+        let vocab = self.vocab;
+        if let Some(t) = tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(crate::IrError::Input(format!("token id {t} is outside the vocabulary (size {vocab})")));
+        }
+        if let Some(r) = rows.iter().find(|&&r| r >= tokens.len()) {
+            return Err(crate::IrError::Input(format!(
+                "logit row {r} is outside the {} tokens of the step",
+                tokens.len()
+            )));
+        }
+        Ok(())
+    }
+
     /// The weights the plan reads: (name, shape, dtype).
     pub fn weights(&self) -> impl Iterator<Item = (&str, &[usize], DType)> {
         self.nodes.iter().filter_map(|n| match &n.op {

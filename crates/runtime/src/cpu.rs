@@ -215,17 +215,8 @@ impl Backend for CpuBackend {
     }
 
     fn forward_batch(&mut self, batch: &[SeqChunk]) -> Result<Vec<f32>, RuntimeError> {
-        let vocab = self.plan.vocab;
         for (i, c) in batch.iter().enumerate() {
-            if let Some(t) = c.tokens.iter().find(|&&t| t as usize >= vocab) {
-                return Err(RuntimeError::Invalid(format!("token id {t} is outside the vocabulary (size {vocab})")));
-            }
-            if let Some(r) = c.rows.iter().find(|&&r| r >= c.tokens.len()) {
-                return Err(RuntimeError::Invalid(format!(
-                    "logit row {r} is outside the {} tokens of the step",
-                    c.tokens.len()
-                )));
-            }
+            self.plan.check_step(c.tokens, c.rows)?;
             if c.tokens.is_empty() || batch[..i].iter().any(|o| o.seq == c.seq) {
                 return Err(RuntimeError::Invalid(format!(
                     "sequence {} is empty or appears twice in the batch",
@@ -302,8 +293,7 @@ impl CpuBackend {
                     if let Some(add) = bias {
                         let b = self.vector(n.inputs[2]);
                         for row in o.chunks_mut(cols) {
-                            let r = row.to_vec();
-                            add.run(&r, b, row);
+                            add.run_in_place(row, b);
                         }
                     }
                     o
