@@ -56,34 +56,33 @@ fn load_w1(b: &mut FunctionBuilder, wdtype: DType, p: Value, off: usize) -> Valu
     }
 }
 
-/// Emits the kernel: for every output feature j (outer, so each weight row is read once per
-/// call), the batch rows in blocks of 4 (one weight load feeds four FMAs), then the rest one
-/// by one.
+/// Emits the kernel: output features in groups of four (each weight row is read once per
+/// call), the batch rows in blocks of 4 (4 rows x 2 features: one weight load feeds four FMAs,
+/// one x load two), then the remaining rows one by one (1 row x 4 features).
+///
+/// Every path computes each `out[t, j]` in the same order (one f32x4 accumulator over k, a
+/// horizontal sum, then the k tail), so a row's result does not depend on which other rows
+/// share the call: the kernel is batch-invariant, and a sequence gives the same logits alone
+/// as in any batch.
 fn build(b: &mut FunctionBuilder, p: &[Value], k: usize, n: usize, wdtype: DType) {
     let (x, w, out, rows, j0, j1) = (p[0], p[1], p[2], p[3], p[4], p[5]);
     let zero = b.ins().iconst(types::I64, 0);
     let rows4 = b.ins().band_imm_s(rows, !3);
-    let es = wdtype.size();
-    let dims = Dims { k, n, wdtype };
-    // Pairs of output features: blocks of 4 rows x 2 features (one x load feeds two FMAs, one
-    // weight load four), then the remaining rows one by one.
+    let d = Dims { k, n, wdtype };
     let span = b.ins().isub(j1, j0);
-    let pairs = b.ins().band_imm_s(span, !1);
-    let pairs_end = b.ins().iadd(j0, pairs);
-    counted(b, j0, pairs_end, 2, |b, j| {
-        let wrow = at(b, w, j, (k * es) as i64);
-        counted(b, zero, rows4, 4, |b, t| emit_pair(b, &dims, t, j, x, wrow, out));
-        let j_next = b.ins().iadd_imm_s(j, 1);
-        let wnext = at(b, w, j_next, (k * es) as i64);
-        counted(b, rows4, rows, 1, |b, t| {
-            emit_rows(b, &dims, 1, t, j, x, wrow, out);
-            emit_rows(b, &dims, 1, t, j_next, x, wnext, out);
+    let quads = b.ins().band_imm_s(span, !3);
+    let quads_end = b.ins().iadd(j0, quads);
+    counted(b, j0, quads_end, 4, |b, j| {
+        counted(b, zero, rows4, 4, |b, t| {
+            emit_block(b, &d, (4, 2), t, j, [x, w, out]);
+            let j2 = b.ins().iadd_imm_s(j, 2);
+            emit_block(b, &d, (4, 2), t, j2, [x, w, out]);
         });
+        counted(b, rows4, rows, 1, |b, t| emit_block(b, &d, (1, 4), t, j, [x, w, out]));
     });
-    counted(b, pairs_end, j1, 1, |b, j| {
-        let wrow = at(b, w, j, (k * es) as i64);
-        counted(b, zero, rows4, 4, |b, t| emit_rows(b, &dims, 4, t, j, x, wrow, out));
-        counted(b, rows4, rows, 1, |b, t| emit_rows(b, &dims, 1, t, j, x, wrow, out));
+    counted(b, quads_end, j1, 1, |b, j| {
+        counted(b, zero, rows4, 4, |b, t| emit_block(b, &d, (4, 1), t, j, [x, w, out]));
+        counted(b, rows4, rows, 1, |b, t| emit_block(b, &d, (1, 1), t, j, [x, w, out]));
     });
 }
 
@@ -103,36 +102,58 @@ fn load_w4(b: &mut FunctionBuilder, wdtype: DType, p: Value, off: usize) -> Valu
     }
 }
 
-/// `out[t + r, j + f]` for 4 rows and 2 features: 8 accumulators, 4 floats per step.
-#[allow(clippy::too_many_arguments)]
-fn emit_pair(b: &mut FunctionBuilder, d: &Dims, t: Value, j: Value, x: Value, wrow: Value, out: Value) {
+struct Dims {
+    k: usize,
+    n: usize,
+    wdtype: DType,
+}
+
+/// `out[t + r, j + f]` for `r < rows`, `f < feats`: one f32x4 accumulator per (row, feature)
+/// stepping 4 along k, then a horizontal sum and the k tail (unrolled at compile time).
+fn emit_block(b: &mut FunctionBuilder, d: &Dims, (rows, feats): (usize, usize), t: Value, j: Value, p: [Value; 3]) {
+    let [x, w, out] = p;
     let main = d.k / 4 * 4;
     let fz = b.ins().f32const(0.0);
     let vz = b.ins().splat(types::F32X4, fz);
-    let acc: Vec<Variable> = (0..8).map(|_| b.declare_var(types::F32X4)).collect();
+    let acc: Vec<Variable> = (0..rows * feats).map(|_| b.declare_var(types::F32X4)).collect();
     for &a in &acc {
         b.def_var(a, vz);
     }
+    let wrow = at(b, w, j, (d.k * d.wdtype.size()) as i64);
     let xt = at(b, x, t, (d.k * 4) as i64);
-    if main > 0 {
-        let (zero, end) = (b.ins().iconst(types::I64, 0), b.ins().iconst(types::I64, main as i64));
-        counted(b, zero, end, 4, |b, kk| {
+    // k in steps of 8 (bf16 weights widened 8 at a time), two FMAs into the same accumulator
+    // per step, then one step of 4 if k % 8 >= 4: the same order as stepping by 4 throughout.
+    let main8 = d.k / 8 * 8;
+    let fma_step = |b: &mut FunctionBuilder, wv: &[Value], xp: Value, half: usize| {
+        for r in 0..rows {
+            let xv = b.ins().load(types::F32X4, flags(), xp, ((r * d.k + half * 4) * 4) as i32);
+            for f in 0..feats {
+                let a = b.use_var(acc[r * feats + f]);
+                let v = b.ins().fma(xv, wv[f], a);
+                b.def_var(acc[r * feats + f], v);
+            }
+        }
+    };
+    if main8 > 0 {
+        let (zero, end) = (b.ins().iconst(types::I64, 0), b.ins().iconst(types::I64, main8 as i64));
+        counted(b, zero, end, 8, |b, kk| {
             let wp = at(b, wrow, kk, d.wdtype.size() as i64);
             let xp = at(b, xt, kk, 4);
-            let w = [load_w4(b, d.wdtype, wp, 0), load_w4(b, d.wdtype, wp, d.k)];
-            for r in 0..4 {
-                let xv = b.ins().load(types::F32X4, flags(), xp, (r * d.k * 4) as i32);
-                for (f, &wv) in w.iter().enumerate() {
-                    let a = b.use_var(acc[r * 2 + f]);
-                    let v = b.ins().fma(xv, wv, a);
-                    b.def_var(acc[r * 2 + f], v);
-                }
+            let w8: Vec<[Value; 2]> = (0..feats).map(|f| load_w8(b, d.wdtype, wp, f * d.k)).collect();
+            for half in 0..2 {
+                let wv: Vec<Value> = w8.iter().map(|w| w[half]).collect();
+                fma_step(b, &wv, xp, half);
             }
         });
     }
-    for r in 0..4 {
-        for f in 0..2 {
-            let v = b.use_var(acc[r * 2 + f]);
+    if main > main8 {
+        let wv: Vec<Value> = (0..feats).map(|f| load_w4(b, d.wdtype, wrow, f * d.k + main8)).collect();
+        let xp = b.ins().iadd_imm_s(xt, (main8 * 4) as i64);
+        fma_step(b, &wv, xp, 0);
+    }
+    for r in 0..rows {
+        for f in 0..feats {
+            let v = b.use_var(acc[r * feats + f]);
             let mut sum = hsum(b, v);
             for i in main..d.k {
                 let xs = b.ins().load(types::F32, flags(), xt, ((r * d.k + i) * 4) as i32);
@@ -146,65 +167,6 @@ fn emit_pair(b: &mut FunctionBuilder, d: &Dims, t: Value, j: Value, x: Value, wr
             let op = at(b, out, oidx, 4);
             b.ins().store(flags(), sum, op, 0);
         }
-    }
-}
-
-struct Dims {
-    k: usize,
-    n: usize,
-    wdtype: DType,
-}
-
-/// `out[t + r, j] = x[t + r] · w[j]` for `r < nrows`: `nrows` rows per pass, `vecs` f32x4
-/// accumulators per row (independent FMA chains), the k tail unrolled at compile time.
-#[allow(clippy::too_many_arguments)]
-fn emit_rows(b: &mut FunctionBuilder, d: &Dims, nrows: usize, t: Value, j: Value, x: Value, wrow: Value, out: Value) {
-    let vecs = if nrows == 1 { 4 } else { 2 };
-    let step = vecs * 4;
-    let main = d.k / step * step;
-    let fz = b.ins().f32const(0.0);
-    let vz = b.ins().splat(types::F32X4, fz);
-    let acc: Vec<Variable> = (0..nrows * vecs).map(|_| b.declare_var(types::F32X4)).collect();
-    for &a in &acc {
-        b.def_var(a, vz);
-    }
-    let xt = at(b, x, t, (d.k * 4) as i64);
-    if main > 0 {
-        let (zero, end) = (b.ins().iconst(types::I64, 0), b.ins().iconst(types::I64, main as i64));
-        counted(b, zero, end, step as i64, |b, kk| {
-            let wp = at(b, wrow, kk, d.wdtype.size() as i64);
-            let xp = at(b, xt, kk, 4);
-            let mut wv = Vec::with_capacity(vecs);
-            for h in 0..vecs / 2 {
-                wv.extend(load_w8(b, d.wdtype, wp, h * 8));
-            }
-            for r in 0..nrows {
-                for (q, &w4) in wv.iter().enumerate() {
-                    let xv = b.ins().load(types::F32X4, flags(), xp, (r * d.k * 4 + q * 16) as i32);
-                    let a = b.use_var(acc[r * vecs + q]);
-                    let f = b.ins().fma(xv, w4, a);
-                    b.def_var(acc[r * vecs + q], f);
-                }
-            }
-        });
-    }
-    for r in 0..nrows {
-        let mut v = b.use_var(acc[r * vecs]);
-        for q in 1..vecs {
-            let a = b.use_var(acc[r * vecs + q]);
-            v = b.ins().fadd(v, a);
-        }
-        let mut sum = hsum(b, v);
-        for i in main..d.k {
-            let xs = b.ins().load(types::F32, flags(), xt, ((r * d.k + i) * 4) as i32);
-            let ws = load_w1(b, d.wdtype, wrow, i);
-            sum = b.ins().fma(xs, ws, sum);
-        }
-        let tr = b.ins().iadd_imm_s(t, r as i64);
-        let orow = b.ins().imul_imm_s(tr, d.n as i64);
-        let oidx = b.ins().iadd(orow, j);
-        let op = at(b, out, oidx, 4);
-        b.ins().store(flags(), sum, op, 0);
     }
 }
 
@@ -289,6 +251,25 @@ mod tests {
                     let scale = want.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
                     let err = out.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max) / scale;
                     assert!(err < 1e-5, "k={k} n={n} rows={rows} {dtype} threads={threads}: rel err {err}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn rows_do_not_depend_on_the_batch() {
+        for &(k, n) in &[(64, 37), (13, 9), (576, 130)] {
+            for dtype in [DType::F32, DType::BF16] {
+                let kernel = LinearKernel::compile(k, n, dtype).unwrap();
+                let w = dtype.from_f32(&values(n * k, 3));
+                let x = values(9 * k, 5);
+                let pool = Pool::new(2);
+                let mut batch = vec![0.0; 9 * n];
+                kernel.run(&pool, &x, &w, &mut batch);
+                for (t, row) in x.chunks(k).enumerate() {
+                    let mut alone = vec![0.0; n];
+                    kernel.run(&Pool::new(3), row, &w, &mut alone);
+                    assert_eq!(alone, batch[t * n..(t + 1) * n], "k={k} n={n} {dtype} row {t}");
                 }
             }
         }
