@@ -3,7 +3,7 @@
 
 use e2e::*;
 use proptest::prelude::*;
-use runtime::{Backend, CpuBackend, RefBackend};
+use runtime::{CpuBackend, RefBackend};
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
@@ -27,7 +27,7 @@ proptest! {
     fn cpu_matches_reference(model in 0usize..2, seed in any::<u64>(), len in 1usize..48) {
         let (path, vocab) = &bundles().1[model];
         let b = bundle::Bundle::open(path).unwrap();
-        let (mut r, mut c) = (RefBackend::new(&b).unwrap(), CpuBackend::new(&b).unwrap());
+        let (mut r, mut c) = (seqs(RefBackend::new(&b).unwrap()), seqs(CpuBackend::new(&b).unwrap()));
         let mut s = seed | 1;
         let mut next = || { s ^= s << 13; s ^= s >> 7; s ^= s << 17; (s % *vocab as u64) as u32 };
         let prompt: Vec<u32> = (0..len).map(|_| next()).collect();
@@ -49,14 +49,14 @@ proptest! {
 fn cpu_matches_hf_on_fixtures() {
     for (name, i) in [("tiny-qwen2", 0), ("tiny-llama", 1)] {
         let b = bundle::Bundle::open(&bundles().1[i].0).unwrap();
-        check_backend_against_hf(name, &mut CpuBackend::new(&b).unwrap(), 1e-4);
+        check_backend_against_hf(name, &mut seqs(CpuBackend::new(&b).unwrap()), 1e-4);
     }
 }
 
 #[test]
 fn cpu_rejects_bad_ids() {
     let b = bundle::Bundle::open(&bundles().1[0].0).unwrap();
-    let mut c = CpuBackend::new(&b).unwrap();
+    let mut c = seqs(CpuBackend::new(&b).unwrap());
     assert!(c.forward(1, &[999_999_999], &[0]).unwrap_err().to_string().contains("outside the vocabulary"));
     assert!(c.forward(1, &[1, 2], &[5]).unwrap_err().to_string().contains("logit row 5"));
     assert_eq!(c.seq_len(1), 0, "a failed step leaves the cache as it was");
@@ -67,7 +67,7 @@ fn cpu_rejects_bad_ids() {
 fn batched_steps_equal_single_sequences() {
     use runtime::SeqChunk;
     let b = bundle::Bundle::open(&bundles().1[1].0).unwrap();
-    let (mut r, mut c) = (RefBackend::new(&b).unwrap(), CpuBackend::new(&b).unwrap());
+    let (mut r, mut c) = (seqs(RefBackend::new(&b).unwrap()), seqs(CpuBackend::new(&b).unwrap()));
     let prompts: Vec<Vec<u32>> = vec![(1..12).collect(), vec![400, 17], (100..131).collect()];
     let rows: Vec<Vec<usize>> = prompts.iter().map(|p| vec![0, p.len() - 1]).collect();
     let chunks: Vec<SeqChunk> = prompts

@@ -2,11 +2,11 @@
 //! against token-by-token decode.
 
 use e2e::*;
-use runtime::{Backend, RefBackend};
+use runtime::{RefBackend, Sequences};
 
-fn backend(name: &str, dir: &std::path::Path) -> RefBackend {
+fn backend(name: &str, dir: &std::path::Path) -> Sequences {
     let path = compile_fixture(name, dir, 1, Some(ir::DType::F32));
-    RefBackend::new(&bundle::Bundle::open(&path).expect("bundle opens")).expect("backend loads")
+    seqs(RefBackend::new(&bundle::Bundle::open(&path).expect("bundle opens")).expect("backend loads"))
 }
 
 fn check_against_hf(name: &str) {

@@ -40,9 +40,9 @@ fn smollm2_gguf_matches_hf() {
     let dir = tempfile::tempdir().unwrap();
     let b = bundle::Bundle::open(&compile(dir.path())).unwrap();
     assert_eq!(b.generation_config().unwrap().eos_token_id, vec![2]);
-    let mut backend = runtime::RefBackend::new(&b).unwrap();
+    let mut backend = seqs(runtime::RefBackend::new(&b).unwrap());
     check_backend_against_hf("smollm2-135m", &mut backend, 1e-3);
-    let mut cpu = runtime::CpuBackend::new(&b).unwrap();
+    let mut cpu = seqs(runtime::CpuBackend::new(&b).unwrap());
     check_backend_against_hf("smollm2-135m", &mut cpu, 1e-3);
 }
 

@@ -109,10 +109,15 @@ pub fn ids(v: &serde_json::Value) -> Vec<u32> {
     v.as_array().expect("array").iter().map(|x| x.as_u64().expect("id") as u32).collect()
 }
 
+/// `backend` with a KV pool of 4096 token slots, for single-sequence tests.
+pub fn seqs(backend: impl runtime::Backend + 'static) -> runtime::Sequences {
+    runtime::Sequences::new(Box::new(backend), 4096).expect("KV pool")
+}
+
 /// Checks a backend against a fixture's HF reference: logits of the last position of every
 /// prompt and of every position of the 5-token prompt within `tol` relative; argmax per
 /// position and the greedy continuation where the top-2 margin is clear.
-pub fn check_backend_against_hf(name: &str, b: &mut dyn runtime::Backend, tol: f32) {
+pub fn check_backend_against_hf(name: &str, b: &mut runtime::Sequences, tol: f32) {
     let vocab = b.vocab();
     let config: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(fixture(name).join("config.json")).unwrap()).unwrap();

@@ -339,15 +339,28 @@ pub struct AttentionKernel {
 impl AttentionKernel {
     /// Compiles the kernel for heads of `d`, KV rows of `stride` floats and this scale.
     pub fn compile(d: usize, stride: usize, scale: f32) -> Result<AttentionKernel, JitError> {
-        let c = compile(&format!("attention_{d}_{stride}"), 5, 1, |b, env| {
-            let (pq, pk, pv, po, psc, n) =
-                (env.params[0], env.params[1], env.params[2], env.params[3], env.params[4], env.params[5]);
+        let c = compile(&format!("attention_{d}_{stride}"), 6, 1, |b, env| {
+            let (pq, pk, pv, po, psc, pslots, n) = (
+                env.params[0],
+                env.params[1],
+                env.params[2],
+                env.params[3],
+                env.params[4],
+                env.params[5],
+                env.params[6],
+            );
+            // The KV row of position s is slots[s] (a paged pool's token slot).
+            let row = |b: &mut FunctionBuilder, base: Value, s: Value| {
+                let sp = at(b, pslots, s, 4);
+                let slot = b.ins().uload32(mf(), sp, 0);
+                at(b, base, slot, (stride * 4) as i64)
+            };
             let zero = b.ins().iconst(types::I64, 0);
             let mx = b.declare_var(types::F32);
             let ninf = b.ins().f32const(f32::NEG_INFINITY);
             b.def_var(mx, ninf);
             counted(b, zero, n, 1, |b, s| {
-                let k = at(b, pk, s, (stride * 4) as i64);
+                let k = row(b, pk, s);
                 let dt = dot(b, pq, k, d);
                 let sc = b.ins().f32const(scale);
                 let v = b.ins().fmul(dt, sc);
@@ -390,7 +403,7 @@ impl AttentionKernel {
                 let e = b.ins().load(types::F32, mf(), p, 0);
                 let w = b.ins().fmul(e, inv);
                 let wv = b.ins().splat(types::F32X4, w);
-                let v = at(b, pv, s, (stride * 4) as i64);
+                let v = row(b, pv, s);
                 for (c, &a) in accs.iter().enumerate().take(chunks) {
                     let x = b.ins().load(types::F32X4, mf(), v, (c * 16) as i32);
                     let cur = b.use_var(a);
@@ -416,18 +429,27 @@ impl AttentionKernel {
         Ok(AttentionKernel { c, d })
     }
 
-    /// Attends one query head (`q`, `d` floats) over `n` positions of `k`/`v` (slices starting
-    /// at the KV head of position 0), writing `d` floats to `out`; `scores` is scratch for `n`.
+    /// Attends one query head (`q`, `d` floats) over the positions whose KV rows are `slots`
+    /// (row `slots[s]` of `k`/`v`, which start at the KV head of row 0), writing `d` floats to
+    /// `out`; `scores` is scratch for `slots.len()` floats.
     ///
     /// # Safety
-    /// `k` and `v` must hold `(n - 1) * stride + d` floats from their start.
-    pub unsafe fn run(&self, q: &[f32], k: *const f32, v: *const f32, n: usize, scores: &mut [f32], out: &mut [f32]) {
+    /// `k` and `v` must hold `slot * stride + d` floats from their start for every slot.
+    pub unsafe fn run(
+        &self,
+        q: &[f32],
+        (k, v): (*const f32, *const f32),
+        slots: &[u32],
+        scores: &mut [f32],
+        out: &mut [f32],
+    ) {
+        let n = slots.len();
         assert!(q.len() >= self.d && out.len() >= self.d && scores.len() >= n && n > 0, "attention sizes");
         // SAFETY: the signature matches `compile`; the caller guarantees the KV extent.
         unsafe {
-            let f: unsafe extern "C" fn(*const f32, *const f32, *const f32, *mut f32, *mut f32, i64) =
+            let f: unsafe extern "C" fn(*const f32, *const f32, *const f32, *mut f32, *mut f32, *const u32, i64) =
                 std::mem::transmute(self.c.code);
-            f(q.as_ptr(), k, v, out.as_mut_ptr(), scores.as_mut_ptr(), n as i64)
+            f(q.as_ptr(), k, v, out.as_mut_ptr(), scores.as_mut_ptr(), slots.as_ptr(), n as i64)
         }
     }
 }
@@ -573,14 +595,17 @@ mod tests {
             let kern = AttentionKernel::compile(d, stride, scale).unwrap();
             let mut scores = vec![0.0; n];
             let mut out = vec![0.0; d];
+            // Positions in reverse row order, as a paged pool may hold them.
+            let slots: Vec<u32> = (0..n as u32).rev().collect();
             // SAFETY: k and v hold n rows of `stride` floats.
-            unsafe { kern.run(&q, k.as_ptr(), v.as_ptr(), n, &mut scores, &mut out) };
-            let s: Vec<f32> =
-                (0..n).map(|p| q.iter().zip(&k[p * stride..]).map(|(a, b)| a * b).sum::<f32>() * scale).collect();
+            unsafe { kern.run(&q, (k.as_ptr(), v.as_ptr()), &slots, &mut scores, &mut out) };
+            let s: Vec<f32> = (0..n)
+                .map(|p| q.iter().zip(&k[(n - 1 - p) * stride..]).map(|(a, b)| a * b).sum::<f32>() * scale)
+                .collect();
             let m = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             let e: Vec<f32> = s.iter().map(|x| (x - m).exp()).collect();
             let z: f32 = e.iter().sum();
-            let want: Vec<f32> = (0..d).map(|i| (0..n).map(|p| e[p] / z * v[p * stride + i]).sum()).collect();
+            let want: Vec<f32> = (0..d).map(|i| (0..n).map(|p| e[p] / z * v[(n - 1 - p) * stride + i]).sum()).collect();
             close(&out, &want);
         }
     }

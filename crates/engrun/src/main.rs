@@ -2,8 +2,8 @@
 //! logits of every position of a token sequence.
 
 use bundle::Bundle;
-use clap::{Parser, Subcommand};
-use runtime::{Device, GenerateRequest, SamplingParams};
+use clap::{Args, Parser, Subcommand};
+use runtime::{Device, Engine, EngineConfig, Event, Policy, Request, SamplingParams};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -13,6 +13,51 @@ use std::process::ExitCode;
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
+}
+
+/// How the engine schedules and sizes its KV pool (SGLang's flag names).
+#[derive(Args, Clone)]
+struct EngineArgs {
+    /// Token slots in the KV pool (default: as many as 1 GiB holds on the CPU).
+    #[arg(long)]
+    max_total_tokens: Option<usize>,
+    /// Token slots per KV page.
+    #[arg(long, default_value_t = 16)]
+    page_size: usize,
+    /// Most requests running at once.
+    #[arg(long, default_value_t = 256)]
+    max_running_requests: usize,
+    /// Longest prompt chunk of one request per step.
+    #[arg(long, default_value_t = 8192)]
+    chunked_prefill_size: usize,
+    /// Most prompt tokens per step.
+    #[arg(long, default_value_t = 16384)]
+    max_prefill_tokens: usize,
+    /// fcfs or lpm (longest cached prefix first).
+    #[arg(long, default_value = "fcfs")]
+    schedule_policy: Policy,
+    /// Do not reuse cached prefixes.
+    #[arg(long)]
+    disable_radix_cache: bool,
+    /// Do not plan step N+1 while step N runs.
+    #[arg(long)]
+    disable_overlap: bool,
+}
+
+impl EngineArgs {
+    fn config(&self, b: &Bundle) -> Result<EngineConfig, String> {
+        Ok(EngineConfig {
+            page_size: self.page_size,
+            kv_slots: self.max_total_tokens,
+            max_running_requests: self.max_running_requests,
+            chunked_prefill_size: self.chunked_prefill_size,
+            max_prefill_tokens: self.max_prefill_tokens,
+            policy: self.schedule_policy,
+            radix_cache: !self.disable_radix_cache,
+            overlap: !self.disable_overlap,
+            ..EngineConfig::for_bundle(b).map_err(|e| e.to_string())?
+        })
+    }
 }
 
 #[derive(Subcommand)]
@@ -51,9 +96,12 @@ enum Cmd {
         /// cpu (Cranelift JIT, the default without a GPU), ref (reference interpreter) or cuda.
         #[arg(long, default_value = "cpu")]
         device: Device,
+        #[command(flatten)]
+        engine: EngineArgs,
     },
-    /// Offline throughput: random prompts, eos ignored, run as one batch; reports TTFT, TPOT,
-    /// prefill and decode tokens/s and decode's fraction of the measured memory bandwidth.
+    /// Offline throughput: random prompts, eos ignored, all queued at once and served with
+    /// continuous batching; reports TTFT, TPOT, prefill and decode tokens/s, cache hits and
+    /// decode's fraction of the measured memory bandwidth.
     Bench {
         /// The bundle directory.
         bundle: PathBuf,
@@ -72,12 +120,17 @@ enum Cmd {
         /// Lengths uniform in [len * ratio, len].
         #[arg(long, default_value_t = 1.0)]
         random_range_ratio: f64,
+        /// Every prompt starts with the same this many tokens.
+        #[arg(long, default_value_t = 0)]
+        shared_prefix_len: usize,
         /// Seed of the random prompts.
         #[arg(long, default_value_t = 0)]
         seed: u64,
         /// Print one JSON object.
         #[arg(long)]
         json: bool,
+        #[command(flatten)]
+        engine: EngineArgs,
     },
     /// Write the f32 logits of every position of `--ids` to a safetensors file (tensor
     /// `logits`, shape [n, vocab]).
@@ -110,21 +163,34 @@ fn main() -> ExitCode {
             seed,
             ignore_eos,
             device,
+            engine,
         } => {
             let sampling = SamplingParams { temperature, top_k, top_p, seed, ..Default::default() };
-            let args = GenArgs { prompt, chat, system, max_tokens, sampling, ignore_eos, device };
+            let args = GenArgs { prompt, chat, system, max_tokens, sampling, ignore_eos, device, engine };
             generate(&bundle, &args)
         }
         Cmd::Logits { bundle, ids, device, out } => logits(&bundle, &ids, device, &out),
-        Cmd::Bench { bundle, device, num_prompts, input_len, output_len, random_range_ratio, seed, json } => {
+        Cmd::Bench {
+            bundle,
+            device,
+            num_prompts,
+            input_len,
+            output_len,
+            random_range_ratio,
+            shared_prefix_len,
+            seed,
+            json,
+            engine,
+        } => {
             let opts = runtime::bench::BenchOptions {
                 num_prompts,
                 input_len,
                 output_len,
                 range_ratio: random_range_ratio,
+                shared_prefix_len,
                 seed,
             };
-            bench(&bundle, device, &opts, json)
+            bench(&bundle, device, &engine, &opts, json)
         }
     };
     match result {
@@ -144,6 +210,7 @@ struct GenArgs {
     sampling: SamplingParams,
     ignore_eos: bool,
     device: Device,
+    engine: EngineArgs,
 }
 
 fn open(path: &Path, device: Device) -> Result<(Bundle, Box<dyn runtime::Backend>), String> {
@@ -162,7 +229,7 @@ fn open(path: &Path, device: Device) -> Result<(Bundle, Box<dyn runtime::Backend
 }
 
 fn generate(path: &Path, a: &GenArgs) -> Result<(), String> {
-    let (b, mut backend) = open(path, a.device)?;
+    let (b, backend) = open(path, a.device)?;
     let dir = b.tokenizer_dir().ok_or_else(|| {
         format!("{} has no tokenizer; compile it with --tokenizer DIR, or use `engrun logits`", path.display())
     })?;
@@ -178,39 +245,45 @@ fn generate(path: &Path, a: &GenArgs) -> Result<(), String> {
         tok.encode(&a.prompt, true)
     }
     .map_err(|e| e.to_string())?;
-    let gen = b.generation_config().map_err(|e| e.to_string())?;
-    let max_context =
-        b.manifest.params.get("max_positions").and_then(|v| v.as_u64()).map_or(usize::MAX, |v| v as usize);
-    let req = GenerateRequest {
+    let cfg = a.engine.config(&b)?;
+    let mut engine = Engine::new(backend, cfg).map_err(|e| e.to_string())?;
+    let req = Request {
         prompt,
-        max_tokens: a.max_tokens,
-        stop_ids: if a.ignore_eos { vec![] } else { gen.eos_token_id },
         sampling: a.sampling.clone(),
-        max_context,
+        max_tokens: a.max_tokens,
+        stop_ids: vec![],
+        ignore_eos: a.ignore_eos,
+        logprobs: None,
     };
+    let prompt_len = req.prompt.len();
+    let start = std::time::Instant::now();
+    engine.submit(req).map_err(|e| e.to_string())?;
     let mut detok = text::IncrementalDecoder::new(true);
     let mut out = std::io::stdout().lock();
-    let mut failed = None;
-    let res = runtime::generate(backend.as_mut(), 0, &req, |id| match detok.push(&tok, id) {
-        Ok(piece) => {
-            let _ = out.write_all(piece.as_bytes());
-            let _ = out.flush();
+    let (mut first, mut n, mut finish) = (None, 0usize, None);
+    while finish.is_none() {
+        for (_, e) in engine.step().map_err(|e| e.to_string())? {
+            match e {
+                Event::Token { id, .. } => {
+                    first.get_or_insert_with(|| start.elapsed());
+                    n += 1;
+                    let piece = detok.push(&tok, id).map_err(|e| e.to_string())?;
+                    let _ = out.write_all(piece.as_bytes());
+                    let _ = out.flush();
+                }
+                Event::Finished(f) => finish = Some(f.reason),
+            }
         }
-        Err(e) => failed = Some(e.to_string()),
-    })
-    .map_err(|e| e.to_string())?;
-    if let Some(e) = failed {
-        return Err(e);
     }
     let rest = detok.flush(&tok).map_err(|e| e.to_string())?;
     let _ = writeln!(out, "{rest}");
-    let n = res.ids.len();
+    let ttft = first.unwrap_or_default();
+    let decode = start.elapsed().saturating_sub(ttft).as_secs_f64();
     eprintln!(
-        "prompt {} tokens, generated {n} ({:?}); prefill {:.1} ms, decode {:.1} tok/s",
-        req.prompt.len(),
-        res.finish,
-        res.prefill.as_secs_f64() * 1e3,
-        if n > 1 { (n - 1) as f64 / res.decode.as_secs_f64() } else { 0.0 }
+        "prompt {prompt_len} tokens, generated {n} ({:?}); prefill {:.1} ms, decode {:.1} tok/s",
+        finish.expect("finished"),
+        ttft.as_secs_f64() * 1e3,
+        if n > 1 { (n - 1) as f64 / decode } else { 0.0 }
     );
     Ok(())
 }
@@ -227,29 +300,42 @@ fn logits(path: &Path, ids: &str, device: Device, out: &Path) -> Result<(), Stri
     if ids.is_empty() {
         return Err("--ids is empty".into());
     }
-    let (_, mut backend) = open(path, device)?;
+    let (_, backend) = open(path, device)?;
+    let mut seqs = runtime::Sequences::new(backend, ids.len()).map_err(|e| e.to_string())?;
     let rows: Vec<usize> = (0..ids.len()).collect();
-    let logits = backend.forward(0, &ids, &rows).map_err(|e| e.to_string())?;
+    let logits = seqs.forward(0, &ids, &rows).map_err(|e| e.to_string())?;
     let bytes: Vec<u8> = logits.iter().flat_map(|v| v.to_le_bytes()).collect();
-    let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![ids.len(), backend.vocab()], &bytes)
+    let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![ids.len(), seqs.vocab()], &bytes)
         .map_err(|e| e.to_string())?;
     safetensors::serialize_to_file([("logits", view)], &None, out).map_err(|e| format!("{}: {e}", out.display()))?;
-    eprintln!("wrote logits [{}, {}] to {}", ids.len(), backend.vocab(), out.display());
+    eprintln!("wrote logits [{}, {}] to {}", ids.len(), seqs.vocab(), out.display());
     Ok(())
 }
 
-fn bench(path: &Path, device: Device, opts: &runtime::bench::BenchOptions, json: bool) -> Result<(), String> {
-    let (b, mut backend) = open(path, device)?;
+fn bench(
+    path: &Path,
+    device: Device,
+    args: &EngineArgs,
+    opts: &runtime::bench::BenchOptions,
+    json: bool,
+) -> Result<(), String> {
+    let (b, backend) = open(path, device)?;
     let weight_bytes: usize = b.plan.weights().map(|(_, s, d)| s.iter().product::<usize>() * d.size()).sum();
-    let kv = b.plan.kv;
-    let kv_bytes = 2 * kv.layers * kv.row() * 4;
-    let r = runtime::bench::run(backend.as_mut(), opts, weight_bytes, kv_bytes).map_err(|e| e.to_string())?;
+    let cfg = EngineConfig { eos_ids: vec![], ..args.config(&b)? };
+    let mut engine = Engine::new(backend, cfg).map_err(|e| e.to_string())?;
+    let r = runtime::bench::run(&mut engine, opts, weight_bytes).map_err(|e| e.to_string())?;
     if json {
         println!("{}", serde_json::to_string(&r).map_err(|e| e.to_string())?);
     } else {
         println!(
-            "requests {}  input tokens {}  output tokens {}  in {:.2} s",
-            r.requests, r.input_tokens, r.output_tokens, r.duration_s
+            "requests {}  input tokens {} ({} cached, {:.0}%)  output tokens {}  in {:.2} s  ({} retractions)",
+            r.requests,
+            r.input_tokens,
+            r.cached_tokens,
+            r.cache_hit_rate * 100.0,
+            r.output_tokens,
+            r.duration_s,
+            r.retractions
         );
         println!("output      {:.1} tok/s", r.output_tok_s);
         println!("prefill     {:.1} tok/s   (TTFT p50 {:.1} ms)", r.prefill_tok_s, r.ttft_ms_p50);

@@ -27,6 +27,36 @@ impl KvCache {
     }
 }
 
+/// Where a step's attention stores the new K and V rows and finds those of earlier positions.
+/// [`KvCache`] keeps them in one vector per layer; a runtime's paged pool implements it over
+/// its token slots.
+pub trait KvStore {
+    /// Positions cached before this step.
+    fn start(&self) -> usize;
+    /// Stores the step's K and V rows (positions `start()..`, `kv_heads * head_dim` floats
+    /// each) for `layer`, and returns K and V of every position `0..start() + n`, row-major.
+    fn append(&mut self, layer: usize, k: &[f32], v: &[f32]) -> Result<(Vec<f32>, Vec<f32>), IrError>;
+    /// Called after a successful step of `n` tokens.
+    fn commit(&mut self, n: usize);
+}
+
+impl KvStore for KvCache {
+    fn start(&self) -> usize {
+        self.len
+    }
+
+    fn append(&mut self, layer: usize, k: &[f32], v: &[f32]) -> Result<(Vec<f32>, Vec<f32>), IrError> {
+        let (kc, vc) = (&mut self.k[layer], &mut self.v[layer]);
+        kc.extend_from_slice(k);
+        vc.extend_from_slice(v);
+        Ok((kc.clone(), vc.clone()))
+    }
+
+    fn commit(&mut self, n: usize) {
+        self.len += n;
+    }
+}
+
 enum Val {
     Ids(Vec<i32>),
     /// Row-major floats.
@@ -83,10 +113,10 @@ impl Interpreter {
 
     /// Runs one step: `tokens` at positions `cache.len()..`, appending to the cache. Returns the
     /// logits of the positions `rows` (indices into `tokens`), `rows.len() × vocab` floats.
-    pub fn forward(&self, cache: &mut KvCache, tokens: &[u32], rows: &[usize]) -> Result<Vec<f32>, IrError> {
+    pub fn forward(&self, kv: &mut dyn KvStore, tokens: &[u32], rows: &[usize]) -> Result<Vec<f32>, IrError> {
         self.plan.check_step(tokens, rows)?;
         let t_len = tokens.len();
-        let start = cache.len;
+        let start = kv.start();
         let mut vals: Vec<Option<Val>> = Vec::with_capacity(self.plan.nodes.len());
         for (i, n) in self.plan.nodes.iter().enumerate() {
             let f = |j: usize| -> &[f32] {
@@ -116,17 +146,15 @@ impl Interpreter {
                     Some(Val::F(rope(f(0), pos, *head_dim, &inv, scale)))
                 }
                 Op::Attention { heads, kv_heads, head_dim, scale, layer } => {
-                    let (k, v) = (&mut cache.k[*layer], &mut cache.v[*layer]);
-                    if k.len() != start * kv_heads * head_dim {
+                    let (k, v) = kv.append(*layer, f(1), f(2))?;
+                    if k.len() != (start + t_len) * kv_heads * head_dim || v.len() != k.len() {
                         return Err(IrError::Input(format!(
-                            "KV cache of layer {layer} holds {} floats, expected {} positions",
+                            "KV store of layer {layer} returned {} floats, expected {} positions",
                             k.len(),
-                            start
+                            start + t_len
                         )));
                     }
-                    k.extend_from_slice(f(1));
-                    v.extend_from_slice(f(2));
-                    Some(Val::F(attention(f(0), k, v, start, *heads, *kv_heads, *head_dim, *scale)))
+                    Some(Val::F(attention(f(0), &k, &v, start, *heads, *kv_heads, *head_dim, *scale)))
                 }
                 Op::Silu => Some(Val::F(f(0).iter().map(|&x| x / (1.0 + (-x).exp())).collect())),
                 Op::Mul => Some(Val::F(f(0).iter().zip(f(1)).map(|(a, b)| a * b).collect())),
@@ -142,7 +170,7 @@ impl Interpreter {
             debug_assert!(i == vals.len());
             vals.push(v);
         }
-        cache.len += t_len;
+        kv.commit(t_len);
         match vals.swap_remove(self.plan.output) {
             Some(Val::F(v)) => Ok(v),
             _ => Err(IrError::Verify("the output is not a float tensor".into())),

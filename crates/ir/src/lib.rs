@@ -12,7 +12,7 @@ pub mod rope;
 pub mod types;
 
 pub use graph::{Graph, Node};
-pub use interp::{Interpreter, KvCache};
+pub use interp::{Interpreter, KvCache, KvStore};
 pub use op::Op;
 pub use petgraph::stable_graph::NodeIndex;
 pub use plan::{KvLayout, Plan, PlanNode};

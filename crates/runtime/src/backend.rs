@@ -1,13 +1,15 @@
 //! The backend interface and the reference backend.
+//!
+//! A backend owns the weights and the KV pool: per layer, K and V rows for `kv_slots()` token
+//! slots. It does not decide which slot belongs to which sequence: every step names, for each
+//! sequence, the slot of every position (SGLang's `req_to_token` row), so the page allocator
+//! and the radix cache ([`crate::PagePool`], [`crate::RadixCache`]) stay on the host, shared
+//! by every backend.
 
 use crate::RuntimeError;
 use bundle::Bundle;
-use ir::{Interpreter, KvCache};
-use std::collections::HashMap;
+use ir::{Interpreter, IrError, KvStore, Plan};
 use std::str::FromStr;
-
-/// Identifies a sequence whose KV cache a backend holds.
-pub type SeqId = u64;
 
 /// Where a plan runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -32,45 +34,140 @@ impl FromStr for Device {
     }
 }
 
-/// One sequence's part of a batched step: its new tokens and the rows (indices into `tokens`)
-/// whose logits are wanted.
+/// One sequence's part of a step: its new tokens, the KV slot of every position up to and
+/// including them, and the rows (indices into `tokens`) whose logits are wanted.
 #[derive(Debug, Clone, Copy)]
-pub struct SeqChunk<'a> {
-    /// The sequence.
-    pub seq: SeqId,
-    /// Its tokens in this step, at its next positions.
+pub struct StepSeq<'a> {
+    /// The new tokens, at positions `slots.len() - tokens.len()..`.
     pub tokens: &'a [u32],
+    /// KV slot of each position `0..slots.len()`; the last `tokens.len()` are written.
+    pub slots: &'a [u32],
     /// Rows of `tokens` whose logits are returned.
     pub rows: &'a [usize],
 }
 
-/// A loaded model that runs forward steps for sequences.
-pub trait Backend {
-    /// Vocabulary size (columns of the logits).
-    fn vocab(&self) -> usize;
-    /// Runs `tokens` for sequence `seq` (created on first use) at its next positions and
-    /// returns the logits of the rows `rows` (indices into `tokens`), `rows.len() × vocab`.
-    fn forward(&mut self, seq: SeqId, tokens: &[u32], rows: &[usize]) -> Result<Vec<f32>, RuntimeError>;
-    /// Runs one step over several sequences and returns the logits of every chunk's rows, chunk
-    /// after chunk. Backends that batch (the CPU and CUDA ones) run all the chunks' tokens
-    /// through each weight once; this default runs the chunks one by one.
-    fn forward_batch(&mut self, batch: &[SeqChunk]) -> Result<Vec<f32>, RuntimeError> {
-        let mut out = Vec::new();
-        for c in batch {
-            out.extend(self.forward(c.seq, c.tokens, c.rows)?);
-        }
-        Ok(out)
+impl StepSeq<'_> {
+    /// Positions cached before this step.
+    pub fn start(&self) -> usize {
+        self.slots.len() - self.tokens.len()
     }
-    /// Number of positions cached for `seq` (0 if unknown).
-    fn seq_len(&self, seq: SeqId) -> usize;
-    /// Drops the KV cache of `seq`.
-    fn release(&mut self, seq: SeqId);
 }
 
-/// The reference interpreter as a backend: one f32 KV cache per sequence.
+/// A loaded model that runs forward steps over a KV pool of token slots.
+pub trait Backend: Send {
+    /// Vocabulary size (columns of the logits).
+    fn vocab(&self) -> usize;
+    /// Bytes of KV one token slot takes (all layers, K and V).
+    fn kv_slot_bytes(&self) -> usize;
+    /// Token slots in the KV pool.
+    fn kv_slots(&self) -> usize;
+    /// (Re)allocates the KV pool with `slots` token slots; earlier contents are lost.
+    fn alloc_kv(&mut self, slots: usize) -> Result<(), RuntimeError>;
+    /// Runs one step over several sequences (all their tokens through each weight once) and
+    /// returns the logits of every sequence's rows, sequence after sequence.
+    fn forward(&mut self, batch: &[StepSeq]) -> Result<Vec<f32>, RuntimeError>;
+}
+
+/// Checks a step against the plan and the pool: token ids and rows (as
+/// [`Plan::check_step`]), non-empty sequences, slots inside the pool, and no slot written
+/// twice in the step.
+pub fn check_batch(plan: &Plan, batch: &[StepSeq], kv_slots: usize) -> Result<(), RuntimeError> {
+    let mut written = std::collections::HashSet::new();
+    for (i, s) in batch.iter().enumerate() {
+        plan.check_step(s.tokens, s.rows)?;
+        if s.tokens.is_empty() || s.slots.len() < s.tokens.len() {
+            return Err(RuntimeError::Invalid(format!(
+                "sequence {i} of the step has {} tokens and {} slots (need at least one token and a slot for each)",
+                s.tokens.len(),
+                s.slots.len()
+            )));
+        }
+        if let Some(bad) = s.slots.iter().find(|&&x| x as usize >= kv_slots) {
+            return Err(RuntimeError::Invalid(format!(
+                "sequence {i} of the step names KV slot {bad}, outside the pool of {kv_slots}"
+            )));
+        }
+        if let Some(dup) = s.slots[s.start()..].iter().find(|&&x| !written.insert(x)) {
+            return Err(RuntimeError::Invalid(format!("KV slot {dup} is written twice in one step")));
+        }
+    }
+    Ok(())
+}
+
+/// Per layer, K and V of every token slot, `row` floats each: the host-memory pool of the
+/// reference and CPU backends.
+pub(crate) struct HostKv {
+    pub k: Vec<Vec<f32>>,
+    pub v: Vec<Vec<f32>>,
+    pub row: usize,
+    pub slots: usize,
+}
+
+impl HostKv {
+    pub fn new(plan: &Plan) -> HostKv {
+        HostKv {
+            k: vec![Vec::new(); plan.kv.layers],
+            v: vec![Vec::new(); plan.kv.layers],
+            row: plan.kv.row(),
+            slots: 0,
+        }
+    }
+
+    pub fn alloc(&mut self, slots: usize) -> Result<(), RuntimeError> {
+        let floats = slots
+            .checked_mul(self.row)
+            .filter(|f| f.checked_mul(4).is_some())
+            .ok_or_else(|| RuntimeError::Invalid(format!("a KV pool of {slots} slots does not fit in memory")))?;
+        for l in self.k.iter_mut().chain(self.v.iter_mut()) {
+            *l = Vec::new();
+            // Probe first so that a pool too big is an error, not an abort; then take zeroed
+            // memory, which the OS commits page by page as the pool fills.
+            Vec::<f32>::new().try_reserve_exact(floats).map_err(|_| {
+                RuntimeError::Invalid(format!("out of memory allocating a KV pool of {slots} token slots"))
+            })?;
+            *l = vec![0.0; floats];
+        }
+        self.slots = slots;
+        Ok(())
+    }
+
+    pub fn slot_bytes(&self) -> usize {
+        2 * self.k.len() * self.row * 4
+    }
+}
+
+/// One sequence's view of a [`HostKv`] as the interpreter's [`KvStore`].
+struct PagedView<'a> {
+    kv: &'a mut HostKv,
+    slots: &'a [u32],
+    start: usize,
+}
+
+impl KvStore for PagedView<'_> {
+    fn start(&self) -> usize {
+        self.start
+    }
+
+    fn append(&mut self, layer: usize, k: &[f32], v: &[f32]) -> Result<(Vec<f32>, Vec<f32>), IrError> {
+        let row = self.kv.row;
+        for (i, &slot) in self.slots[self.start..].iter().enumerate() {
+            let at = slot as usize * row;
+            self.kv.k[layer][at..at + row].copy_from_slice(&k[i * row..(i + 1) * row]);
+            self.kv.v[layer][at..at + row].copy_from_slice(&v[i * row..(i + 1) * row]);
+        }
+        let gather = |pool: &[f32]| -> Vec<f32> {
+            self.slots.iter().flat_map(|&s| pool[s as usize * row..(s as usize + 1) * row].iter().copied()).collect()
+        };
+        Ok((gather(&self.kv.k[layer]), gather(&self.kv.v[layer])))
+    }
+
+    fn commit(&mut self, _n: usize) {}
+}
+
+/// The reference interpreter as a backend.
 pub struct RefBackend {
     interp: Interpreter,
-    caches: HashMap<SeqId, KvCache>,
+    kv: HostKv,
 }
 
 impl RefBackend {
@@ -79,7 +176,8 @@ impl RefBackend {
         let weights = bundle.weights(0)?;
         let interp =
             Interpreter::new(bundle.plan.clone(), |name, shape| weights.f32(name, shape).map_err(|e| e.to_string()))?;
-        Ok(RefBackend { interp, caches: HashMap::new() })
+        let kv = HostKv::new(interp.plan());
+        Ok(RefBackend { interp, kv })
     }
 }
 
@@ -88,17 +186,26 @@ impl Backend for RefBackend {
         self.interp.plan().vocab
     }
 
-    fn forward(&mut self, seq: SeqId, tokens: &[u32], rows: &[usize]) -> Result<Vec<f32>, RuntimeError> {
-        let cache = self.caches.entry(seq).or_insert_with(|| self.interp.new_cache());
-        Ok(self.interp.forward(cache, tokens, rows)?)
+    fn kv_slot_bytes(&self) -> usize {
+        self.kv.slot_bytes()
     }
 
-    fn seq_len(&self, seq: SeqId) -> usize {
-        self.caches.get(&seq).map_or(0, KvCache::len)
+    fn kv_slots(&self) -> usize {
+        self.kv.slots
     }
 
-    fn release(&mut self, seq: SeqId) {
-        self.caches.remove(&seq);
+    fn alloc_kv(&mut self, slots: usize) -> Result<(), RuntimeError> {
+        self.kv.alloc(slots)
+    }
+
+    fn forward(&mut self, batch: &[StepSeq]) -> Result<Vec<f32>, RuntimeError> {
+        check_batch(self.interp.plan(), batch, self.kv.slots)?;
+        let mut out = Vec::new();
+        for s in batch {
+            let mut view = PagedView { kv: &mut self.kv, slots: s.slots, start: s.start() };
+            out.extend(self.interp.forward(&mut view, s.tokens, s.rows)?);
+        }
+        Ok(out)
     }
 }
 

@@ -1,8 +1,10 @@
-//! Offline throughput benchmark (`engrun bench`): random prompts, eos ignored, all requests
-//! run as one static batch (prefill together, then decode together until each has its output
-//! length). Continuous batching replaces the static batch once the scheduler exists.
+//! Offline throughput benchmark (`engrun bench`): random prompts (optionally sharing a
+//! prefix), eos ignored, all queued at once and served by the [`Engine`] with continuous
+//! batching; reports TTFT, TPOT, prefill and decode rates, cache hits, and decode's share of
+//! the measured memory bandwidth.
 
-use crate::{Backend, RuntimeError, Sampler, SamplingParams, SeqChunk};
+use crate::{Engine, Event, ReqId, Request, RuntimeError, Sampler, SamplingParams};
+use std::collections::HashMap;
 use std::time::Instant;
 
 /// What to run.
@@ -16,6 +18,8 @@ pub struct BenchOptions {
     pub output_len: usize,
     /// Lengths are uniform in `[len * ratio, len]`, as SGLang's bench_serving does.
     pub range_ratio: f64,
+    /// Every prompt starts with the same this many tokens (counted in the input length).
+    pub shared_prefix_len: usize,
     /// Seed of the prompts.
     pub seed: u64,
 }
@@ -29,21 +33,27 @@ pub struct BenchReport {
     pub input_tokens: usize,
     /// Generated tokens.
     pub output_tokens: usize,
+    /// Prompt tokens served from the prefix cache.
+    pub cached_tokens: usize,
+    /// `cached_tokens / input_tokens`.
+    pub cache_hit_rate: f64,
     /// Wall time of the whole run.
     pub duration_s: f64,
     /// Generated tokens per second over the whole run.
     pub output_tok_s: f64,
-    /// Prompt tokens per second during the prefill step.
+    /// Extend tokens per second of worker time in steps that extend.
     pub prefill_tok_s: f64,
-    /// Generated tokens per second during decode steps.
+    /// Decoded tokens per second of worker time in decode-only steps.
     pub decode_tok_s: f64,
     /// Median time to first token.
     pub ttft_ms_p50: f64,
     /// Median time per output token after the first.
     pub tpot_ms_p50: f64,
+    /// Requests retracted for lack of KV pages.
+    pub retractions: usize,
     /// Measured copy bandwidth of the machine (bytes read + written per second).
     pub bandwidth_gb_s: f64,
-    /// Decode: (weight + KV bytes read per step) / step time / bandwidth.
+    /// Decode-only steps: (weight + KV bytes read) / worker time / bandwidth.
     pub decode_bandwidth_fraction: f64,
 }
 
@@ -70,88 +80,98 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-/// Runs the benchmark. `weight_bytes` and `kv_bytes_per_token` (all layers, K and V) size the
-/// decode traffic.
-pub fn run(
-    backend: &mut dyn Backend,
-    opts: &BenchOptions,
-    weight_bytes: usize,
-    kv_bytes_per_token: usize,
-) -> Result<BenchReport, RuntimeError> {
-    if opts.num_prompts == 0 || opts.input_len == 0 || opts.output_len == 0 || !(0.0..=1.0).contains(&opts.range_ratio)
+/// The benchmark's requests: random token ids, greedy, eos ignored.
+pub fn requests(opts: &BenchOptions, vocab: usize) -> Result<Vec<Request>, RuntimeError> {
+    if opts.num_prompts == 0
+        || opts.input_len == 0
+        || opts.output_len == 0
+        || !(0.0..=1.0).contains(&opts.range_ratio)
+        || opts.shared_prefix_len >= opts.input_len.max(1)
     {
         return Err(RuntimeError::Invalid(
-            "bench needs num-prompts, input-len, output-len >= 1 and a range ratio in [0, 1]".into(),
+            "bench needs num-prompts, input-len, output-len >= 1, a range ratio in [0, 1] and a shared prefix \
+             shorter than the input"
+                .into(),
         ));
     }
     let mut rng = Sampler::new(SamplingParams { temperature: 1.0, seed: opts.seed, ..Default::default() })?;
-    let vocab = backend.vocab();
-    let len = |rng: &mut Sampler, max: usize| {
-        let lo = ((max as f64 * opts.range_ratio).ceil() as usize).max(1);
+    let token = |rng: &mut Sampler| (rng.uniform() * vocab as f64) as u32 % vocab as u32;
+    let prefix: Vec<u32> = (0..opts.shared_prefix_len).map(|_| token(&mut rng)).collect();
+    let len = |rng: &mut Sampler, max: usize, min: usize| {
+        let lo = ((max as f64 * opts.range_ratio).ceil() as usize).max(min).min(max);
         lo + (rng.uniform() * (max - lo + 1) as f64) as usize % (max - lo + 1)
     };
-    let prompts: Vec<(Vec<u32>, usize)> = (0..opts.num_prompts)
+    Ok((0..opts.num_prompts)
         .map(|_| {
-            let n = len(&mut rng, opts.input_len);
-            let out = len(&mut rng, opts.output_len);
-            ((0..n).map(|_| (rng.uniform() * vocab as f64) as u32 % vocab as u32).collect(), out)
+            let n = len(&mut rng, opts.input_len, prefix.len() + 1);
+            let out = len(&mut rng, opts.output_len, 1);
+            let mut prompt = prefix.clone();
+            prompt.extend((prefix.len()..n).map(|_| token(&mut rng)));
+            Request { ignore_eos: true, ..Request::greedy(prompt, out) }
         })
-        .collect();
+        .collect())
+}
+
+/// Runs the benchmark on `engine`. `weight_bytes` sizes decode's weight traffic.
+pub fn run(engine: &mut Engine, opts: &BenchOptions, weight_bytes: usize) -> Result<BenchReport, RuntimeError> {
+    let reqs = requests(opts, engine.vocab())?;
+    let input_tokens = reqs.iter().map(|r| r.prompt.len()).sum();
     let bandwidth = copy_bandwidth();
+    let before = engine.stats();
+    engine.take_records();
+    engine.record_steps();
     let start = Instant::now();
-    let rows: Vec<[usize; 1]> = prompts.iter().map(|(p, _)| [p.len() - 1]).collect();
-    let chunks: Vec<SeqChunk> = prompts
-        .iter()
-        .zip(&rows)
-        .enumerate()
-        .map(|(i, ((p, _), r))| SeqChunk { seq: i as u64, tokens: p, rows: r })
-        .collect();
-    let logits = backend.forward_batch(&chunks)?;
-    let prefill_s = start.elapsed().as_secs_f64();
-    let mut next: Vec<u32> = logits.chunks(vocab).map(Sampler::argmax).collect();
-    let mut produced = vec![1usize; prompts.len()];
-    let mut decode_s = 0.0;
-    let mut decode_tokens = 0;
-    let mut bytes_read = 0.0;
-    let mut cached: Vec<usize> = prompts.iter().map(|(p, _)| p.len()).collect();
-    loop {
-        let live: Vec<usize> = (0..prompts.len()).filter(|&i| produced[i] < prompts[i].1).collect();
-        if live.is_empty() {
-            break;
-        }
-        let toks: Vec<[u32; 1]> = live.iter().map(|&i| [next[i]]).collect();
-        let batch: Vec<SeqChunk> =
-            live.iter().zip(&toks).map(|(&i, t)| SeqChunk { seq: i as u64, tokens: t, rows: &[0] }).collect();
-        let t = Instant::now();
-        let logits = backend.forward_batch(&batch)?;
-        decode_s += t.elapsed().as_secs_f64();
-        bytes_read += (weight_bytes + live.iter().map(|&i| cached[i] + 1).sum::<usize>() * kv_bytes_per_token) as f64;
-        for (&i, row) in live.iter().zip(logits.chunks(vocab)) {
-            next[i] = Sampler::argmax(row);
-            produced[i] += 1;
-            cached[i] += 1;
-            decode_tokens += 1;
+    let ids = reqs.into_iter().map(|r| engine.submit(r)).collect::<Result<Vec<ReqId>, _>>()?;
+    let mut times: HashMap<ReqId, (f64, f64, usize)> = HashMap::new();
+    let mut finished = 0;
+    let mut cached_tokens = 0;
+    while finished < ids.len() {
+        let events = engine.step()?;
+        let now = start.elapsed().as_secs_f64();
+        for (id, e) in events {
+            match e {
+                Event::Token { .. } => {
+                    let t = times.entry(id).or_insert((now, now, 0));
+                    t.1 = now;
+                    t.2 += 1;
+                }
+                Event::Finished(f) => {
+                    finished += 1;
+                    cached_tokens += f.cached_tokens;
+                }
+            }
         }
     }
     let duration = start.elapsed().as_secs_f64();
-    for i in 0..prompts.len() {
-        backend.release(i as u64);
+    let records = engine.take_records();
+    let stats = engine.stats();
+    let (mut prefill_s, mut extend, mut decode_s, mut decoded, mut bytes) = (0.0, 0, 0.0, 0, 0.0);
+    for r in &records {
+        if r.extend_tokens > 0 {
+            prefill_s += r.elapsed.as_secs_f64();
+            extend += r.extend_tokens;
+        } else {
+            decode_s += r.elapsed.as_secs_f64();
+            decoded += r.seqs;
+            bytes += (weight_bytes + r.kv_positions * engine.kv_slot_bytes()) as f64;
+        }
     }
-    let output_tokens: usize = produced.iter().sum();
-    let steps_per_request: Vec<f64> = produced.iter().map(|&p| p as f64).collect();
-    let tpot =
-        if decode_tokens > 0 { decode_s / steps_per_request.iter().copied().fold(0.0, f64::max).max(1.0) } else { 0.0 };
+    let output_tokens: usize = times.values().map(|t| t.2).sum();
+    let rate = |n: f64, s: f64| if s > 0.0 { n / s } else { 0.0 };
     Ok(BenchReport {
-        requests: prompts.len(),
-        input_tokens: prompts.iter().map(|(p, _)| p.len()).sum(),
+        requests: ids.len(),
+        input_tokens,
         output_tokens,
+        cached_tokens,
+        cache_hit_rate: rate(cached_tokens as f64, input_tokens as f64),
         duration_s: duration,
         output_tok_s: output_tokens as f64 / duration,
-        prefill_tok_s: prompts.iter().map(|(p, _)| p.len()).sum::<usize>() as f64 / prefill_s,
-        decode_tok_s: if decode_s > 0.0 { decode_tokens as f64 / decode_s } else { 0.0 },
-        ttft_ms_p50: median(vec![prefill_s * 1e3; prompts.len()]),
-        tpot_ms_p50: tpot * 1e3,
+        prefill_tok_s: rate(extend as f64, prefill_s),
+        decode_tok_s: rate(decoded as f64, decode_s),
+        ttft_ms_p50: median(times.values().map(|t| t.0 * 1e3).collect()),
+        tpot_ms_p50: median(times.values().filter(|t| t.2 > 1).map(|t| (t.1 - t.0) * 1e3 / (t.2 - 1) as f64).collect()),
+        retractions: stats.retractions - before.retractions,
         bandwidth_gb_s: bandwidth / 1e9,
-        decode_bandwidth_fraction: if decode_s > 0.0 { bytes_read / decode_s / bandwidth } else { 0.0 },
+        decode_bandwidth_fraction: rate(bytes, decode_s) / bandwidth,
     })
 }

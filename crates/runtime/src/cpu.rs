@@ -2,7 +2,7 @@
 //! (`codegen-cpu`), specialised to the plan's shapes when the bundle is loaded. Linear,
 //! logits and attention are split across cores.
 
-use crate::backend::{Backend, SeqChunk, SeqId};
+use crate::backend::{check_batch, Backend, HostKv, StepSeq};
 use crate::RuntimeError;
 use bundle::Bundle;
 use codegen_cpu::{
@@ -31,12 +31,6 @@ enum Step {
     Attention(Arc<AttentionKernel>),
     Binary(Arc<BinaryKernel>),
     Logits(Arc<LinearKernel>),
-}
-
-struct Cache {
-    k: Vec<Vec<f32>>,
-    v: Vec<Vec<f32>>,
-    len: usize,
 }
 
 /// Kernels compiled once per distinct specialisation (layers share them).
@@ -72,7 +66,7 @@ pub struct CpuBackend {
     plan: Plan,
     steps: Vec<Step>,
     weights: Vec<Option<Weight>>,
-    caches: HashMap<SeqId, Cache>,
+    kv: HostKv,
     pool: Pool,
     /// Distinct RoPE (inverse frequencies, cos/sin scale) of the plan; layers share them.
     rope_freqs: Vec<(Vec<f32>, f32)>,
@@ -175,7 +169,8 @@ impl CpuBackend {
             };
             steps.push(step);
         }
-        Ok(CpuBackend { plan, steps, weights, caches: HashMap::new(), pool: Pool::with_all_cores(), rope_freqs })
+        let kv = HostKv::new(&plan);
+        Ok(CpuBackend { plan, steps, weights, kv, pool: Pool::with_all_cores(), rope_freqs })
     }
 
     fn raw(&self, node: usize) -> &[u8] {
@@ -210,62 +205,34 @@ impl Backend for CpuBackend {
         self.plan.vocab
     }
 
-    fn forward(&mut self, seq: SeqId, tokens: &[u32], rows: &[usize]) -> Result<Vec<f32>, RuntimeError> {
-        self.forward_batch(&[SeqChunk { seq, tokens, rows }])
+    fn kv_slot_bytes(&self) -> usize {
+        self.kv.slot_bytes()
     }
 
-    fn forward_batch(&mut self, batch: &[SeqChunk]) -> Result<Vec<f32>, RuntimeError> {
-        for (i, c) in batch.iter().enumerate() {
-            self.plan.check_step(c.tokens, c.rows)?;
-            if c.tokens.is_empty() || batch[..i].iter().any(|o| o.seq == c.seq) {
-                return Err(RuntimeError::Invalid(format!(
-                    "sequence {} is empty or appears twice in the batch",
-                    c.seq
-                )));
-            }
-        }
-        let layers = self.plan.kv.layers;
-        let mut caches: Vec<Cache> = batch
-            .iter()
-            .map(|c| {
-                self.caches.remove(&c.seq).unwrap_or_else(|| Cache {
-                    k: vec![Vec::new(); layers],
-                    v: vec![Vec::new(); layers],
-                    len: 0,
-                })
-            })
-            .collect();
-        let result = self.run(&mut caches, batch);
-        let row = self.plan.kv.row();
-        for (c, mut cache) in batch.iter().zip(caches) {
-            if result.is_ok() {
-                cache.len += c.tokens.len();
-            }
-            for l in cache.k.iter_mut().chain(cache.v.iter_mut()) {
-                l.truncate(cache.len * row);
-            }
-            self.caches.insert(c.seq, cache);
-        }
+    fn kv_slots(&self) -> usize {
+        self.kv.slots
+    }
+
+    fn alloc_kv(&mut self, slots: usize) -> Result<(), RuntimeError> {
+        self.kv.alloc(slots)
+    }
+
+    fn forward(&mut self, batch: &[StepSeq]) -> Result<Vec<f32>, RuntimeError> {
+        check_batch(&self.plan, batch, self.kv.slots)?;
+        let mut kv = std::mem::replace(&mut self.kv, HostKv::new(&self.plan));
+        let result = self.run(&mut kv, batch);
+        self.kv = kv;
         result
-    }
-
-    fn seq_len(&self, seq: SeqId) -> usize {
-        self.caches.get(&seq).map_or(0, |c| c.len)
-    }
-
-    fn release(&mut self, seq: SeqId) {
-        self.caches.remove(&seq);
     }
 }
 
 impl CpuBackend {
-    /// Runs one step: the chunks' tokens concatenated, each chunk at its own positions and
-    /// against its own cache.
-    fn run(&self, caches: &mut [Cache], batch: &[SeqChunk]) -> Result<Vec<f32>, RuntimeError> {
+    /// Runs one step: the sequences' tokens concatenated, each sequence at its own positions
+    /// and slots of the pool.
+    fn run(&self, kv: &mut HostKv, batch: &[StepSeq]) -> Result<Vec<f32>, RuntimeError> {
         let ids: Vec<i32> = batch.iter().flat_map(|c| c.tokens.iter().map(|&t| t as i32)).collect();
         let t_len = ids.len();
-        let positions: Vec<usize> =
-            batch.iter().zip(caches.iter()).flat_map(|(c, k)| k.len..k.len + c.tokens.len()).collect();
+        let positions: Vec<usize> = batch.iter().flat_map(|c| c.start()..c.slots.len()).collect();
         let mut offsets = Vec::with_capacity(batch.len());
         let mut rows = Vec::new();
         let mut off = 0;
@@ -320,13 +287,14 @@ impl CpuBackend {
                     let dims = (*heads, *kv_heads, *head_dim);
                     let (q_row, kv_row) = (heads * head_dim, kv_heads * head_dim);
                     let mut o = Vec::with_capacity(t_len * q_row);
-                    for ((c, cache), &off) in batch.iter().zip(caches.iter_mut()).zip(&offsets) {
-                        let seg = off..off + c.tokens.len();
-                        let (kc, vc) = (&mut cache.k[*layer], &mut cache.v[*layer]);
-                        kc.extend_from_slice(&input(1)[seg.start * kv_row..seg.end * kv_row]);
-                        vc.extend_from_slice(&input(2)[seg.start * kv_row..seg.end * kv_row]);
-                        let q = &input(0)[seg.start * q_row..seg.end * q_row];
-                        o.extend(self.attention(k, q, kc, vc, cache.len, dims));
+                    for (c, &off) in batch.iter().zip(&offsets) {
+                        for (i, &slot) in c.slots[c.start()..].iter().enumerate() {
+                            let (src, dst) = ((off + i) * kv_row, slot as usize * kv_row);
+                            kv.k[*layer][dst..dst + kv_row].copy_from_slice(&input(1)[src..src + kv_row]);
+                            kv.v[*layer][dst..dst + kv_row].copy_from_slice(&input(2)[src..src + kv_row]);
+                        }
+                        let q = &input(0)[off * q_row..(off + c.tokens.len()) * q_row];
+                        o.extend(self.attention(k, q, (&kv.k[*layer], &kv.v[*layer]), c.slots, dims));
                     }
                     o
                 }
@@ -346,34 +314,35 @@ impl CpuBackend {
         Ok(vals.swap_remove(self.plan.output))
     }
 
-    /// Causal GQA attention of the step's queries over the cache, heads split across cores.
+    /// Causal GQA attention of one sequence's queries over its slots of the pool, heads split
+    /// across cores.
     fn attention(
         &self,
         k: &AttentionKernel,
         q: &[f32],
-        kc: &[f32],
-        vc: &[f32],
-        start: usize,
+        (kc, vc): (&[f32], &[f32]),
+        slots: &[u32],
         (heads, kv_heads, d): (usize, usize, usize),
     ) -> Vec<f32> {
         let t_len = q.len() / (heads * d);
+        let start = slots.len() - t_len;
         let group = heads / kv_heads;
         let mut out = vec![0.0f32; q.len()];
         let out_ptr = out.as_mut_ptr() as usize;
         let jobs = t_len * heads;
-        let parts = if jobs * (start + t_len) * d < 64 * 1024 { 1 } else { self.pool.threads().min(jobs) };
+        let parts = if jobs * slots.len() * d < 64 * 1024 { 1 } else { self.pool.threads().min(jobs) };
         self.pool.run(parts, &|part| {
-            let mut scores = vec![0.0f32; start + t_len];
+            let mut scores = vec![0.0f32; slots.len()];
             for job in (part..jobs).step_by(parts) {
                 let (t, h) = (job / heads, job % heads);
                 let kvh = h / group;
                 let qrow = &q[(t * heads + h) * d..(t * heads + h + 1) * d];
-                // SAFETY: each job writes its own d floats of `out`; the cache holds
-                // start + t_len positions of `stride` floats, so n = start + t + 1 positions
-                // starting at the KV head's offset are in bounds.
+                // SAFETY: each job writes its own d floats of `out`; every slot was checked to
+                // be inside the pool, whose rows hold kv_heads * d floats.
                 unsafe {
                     let o = std::slice::from_raw_parts_mut((out_ptr as *mut f32).add((t * heads + h) * d), d);
-                    k.run(qrow, kc.as_ptr().add(kvh * d), vc.as_ptr().add(kvh * d), start + t + 1, &mut scores, o);
+                    let kv = (kc.as_ptr().add(kvh * d), vc.as_ptr().add(kvh * d));
+                    k.run(qrow, kv, &slots[..start + t + 1], &mut scores, o);
                 }
             }
         });

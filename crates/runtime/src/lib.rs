@@ -1,18 +1,34 @@
-//! `runtime`: runs compiled bundles. It loads a bundle onto a backend ([`load`]), and drives
-//! generation ([`generate`]) with a [`Sampler`]. Backends see only the bundle's plan and
-//! weights, never the compiler. Backends: the reference interpreter (`--device ref`) and the Cranelift JIT
-//! ([`CpuBackend`], `--device cpu`); CUDA plugs in behind the same [`Backend`] trait.
+//! `runtime`: runs compiled bundles. It loads a bundle onto a backend ([`load`]) and serves
+//! requests with an [`Engine`]: a [`Scheduler`](crate::engine) doing continuous batching with
+//! chunked prefill over a paged KV pool ([`PagePool`]) with a radix prefix cache
+//! ([`RadixCache`]), and a worker thread that runs the backend and samples
+//! ([`RequestSampler`]). Backends see only the bundle's plan and weights, never the compiler:
+//! the reference interpreter (`--device ref`) and the Cranelift JIT ([`CpuBackend`],
+//! `--device cpu`); CUDA plugs in behind the same [`Backend`] trait.
 
 mod backend;
 pub mod bench;
 mod cpu;
-mod generate;
+mod engine;
+mod handle;
+mod pool;
+mod radix;
+mod request;
 mod sampler;
+mod scheduler;
+mod sequences;
+mod worker;
 
-pub use backend::{load, Backend, Device, RefBackend, SeqChunk, SeqId};
+pub use backend::{check_batch, load, Backend, Device, RefBackend, StepSeq};
 pub use cpu::CpuBackend;
-pub use generate::{generate, FinishReason, GenerateOutput, GenerateRequest};
-pub use sampler::{Sampler, SamplingParams};
+pub use engine::{Engine, EngineConfig, StepRecord};
+pub use handle::{EngineHandle, Sink, Snapshot};
+pub use pool::PagePool;
+pub use radix::{NodeId, RadixCache};
+pub use request::{Event, Finish, FinishReason, Output, ReqId, Request};
+pub use sampler::{Logprobs, RequestSampler, Sampler, SamplingParams};
+pub use scheduler::{Policy, PoolUsage, SchedStats};
+pub use sequences::{SeqChunk, SeqId, Sequences};
 
 /// Errors of loading and running a bundle.
 #[derive(Debug, thiserror::Error)]

@@ -1,0 +1,159 @@
+//! The engine on its own thread, driven through a handle: the streaming form of the API that
+//! the HTTP server uses. Requests come in with a [`Sink`] that receives their events; the
+//! thread steps the engine while anything is queued or running and sleeps otherwise.
+
+use crate::{Engine, Event, PoolUsage, ReqId, Request, RuntimeError, SchedStats};
+use std::collections::HashMap;
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+/// Where a request's events go (called on the engine thread; keep it quick).
+pub type Sink = Box<dyn FnMut(Event) + Send>;
+
+/// The engine's state as last published by its thread.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct Snapshot {
+    /// Requests waiting for admission.
+    pub queued: usize,
+    /// Requests running.
+    pub running: usize,
+    /// KV pool pages by state.
+    pub pool: Option<PoolUsage>,
+    /// Counters since start.
+    pub stats: SchedStats,
+}
+
+enum Cmd {
+    Submit(Request, Sink, Sender<Result<ReqId, RuntimeError>>),
+    Abort(ReqId),
+}
+
+/// A handle to an engine running on its own thread. Dropping it aborts what is left and
+/// stops the thread.
+pub struct EngineHandle {
+    tx: Option<Sender<Cmd>>,
+    snapshot: Arc<Mutex<Snapshot>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl EngineHandle {
+    /// Moves `engine` to a new thread.
+    pub fn spawn(engine: Engine) -> EngineHandle {
+        let (tx, rx) = channel();
+        let snapshot = Arc::new(Mutex::new(Snapshot::default()));
+        let snap = snapshot.clone();
+        let thread = std::thread::Builder::new()
+            .name("engine".into())
+            .spawn(move || serve(engine, rx, snap))
+            .expect("spawn the engine thread");
+        EngineHandle { tx: Some(tx), snapshot, thread: Some(thread) }
+    }
+
+    fn send(&self, c: Cmd) -> Result<(), RuntimeError> {
+        let tx = self.tx.as_ref().expect("engine running");
+        tx.send(c).map_err(|_| RuntimeError::Unsupported("the engine thread has stopped".into()))
+    }
+
+    /// Queues `req`; its events go to `sink`. Fails (and `sink` is dropped) if the request is
+    /// invalid.
+    pub fn submit(&self, req: Request, sink: Sink) -> Result<ReqId, RuntimeError> {
+        let (tx, rx) = channel();
+        self.send(Cmd::Submit(req, sink, tx))?;
+        rx.recv().map_err(|_| RuntimeError::Unsupported("the engine thread has stopped".into()))?
+    }
+
+    /// Aborts a request (its sink gets a `Finished` event with reason `Abort`).
+    pub fn abort(&self, id: ReqId) {
+        let _ = self.send(Cmd::Abort(id));
+    }
+
+    /// The engine's state.
+    pub fn snapshot(&self) -> Snapshot {
+        *self.snapshot.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Aborts every request and waits for the thread to end.
+    pub fn shutdown(mut self) {
+        self.stop();
+    }
+
+    fn stop(&mut self) {
+        self.tx.take();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for EngineHandle {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn serve(mut engine: Engine, rx: Receiver<Cmd>, snapshot: Arc<Mutex<Snapshot>>) {
+    let mut sinks: HashMap<ReqId, Sink> = HashMap::new();
+    let mut open = true;
+    while open || !engine.is_idle() {
+        // Block for work only when there is nothing to step.
+        let first = if engine.is_idle() && open { rx.recv().ok() } else { rx.try_recv().ok() };
+        if first.is_none() && engine.is_idle() {
+            open = false;
+        }
+        for cmd in first.into_iter().chain(std::iter::from_fn(|| rx.try_recv().ok())) {
+            match cmd {
+                Cmd::Submit(req, sink, reply) => {
+                    let r = engine.submit(req);
+                    if let Ok(id) = r {
+                        sinks.insert(id, sink);
+                    }
+                    let _ = reply.send(r);
+                }
+                Cmd::Abort(id) => {
+                    if let (Some(e), Some(mut s)) = (engine.abort(id), sinks.remove(&id)) {
+                        s(e);
+                    }
+                }
+            }
+        }
+        if matches!(rx.try_recv(), Err(std::sync::mpsc::TryRecvError::Disconnected)) && open {
+            // The handle is gone: abort what is left.
+            open = false;
+            for (id, mut s) in sinks.drain() {
+                if let Some(e) = engine.abort(id) {
+                    s(e);
+                }
+            }
+        }
+        if !engine.is_idle() {
+            match engine.step() {
+                Ok(events) => {
+                    for (id, e) in events {
+                        let last = matches!(e, Event::Finished(_));
+                        if let Some(s) = sinks.get_mut(&id) {
+                            s(e);
+                        }
+                        if last {
+                            sinks.remove(&id);
+                        }
+                    }
+                }
+                Err(err) => {
+                    eprintln!("engine: step failed: {err}; aborting every request");
+                    for (id, mut s) in sinks.drain() {
+                        if let Some(e) = engine.abort(id) {
+                            s(e);
+                        }
+                    }
+                }
+            }
+        }
+        *snapshot.lock().unwrap_or_else(|e| e.into_inner()) = Snapshot {
+            queued: engine.queue_len(),
+            running: engine.running_len(),
+            pool: Some(engine.usage()),
+            stats: engine.stats(),
+        };
+    }
+}
