@@ -325,7 +325,8 @@ impl Scheduler {
             slots: self.pool.slots(&r.pages, end),
             sample: sample.then(|| r.req.clone()),
         };
-        let extend = n > 1 || !sample || r.output.is_empty();
+        // A decode feeds one generated token; anything else extends.
+        let extend = n > 1 || r.scheduled < r.req.prompt.len();
         r.scheduled = end;
         r.pending |= sample;
         plan.seqs.push(seq);
@@ -452,7 +453,7 @@ impl Scheduler {
             }
         }
         if keep {
-            if r.node != old {
+            if full > 0 {
                 self.tree.unlock(old);
             }
         } else {
