@@ -199,4 +199,19 @@ fn bench_reports_json() {
     assert!((6..=12).contains(&out), "output lengths uniform in [2, 4]: {out}");
     let o = run("engrun", &["bench", s(&b), "--num-prompts", "0"]);
     assert!(!o.status.success() && stderr(&o).contains("num-prompts"));
+    // A shared prefix is computed once and then served from the radix cache (one prompt per
+    // step; without overlap each step is planned after the previous one's prefix is cached).
+    let args = ["bench", s(&b), "--num-prompts", "4", "--input-len", "40", "--output-len", "2", "--json"];
+    let shared = [
+        &args[..],
+        &["--shared-prefix-len", "32", "--page-size", "1", "--max-prefill-tokens", "40", "--disable-overlap"],
+    ]
+    .concat();
+    let o = run("engrun", &shared);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("one JSON object");
+    assert_eq!(v["cached_tokens"], 3 * 32, "{v}");
+    let o = run("engrun", &[&shared[..], &["--disable-radix-cache"]].concat());
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("one JSON object");
+    assert_eq!(v["cached_tokens"], 0, "{v}");
 }

@@ -7,15 +7,17 @@ use runtime::{CpuBackend, RefBackend};
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
-fn bundles() -> &'static (tempfile::TempDir, Vec<(PathBuf, usize)>) {
-    static B: OnceLock<(tempfile::TempDir, Vec<(PathBuf, usize)>)> = OnceLock::new();
+/// The fixture bundles, compiled once per run into cargo's scratch directory for tests.
+fn bundles() -> &'static [(PathBuf, usize)] {
+    static B: OnceLock<Vec<(PathBuf, usize)>> = OnceLock::new();
     B.get_or_init(|| {
-        let dir = tempfile::tempdir().unwrap();
-        let list = vec![
-            (compile_fixture("tiny-qwen2", dir.path(), 1, None), 151936),
-            (compile_fixture("tiny-llama", dir.path(), 1, None), 49152),
-        ];
-        (dir, list)
+        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("cpu-tests");
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        vec![
+            (compile_fixture("tiny-qwen2", &dir, 1, None), 151936),
+            (compile_fixture("tiny-llama", &dir, 1, None), 49152),
+        ]
     })
 }
 
@@ -25,7 +27,7 @@ proptest! {
     /// Random prompts: prefill of every position, then three decode steps, agree within 1e-4.
     #[test]
     fn cpu_matches_reference(model in 0usize..2, seed in any::<u64>(), len in 1usize..48) {
-        let (path, vocab) = &bundles().1[model];
+        let (path, vocab) = &bundles()[model];
         let b = bundle::Bundle::open(path).unwrap();
         let (mut r, mut c) = (seqs(RefBackend::new(&b).unwrap()), seqs(CpuBackend::new(&b).unwrap()));
         let mut s = seed | 1;
@@ -48,14 +50,14 @@ proptest! {
 #[test]
 fn cpu_matches_hf_on_fixtures() {
     for (name, i) in [("tiny-qwen2", 0), ("tiny-llama", 1)] {
-        let b = bundle::Bundle::open(&bundles().1[i].0).unwrap();
+        let b = bundle::Bundle::open(&bundles()[i].0).unwrap();
         check_backend_against_hf(name, &mut seqs(CpuBackend::new(&b).unwrap()), 1e-4);
     }
 }
 
 #[test]
 fn cpu_rejects_bad_ids() {
-    let b = bundle::Bundle::open(&bundles().1[0].0).unwrap();
+    let b = bundle::Bundle::open(&bundles()[0].0).unwrap();
     let mut c = seqs(CpuBackend::new(&b).unwrap());
     assert!(c.forward(1, &[999_999_999], &[0]).unwrap_err().to_string().contains("outside the vocabulary"));
     assert!(c.forward(1, &[1, 2], &[5]).unwrap_err().to_string().contains("logit row 5"));
@@ -66,7 +68,7 @@ fn cpu_rejects_bad_ids() {
 #[test]
 fn batched_steps_equal_single_sequences() {
     use runtime::SeqChunk;
-    let b = bundle::Bundle::open(&bundles().1[1].0).unwrap();
+    let b = bundle::Bundle::open(&bundles()[1].0).unwrap();
     let (mut r, mut c) = (seqs(RefBackend::new(&b).unwrap()), seqs(CpuBackend::new(&b).unwrap()));
     let prompts: Vec<Vec<u32>> = vec![(1..12).collect(), vec![400, 17], (100..131).collect()];
     let rows: Vec<Vec<usize>> = prompts.iter().map(|p| vec![0, p.len() - 1]).collect();

@@ -59,9 +59,17 @@ impl Req {
         self.req.prompt.len() + self.output.len()
     }
 
-    fn tokens(&self, range: std::ops::Range<usize>) -> Vec<u32> {
+    fn token(&self, i: usize) -> u32 {
         let p = self.req.prompt.len();
-        range.map(|i| if i < p { self.req.prompt[i] } else { self.output[i - p] }).collect()
+        if i < p {
+            self.req.prompt[i]
+        } else {
+            self.output[i - p]
+        }
+    }
+
+    fn tokens(&self, range: std::ops::Range<usize>) -> Vec<u32> {
+        range.map(|i| self.token(i)).collect()
     }
 
     /// Tokens still to feed: the unfed part of prompt + output, plus the pending one.
@@ -86,6 +94,8 @@ pub(crate) struct SeqPlan {
     pub slots: Vec<u32>,
     /// Sample the next token (the chunk reaches the end of the sequence).
     pub sample: Option<Arc<Request>>,
+    /// An extend chunk (not a decode): its pages go into the cache when it completes.
+    pub extend: bool,
 }
 
 /// A planned step.
@@ -157,6 +167,8 @@ pub(crate) struct Scheduler {
     pub stats: SchedStats,
 }
 
+/// Shared tokens beyond the cache that make a waiting request wait for another's prefill.
+const IN_BATCH_PREFIX: usize = 32;
 const RATIO_INIT: f64 = 0.7;
 const RATIO_MIN: f64 = 0.1;
 const RATIO_DECAY: f64 = 0.001;
@@ -318,15 +330,16 @@ impl Scheduler {
         let end = r.scheduled + n;
         let prev = r.pending && end == r.seq_len() + 1;
         let sample = end == r.seq_len() + r.pending as usize;
+        // A decode feeds one generated token; anything else extends.
+        let extend = n > 1 || r.scheduled < r.req.prompt.len();
         let seq = SeqPlan {
             req: id,
             tokens: r.tokens(r.scheduled..end - prev as usize),
             prev,
             slots: self.pool.slots(&r.pages, end),
             sample: sample.then(|| r.req.clone()),
+            extend,
         };
-        // A decode feeds one generated token; anything else extends.
-        let extend = n > 1 || r.scheduled < r.req.prompt.len();
         r.scheduled = end;
         r.pending |= sample;
         plan.seqs.push(seq);
@@ -366,8 +379,9 @@ impl Scheduler {
             keyed.sort_by_key(|&(m, _)| std::cmp::Reverse(m));
             self.waiting = keyed.into_iter().map(|(_, id)| id).collect();
         }
-        while *budget > 0 && self.running.len() < self.cfg.max_running_requests {
-            let Some(&id) = self.waiting.front() else { break };
+        let mut i = 0;
+        while *budget > 0 && self.running.len() < self.cfg.max_running_requests && i < self.waiting.len() {
+            let id = self.waiting[i];
             let r = &self.reqs[&id];
             let len = r.seq_len();
             let (prefix, node) = if self.cfg.radix_cache {
@@ -375,8 +389,14 @@ impl Scheduler {
             } else {
                 (vec![], RadixCache::ROOT)
             };
-            self.tree.lock(node);
             let matched = prefix.len() * self.pool.page_size();
+            if self.cfg.radix_cache && self.prefix_in_flight(id, matched) {
+                // Another request is computing this prompt's prefix right now: wait one step
+                // and take it from the cache instead of computing it twice.
+                i += 1;
+                continue;
+            }
+            self.tree.lock(node);
             let left = r.req.max_tokens.saturating_sub(r.output.len());
             let whole = self.pool.pages_for(len + (left as f64 * self.ratio).ceil() as usize) - prefix.len();
             let room = self.pool.available() + self.tree.evictable_pages();
@@ -396,7 +416,7 @@ impl Scheduler {
                 self.stats.cached_tokens += matched;
             }
             let n = (len - matched).min(*budget);
-            self.waiting.pop_front();
+            self.waiting.remove(i);
             self.running.push(id);
             if !self.plan_chunk(id, n, plan) {
                 // Not even the first chunk fits: back to the queue.
@@ -405,6 +425,20 @@ impl Scheduler {
             }
             *budget -= n;
         }
+    }
+
+    /// Whether a running request with tokens not yet in the cache shares at least
+    /// [`IN_BATCH_PREFIX`] more tokens with waiting request `id` than the cache holds (SGLang's
+    /// in-batch prefix check).
+    fn prefix_in_flight(&self, id: ReqId, cached: usize) -> bool {
+        let c = &self.reqs[&id];
+        self.running.iter().any(|o| {
+            let r = &self.reqs[o];
+            let n = r.scheduled.min(c.seq_len());
+            r.done < r.scheduled
+                && n >= cached + IN_BATCH_PREFIX
+                && (0..n).take_while(|&i| c.token(i) == r.token(i)).count() >= cached + IN_BATCH_PREFIX
+        })
     }
 
     /// Returns the most recently admitted running request to the front of the queue; its
@@ -466,14 +500,15 @@ impl Scheduler {
     pub fn process(&mut self, plan: StepPlan, sampled: Vec<Option<Sampled>>) -> Vec<(ReqId, Event)> {
         let mut events = Vec::new();
         for (seq, s) in plan.seqs.into_iter().zip(sampled) {
-            let Some(r) = self.reqs.get_mut(&seq.req) else { continue };
+            let Some(mut r) = self.reqs.remove(&seq.req) else { continue };
             r.done += seq.tokens.len() + seq.prev as usize;
-            let Some(s) = s else {
-                let mut r = self.reqs.remove(&seq.req).expect("known request");
+            if seq.extend {
+                // cache_unfinished_req: the computed prefix is shared from now on.
                 self.cache(&mut r, true);
-                self.reqs.insert(seq.req, r);
-                continue;
-            };
+            }
+            self.reqs.insert(seq.req, r);
+            let Some(s) = s else { continue };
+            let r = self.reqs.get_mut(&seq.req).expect("known request");
             r.pending = false;
             let eos = !r.req.ignore_eos && self.cfg.eos_ids.contains(&s.token);
             if eos || r.req.stop_ids.contains(&s.token) {
