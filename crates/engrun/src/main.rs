@@ -132,6 +132,29 @@ enum Cmd {
         #[command(flatten)]
         engine: EngineArgs,
     },
+    /// Serve the bundle over an OpenAI-compatible HTTP API (chat, completions, SGLang's
+    /// /generate, models, health, metrics) until SIGTERM.
+    Serve {
+        /// The bundle directory.
+        bundle: PathBuf,
+        /// Address to bind.
+        #[arg(long, default_value = "127.0.0.1")]
+        host: String,
+        /// Port (0: any free port; the chosen one is printed).
+        #[arg(long, default_value_t = 30000)]
+        port: u16,
+        /// cpu (Cranelift JIT, the default without a GPU), ref (reference interpreter) or cuda.
+        #[arg(long, default_value = "cpu")]
+        device: Device,
+        /// Require `Authorization: Bearer KEY`.
+        #[arg(long)]
+        api_key: Option<String>,
+        /// The model name clients use (default: the bundle's directory name).
+        #[arg(long)]
+        served_model_name: Option<String>,
+        #[command(flatten)]
+        engine: EngineArgs,
+    },
     /// Write the f32 logits of every position of `--ids` to a safetensors file (tensor
     /// `logits`, shape [n, vocab]).
     Logits {
@@ -170,6 +193,9 @@ fn main() -> ExitCode {
             generate(&bundle, &args)
         }
         Cmd::Logits { bundle, ids, device, out } => logits(&bundle, &ids, device, &out),
+        Cmd::Serve { bundle, host, port, device, api_key, served_model_name, engine } => {
+            serve(&bundle, device, &engine, host, port, api_key, served_model_name)
+        }
         Cmd::Bench {
             bundle,
             device,
@@ -230,10 +256,7 @@ fn open(path: &Path, device: Device) -> Result<(Bundle, Box<dyn runtime::Backend
 
 fn generate(path: &Path, a: &GenArgs) -> Result<(), String> {
     let (b, backend) = open(path, a.device)?;
-    let dir = b.tokenizer_dir().ok_or_else(|| {
-        format!("{} has no tokenizer; compile it with --tokenizer DIR, or use `engrun logits`", path.display())
-    })?;
-    let tok = text::Tokenizer::load(&dir).map_err(|e| e.to_string())?;
+    let tok = tokenizer(&b, path)?;
     let prompt = if a.chat {
         let mut messages = Vec::new();
         if let Some(s) = &a.system {
@@ -286,6 +309,34 @@ fn generate(path: &Path, a: &GenArgs) -> Result<(), String> {
         if n > 1 { (n - 1) as f64 / decode } else { 0.0 }
     );
     Ok(())
+}
+
+fn tokenizer(b: &Bundle, path: &Path) -> Result<text::Tokenizer, String> {
+    let dir = b.tokenizer_dir().ok_or_else(|| {
+        format!("{} has no tokenizer; compile it with --tokenizer DIR, or use `engrun logits`", path.display())
+    })?;
+    text::Tokenizer::load(&dir).map_err(|e| e.to_string())
+}
+
+fn serve(
+    path: &Path,
+    device: Device,
+    args: &EngineArgs,
+    host: String,
+    port: u16,
+    api_key: Option<String>,
+    name: Option<String>,
+) -> Result<(), String> {
+    let (b, backend) = open(path, device)?;
+    let tok = tokenizer(&b, path)?;
+    let cfg = args.config(&b)?;
+    let max_context = cfg.max_context;
+    let engine = Engine::new(backend, cfg).map_err(|e| e.to_string())?;
+    let model = name.unwrap_or_else(|| {
+        let stem = path.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+        stem.trim_end_matches(".bundle").to_string()
+    });
+    server::serve(engine, tok, server::ServeOptions { host, port, api_key, model, max_context })
 }
 
 fn logits(path: &Path, ids: &str, device: Device, out: &Path) -> Result<(), String> {

@@ -22,6 +22,9 @@ pub struct Snapshot {
     pub pool: Option<PoolUsage>,
     /// Counters since start.
     pub stats: SchedStats,
+    /// Steps that failed (the engine aborted every request then), including failed
+    /// integrity checks.
+    pub step_errors: usize,
 }
 
 enum Cmd {
@@ -95,6 +98,7 @@ impl Drop for EngineHandle {
 fn serve(mut engine: Engine, rx: Receiver<Cmd>, snapshot: Arc<Mutex<Snapshot>>) {
     let mut sinks: HashMap<ReqId, Sink> = HashMap::new();
     let mut open = true;
+    let mut step_errors = 0;
     while open || !engine.is_idle() {
         // Block for work only when there is nothing to step.
         let first = if engine.is_idle() && open { rx.recv().ok() } else { rx.try_recv().ok() };
@@ -140,6 +144,7 @@ fn serve(mut engine: Engine, rx: Receiver<Cmd>, snapshot: Arc<Mutex<Snapshot>>) 
                     }
                 }
                 Err(err) => {
+                    step_errors += 1;
                     eprintln!("engine: step failed: {err}; aborting every request");
                     for (id, mut s) in sinks.drain() {
                         if let Some(e) = engine.abort(id) {
@@ -154,6 +159,7 @@ fn serve(mut engine: Engine, rx: Receiver<Cmd>, snapshot: Arc<Mutex<Snapshot>>) 
             running: engine.running_len(),
             pool: Some(engine.usage()),
             stats: engine.stats(),
+            step_errors,
         };
     }
 }

@@ -1,0 +1,323 @@
+//! The request bodies of the OpenAI and SGLang endpoints, and their translation into engine
+//! requests.
+
+use crate::error::ApiError;
+use runtime::{Request, SamplingParams};
+use serde::Deserialize;
+use serde_json::Value;
+
+/// Most choices one request may ask for.
+pub const MAX_N: usize = 16;
+
+/// A string or a list of them (`stop`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum OneOrMany {
+    /// One string.
+    One(String),
+    /// Several.
+    Many(Vec<String>),
+}
+
+/// `stream_options`.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct StreamOptions {
+    /// Send a last chunk with the usage.
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// Parameters shared by the chat and completion endpoints.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct Params {
+    /// The model name (checked against the served name).
+    pub model: Option<String>,
+    /// Most new tokens.
+    pub max_tokens: Option<i64>,
+    /// Most new tokens (the chat API's newer name).
+    pub max_completion_tokens: Option<i64>,
+    /// Sampling temperature (default 1).
+    pub temperature: Option<f32>,
+    /// Nucleus sampling.
+    pub top_p: Option<f32>,
+    /// Top-k (-1 or 0: off).
+    pub top_k: Option<i64>,
+    /// Min-p.
+    pub min_p: Option<f32>,
+    /// OpenAI's frequency penalty.
+    pub frequency_penalty: Option<f32>,
+    /// OpenAI's presence penalty.
+    pub presence_penalty: Option<f32>,
+    /// HF's repetition penalty.
+    pub repetition_penalty: Option<f32>,
+    /// Seed of the sampler.
+    pub seed: Option<u64>,
+    /// Choices per prompt.
+    pub n: Option<i64>,
+    /// Stream server-sent events.
+    #[serde(default)]
+    pub stream: bool,
+    /// Streaming options.
+    pub stream_options: Option<StreamOptions>,
+    /// Stop strings.
+    pub stop: Option<OneOrMany>,
+    /// Stop token ids.
+    pub stop_token_ids: Option<Vec<u32>>,
+    /// Do not stop at eos.
+    #[serde(default)]
+    pub ignore_eos: bool,
+    /// Chat: `true` for logprobs; completions: the number of top logprobs.
+    pub logprobs: Option<Value>,
+    /// Chat: top logprobs per token.
+    pub top_logprobs: Option<i64>,
+}
+
+/// What the endpoints turn into engine requests.
+#[derive(Debug, Clone)]
+pub struct Job {
+    /// Engine requests (one per prompt and choice), with their choice index.
+    pub requests: Vec<Request>,
+    /// Stop strings.
+    pub stops: Vec<String>,
+    /// Choices per prompt.
+    pub n: usize,
+    /// Stream the answer.
+    pub stream: bool,
+    /// Send a usage chunk at the end of a stream.
+    pub include_usage: bool,
+}
+
+fn int(v: Option<i64>, name: &'static str, lo: i64, hi: i64) -> Result<Option<usize>, ApiError> {
+    match v {
+        Some(x) if x < lo || x > hi => Err(ApiError::bad(format!("{name} must be in [{lo}, {hi}], got {x}"), Some(name))),
+        Some(x) => Ok(Some(x as usize)),
+        None => Ok(None),
+    }
+}
+
+impl Params {
+    /// Checks the model name.
+    pub fn check_model(&self, served: &str) -> Result<(), ApiError> {
+        match &self.model {
+            Some(m) if m != served => Err(ApiError::unknown_model(m, served)),
+            _ => Ok(()),
+        }
+    }
+
+    /// The engine requests for `prompts`, `n` choices each. `top_logprobs`: the number of top
+    /// logprobs asked for, if any. `max_context`: the model's context length.
+    pub fn job(&self, prompts: Vec<Vec<u32>>, top_logprobs: Option<usize>, max_context: usize) -> Result<Job, ApiError> {
+        let n = int(self.n, "n", 1, MAX_N as i64)?.unwrap_or(1);
+        let top_k = match self.top_k {
+            Some(k) if k < -1 => return Err(ApiError::bad(format!("top_k must be -1, 0 or positive, got {k}"), Some("top_k"))),
+            Some(k) if k > 0 => k as usize,
+            _ => 0,
+        };
+        let sampling = SamplingParams {
+            temperature: self.temperature.unwrap_or(1.0),
+            top_k,
+            top_p: self.top_p.unwrap_or(1.0),
+            min_p: self.min_p.unwrap_or(0.0),
+            seed: self.seed.unwrap_or(0),
+            repetition_penalty: self.repetition_penalty.unwrap_or(1.0),
+            frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
+            presence_penalty: self.presence_penalty.unwrap_or(0.0),
+        };
+        sampling.validate().map_err(ApiError::from)?;
+        let asked = self.max_completion_tokens.or(self.max_tokens);
+        let max_tokens = int(asked, "max_tokens", 1, i64::MAX)?;
+        let stops = match &self.stop {
+            None => vec![],
+            Some(OneOrMany::One(s)) => vec![s.clone()],
+            Some(OneOrMany::Many(v)) => v.clone(),
+        };
+        if stops.len() > 16 || stops.iter().any(String::is_empty) {
+            return Err(ApiError::bad("stop takes at most 16 non-empty strings", Some("stop")));
+        }
+        let mut requests = Vec::with_capacity(prompts.len() * n);
+        for prompt in prompts {
+            let left = max_context.saturating_sub(prompt.len());
+            if left == 0 {
+                return Err(ApiError::bad(
+                    format!("the prompt ({} tokens) fills the context length {max_context}", prompt.len()),
+                    Some("messages"),
+                ));
+            }
+            for i in 0..n {
+                let seed = self.seed.map_or(i as u64 * 0x9E37_79B9, |s| s.wrapping_add(i as u64));
+                requests.push(Request {
+                    prompt: prompt.clone(),
+                    sampling: SamplingParams { seed, ..sampling.clone() },
+                    max_tokens: max_tokens.unwrap_or(left.min(4096)),
+                    stop_ids: self.stop_token_ids.clone().unwrap_or_default(),
+                    ignore_eos: self.ignore_eos,
+                    logprobs: top_logprobs,
+                });
+            }
+        }
+        let include_usage = self.stream_options.as_ref().is_some_and(|o| o.include_usage);
+        Ok(Job { requests, stops, n, stream: self.stream, include_usage })
+    }
+}
+
+/// `POST /v1/chat/completions`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ChatRequest {
+    /// The conversation.
+    pub messages: Vec<Value>,
+    /// Everything else.
+    #[serde(flatten)]
+    pub params: Params,
+}
+
+impl ChatRequest {
+    /// The messages for the chat template: roles checked, content as a string (text parts
+    /// joined).
+    pub fn template_messages(&self) -> Result<Value, ApiError> {
+        if self.messages.is_empty() {
+            return Err(ApiError::bad("messages must not be empty", Some("messages")));
+        }
+        let mut out = Vec::with_capacity(self.messages.len());
+        for (i, m) in self.messages.iter().enumerate() {
+            let role = m.get("role").and_then(Value::as_str).ok_or_else(|| {
+                ApiError::bad(format!("messages[{i}] has no `role` string"), Some("messages"))
+            })?;
+            let content = match m.get("content") {
+                None | Some(Value::Null) => String::new(),
+                Some(Value::String(s)) => s.clone(),
+                Some(Value::Array(parts)) => parts
+                    .iter()
+                    .map(|p| match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str)) {
+                        (Some("text"), Some(t)) => Ok(t),
+                        _ => Err(ApiError::bad(
+                            format!("messages[{i}].content: only text parts are supported"),
+                            Some("messages"),
+                        )),
+                    })
+                    .collect::<Result<Vec<_>, _>>()?
+                    .concat(),
+                Some(_) => {
+                    return Err(ApiError::bad(
+                        format!("messages[{i}].content must be a string or a list of text parts"),
+                        Some("messages"),
+                    ))
+                }
+            };
+            let mut msg = m.clone();
+            msg["role"] = Value::String(role.to_string());
+            msg["content"] = Value::String(content);
+            out.push(msg);
+        }
+        Ok(Value::Array(out))
+    }
+
+    /// The number of top logprobs asked for (`logprobs: true` with `top_logprobs`).
+    pub fn top_logprobs(&self) -> Result<Option<usize>, ApiError> {
+        match &self.params.logprobs {
+            None | Some(Value::Bool(false)) | Some(Value::Null) => Ok(None),
+            Some(Value::Bool(true)) => Ok(Some(int(self.params.top_logprobs, "top_logprobs", 0, 20)?.unwrap_or(0))),
+            Some(_) => Err(ApiError::bad("logprobs must be a boolean", Some("logprobs"))),
+        }
+    }
+}
+
+/// A completion prompt: text, token ids, or a list of either.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Prompt {
+    /// One text.
+    Text(String),
+    /// Several texts.
+    Texts(Vec<String>),
+    /// One token-id prompt.
+    Ids(Vec<u32>),
+    /// Several token-id prompts.
+    IdLists(Vec<Vec<u32>>),
+}
+
+/// `POST /v1/completions`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct CompletionRequest {
+    /// The prompt(s).
+    pub prompt: Prompt,
+    /// Everything else.
+    #[serde(flatten)]
+    pub params: Params,
+}
+
+impl CompletionRequest {
+    /// The number of top logprobs asked for (`logprobs: N`).
+    pub fn top_logprobs(&self) -> Result<Option<usize>, ApiError> {
+        match &self.params.logprobs {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => int(v.as_i64().or(Some(-1)), "logprobs", 0, 20),
+        }
+    }
+}
+
+/// SGLang's native `POST /generate`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct GenerateRequest {
+    /// Prompt text.
+    pub text: Option<String>,
+    /// Or prompt token ids.
+    pub input_ids: Option<Vec<u32>>,
+    /// Sampling parameters (SGLang's names: max_new_tokens, temperature, ...).
+    #[serde(default)]
+    pub sampling_params: GenerateSampling,
+    /// Stream server-sent events.
+    #[serde(default)]
+    pub stream: bool,
+}
+
+/// `sampling_params` of `/generate`.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct GenerateSampling {
+    /// Most new tokens (default 128).
+    pub max_new_tokens: Option<i64>,
+    /// Temperature.
+    pub temperature: Option<f32>,
+    /// Top-p.
+    pub top_p: Option<f32>,
+    /// Top-k.
+    pub top_k: Option<i64>,
+    /// Min-p.
+    pub min_p: Option<f32>,
+    /// Frequency penalty.
+    pub frequency_penalty: Option<f32>,
+    /// Presence penalty.
+    pub presence_penalty: Option<f32>,
+    /// Repetition penalty.
+    pub repetition_penalty: Option<f32>,
+    /// Stop strings.
+    pub stop: Option<OneOrMany>,
+    /// Stop token ids.
+    pub stop_token_ids: Option<Vec<u32>>,
+    /// Do not stop at eos.
+    #[serde(default)]
+    pub ignore_eos: bool,
+    /// Seed.
+    pub seed: Option<u64>,
+}
+
+impl GenerateSampling {
+    /// As the OpenAI parameters.
+    pub fn params(&self, stream: bool) -> Params {
+        Params {
+            max_tokens: Some(self.max_new_tokens.unwrap_or(128)),
+            temperature: self.temperature,
+            top_p: self.top_p,
+            top_k: self.top_k,
+            min_p: self.min_p,
+            frequency_penalty: self.frequency_penalty,
+            presence_penalty: self.presence_penalty,
+            repetition_penalty: self.repetition_penalty,
+            stop: self.stop.clone(),
+            stop_token_ids: self.stop_token_ids.clone(),
+            ignore_eos: self.ignore_eos,
+            seed: self.seed,
+            stream,
+            ..Params::default()
+        }
+    }
+}

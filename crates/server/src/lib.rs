@@ -1,0 +1,83 @@
+//! `server`: the OpenAI-compatible HTTP API (`engrun serve`). HTTP (axum on tokio) → tokenizer
+//! (tokio's blocking pool) → the engine thread ([`runtime::EngineHandle`]) → the detokenizer
+//! thread → back to the handler as text deltas (JSON or server-sent events). The server never
+//! touches device memory: it only talks to the engine through its handle.
+#![deny(missing_docs)]
+
+pub mod api;
+pub mod detok;
+pub mod error;
+pub mod metrics;
+pub mod routes;
+
+use runtime::{Engine, EngineHandle};
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+use text::Tokenizer;
+
+/// Where and how to serve.
+#[derive(Debug, Clone)]
+pub struct ServeOptions {
+    /// Address to bind.
+    pub host: String,
+    /// Port (0: any free port; the chosen one is printed).
+    pub port: u16,
+    /// Require `Authorization: Bearer <key>`.
+    pub api_key: Option<String>,
+    /// The model name clients use.
+    pub model: String,
+    /// Context length of the model.
+    pub max_context: usize,
+}
+
+/// Serves `engine` until SIGTERM or Ctrl-C: then it stops accepting connections, lets the
+/// requests in flight finish, aborts what is left, and returns.
+pub fn serve(engine: Engine, tok: Tokenizer, opts: ServeOptions) -> Result<(), String> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("http")
+        .build()
+        .map_err(|e| format!("starting the async runtime: {e}"))?;
+    rt.block_on(async move {
+        let addr = format!("{}:{}", opts.host, opts.port);
+        let listener =
+            tokio::net::TcpListener::bind(&addr).await.map_err(|e| format!("cannot listen on {addr}: {e}"))?;
+        let local = listener.local_addr().map_err(|e| e.to_string())?;
+        let tok = Arc::new(tok);
+        let created = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        let state = Arc::new(routes::AppState {
+            engine: Arc::new(EngineHandle::spawn(engine)),
+            detok: detok::Detokenizer::spawn(tok.clone()),
+            tok,
+            model: opts.model.clone(),
+            api_key: opts.api_key.clone(),
+            max_context: opts.max_context,
+            metrics: metrics::Metrics::default(),
+            created,
+            next_id: AtomicU64::new(0),
+        });
+        eprintln!("serving {} on http://{local}", opts.model);
+        axum::serve(listener, routes::router(state))
+            .with_graceful_shutdown(shutdown())
+            .await
+            .map_err(|e| format!("server: {e}"))?;
+        eprintln!("shut down");
+        Ok(())
+    })
+}
+
+async fn shutdown() {
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending().await,
+        }
+    };
+    tokio::select! {
+        _ = term => {},
+        _ = tokio::signal::ctrl_c() => {},
+    }
+    eprintln!("shutting down: no new connections; finishing the requests in flight");
+}
