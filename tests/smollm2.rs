@@ -3,42 +3,11 @@
 //! the chat golden reproduced through `engrun generate`.
 
 use e2e::*;
-use std::path::PathBuf;
-use std::sync::OnceLock;
-
-fn gguf() -> PathBuf {
-    static PATH: OnceLock<PathBuf> = OnceLock::new();
-    PATH.get_or_init(|| {
-        let o = std::process::Command::new("bash")
-            .arg(repo().join("scripts/fetch-smollm2.sh"))
-            .output()
-            .expect("run fetch script");
-        assert!(o.status.success(), "fetching SmolLM2 failed: {}", String::from_utf8_lossy(&o.stderr));
-        PathBuf::from(String::from_utf8(o.stdout).unwrap().trim())
-    })
-    .clone()
-}
-
-fn compile(dir: &std::path::Path) -> PathBuf {
-    let out = dir.join("smollm2.bundle");
-    let opts = compiler::CompileOptions {
-        model: repo().join("models/llama.yaml"),
-        checkpoint: gguf(),
-        tp: 1,
-        dtype: Some(ir::DType::F32),
-        tokenizer: Some(fixture("smollm2-135m")),
-        out: out.clone(),
-        dump_after: None,
-    };
-    let report = compiler::compile(&opts).unwrap_or_else(|e| panic!("{e}"));
-    assert!(report.warnings.iter().all(|w| !w.contains("unused")), "{:?}", report.warnings);
-    out
-}
 
 #[test]
 fn smollm2_gguf_matches_hf() {
     let dir = tempfile::tempdir().unwrap();
-    let b = bundle::Bundle::open(&compile(dir.path())).unwrap();
+    let b = bundle::Bundle::open(&smollm2_bundle(dir.path())).unwrap();
     assert_eq!(b.generation_config().unwrap().eos_token_id, vec![2]);
     let mut backend = seqs(runtime::RefBackend::new(&b).unwrap());
     check_backend_against_hf("smollm2-135m", &mut backend, 1e-3);
@@ -49,7 +18,7 @@ fn smollm2_gguf_matches_hf() {
 #[test]
 fn smollm2_chat_golden_through_the_cli() {
     let dir = tempfile::tempdir().unwrap();
-    let b = compile(dir.path());
+    let b = smollm2_bundle(dir.path());
     let g: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(fixture("smollm2-135m").join("reference/chat_goldens.json")).unwrap(),
     )

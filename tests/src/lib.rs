@@ -172,3 +172,126 @@ pub fn check_backend_against_hf(name: &str, b: &mut runtime::Sequences, tol: f32
         b.release(i as u64);
     }
 }
+
+/// SmolLM2-135M-Instruct's Q4_1 GGUF, fetched once by scripts/fetch-smollm2.sh.
+pub fn smollm2_gguf() -> PathBuf {
+    static PATH: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    PATH.get_or_init(|| {
+        let o = Command::new("bash").arg(repo().join("scripts/fetch-smollm2.sh")).output().expect("run fetch script");
+        assert!(o.status.success(), "fetching SmolLM2 failed: {}", String::from_utf8_lossy(&o.stderr));
+        PathBuf::from(String::from_utf8(o.stdout).expect("a path").trim())
+    })
+    .clone()
+}
+
+/// Compiles SmolLM2 (f32, with its tokenizer) into `dir`.
+pub fn smollm2_bundle(dir: &Path) -> PathBuf {
+    let out = dir.join("smollm2.bundle");
+    let opts = compiler::CompileOptions {
+        model: repo().join("models/llama.yaml"),
+        checkpoint: smollm2_gguf(),
+        tp: 1,
+        dtype: Some(ir::DType::F32),
+        tokenizer: Some(fixture("smollm2-135m")),
+        out: out.clone(),
+        dump_after: None,
+    };
+    let report = compiler::compile(&opts).unwrap_or_else(|e| panic!("{e}"));
+    assert!(report.warnings.iter().all(|w| !w.contains("unused")), "{:?}", report.warnings);
+    out
+}
+
+/// A running `engrun serve`, stopped with SIGTERM when dropped.
+pub struct Server {
+    child: std::process::Child,
+    /// `host:port` it listens on.
+    pub addr: String,
+    log: std::sync::Arc<std::sync::Mutex<String>>,
+}
+
+impl Server {
+    /// Starts `engrun serve BUNDLE --port 0 ARGS...` and waits until it listens.
+    pub fn start(bundle: &Path, args: &[&str]) -> Server {
+        use std::io::BufRead;
+        let mut child = Command::new(bin("engrun"))
+            .arg("serve")
+            .arg(bundle)
+            .args(["--port", "0"])
+            .args(args)
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("start engrun serve");
+        let log = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let stderr = child.stderr.take().expect("stderr");
+        let sink = log.clone();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(stderr).lines().map_while(Result::ok) {
+                if let Some(addr) = line.split("http://").nth(1) {
+                    let _ = tx.send(addr.trim().to_string());
+                }
+                sink.lock().unwrap().push_str(&(line + "\n"));
+            }
+        });
+        let addr = rx.recv_timeout(std::time::Duration::from_secs(120)).unwrap_or_else(|_| {
+            let _ = child.kill();
+            panic!("the server did not start: {}", log.lock().unwrap())
+        });
+        Server { child, addr, log }
+    }
+
+    /// What the server wrote to stderr so far.
+    pub fn log(&self) -> String {
+        self.log.lock().unwrap().clone()
+    }
+
+    /// The base URL of the OpenAI API.
+    pub fn base(&self) -> String {
+        format!("http://{}/v1", self.addr)
+    }
+
+    /// Sends SIGTERM and waits (at most `secs`) for the exit status.
+    pub fn terminate(&mut self, secs: u64) -> Option<std::process::ExitStatus> {
+        let _ = Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
+        while std::time::Instant::now() < deadline {
+            if let Ok(Some(s)) = self.child.try_wait() {
+                return Some(s);
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        None
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(Some(_))) {
+            return;
+        }
+        if self.terminate(10).is_none() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// One HTTP/1.1 request over a fresh connection; returns the status and the body (chunked
+/// bodies are returned raw).
+pub fn http(addr: &str, method: &str, path: &str, body: Option<&str>, headers: &[(&str, &str)]) -> (u16, String) {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).expect("connect");
+    let body = body.unwrap_or("");
+    let mut req = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n", body.len());
+    for (k, v) in headers {
+        req += &format!("{k}: {v}\r\n");
+    }
+    req += "\r\n";
+    s.write_all(req.as_bytes()).expect("send");
+    s.write_all(body.as_bytes()).expect("send body");
+    let mut out = String::new();
+    s.read_to_string(&mut out).expect("read response");
+    let status = out.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let body = out.split_once("\r\n\r\n").map_or(String::new(), |(_, b)| b.to_string());
+    (status, body)
+}

@@ -120,19 +120,26 @@ impl Sampler {
             probs.select_nth_unstable_by(self.params.top_k - 1, order);
             probs.truncate(self.params.top_k);
         }
-        probs.sort_by(order);
-        let total: f64 = probs.iter().map(|p| p.1).sum();
-        let top = probs[0].1;
-        let mut kept = 0.0;
-        let mut keep = 0;
-        for p in &probs {
-            if keep > 0 && (kept / total >= self.params.top_p as f64 || p.1 < self.params.min_p as f64 * top) {
-                break;
+        // Only top-p and min-p need the tokens in order; plain sampling draws from them as
+        // they are (in id order).
+        let kept = if self.params.top_p < 1.0 || self.params.min_p > 0.0 {
+            probs.sort_by(order);
+            let total: f64 = probs.iter().map(|p| p.1).sum();
+            let top = probs[0].1;
+            let mut kept = 0.0;
+            let mut keep = 0;
+            for p in &probs {
+                if keep > 0 && (kept / total >= self.params.top_p as f64 || p.1 < self.params.min_p as f64 * top) {
+                    break;
+                }
+                kept += p.1;
+                keep += 1;
             }
-            kept += p.1;
-            keep += 1;
-        }
-        probs.truncate(keep);
+            probs.truncate(keep);
+            kept
+        } else {
+            probs.iter().map(|p| p.1).sum()
+        };
         let mut r = self.next_f64() * kept;
         for (id, p) in &probs {
             if r < *p {

@@ -89,7 +89,9 @@ pub struct Job {
 
 fn int(v: Option<i64>, name: &'static str, lo: i64, hi: i64) -> Result<Option<usize>, ApiError> {
     match v {
-        Some(x) if x < lo || x > hi => Err(ApiError::bad(format!("{name} must be in [{lo}, {hi}], got {x}"), Some(name))),
+        Some(x) if x < lo || x > hi => {
+            Err(ApiError::bad(format!("{name} must be in [{lo}, {hi}], got {x}"), Some(name)))
+        }
         Some(x) => Ok(Some(x as usize)),
         None => Ok(None),
     }
@@ -106,10 +108,17 @@ impl Params {
 
     /// The engine requests for `prompts`, `n` choices each. `top_logprobs`: the number of top
     /// logprobs asked for, if any. `max_context`: the model's context length.
-    pub fn job(&self, prompts: Vec<Vec<u32>>, top_logprobs: Option<usize>, max_context: usize) -> Result<Job, ApiError> {
+    pub fn job(
+        &self,
+        prompts: Vec<Vec<u32>>,
+        top_logprobs: Option<usize>,
+        max_context: usize,
+    ) -> Result<Job, ApiError> {
         let n = int(self.n, "n", 1, MAX_N as i64)?.unwrap_or(1);
         let top_k = match self.top_k {
-            Some(k) if k < -1 => return Err(ApiError::bad(format!("top_k must be -1, 0 or positive, got {k}"), Some("top_k"))),
+            Some(k) if k < -1 => {
+                return Err(ApiError::bad(format!("top_k must be -1, 0 or positive, got {k}"), Some("top_k")))
+            }
             Some(k) if k > 0 => k as usize,
             _ => 0,
         };
@@ -179,9 +188,10 @@ impl ChatRequest {
         }
         let mut out = Vec::with_capacity(self.messages.len());
         for (i, m) in self.messages.iter().enumerate() {
-            let role = m.get("role").and_then(Value::as_str).ok_or_else(|| {
-                ApiError::bad(format!("messages[{i}] has no `role` string"), Some("messages"))
-            })?;
+            let role = m
+                .get("role")
+                .and_then(Value::as_str)
+                .ok_or_else(|| ApiError::bad(format!("messages[{i}] has no `role` string"), Some("messages")))?;
             let content = match m.get("content") {
                 None | Some(Value::Null) => String::new(),
                 Some(Value::String(s)) => s.clone(),

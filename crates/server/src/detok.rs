@@ -200,12 +200,8 @@ impl Choice {
     }
 
     fn done(&mut self, reason: &'static str, cached_tokens: usize) -> bool {
-        let d = Delta::Done {
-            reason,
-            prompt_tokens: self.prompt_tokens,
-            completion_tokens: self.tokens,
-            cached_tokens,
-        };
+        let d =
+            Delta::Done { reason, prompt_tokens: self.prompt_tokens, completion_tokens: self.tokens, cached_tokens };
         let _ = self.out.send((self.index, d));
         true
     }

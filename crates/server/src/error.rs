@@ -21,7 +21,13 @@ pub struct ApiError {
 impl ApiError {
     /// 400 `invalid_request_error`.
     pub fn bad(message: impl Into<String>, param: Option<&'static str>) -> ApiError {
-        ApiError { status: StatusCode::BAD_REQUEST, message: message.into(), kind: "invalid_request_error", param, code: None }
+        ApiError {
+            status: StatusCode::BAD_REQUEST,
+            message: message.into(),
+            kind: "invalid_request_error",
+            param,
+            code: None,
+        }
     }
 
     /// 401: a missing or wrong API key.

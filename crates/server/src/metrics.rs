@@ -81,7 +81,12 @@ impl Metrics {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
         };
         counter(&mut out, "engine_requests_total", "HTTP generation requests", self.requests.load(Ordering::Relaxed));
-        counter(&mut out, "engine_request_errors_total", "Requests answered with an error", self.errors.load(Ordering::Relaxed));
+        counter(
+            &mut out,
+            "engine_request_errors_total",
+            "Requests answered with an error",
+            self.errors.load(Ordering::Relaxed),
+        );
         counter(&mut out, "engine_prompt_tokens_total", "Prompt tokens", self.prompt_tokens.load(Ordering::Relaxed));
         counter(
             &mut out,
@@ -103,7 +108,12 @@ impl Metrics {
         }
         let hit = s.stats.cached_tokens as f64 / s.stats.prompt_tokens.max(1) as f64;
         gauge(&mut out, "engine_cache_hit_rate", "Prompt tokens served from the prefix cache", hit);
-        counter(&mut out, "engine_retractions_total", "Requests retracted for lack of KV pages", s.stats.retractions as u64);
+        counter(
+            &mut out,
+            "engine_retractions_total",
+            "Requests retracted for lack of KV pages",
+            s.stats.retractions as u64,
+        );
         counter(&mut out, "engine_step_errors_total", "Engine steps that failed", s.step_errors as u64);
         if let Some(rss) = resident_bytes() {
             gauge(&mut out, "process_resident_memory_bytes", "Resident memory", rss as f64);

@@ -60,7 +60,8 @@ pub fn router(state: Arc<AppState>) -> Router {
 
 fn auth(st: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
     let Some(key) = &st.api_key else { return Ok(()) };
-    let given = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
+    let given =
+        headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
     if given == Some(key.as_str()) {
         Ok(())
     } else {
