@@ -81,16 +81,22 @@ fn matrix_dtype(d: DType) -> DType {
 }
 
 impl CpuBackend {
-    /// Loads rank 0's weights of `bundle` and JIT-compiles a kernel for every node.
+    /// Loads a tp=1 bundle on all cores and JIT-compiles a kernel for every node (a `--tp N`
+    /// bundle runs on [`crate::TpCpuBackend`]).
     pub fn new(bundle: &Bundle) -> Result<CpuBackend, RuntimeError> {
-        let plan = bundle.plan.clone();
-        if plan.tp != 1 {
+        if bundle.plan.tp != 1 {
             return Err(RuntimeError::Unsupported(format!(
-                "the CPU backend runs one rank; this bundle has tp={}",
-                plan.tp
+                "CpuBackend runs one rank; this bundle has tp={} (load it with TpCpuBackend)",
+                bundle.plan.tp
             )));
         }
-        let file = bundle.weights(0)?;
+        CpuBackend::rank(bundle, 0, std::thread::available_parallelism().map_or(1, |n| n.get()))
+    }
+
+    /// Loads rank `rank`'s weights of `bundle`, with a pool of `threads` threads.
+    pub(crate) fn rank(bundle: &Bundle, rank: usize, threads: usize) -> Result<CpuBackend, RuntimeError> {
+        let plan = bundle.plan.clone();
+        let file = bundle.weights(rank)?;
         let is_matrix = |i: usize| {
             plan.nodes
                 .iter()
@@ -170,7 +176,7 @@ impl CpuBackend {
             steps.push(step);
         }
         let kv = HostKv::new(&plan);
-        Ok(CpuBackend { plan, steps, weights, kv, pool: Pool::with_all_cores(), rope_freqs })
+        Ok(CpuBackend { plan, steps, weights, kv, pool: Pool::new(threads), rope_freqs })
     }
 
     fn raw(&self, node: usize) -> &[u8] {
@@ -218,9 +224,20 @@ impl Backend for CpuBackend {
     }
 
     fn forward(&mut self, batch: &[StepSeq]) -> Result<Vec<f32>, RuntimeError> {
+        self.forward_rank(batch, &|_| {})
+    }
+}
+
+impl CpuBackend {
+    /// One step of this rank; `all_reduce` sums a tensor across the ranks (nothing at tp=1).
+    pub(crate) fn forward_rank(
+        &mut self,
+        batch: &[StepSeq],
+        all_reduce: &(dyn Fn(&mut Vec<f32>) + Sync),
+    ) -> Result<Vec<f32>, RuntimeError> {
         check_batch(&self.plan, batch, self.kv.slots)?;
         let mut kv = std::mem::replace(&mut self.kv, HostKv::new(&self.plan));
-        let result = self.run(&mut kv, batch);
+        let result = self.run(&mut kv, batch, all_reduce);
         self.kv = kv;
         result
     }
@@ -229,7 +246,12 @@ impl Backend for CpuBackend {
 impl CpuBackend {
     /// Runs one step: the sequences' tokens concatenated, each sequence at its own positions
     /// and slots of the pool.
-    fn run(&self, kv: &mut HostKv, batch: &[StepSeq]) -> Result<Vec<f32>, RuntimeError> {
+    fn run(
+        &self,
+        kv: &mut HostKv,
+        batch: &[StepSeq],
+        all_reduce: &(dyn Fn(&mut Vec<f32>) + Sync),
+    ) -> Result<Vec<f32>, RuntimeError> {
         let ids: Vec<i32> = batch.iter().flat_map(|c| c.tokens.iter().map(|&t| t as i32)).collect();
         let t_len = ids.len();
         let positions: Vec<usize> = batch.iter().flat_map(|c| c.start()..c.slots.len()).collect();
@@ -305,7 +327,11 @@ impl CpuBackend {
                     k.run(a, b, &mut o);
                     o
                 }
-                (Step::None, Op::AllReduce) => input(0).to_vec(),
+                (Step::None, Op::AllReduce) => {
+                    let mut v = input(0).to_vec();
+                    all_reduce(&mut v);
+                    v
+                }
                 (Step::None, _) => Vec::new(),
                 (Step::Attention(_), _) => unreachable!("attention steps are built from attention ops"),
             };

@@ -17,6 +17,7 @@ mod request;
 mod sampler;
 mod scheduler;
 mod sequences;
+mod tp;
 mod worker;
 
 pub use backend::{check_batch, load, Backend, Device, RefBackend, StepSeq};
@@ -29,6 +30,7 @@ pub use request::{Event, Finish, FinishReason, Output, ReqId, Request};
 pub use sampler::{Logprobs, RequestSampler, Sampler, SamplingParams};
 pub use scheduler::{Policy, PoolUsage, SchedStats};
 pub use sequences::{SeqChunk, SeqId, Sequences};
+pub use tp::TpCpuBackend;
 
 /// Errors of loading and running a bundle.
 #[derive(Debug, thiserror::Error)]

@@ -1,0 +1,56 @@
+//! Tensor parallelism on the CPU: `--tp N` bundles run one rank per thread with an in-process
+//! all-reduce, and give tp=1's logits (prefill and decode); the server runs on a tp=2 bundle.
+
+use e2e::*;
+use std::path::{Path, PathBuf};
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(name);
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn loaded(path: &Path) -> runtime::Sequences {
+    let b = bundle::Bundle::open(path).unwrap();
+    runtime::Sequences::new(runtime::load(&b, runtime::Device::Cpu).unwrap(), 1024).unwrap()
+}
+
+/// Prefill of a prompt (every position), then four decode steps, as logits.
+fn run(s: &mut runtime::Sequences, prompt: &[u32]) -> Vec<Vec<f32>> {
+    let rows: Vec<usize> = (0..prompt.len()).collect();
+    let mut out = vec![s.forward(0, prompt, &rows).unwrap()];
+    for t in [11, 4000, 7, 123] {
+        out.push(s.forward(0, &[t], &[0]).unwrap());
+    }
+    out
+}
+
+#[test]
+fn tp_bundles_match_tp1_on_the_cpu() {
+    let dir = scratch("tp-cpu");
+    for (name, tps) in [("tiny-qwen2", &[2][..]), ("tiny-llama", &[2, 4][..])] {
+        let prompt = ids(&goldens(name)["prompts"][2]["ids"]);
+        let want = run(&mut loaded(&compile_fixture(name, &dir, 1, None)), &prompt);
+        for &tp in tps {
+            let got = run(&mut loaded(&compile_fixture(name, &dir, tp, None)), &prompt);
+            for (step, (g, w)) in got.iter().zip(&want).enumerate() {
+                let err = rel_err(g, w);
+                assert!(err < 1e-4, "{name} tp={tp} step {step}: rel err {err}");
+                eprintln!("{name} tp={tp} step {step}: rel err {err:.1e}");
+            }
+        }
+    }
+}
+
+#[test]
+fn server_runs_on_a_tp2_bundle() {
+    let dir = scratch("tp-server");
+    let b = compile_fixture("tiny-qwen2", &dir, 2, None);
+    let server = Server::start(&b, &[]);
+    let body = r#"{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "temperature": 0}"#;
+    let (status, text) = http(&server.addr, "POST", "/v1/chat/completions", Some(body), &[]);
+    assert_eq!(status, 200, "{text}");
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert!(v["usage"]["completion_tokens"].as_u64().unwrap() > 0, "{v}");
+}
