@@ -55,26 +55,15 @@ pub fn compile(opts: &CompileOptions) -> Result<CompileReport, CompileError> {
     let model = spec::bind(&spec, &ckpt.config)?;
     let mut warnings = validate_checkpoint(&model, &ckpt)?;
     let dtype = opts.dtype.or_else(|| config_dtype(&ckpt.config)).or_else(|| ckpt.main_dtype()).unwrap_or(DType::BF16);
-
-    let graph = lower::lower(&model, dtype, dtype)?;
-    let ctx = PassCtx { tp: opts.tp, model: &model };
-    let mut dump = None;
-    let graph = passes::run(graph, &ctx, |name, g| {
-        if opts.dump_after.as_deref() == Some(name) {
-            dump = Some(g.to_plan().map_or_else(|e| format!("<{e}>"), |p| p.to_text()));
-        }
-    })?;
-    if let Some(p) = &opts.dump_after {
-        if dump.is_none() {
-            let names: Vec<&str> = std::iter::once("lower").chain(passes::PIPELINE.iter().map(|(n, _)| *n)).collect();
-            return Err(CompileError::Usage(format!("no pass named `{p}`; passes: {}", names.join(", "))));
-        }
-    }
-    let plan = graph.to_plan().map_err(|e| CompileError::Pass { pass: "plan".into(), source: e })?;
+    let (plan, dump) = build_plan(&model, dtype, opts.tp, opts.dump_after.as_deref())?;
 
     let mut w = BundleWriter::create(&opts.out)?;
     let plan_json = serde_json::to_string_pretty(&plan).map_err(|e| CompileError::Usage(e.to_string()))?;
     w.write_file("plan.json", plan_json.as_bytes())?;
+    match codegen_cuda::emit(&plan) {
+        Ok(program) => w.write_file("kernels/model.cu", program.source.as_bytes())?,
+        Err(e) => warnings.push(format!("no CUDA kernels in the bundle: {e}")),
+    }
     for rank in 0..opts.tp {
         write_rank_weights(&mut w, &plan, &model, &ckpt, rank, opts.tp)?;
     }
@@ -84,6 +73,48 @@ pub fn compile(opts: &CompileOptions) -> Result<CompileReport, CompileError> {
         model.params.iter().map(|(k, v)| (k.clone(), v.to_json())).collect();
     let out = w.finish(&spec.name, params, opts.tp, dtype)?;
     Ok(CompileReport { out, plan, warnings, dump })
+}
+
+/// Lowers a bound model and runs the pass pipeline; returns the plan and, with `dump_after`,
+/// the graph text after that pass.
+fn build_plan(
+    model: &BoundModel,
+    dtype: DType,
+    tp: usize,
+    dump_after: Option<&str>,
+) -> Result<(Plan, Option<String>), CompileError> {
+    let graph = lower::lower(model, dtype, dtype)?;
+    let ctx = PassCtx { tp, model };
+    let mut dump = None;
+    let graph = passes::run(graph, &ctx, |name, g| {
+        if dump_after == Some(name) {
+            dump = Some(g.to_plan().map_or_else(|e| format!("<{e}>"), |p| p.to_text()));
+        }
+    })?;
+    if let Some(p) = dump_after {
+        if dump.is_none() {
+            let names: Vec<&str> = std::iter::once("lower").chain(passes::PIPELINE.iter().map(|(n, _)| *n)).collect();
+            return Err(CompileError::Usage(format!("no pass named `{p}`; passes: {}", names.join(", "))));
+        }
+    }
+    let plan = graph.to_plan().map_err(|e| CompileError::Pass { pass: "plan".into(), source: e })?;
+    Ok((plan, dump))
+}
+
+/// The plan of `model_yaml` bound to a `config.json` alone (no weights): for checking the
+/// kernels of a model shape without its checkpoint.
+pub fn plan_for_config(
+    model_yaml: &std::path::Path,
+    config: &serde_json::Value,
+    tp: usize,
+    dtype: DType,
+) -> Result<Plan, CompileError> {
+    if tp == 0 {
+        return Err(CompileError::Usage("--tp must be at least 1".into()));
+    }
+    let spec = ModelSpec::load(model_yaml)?;
+    let model = spec::bind(&spec, config)?;
+    Ok(build_plan(&model, dtype, tp, None)?.0)
 }
 
 /// Checks that every tensor the model names exists with its shape and a supported dtype.

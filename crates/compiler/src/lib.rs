@@ -12,7 +12,7 @@ pub mod lower;
 pub mod passes;
 pub mod shard;
 
-pub use driver::{compile, CompileOptions, CompileReport};
+pub use driver::{compile, plan_for_config, CompileOptions, CompileReport};
 
 /// Errors of compilation. Each names the file, tensor or pass it concerns.
 #[derive(Debug, thiserror::Error)]

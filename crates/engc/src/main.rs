@@ -41,6 +41,24 @@ enum Cmd {
         #[arg(long)]
         dump_after: Option<String>,
     },
+    /// Compile the CUDA kernels of a bundle (or of a model shape: --model and --config) with
+    /// NVRTC, to check them without a GPU.
+    CudaCheck {
+        /// A bundle directory (its kernels/model.cu).
+        bundle: Option<PathBuf>,
+        /// The model architecture (with --config instead of a bundle).
+        #[arg(long, requires = "config", conflicts_with = "bundle")]
+        model: Option<PathBuf>,
+        /// A config.json of the shape to check.
+        #[arg(long, requires = "model")]
+        config: Option<PathBuf>,
+        /// Tensor-parallel ranks (with --config).
+        #[arg(long, default_value_t = 1)]
+        tp: usize,
+        /// Target virtual architecture.
+        #[arg(long, default_value = "compute_90")]
+        arch: String,
+    },
     /// Describe a bundle.
     Inspect {
         /// The bundle directory.
@@ -63,6 +81,7 @@ fn main() -> ExitCode {
             compile(&opts)
         }
         Cmd::Inspect { bundle, graph } => inspect(&bundle, graph),
+        Cmd::CudaCheck { bundle, model, config, tp, arch } => cuda_check(bundle, model, config, tp, arch),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -71,6 +90,35 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+fn cuda_check(
+    bundle: Option<PathBuf>,
+    model: Option<PathBuf>,
+    config: Option<PathBuf>,
+    tp: usize,
+    arch: String,
+) -> Result<(), String> {
+    let source = match (bundle, model, config) {
+        (Some(b), None, None) => {
+            let p = b.join("kernels/model.cu");
+            std::fs::read_to_string(&p).map_err(|e| format!("{}: {e}", p.display()))?
+        }
+        (None, Some(m), Some(c)) => {
+            let text = std::fs::read_to_string(&c).map_err(|e| format!("{}: {e}", c.display()))?;
+            let cfg: serde_json::Value =
+                serde_json::from_str(&text).map_err(|e| format!("{}: invalid JSON: {e}", c.display()))?;
+            let plan = compiler::plan_for_config(&m, &cfg, tp, ir::DType::BF16).map_err(|e| e.to_string())?;
+            codegen_cuda::emit(&plan).map_err(|e| e.to_string())?.source
+        }
+        _ => return Err("give a bundle, or --model and --config".into()),
+    };
+    let arch: &'static str = Box::leak(arch.into_boxed_str());
+    let t = std::time::Instant::now();
+    let ptx = codegen_cuda::nvrtc::compile_ptx(&source, arch).map_err(|e| e.to_string())?;
+    let kernels = ptx.matches(".entry").count();
+    println!("compiled {kernels} kernels ({} bytes of PTX) for {arch} in {:.2}s", ptx.len(), t.elapsed().as_secs_f64());
+    Ok(())
 }
 
 fn compile(opts: &CompileOptions) -> Result<(), String> {

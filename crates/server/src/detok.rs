@@ -50,8 +50,34 @@ pub enum Delta {
 pub type Out = UnboundedSender<(usize, Delta)>;
 
 enum Msg {
-    Open { key: u64, index: usize, stops: Vec<String>, prompt_tokens: usize, out: Out },
-    Event { key: u64, event: Event },
+    Open {
+        key: u64,
+        index: usize,
+        stops: Vec<String>,
+        prompt_tokens: usize,
+        out: Out,
+    },
+    Event {
+        key: u64,
+        event: Event,
+    },
+    /// The engine dropped the sink (after the last event, or when it refused the request).
+    Close {
+        key: u64,
+    },
+}
+
+/// Sends `Close` when the engine drops a choice's sink, so a refused request leaves nothing
+/// behind in the detokenizer.
+struct CloseOnDrop {
+    key: u64,
+    tx: Sender<Msg>,
+}
+
+impl Drop for CloseOnDrop {
+    fn drop(&mut self) {
+        let _ = self.tx.send(Msg::Close { key: self.key });
+    }
 }
 
 struct Choice {
@@ -103,6 +129,9 @@ impl Detokenizer {
                                 choices.remove(&key);
                             }
                         }
+                        Msg::Close { key } => {
+                            choices.remove(&key);
+                        }
                     }
                 }
             })
@@ -114,9 +143,9 @@ impl Detokenizer {
     pub fn open(&self, index: usize, stops: Vec<String>, prompt_tokens: usize, out: Out) -> runtime::Sink {
         let key = self.next.fetch_add(1, Ordering::Relaxed);
         let _ = self.tx.send(Msg::Open { key, index, stops, prompt_tokens, out });
-        let tx = self.tx.clone();
+        let guard = CloseOnDrop { key, tx: self.tx.clone() };
         Box::new(move |event| {
-            let _ = tx.send(Msg::Event { key, event });
+            let _ = guard.tx.send(Msg::Event { key, event });
         })
     }
 }
