@@ -3,7 +3,6 @@
 //! scripts/nvrtc.sh; no GPU and no CUDA toolkit needed), and the source is a text golden.
 
 use e2e::*;
-use std::path::PathBuf;
 use std::process::Command;
 
 fn nvrtc_lib() -> String {
@@ -21,17 +20,10 @@ fn cuda_check(args: &[&str], lib: Option<&str>) -> std::process::Output {
     c.output().expect("run engc cuda-check")
 }
 
-fn scratch(name: &str) -> PathBuf {
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(name);
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
 #[test]
 fn generated_kernels_compile_with_nvrtc_for_sm90() {
     let lib = nvrtc_lib();
-    let dir = scratch("cuda-nvrtc");
+    let dir = scratch(env!("CARGO_TARGET_TMPDIR"), "cuda-nvrtc");
     let mut runs: Vec<Vec<String>> = vec![];
     for name in ["tiny-qwen2", "tiny-llama"] {
         runs.push(vec![compile_fixture(name, &dir, 1, None).display().to_string()]);
@@ -56,7 +48,7 @@ fn generated_kernels_compile_with_nvrtc_for_sm90() {
 
 #[test]
 fn missing_nvrtc_is_a_clear_error() {
-    let dir = scratch("cuda-missing");
+    let dir = scratch(env!("CARGO_TARGET_TMPDIR"), "cuda-missing");
     let b = compile_fixture("tiny-llama", &dir, 1, None);
     let o = cuda_check(&[b.to_str().unwrap()], None);
     if !o.status.success() {
@@ -66,7 +58,7 @@ fn missing_nvrtc_is_a_clear_error() {
 
 #[test]
 fn cuda_source_golden() {
-    let dir = scratch("cuda-golden");
+    let dir = scratch(env!("CARGO_TARGET_TMPDIR"), "cuda-golden");
     let b = compile_fixture("tiny-qwen2", &dir, 1, None);
     let got = std::fs::read_to_string(b.join("kernels/model.cu")).unwrap();
     let path = repo().join("tests/golden/tiny-qwen2.tp1.cu");

@@ -5,7 +5,6 @@
 
 use e2e::*;
 use serde_json::Value;
-use std::path::PathBuf;
 use std::process::Command;
 
 fn python() -> String {
@@ -30,16 +29,9 @@ fn client(server: &Server, args: &[&str]) {
     );
 }
 
-fn scratch(name: &str) -> PathBuf {
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(name);
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
 #[test]
 fn openai_package_drives_smollm2() {
-    let dir = scratch("server-smollm2");
+    let dir = scratch(env!("CARGO_TARGET_TMPDIR"), "server-smollm2");
     let b = smollm2_bundle(&dir);
     let g: Value = serde_json::from_str(
         &std::fs::read_to_string(fixture("smollm2-135m").join("reference/chat_goldens.json")).unwrap(),
@@ -52,7 +44,7 @@ fn openai_package_drives_smollm2() {
 
 #[test]
 fn cjk_and_emoji_stream_without_broken_characters() {
-    let dir = scratch("server-qwen");
+    let dir = scratch(env!("CARGO_TARGET_TMPDIR"), "server-qwen");
     let b = compile_fixture("tiny-qwen2", &dir, 1, None);
     let server = Server::start(&b, &["--api-key", "test-key"]);
     client(&server, &["tiny-qwen2-tp1", "unicode"]);
@@ -67,7 +59,7 @@ fn error_of(body: &str) -> (String, String) {
 
 #[test]
 fn errors_have_status_and_message() {
-    let dir = scratch("server-errors");
+    let dir = scratch(env!("CARGO_TARGET_TMPDIR"), "server-errors");
     let b = compile_fixture("tiny-llama", &dir, 1, None);
     let server = Server::start(&b, &["--api-key", "k", "--served-model-name", "tiny"]);
     let auth = [("Authorization", "Bearer k")];
@@ -153,7 +145,7 @@ fn wait_idle(server: &Server) {
 
 #[test]
 fn load_200_streaming_clients_a_third_disconnecting() {
-    let dir = scratch("server-load");
+    let dir = scratch(env!("CARGO_TARGET_TMPDIR"), "server-load");
     let b = compile_fixture("tiny-llama", &dir, 1, None);
     let server = Server::start(&b, &["--max-total-tokens", "8192"]);
     let round = |server: &Server| {
@@ -179,7 +171,7 @@ fn load_200_streaming_clients_a_third_disconnecting() {
 
 #[test]
 fn sigterm_finishes_requests_in_flight_and_exits() {
-    let dir = scratch("server-sigterm");
+    let dir = scratch(env!("CARGO_TARGET_TMPDIR"), "server-sigterm");
     let b = compile_fixture("tiny-llama", &dir, 1, None);
     let mut server = Server::start(&b, &[]);
     let addr = server.addr.clone();
@@ -195,7 +187,7 @@ fn sigterm_finishes_requests_in_flight_and_exits() {
 #[test]
 fn disconnect_aborts_at_once() {
     use std::io::{Read, Write};
-    let dir = scratch("server-disconnect");
+    let dir = scratch(env!("CARGO_TARGET_TMPDIR"), "server-disconnect");
     let b = compile_fixture("tiny-llama", &dir, 1, None);
     let server = Server::start(&b, &[]);
     let body = r#"{"prompt": "go on", "max_tokens": 6000, "ignore_eos": true, "stream": true}"#;

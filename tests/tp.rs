@@ -2,14 +2,7 @@
 //! all-reduce, and give tp=1's logits (prefill and decode); the server runs on a tp=2 bundle.
 
 use e2e::*;
-use std::path::{Path, PathBuf};
-
-fn scratch(name: &str) -> PathBuf {
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(name);
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
+use std::path::Path;
 
 fn loaded(path: &Path) -> runtime::Sequences {
     let b = bundle::Bundle::open(path).unwrap();
@@ -28,7 +21,7 @@ fn run(s: &mut runtime::Sequences, prompt: &[u32]) -> Vec<Vec<f32>> {
 
 #[test]
 fn tp_bundles_match_tp1_on_the_cpu() {
-    let dir = scratch("tp-cpu");
+    let dir = scratch(env!("CARGO_TARGET_TMPDIR"), "tp-cpu");
     for (name, tps) in [("tiny-qwen2", &[2][..]), ("tiny-llama", &[2, 4][..])] {
         let prompt = ids(&goldens(name)["prompts"][2]["ids"]);
         let want = run(&mut loaded(&compile_fixture(name, &dir, 1, None)), &prompt);
@@ -45,7 +38,7 @@ fn tp_bundles_match_tp1_on_the_cpu() {
 
 #[test]
 fn server_runs_on_a_tp2_bundle() {
-    let dir = scratch("tp-server");
+    let dir = scratch(env!("CARGO_TARGET_TMPDIR"), "tp-server");
     let b = compile_fixture("tiny-qwen2", &dir, 2, None);
     let server = Server::start(&b, &[]);
     let body = r#"{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "temperature": 0}"#;

@@ -295,3 +295,11 @@ pub fn http(addr: &str, method: &str, path: &str, body: Option<&str>, headers: &
     let body = out.split_once("\r\n\r\n").map_or(String::new(), |(_, b)| b.to_string());
     (status, body)
 }
+
+/// An empty directory `name` under `tmp` (a test binary's `CARGO_TARGET_TMPDIR`), emptied first.
+pub fn scratch(tmp: &str, name: &str) -> PathBuf {
+    let dir = PathBuf::from(tmp).join(name);
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("create a scratch directory");
+    dir
+}
