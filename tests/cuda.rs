@@ -70,3 +70,18 @@ fn cuda_source_golden() {
         std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e} (BLESS=1 creates it)", path.display()));
     assert!(got == want, "{} differs from the generated source (BLESS=1 to accept)", path.display());
 }
+
+#[test]
+fn no_gpu_is_a_clear_error() {
+    let dir = scratch(env!("CARGO_TARGET_TMPDIR"), "cuda-nogpu");
+    let b = compile_fixture("tiny-llama", &dir, 1, None);
+    let out = dir.join("logits.safetensors");
+    let o = run(
+        "engrun",
+        &["logits", b.to_str().unwrap(), "--device", "cuda", "--ids", "1,2", "-o", out.to_str().unwrap()],
+    );
+    if !o.status.success() {
+        let e = stderr(&o);
+        assert!(e.contains("CUDA driver (libcuda.so) was not found") || e.contains("no usable GPU"), "{e}");
+    }
+}

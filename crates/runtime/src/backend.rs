@@ -215,8 +215,6 @@ pub fn load(bundle: &Bundle, device: Device) -> Result<Box<dyn Backend>, Runtime
         Device::Ref => Ok(Box::new(RefBackend::new(bundle)?)),
         Device::Cpu if bundle.plan.tp > 1 => Ok(Box::new(crate::TpCpuBackend::new(bundle)?)),
         Device::Cpu => Ok(Box::new(crate::CpuBackend::new(bundle)?)),
-        Device::Cuda => {
-            Err(RuntimeError::Unsupported("the CUDA backend is not part of this build yet; use --device cpu".into()))
-        }
+        Device::Cuda => Ok(Box::new(crate::CudaBackend::new(bundle)?)),
     }
 }

@@ -4,11 +4,13 @@
 //! ([`RadixCache`]), and a worker thread that runs the backend and samples
 //! ([`RequestSampler`]). Backends see only the bundle's plan and weights, never the compiler:
 //! the reference interpreter (`--device ref`) and the Cranelift JIT ([`CpuBackend`],
-//! `--device cpu`); CUDA plugs in behind the same [`Backend`] trait.
+//! `--device cpu`), and CUDA ([`CudaBackend`], `--device cuda`: the generated kernels compiled
+//! by NVRTC), all behind the same [`Backend`] trait.
 
 mod backend;
 pub mod bench;
 mod cpu;
+mod cuda;
 mod engine;
 mod handle;
 mod pool;
@@ -22,6 +24,7 @@ mod worker;
 
 pub use backend::{check_batch, load, Backend, Device, RefBackend, StepSeq};
 pub use cpu::CpuBackend;
+pub use cuda::CudaBackend;
 pub use engine::{Engine, EngineConfig, StepRecord};
 pub use handle::{EngineHandle, Sink, Snapshot};
 pub use pool::PagePool;
