@@ -63,3 +63,13 @@ PY
   bin-gpu/engrun bench "$ck.bundle" --device cuda --num-prompts 1 --input-len 128 --output-len 32 --json 2>&1 | tail -1 | tee "$out/$shape-bench-b1.json"
   bin-gpu/engrun bench "$ck.bundle" --device cuda --num-prompts 16 --input-len 128 --output-len 32 --json 2>&1 | tail -1 | tee "$out/$shape-bench-b16.json"
 done
+# The nano-vllm workload on the 0.5B shape (issue "Runtime"): 256 requests, input and output
+# lengths uniform in [100, 1024], random ids, eos ignored; with and without overlap, and with a
+# shared prefix.
+if [ "${ENGINE_BENCH:-0}" = 1 ]; then
+  b=/tmp/ck-qwen2.5-0.5b.bundle
+  common="--device cuda --num-prompts 256 --input-len 1024 --output-len 1024 --random-range-ratio 0.0977 --max-total-tokens 400000 --json"
+  bin-gpu/engrun bench $b $common 2>&1 | tail -1 | tee "$out/nanovllm-overlap.json"
+  bin-gpu/engrun bench $b $common --disable-overlap 2>&1 | tail -1 | tee "$out/nanovllm-no-overlap.json"
+  bin-gpu/engrun bench $b $common --shared-prefix-len 512 2>&1 | tail -1 | tee "$out/nanovllm-shared512.json"
+fi
