@@ -27,15 +27,10 @@ pub struct StreamOptions {
     pub include_usage: bool,
 }
 
-/// Parameters shared by the chat and completion endpoints.
+/// Sampling and stopping parameters, under the same names in the OpenAI endpoints and in
+/// `/generate`'s `sampling_params`.
 #[derive(Debug, Clone, Default, Deserialize)]
-pub struct Params {
-    /// The model name (checked against the served name).
-    pub model: Option<String>,
-    /// Most new tokens.
-    pub max_tokens: Option<i64>,
-    /// Most new tokens (the chat API's newer name).
-    pub max_completion_tokens: Option<i64>,
+pub struct Sampling {
     /// Sampling temperature (default 1).
     pub temperature: Option<f32>,
     /// Nucleus sampling.
@@ -52,13 +47,6 @@ pub struct Params {
     pub repetition_penalty: Option<f32>,
     /// Seed of the sampler.
     pub seed: Option<u64>,
-    /// Choices per prompt.
-    pub n: Option<i64>,
-    /// Stream server-sent events.
-    #[serde(default)]
-    pub stream: bool,
-    /// Streaming options.
-    pub stream_options: Option<StreamOptions>,
     /// Stop strings.
     pub stop: Option<OneOrMany>,
     /// Stop token ids.
@@ -66,6 +54,27 @@ pub struct Params {
     /// Do not stop at eos.
     #[serde(default)]
     pub ignore_eos: bool,
+}
+
+/// Parameters shared by the chat and completion endpoints.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct Params {
+    /// The model name (checked against the served name).
+    pub model: Option<String>,
+    /// Most new tokens.
+    pub max_tokens: Option<i64>,
+    /// Most new tokens (the chat API's newer name).
+    pub max_completion_tokens: Option<i64>,
+    /// Sampling and stopping.
+    #[serde(flatten)]
+    pub sampling: Sampling,
+    /// Choices per prompt.
+    pub n: Option<i64>,
+    /// Stream server-sent events.
+    #[serde(default)]
+    pub stream: bool,
+    /// Streaming options.
+    pub stream_options: Option<StreamOptions>,
     /// Chat: `true` for logprobs; completions: the number of top logprobs.
     pub logprobs: Option<Value>,
     /// Chat: top logprobs per token.
@@ -115,7 +124,8 @@ impl Params {
         max_context: usize,
     ) -> Result<Job, ApiError> {
         let n = int(self.n, "n", 1, MAX_N as i64)?.unwrap_or(1);
-        let top_k = match self.top_k {
+        let p = &self.sampling;
+        let top_k = match p.top_k {
             Some(k) if k < -1 => {
                 return Err(ApiError::bad(format!("top_k must be -1, 0 or positive, got {k}"), Some("top_k")))
             }
@@ -123,19 +133,19 @@ impl Params {
             _ => 0,
         };
         let sampling = SamplingParams {
-            temperature: self.temperature.unwrap_or(1.0),
+            temperature: p.temperature.unwrap_or(1.0),
             top_k,
-            top_p: self.top_p.unwrap_or(1.0),
-            min_p: self.min_p.unwrap_or(0.0),
-            seed: self.seed.unwrap_or(0),
-            repetition_penalty: self.repetition_penalty.unwrap_or(1.0),
-            frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
-            presence_penalty: self.presence_penalty.unwrap_or(0.0),
+            top_p: p.top_p.unwrap_or(1.0),
+            min_p: p.min_p.unwrap_or(0.0),
+            seed: p.seed.unwrap_or(0),
+            repetition_penalty: p.repetition_penalty.unwrap_or(1.0),
+            frequency_penalty: p.frequency_penalty.unwrap_or(0.0),
+            presence_penalty: p.presence_penalty.unwrap_or(0.0),
         };
         sampling.validate().map_err(ApiError::from)?;
         let asked = self.max_completion_tokens.or(self.max_tokens);
         let max_tokens = int(asked, "max_tokens", 1, i64::MAX)?;
-        let stops = match &self.stop {
+        let stops = match &p.stop {
             None => vec![],
             Some(OneOrMany::One(s)) => vec![s.clone()],
             Some(OneOrMany::Many(v)) => v.clone(),
@@ -153,13 +163,13 @@ impl Params {
                 ));
             }
             for i in 0..n {
-                let seed = self.seed.map_or(i as u64 * 0x9E37_79B9, |s| s.wrapping_add(i as u64));
+                let seed = p.seed.map_or(i as u64 * 0x9E37_79B9, |s| s.wrapping_add(i as u64));
                 requests.push(Request {
                     prompt: prompt.clone(),
                     sampling: SamplingParams { seed, ..sampling.clone() },
                     max_tokens: max_tokens.unwrap_or(left.min(4096)),
-                    stop_ids: self.stop_token_ids.clone().unwrap_or_default(),
-                    ignore_eos: self.ignore_eos,
+                    stop_ids: p.stop_token_ids.clone().unwrap_or_default(),
+                    ignore_eos: p.ignore_eos,
                     logprobs: top_logprobs,
                 });
             }
@@ -285,29 +295,9 @@ pub struct GenerateRequest {
 pub struct GenerateSampling {
     /// Most new tokens (default 128).
     pub max_new_tokens: Option<i64>,
-    /// Temperature.
-    pub temperature: Option<f32>,
-    /// Top-p.
-    pub top_p: Option<f32>,
-    /// Top-k.
-    pub top_k: Option<i64>,
-    /// Min-p.
-    pub min_p: Option<f32>,
-    /// Frequency penalty.
-    pub frequency_penalty: Option<f32>,
-    /// Presence penalty.
-    pub presence_penalty: Option<f32>,
-    /// Repetition penalty.
-    pub repetition_penalty: Option<f32>,
-    /// Stop strings.
-    pub stop: Option<OneOrMany>,
-    /// Stop token ids.
-    pub stop_token_ids: Option<Vec<u32>>,
-    /// Do not stop at eos.
-    #[serde(default)]
-    pub ignore_eos: bool,
-    /// Seed.
-    pub seed: Option<u64>,
+    /// Sampling and stopping.
+    #[serde(flatten)]
+    pub sampling: Sampling,
 }
 
 impl GenerateSampling {
@@ -315,17 +305,7 @@ impl GenerateSampling {
     pub fn params(&self, stream: bool) -> Params {
         Params {
             max_tokens: Some(self.max_new_tokens.unwrap_or(128)),
-            temperature: self.temperature,
-            top_p: self.top_p,
-            top_k: self.top_k,
-            min_p: self.min_p,
-            frequency_penalty: self.frequency_penalty,
-            presence_penalty: self.presence_penalty,
-            repetition_penalty: self.repetition_penalty,
-            stop: self.stop.clone(),
-            stop_token_ids: self.stop_token_ids.clone(),
-            ignore_eos: self.ignore_eos,
-            seed: self.seed,
+            sampling: self.sampling.clone(),
             stream,
             ..Params::default()
         }
