@@ -1,6 +1,6 @@
-// Straightforward kernels, one per op of the plan, specialised by template arguments to the
-// model's shapes. Activations are f32; weights are f32 or bf16 (W). Faster fused kernels
-// replace them op by op; these stay as the reference the fused ones are tested against.
+// Straightforward kernels for ops the fused kernels (fast.cuh) do not cover, specialised by
+// template arguments to the model's shapes. Activations are f32 (linear inputs: any type X);
+// weights are f32 or bf16 (W).
 
 // out[t, :] = table[ids[t], :]. grid: T, block: 256.
 template <int H, typename W>
@@ -10,20 +10,11 @@ __device__ void embedding(const int* ids, const W* table, float* out) {
   for (int i = threadIdx.x; i < H; i += blockDim.x) out[(long)t * H + i] = to_f32(row[i]);
 }
 
-// out[t] = x[t] * rsqrt(mean(x[t]^2) + eps) * w. grid: T, block: 256.
-template <int H, typename W>
-__device__ void rms_norm(const float* x, const W* w, float* out, float eps) {
-  const float* row = x + (long)blockIdx.x * H;
-  float ss = 0.0f;
-  for (int i = threadIdx.x; i < H; i += blockDim.x) ss += row[i] * row[i];
-  const float r = rsqrtf(block_sum(ss) / H + eps);
-  for (int i = threadIdx.x; i < H; i += blockDim.x) out[(long)blockIdx.x * H + i] = row[i] * r * to_f32(w[i]);
-}
-
 // out[t, n] = x[t] . w[n] (+ bias[n]) for T rows. One warp per output feature, rows in
-// tiles of 8 so each weight chunk is read once per tile. grid: ceil(N / 8), block: 256.
-template <int K, int N, typename W, bool BIAS>
-__device__ void linear(const float* x, const W* w, const W* bias, float* out, int T) {
+// tiles of 8 so each weight chunk is read once per tile. The fallback for shapes the fast
+// kernels do not take (f32 weights, K not a multiple of 32). grid: ceil(N / 8), block: 256.
+template <int K, int N, typename X, typename W, bool BIAS>
+__device__ void linear(const X* x, const W* w, const W* bias, float* out, int T) {
   const int n = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
   const int lane = threadIdx.x & 31;
   if (n >= N) return;
@@ -35,7 +26,7 @@ __device__ void linear(const float* x, const W* w, const W* bias, float* out, in
       const float wk = to_f32(wr[k]);
 #pragma unroll
       for (int r = 0; r < 8; r++)
-        if (r < rows) acc[r] += x[(long)(t0 + r) * K + k] * wk;
+        if (r < rows) acc[r] += to_f32(x[(long)(t0 + r) * K + k]) * wk;
     }
 #pragma unroll
     for (int r = 0; r < 8; r++) {
@@ -64,62 +55,6 @@ __device__ void rope(const float* x, const int* pos, const float* inv_freq, floa
   }
 }
 
-// Writes the step's K and V rows into the paged cache: row t goes to slot slot_of[t].
-// grid: T, block: 128.
-template <int ROW>
-__device__ void kv_write(const float* k, const float* v, float* kc, float* vc, const int* slot_of) {
-  const long dst = (long)slot_of[blockIdx.x] * ROW, src = (long)blockIdx.x * ROW;
-  for (int i = threadIdx.x; i < ROW; i += blockDim.x) {
-    kc[dst + i] = k[src + i];
-    vc[dst + i] = v[src + i];
-  }
-}
-
-// Causal GQA attention over the paged cache: query row t of head h attends to positions
-// 0..pos[t] of its sequence, whose slots are slots[seq_off[t] + p]. One warp per (t, h),
-// online softmax, D / 32 dimensions per lane. grid: (T, HEADS), block: 32.
-template <int HEADS, int KVH, int D>
-__device__ void attention(const float* q, const float* kc, const float* vc, const int* slots, const int* seq_off,
-                          const int* pos, float scale, float* out) {
-  constexpr int PER = (D + 31) / 32;
-  const int t = blockIdx.x, h = blockIdx.y, lane = threadIdx.x;
-  const int kvh = h / (HEADS / KVH);
-  const float* qr = q + ((long)t * HEADS + h) * D;
-  float qv[PER], acc[PER];
-#pragma unroll
-  for (int i = 0; i < PER; i++) {
-    const int d = lane + i * 32;
-    qv[i] = d < D ? qr[d] : 0.0f;
-    acc[i] = 0.0f;
-  }
-  float m = NEG_INF, l = 0.0f;
-  const int n = pos[t] + 1;
-  for (int p = 0; p < n; p++) {
-    const long row = (long)slots[seq_off[t] + p] * (KVH * D) + kvh * D;
-    float s = 0.0f;
-#pragma unroll
-    for (int i = 0; i < PER; i++) {
-      const int d = lane + i * 32;
-      if (d < D) s += qv[i] * kc[row + d];
-    }
-    s = warp_sum(s) * scale;
-    const float m2 = fmaxf(m, s), corr = __expf(m - m2), e = __expf(s - m2);
-    l = l * corr + e;
-#pragma unroll
-    for (int i = 0; i < PER; i++) {
-      const int d = lane + i * 32;
-      acc[i] = acc[i] * corr + (d < D ? e * vc[row + d] : 0.0f);
-    }
-    m = m2;
-  }
-  float* o = out + ((long)t * HEADS + h) * D;
-#pragma unroll
-  for (int i = 0; i < PER; i++) {
-    const int d = lane + i * 32;
-    if (d < D) o[d] = acc[i] / l;
-  }
-}
-
 // Elementwise ops over n floats. grid: ceil(n / 256), block: 256.
 __device__ __forceinline__ long elem() { return (long)blockIdx.x * blockDim.x + threadIdx.x; }
 __device__ void add(const float* a, const float* b, float* out, long n) {
@@ -133,13 +68,6 @@ __device__ void mul(const float* a, const float* b, float* out, long n) {
 __device__ void silu(const float* a, float* out, long n) {
   const long i = elem();
   if (i < n) out[i] = a[i] / (1.0f + __expf(-a[i]));
-}
-
-// out[r] = x[rows[r]]: the rows whose logits are wanted. grid: R, block: 256.
-template <int H>
-__device__ void gather_rows(const float* x, const int* rows, float* out) {
-  const float* src = x + (long)rows[blockIdx.x] * H;
-  for (int i = threadIdx.x; i < H; i += blockDim.x) out[(long)blockIdx.x * H + i] = src[i];
 }
 
 // Greedy sampling: the index of the largest logit of each row (lowest index on ties).

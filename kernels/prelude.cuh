@@ -28,3 +28,10 @@ __device__ __forceinline__ float block_sum(float v) {
   v = lane < warps ? part[lane] : 0.0f;
   return warp_sum(v);
 }
+
+// f32 to bf16, rounding to nearest even.
+__device__ __forceinline__ bf16_t f32_to_bf16(float f) {
+  bf16_t r;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+  return r;
+}

@@ -1,18 +1,24 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (through the device tool), from the repository root, with release
 # binaries in bin-gpu/ (engc, engrun: build them here with `cargo build --release --bins` and
-# copy them). Builds random-weight Qwen2 checkpoints of the Qwen2.5-0.5B (and with FULL=1 the
-# 7B) shape with HF transformers, compiles bundles, compares our CUDA logits with HF's (in
-# f32 and in bf16), then runs a short benchmark. Results go to $OUT (default /tmp/gpu-out).
+# copy them). For each shape in SHAPES (default: qwen2.5-0.5b; qwen2.5-7b too with FULL=1):
+# builds a random-weight Qwen2 checkpoint with HF transformers, compiles a bundle, and compares
+# our CUDA logits with HF's (f32 forward over the same bf16 weights, and HF's bf16 forward):
+# batch 1 (32 tokens prefilled, then 32 decode steps) and batch 16 of mixed lengths (24 tokens
+# prefilled each, then decode steps as one shrinking batch). Then benchmarks (BENCH=0 skips):
+# batch-1 decode, a 4096-token prefill, batches of 16 and 64, and a second start with a warm
+# kernel cache. Results go to $OUT (default /tmp/gpu-out).
 set -euo pipefail
 out="${OUT:-/tmp/gpu-out}"
 mkdir -p "$out"
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
+export ENGINE_CACHE_DIR=/tmp/engine-cache
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
-shapes="qwen2.5-0.5b"
+shapes="${SHAPES:-qwen2.5-0.5b}"
 [ "${FULL:-0}" = 1 ] && shapes="qwen2.5-0.5b qwen2.5-7b"
 for shape in $shapes; do
   ck=/tmp/ck-$shape
+  if [ ! -f "$ck/hf_logits.safetensors" ]; then
   python3 - "$shape" "$ck" "tests/configs/$shape.json" <<'PY' 2>&1 | tee "$out/$shape-hf.txt"
 import json, sys, torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -22,8 +28,8 @@ cfg = json.load(open(cfg_path))
 torch.manual_seed(0)
 torch.backends.cuda.matmul.allow_tf32 = False
 config = Qwen2Config(**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type", "torch_dtype")})
-# Build in f32 with weights rounded to bf16 values: the f32 reference (RoPE frequencies in f32,
-# as HF computes them at load) and the bf16 model then hold the very same weights.
+# Built in f32 with weights rounded to bf16 values: the f32 reference and the bf16 model hold
+# the very same weights.
 with torch.device("cuda"):
     model = Qwen2ForCausalLM(config).float()
 with torch.no_grad():
@@ -34,42 +40,65 @@ with torch.no_grad():
             p.normal_(0, 0.02)
         p.copy_(p.bfloat16().float())
 g = torch.Generator().manual_seed(1)
-ids = torch.randint(0, config.vocab_size, (1, 64), generator=g)
-with torch.no_grad():
-    f32 = model(ids.cuda()).logits[0].float()
-    model = model.to(torch.bfloat16)
-    bf = model(ids.cuda()).logits[0].float()
+seqs = [torch.randint(0, config.vocab_size, (64,), generator=g).tolist()]
+seqs += [torch.randint(0, config.vocab_size, (40 + 2 * i,), generator=g).tolist() for i in range(16)]
+def run(m):
+    with torch.no_grad():
+        return torch.cat([m(torch.tensor([s]).cuda()).logits[0].float().cpu() for s in seqs])
+f32 = run(model)
+bf = run(model.to(torch.bfloat16))
 model.save_pretrained(ck)
-json.dump(ids[0].tolist(), open(f"{ck}/ids.json", "w"))
-save_file({"bf16": bf.cpu().contiguous(), "f32": f32.cpu().contiguous()}, f"{ck}/hf_logits.safetensors")
-print(f"{shape}: saved random checkpoint and HF logits for 64 tokens")
+json.dump(seqs, open(f"{ck}/seqs.json", "w"))
+save_file({"bf16": bf.contiguous(), "f32": f32.contiguous()}, f"{ck}/hf_logits.safetensors")
+print(f"{shape}: saved a random checkpoint and HF logits of {len(seqs)} sequences")
 PY
-  bin-gpu/engc compile models/qwen2.yaml --checkpoint "$ck" --dtype bf16 -o "$ck.bundle" 2>&1 | tail -3 | tee -a "$out/$shape-compile.txt"
-  ids=$(python3 -c "import json; print(','.join(map(str, json.load(open('$ck/ids.json')))))")
-  bin-gpu/engrun logits "$ck.bundle" --device cuda --ids "$ids" -o "$ck/ours.safetensors" 2>&1 | tee "$out/$shape-ours.txt"
+  fi
+  [ -d "$ck.bundle" ] || bin-gpu/engc compile models/qwen2.yaml --checkpoint "$ck" --dtype bf16 -o "$ck.bundle" 2>&1 | tail -2 | tee -a "$out/$shape-compile.txt"
+  one=$(python3 -c "import json; print(','.join(map(str, json.load(open('$ck/seqs.json'))[0])))")
+  many=$(python3 -c "import json; print(';'.join(','.join(map(str, s)) for s in json.load(open('$ck/seqs.json'))[1:]))")
+  rm -rf /tmp/engine-cache
+  /usr/bin/time -f "%e s wall" bin-gpu/engrun logits "$ck.bundle" --device cuda --ids "$one" --prefill 32 -o "$ck/b1.safetensors" 2>&1 | tee "$out/$shape-b1.txt"
+  /usr/bin/time -f "%e s wall (warm kernel cache)" bin-gpu/engrun logits "$ck.bundle" --device cuda --ids "$many" --prefill 24 -o "$ck/b16.safetensors" 2>&1 | tee "$out/$shape-b16.txt"
   python3 - "$ck" "$shape" <<'PY' 2>&1 | tee "$out/$shape-compare.txt"
-import sys
+import json, sys, torch
 from safetensors.torch import load_file
 ck, shape = sys.argv[1:3]
-ours = load_file(f"{ck}/ours.safetensors")["logits"]
+seqs = json.load(open(f"{ck}/seqs.json"))
 ref = load_file(f"{ck}/hf_logits.safetensors")
-for kind in ("f32", "bf16"):
-    r = ref[kind]
-    last = (ours[-1] - r[-1]).abs().max() / r[-1].abs().max()
-    allp = (ours - r).abs().max() / r.abs().max()
-    agree = (ours.argmax(-1) == r.argmax(-1)).float().mean()
-    print(f"{shape} vs HF {kind}: last-position rel err {last:.2e}, all positions {allp:.2e}, argmax agreement {agree:.3f}")
+lens = [len(s) for s in seqs]
+for run, first, count, pre in (("b1", 0, 1, 32), ("b16", 1, 16, 24)):
+    ours = load_file(f"{ck}/{run}.safetensors")["logits"]
+    start = sum(lens[:first])
+    for kind in ("f32", "bf16"):
+        r = ref[kind][start:start + ours.shape[0]]
+        last, allp, clear, same, at = 0.0, 0.0, 0, 0, 0
+        for n in lens[first:first + count]:
+            o, h = ours[at:at + n], r[at:at + n]
+            at += n
+            last = max(last, ((o[-1] - h[-1]).abs().max() / h[-1].abs().max()).item())
+            allp = max(allp, ((o - h).abs().max() / h.abs().max()).item())
+            err = (o - h).abs().max(-1).values
+            top = h.topk(2, -1).values
+            ok = (top[:, 0] - top[:, 1]) > 2 * err
+            # decode positions only (after the prefill), as greedy decoding would see them
+            ok[:pre] = False
+            clear += ok.sum().item()
+            same += (ok & (o.argmax(-1) == h.argmax(-1))).sum().item()
+        print(json.dumps({"shape": shape, "run": run, "vs": f"hf_{kind}", "last_rel_err": last,
+                          "all_rel_err": allp, "greedy_equal": same, "greedy_clear": clear}))
 PY
-  bin-gpu/engrun bench "$ck.bundle" --device cuda --num-prompts 1 --input-len 128 --output-len 32 --json 2>&1 | tail -1 | tee "$out/$shape-bench-b1.json"
-  bin-gpu/engrun bench "$ck.bundle" --device cuda --num-prompts 16 --input-len 128 --output-len 32 --json 2>&1 | tail -1 | tee "$out/$shape-bench-b16.json"
+  if [ "${BENCH:-1}" = 1 ]; then
+    b="$ck.bundle"
+    bin-gpu/engrun bench $b --device cuda --num-prompts 1 --input-len 128 --output-len 128 --json 2>&1 | tail -1 | tee "$out/$shape-bench-b1.json"
+    bin-gpu/engrun bench $b --device cuda --num-prompts 1 --input-len 4096 --output-len 2 --json 2>&1 | tail -1 | tee "$out/$shape-bench-prefill4096.json"
+    bin-gpu/engrun bench $b --device cuda --num-prompts 16 --input-len 128 --output-len 128 --json 2>&1 | tail -1 | tee "$out/$shape-bench-b16.json"
+    bin-gpu/engrun bench $b --device cuda --num-prompts 64 --input-len 128 --output-len 128 --json 2>&1 | tail -1 | tee "$out/$shape-bench-b64.json"
+  fi
 done
 # The nano-vllm workload on the 0.5B shape (issue "Runtime"): 256 requests, input and output
-# lengths uniform in [100, 1024], random ids, eos ignored; with and without overlap, and with a
-# shared prefix.
+# lengths uniform in [100, 1024], random ids, eos ignored.
 if [ "${ENGINE_BENCH:-0}" = 1 ]; then
   b=/tmp/ck-qwen2.5-0.5b.bundle
   common="--device cuda --num-prompts 256 --input-len 1024 --output-len 1024 --random-range-ratio 0.0977 --max-total-tokens 400000 --json"
   bin-gpu/engrun bench $b $common 2>&1 | tail -1 | tee "$out/nanovllm-overlap.json"
-  bin-gpu/engrun bench $b $common --disable-overlap 2>&1 | tail -1 | tee "$out/nanovllm-no-overlap.json"
-  bin-gpu/engrun bench $b $common --shared-prefix-len 512 2>&1 | tail -1 | tee "$out/nanovllm-shared512.json"
 fi

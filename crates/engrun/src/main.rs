@@ -156,13 +156,17 @@ enum Cmd {
         engine: EngineArgs,
     },
     /// Write the f32 logits of every position of `--ids` to a safetensors file (tensor
-    /// `logits`, shape [n, vocab]).
+    /// `logits`, shape [n, vocab]; several sequences' rows one after the other).
     Logits {
         /// The bundle directory.
         bundle: PathBuf,
-        /// Comma-separated token ids.
+        /// Comma-separated token ids; several sequences separated by `;` run as one batch.
         #[arg(long)]
         ids: String,
+        /// Tokens of each sequence run in the first (prefill) step; the rest are fed one token
+        /// per step, every sequence that still has tokens in the same decode batch. Default: all.
+        #[arg(long)]
+        prefill: Option<usize>,
         /// cpu (Cranelift JIT, the default without a GPU), ref (reference interpreter) or cuda.
         #[arg(long, default_value = "cpu")]
         device: Device,
@@ -192,7 +196,7 @@ fn main() -> ExitCode {
             let args = GenArgs { prompt, chat, system, max_tokens, sampling, ignore_eos, device, engine };
             generate(&bundle, &args)
         }
-        Cmd::Logits { bundle, ids, device, out } => logits(&bundle, &ids, device, &out),
+        Cmd::Logits { bundle, ids, prefill, device, out } => logits(&bundle, &ids, prefill, device, &out),
         Cmd::Serve { bundle, host, port, device, api_key, served_model_name, engine } => {
             serve(&bundle, device, &engine, host, port, api_key, served_model_name)
         }
@@ -339,27 +343,57 @@ fn serve(
     server::serve(engine, tok, server::ServeOptions { host, port, api_key, model, max_context })
 }
 
-fn logits(path: &Path, ids: &str, device: Device, out: &Path) -> Result<(), String> {
-    let ids: Vec<u32> = ids
-        .split(',')
-        .map(|s| {
-            s.trim()
-                .parse::<u32>()
-                .map_err(|_| format!("--ids: `{s}` is not a token id (expected comma-separated non-negative integers)"))
+fn parse_ids(ids: &str) -> Result<Vec<Vec<u32>>, String> {
+    let seqs: Vec<Vec<u32>> = ids
+        .split(';')
+        .map(|seq| {
+            seq.split(',')
+                .map(|s| {
+                    s.trim().parse::<u32>().map_err(|_| {
+                        format!("--ids: `{s}` is not a token id (expected comma-separated non-negative integers)")
+                    })
+                })
+                .collect::<Result<Vec<u32>, String>>()
         })
         .collect::<Result<_, _>>()?;
-    if ids.is_empty() {
-        return Err("--ids is empty".into());
+    if seqs.iter().any(|s| s.is_empty()) {
+        return Err("--ids has an empty sequence".into());
     }
+    Ok(seqs)
+}
+
+fn logits(path: &Path, ids: &str, prefill: Option<usize>, device: Device, out: &Path) -> Result<(), String> {
+    let seqs = parse_ids(ids)?;
+    let longest = seqs.iter().map(Vec::len).max().unwrap_or(0);
+    let prefill = prefill.unwrap_or(longest).max(1);
     let (_, backend) = open(path, device)?;
-    let mut seqs = runtime::Sequences::new(backend, ids.len()).map_err(|e| e.to_string())?;
-    let rows: Vec<usize> = (0..ids.len()).collect();
-    let logits = seqs.forward(0, &ids, &rows).map_err(|e| e.to_string())?;
-    let bytes: Vec<u8> = logits.iter().flat_map(|v| v.to_le_bytes()).collect();
-    let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![ids.len(), seqs.vocab()], &bytes)
+    let total: usize = seqs.iter().map(Vec::len).sum();
+    let mut runner = runtime::Sequences::new(backend, total + 16 * seqs.len()).map_err(|e| e.to_string())?;
+    let vocab = runner.vocab();
+    let mut rows_out: Vec<Vec<f32>> = vec![vec![]; seqs.len()];
+    // Step 0 prefills the first `prefill` tokens of each sequence; step k > 0 feeds token
+    // prefill + k - 1 of every sequence that has it.
+    for step in 0..=longest.saturating_sub(prefill) {
+        let range = |s: &Vec<u32>| if step == 0 { 0..prefill.min(s.len()) } else { (prefill + step - 1)..(prefill + step) };
+        let live: Vec<usize> = (0..seqs.len()).filter(|&i| range(&seqs[i]).end <= seqs[i].len()).collect();
+        let rows: Vec<Vec<usize>> = live.iter().map(|&i| (0..range(&seqs[i]).len()).collect()).collect();
+        let batch: Vec<runtime::SeqChunk> = live
+            .iter()
+            .zip(&rows)
+            .map(|(&i, r)| runtime::SeqChunk { seq: i as u64, tokens: &seqs[i][range(&seqs[i])], rows: r })
+            .collect();
+        let logits = runner.forward_batch(&batch).map_err(|e| e.to_string())?;
+        let mut at = 0;
+        for (&i, r) in live.iter().zip(&rows) {
+            rows_out[i].extend_from_slice(&logits[at..at + r.len() * vocab]);
+            at += r.len() * vocab;
+        }
+    }
+    let bytes: Vec<u8> = rows_out.iter().flatten().flat_map(|v| v.to_le_bytes()).collect();
+    let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![total, vocab], &bytes)
         .map_err(|e| e.to_string())?;
     safetensors::serialize_to_file([("logits", view)], &None, out).map_err(|e| format!("{}: {e}", out.display()))?;
-    eprintln!("wrote logits [{}, {}] to {}", ids.len(), seqs.vocab(), out.display());
+    eprintln!("wrote logits [{total}, {vocab}] of {} sequences to {}", seqs.len(), out.display());
     Ok(())
 }
 
@@ -370,11 +404,23 @@ fn bench(
     opts: &runtime::bench::BenchOptions,
     json: bool,
 ) -> Result<(), String> {
-    let (b, backend) = open(path, device)?;
+    let (b, mut backend) = open(path, device)?;
     let weight_bytes: usize = b.plan.weights().map(|(_, s, d)| s.iter().product::<usize>() * d.size()).sum();
+    let matmul_params: usize = b
+        .plan
+        .nodes
+        .iter()
+        .filter(|n| matches!(n.op, ir::Op::Linear { .. }))
+        .map(|n| match &b.plan.nodes[n.inputs[1]].op {
+            ir::Op::Weight { shape, .. } => shape.iter().product::<usize>(),
+            _ => 0,
+        })
+        .sum();
+    let bandwidth = backend.copy_bandwidth();
+    let cost = runtime::bench::ModelCost { weight_bytes, matmul_params, bandwidth };
     let cfg = EngineConfig { eos_ids: vec![], ..args.config(&b)? };
     let mut engine = Engine::new(backend, cfg).map_err(|e| e.to_string())?;
-    let r = runtime::bench::run(&mut engine, opts, weight_bytes).map_err(|e| e.to_string())?;
+    let r = runtime::bench::run(&mut engine, opts, cost).map_err(|e| e.to_string())?;
     if json {
         println!("{}", serde_json::to_string(&r).map_err(|e| e.to_string())?);
     } else {

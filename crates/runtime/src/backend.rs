@@ -66,6 +66,11 @@ pub trait Backend: Send {
     /// Runs one step over several sequences (all their tokens through each weight once) and
     /// returns the logits of every sequence's rows, sequence after sequence.
     fn forward(&mut self, batch: &[StepSeq]) -> Result<Vec<f32>, RuntimeError>;
+    /// The device's measured copy bandwidth (bytes read + written per second), for backends
+    /// whose memory is not the host's; `None`: the host's (see `bench::copy_bandwidth`).
+    fn copy_bandwidth(&mut self) -> Option<f64> {
+        None
+    }
 }
 
 /// Checks a step against the plan and the pool: token ids and rows (as

@@ -55,6 +55,9 @@ pub struct BenchReport {
     pub bandwidth_gb_s: f64,
     /// Decode-only steps: (weight + KV bytes read) / worker time / bandwidth.
     pub decode_bandwidth_fraction: f64,
+    /// Linear-layer FLOPs per second of extend steps (2 · linear parameters · extend tokens;
+    /// attention not counted).
+    pub prefill_tflop_s: f64,
 }
 
 /// Best-of-5 memcpy bandwidth over 256 MiB, counting bytes read and written.
@@ -112,11 +115,23 @@ pub fn requests(opts: &BenchOptions, vocab: usize) -> Result<Vec<Request>, Runti
         .collect())
 }
 
-/// Runs the benchmark on `engine`. `weight_bytes` sizes decode's weight traffic.
-pub fn run(engine: &mut Engine, opts: &BenchOptions, weight_bytes: usize) -> Result<BenchReport, RuntimeError> {
+/// What the model moves and computes, for the fractions of the hardware limits.
+#[derive(Debug, Clone, Copy)]
+pub struct ModelCost {
+    /// Weight bytes read by a decode step.
+    pub weight_bytes: usize,
+    /// Parameters of the linear layers (2 FLOPs each per token).
+    pub matmul_params: usize,
+    /// The device's copy bandwidth if it is not the host's.
+    pub bandwidth: Option<f64>,
+}
+
+/// Runs the benchmark on `engine`.
+pub fn run(engine: &mut Engine, opts: &BenchOptions, cost: ModelCost) -> Result<BenchReport, RuntimeError> {
     let reqs = requests(opts, engine.vocab())?;
     let input_tokens = reqs.iter().map(|r| r.prompt.len()).sum();
-    let bandwidth = copy_bandwidth();
+    let weight_bytes = cost.weight_bytes;
+    let bandwidth = cost.bandwidth.unwrap_or_else(copy_bandwidth);
     let before = engine.stats();
     engine.take_records();
     engine.record_steps();
@@ -173,5 +188,6 @@ pub fn run(engine: &mut Engine, opts: &BenchOptions, weight_bytes: usize) -> Res
         retractions: stats.retractions - before.retractions,
         bandwidth_gb_s: bandwidth / 1e9,
         decode_bandwidth_fraction: rate(bytes, decode_s) / bandwidth,
+        prefill_tflop_s: rate(2.0 * cost.matmul_params as f64 * extend as f64, prefill_s) / 1e12,
     })
 }

@@ -1,14 +1,17 @@
-//! The CUDA backend (`--device cuda`), first version: the bundle's generated kernels
-//! (`kernels/model.cu`, see `codegen-cuda`) compiled by NVRTC at load, weights uploaded from the
-//! bundle, a paged f32 KV pool, and one launch per kernel of each plan node. cudarc loads the
-//! driver and NVRTC at run time, so building needs no CUDA. Not yet: CUDA graphs, per-batch
-//! specialisation, fused and tensor-core kernels, tensor parallelism over NCCL.
+//! The CUDA backend (`--device cuda`): runs the bundle plan's launch schedule (`codegen-cuda`:
+//! fused kernels, buffers assigned by liveness) on GPU 0. At load: every kernel compiled by
+//! NVRTC to CUBIN on all cores through the disk cache, weights uploaded from the bundle's
+//! mmap, constants uploaded. Each step uploads its inputs in one copy; decode steps (one token
+//! per sequence) are padded to a captured batch size and replayed as CUDA graphs, captured on
+//! first use of each size. cudarc loads the driver and NVRTC at run time, so building needs
+//! no CUDA. Not yet: tensor parallelism over NCCL.
 
 use crate::backend::{check_batch, Backend, StepSeq};
 use crate::RuntimeError;
 use bundle::Bundle;
-use codegen_cuda::{KernelKey, Program};
-use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use codegen_cuda::{Arg, Count, Dim, Input, KernelKey, Launch, Program, Step};
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::{CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
 use ir::{DType, Op, Plan};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -17,11 +20,8 @@ fn driver<E: std::fmt::Debug>(what: &str) -> impl Fn(E) -> RuntimeError + '_ {
     move |e| RuntimeError::Unsupported(format!("CUDA: {what}: {e:?}"))
 }
 
-/// A weight on the device, in the dtype its kernels read.
-enum DevWeight {
-    F32(CudaSlice<f32>),
-    Bf16(CudaSlice<u16>),
-}
+/// Decode batch sizes captured as CUDA graphs (a decode batch is padded up to the next one).
+pub const CAPTURE_SIZES: [usize; 19] = [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256];
 
 /// The CUDA backend (see the module docs).
 pub struct CudaBackend {
@@ -29,15 +29,25 @@ pub struct CudaBackend {
     program: Program,
     stream: Arc<CudaStream>,
     funcs: HashMap<KernelKey, CudaFunction>,
-    weights: Vec<Option<DevWeight>>,
-    /// Per RoPE node: inverse frequencies on the device and the attention scale.
-    rope: HashMap<usize, (CudaSlice<f32>, f32)>,
-    k_cache: Vec<CudaSlice<f32>>,
-    v_cache: Vec<CudaSlice<f32>>,
+    weights: Vec<Option<CudaSlice<u8>>>,
+    constants: Vec<CudaSlice<f32>>,
+    k_cache: Vec<CudaSlice<u16>>,
+    v_cache: Vec<CudaSlice<u16>>,
     slots: usize,
-    /// Stands in for an absent bias.
-    dummy: (CudaSlice<f32>, CudaSlice<u16>),
+    /// The schedule's buffers, `cap` rows each.
+    bufs: Vec<CudaSlice<f32>>,
+    cap: usize,
+    /// Step inputs: ids, pos, slot_of, seq_off (T each), rows (R), slots.
+    inputs: CudaSlice<i32>,
+    graphs: HashMap<usize, Graph>,
+    use_graphs: bool,
 }
+
+/// A captured graph. cudarc's handle is not `Send` (raw pointers); the backend that owns it is
+/// moved to its worker thread once and used only there, and CUDA graph execs may be launched
+/// from any thread when calls are serialised, which `&mut self` guarantees.
+struct Graph(CudaGraph);
+unsafe impl Send for Graph {}
 
 /// Creates the context of GPU 0, turning a missing driver (cudarc panics) into an error.
 fn context() -> Result<Arc<CudaContext>, RuntimeError> {
@@ -54,8 +64,24 @@ fn context() -> Result<Arc<CudaContext>, RuntimeError> {
     }
 }
 
+/// The device's SM arch for NVRTC (`sm_90`), or `ENGINE_CUDA_ARCH`.
+fn arch(ctx: &CudaContext) -> Result<String, RuntimeError> {
+    if let Ok(a) = std::env::var("ENGINE_CUDA_ARCH") {
+        return Ok(a);
+    }
+    use cudarc::driver::sys::CUdevice_attribute::*;
+    let major = ctx.attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR).map_err(driver("device arch"))?;
+    let minor = ctx.attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR).map_err(driver("device arch"))?;
+    if major < 8 {
+        return Err(RuntimeError::Unsupported(format!(
+            "GPU compute capability {major}.{minor}: the kernels need 8.0 or newer (bf16 tensor cores)"
+        )));
+    }
+    Ok(format!("sm_{major}{minor}"))
+}
+
 impl CudaBackend {
-    /// Compiles the bundle's kernels with NVRTC and uploads rank 0's weights to GPU 0.
+    /// Compiles the bundle's kernels and uploads rank 0's weights to GPU 0.
     pub fn new(bundle: &Bundle) -> Result<CudaBackend, RuntimeError> {
         let plan = bundle.plan.clone();
         if plan.tp != 1 {
@@ -65,98 +91,212 @@ impl CudaBackend {
             )));
         }
         let ctx = context()?;
-        let stream = ctx.default_stream();
+        // One stream, ordered: no per-buffer events (they also break graph capture).
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream().map_err(driver("creating a stream"))?;
         let program = codegen_cuda::emit(&plan).map_err(|e| RuntimeError::Unsupported(e.to_string()))?;
+        let arch = arch(&ctx)?;
         let t = std::time::Instant::now();
-        let arch: &'static str = match std::env::var("ENGINE_CUDA_ARCH") {
-            Ok(a) => Box::leak(a.into_boxed_str()),
-            Err(_) => "compute_90",
-        };
-        let ptx = codegen_cuda::nvrtc::compile_ptx(&program.source, arch)
+        let (bins, report) = codegen_cuda::nvrtc::compile_kernels(&program, &arch)
             .map_err(|e| RuntimeError::Unsupported(e.to_string()))?;
-        let module = ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx)).map_err(driver("loading the kernels"))?;
         let mut funcs = HashMap::new();
-        for k in &program.kernels {
-            funcs.insert(*k, module.load_function(&k.name()).map_err(driver("finding a kernel"))?);
+        for (k, bin) in program.kernels.iter().zip(bins) {
+            let m = ctx.load_module(cudarc::nvrtc::Ptx::from_binary(bin)).map_err(driver("loading a kernel"))?;
+            funcs.insert(*k, m.load_function(&k.name()).map_err(driver("finding a kernel"))?);
         }
-        eprintln!("compiled {} CUDA kernels for {arch} in {:.2}s", funcs.len(), t.elapsed().as_secs_f64());
+        eprintln!(
+            "CUDA kernels for {arch}: {} compiled, {} from the cache, in {:.2}s",
+            report.compiled,
+            report.cached,
+            t.elapsed().as_secs_f64()
+        );
+        let t = std::time::Instant::now();
         let file = bundle.weights(0)?;
         let mut weights = Vec::with_capacity(plan.nodes.len());
+        let mut total = 0usize;
         for n in &plan.nodes {
             weights.push(match &n.op {
                 Op::Weight { name, .. } => {
                     let (dtype, _, bytes) = file.raw(name)?;
+                    let up = |b: &[u8]| stream.clone_htod(b).map_err(driver("uploading weights"));
+                    total += bytes.len();
                     Some(match dtype {
-                        DType::BF16 => {
-                            let v: Vec<u16> = bytes.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect();
-                            DevWeight::Bf16(stream.clone_htod(&v).map_err(driver("uploading weights"))?)
-                        }
-                        d => DevWeight::F32(stream.clone_htod(&d.to_f32(bytes)).map_err(driver("uploading weights"))?),
+                        DType::BF16 | DType::F32 => up(bytes)?,
+                        d => up(&d.to_f32(bytes).iter().flat_map(|f| f.to_le_bytes()).collect::<Vec<u8>>())?,
                     })
                 }
                 _ => None,
             });
         }
-        let mut rope = HashMap::new();
-        for (i, n) in plan.nodes.iter().enumerate() {
-            if let Op::Rope { head_dim, theta, scaling } = &n.op {
-                let (inv, scale) = scaling.inv_freq(*head_dim, *theta);
-                let inv: Vec<f32> = inv.iter().map(|&f| f as f32).collect();
-                rope.insert(i, (stream.clone_htod(&inv).map_err(driver("uploading RoPE"))?, scale as f32));
-            }
-        }
-        let dummy = (
-            stream.alloc_zeros::<f32>(1).map_err(driver("alloc"))?,
-            stream.alloc_zeros::<u16>(1).map_err(driver("alloc"))?,
-        );
-        Ok(CudaBackend {
+        let constants =
+            program.constants.iter().map(|c| stream.clone_htod(c)).collect::<Result<_, _>>().map_err(driver("upload"))?;
+        stream.synchronize().map_err(driver("uploading weights"))?;
+        eprintln!("uploaded {:.2} GB of weights in {:.2}s", total as f64 / 1e9, t.elapsed().as_secs_f64());
+        let inputs = stream.alloc_zeros::<i32>(1 << 16).map_err(driver("alloc"))?;
+        let use_graphs = std::env::var("ENGINE_CUDA_GRAPHS").map_or(true, |v| v != "0");
+        let mut be = CudaBackend {
             plan,
             program,
             stream,
             funcs,
             weights,
-            rope,
+            constants,
             k_cache: vec![],
             v_cache: vec![],
             slots: 0,
-            dummy,
-        })
+            bufs: vec![],
+            cap: 0,
+            inputs,
+            graphs: HashMap::new(),
+            use_graphs,
+        };
+        be.ensure_cap(256)?;
+        Ok(be)
     }
 
-    fn f(&self, k: &KernelKey) -> &CudaFunction {
-        &self.funcs[k]
-    }
-}
-
-fn grid(x: usize, y: usize, block: u32) -> LaunchConfig {
-    LaunchConfig { grid_dim: (x.max(1) as u32, y.max(1) as u32, 1), block_dim: (block, 1, 1), shared_mem_bytes: 0 }
-}
-
-/// Host-side inputs of a step.
-struct StepInputs {
-    ids: Vec<i32>,
-    pos: Vec<i32>,
-    slot_of: Vec<i32>,
-    slots: Vec<i32>,
-    seq_off: Vec<i32>,
-    rows: Vec<i32>,
-}
-
-fn inputs(batch: &[StepSeq]) -> StepInputs {
-    let mut s = StepInputs { ids: vec![], pos: vec![], slot_of: vec![], slots: vec![], seq_off: vec![], rows: vec![] };
-    for q in batch {
-        let off = s.slots.len() as i32;
-        let base = s.ids.len();
-        s.slots.extend(q.slots.iter().map(|&x| x as i32));
-        for (i, &t) in q.tokens.iter().enumerate() {
-            s.ids.push(t as i32);
-            s.pos.push((q.start() + i) as i32);
-            s.slot_of.push(q.slots[q.start() + i] as i32);
-            s.seq_off.push(off);
+    /// Grows the buffers to hold `tokens` rows (dropping captured graphs, whose pointers change).
+    fn ensure_cap(&mut self, tokens: usize) -> Result<(), RuntimeError> {
+        if tokens <= self.cap {
+            return Ok(());
         }
-        s.rows.extend(q.rows.iter().map(|&r| (base + r) as i32));
+        let cap = tokens.max(self.cap * 2);
+        self.graphs.clear();
+        self.bufs.clear();
+        for b in &self.program.buffers {
+            let oom = |e| RuntimeError::Invalid(format!("out of GPU memory for a step of {cap} tokens: {e:?}"));
+            self.bufs.push(self.stream.alloc_zeros::<f32>((cap * b.row_bytes).div_ceil(4).max(1)).map_err(oom)?);
+        }
+        self.cap = cap;
+        Ok(())
     }
-    s
+
+    /// Uploads the step's inputs (one copy) and returns the offsets of the regions. `pad`
+    /// sequences of one token (id 0, position 0, writing the scratch slot) follow the batch.
+    fn upload(&mut self, batch: &[StepSeq], pad: usize) -> Result<[usize; 6], RuntimeError> {
+        let t: usize = batch.iter().map(|q| q.tokens.len()).sum::<usize>() + pad;
+        let r: usize = batch.iter().map(|q| q.rows.len()).sum::<usize>() + pad;
+        let s: usize = batch.iter().map(|q| q.slots.len()).sum::<usize>() + 1;
+        let off = [0, t, 2 * t, 3 * t, 4 * t, 4 * t + r];
+        let mut h = vec![0i32; 4 * t + r + s];
+        let (mut tok, mut row, mut slot) = (0, 0, 0);
+        for q in batch {
+            for (i, &id) in q.tokens.iter().enumerate() {
+                h[tok] = id as i32;
+                h[off[1] + tok] = (q.start() + i) as i32;
+                h[off[2] + tok] = q.slots[q.start() + i] as i32;
+                h[off[3] + tok] = slot as i32;
+                tok += 1;
+            }
+            for &x in q.rows {
+                h[off[4] + row] = (tok - q.tokens.len() + x) as i32;
+                row += 1;
+            }
+            for &x in q.slots {
+                h[off[5] + slot] = x as i32;
+                slot += 1;
+            }
+        }
+        h[off[5] + slot] = self.slots as i32;
+        for _ in 0..pad {
+            h[off[2] + tok] = self.slots as i32;
+            h[off[3] + tok] = slot as i32;
+            h[off[4] + row] = tok as i32;
+            tok += 1;
+            row += 1;
+        }
+        if h.len() > self.inputs.len() {
+            self.graphs.clear();
+            self.inputs = self.stream.alloc_zeros::<i32>(h.len() * 2).map_err(driver("alloc"))?;
+        }
+        let mut dst = self.inputs.slice_mut(0..h.len());
+        self.stream.memcpy_htod(&h, &mut dst).map_err(driver("copying step inputs"))?;
+        Ok(off)
+    }
+
+    fn ptr<T>(&self, s: &CudaSlice<T>) -> u64 {
+        let (p, _sync) = s.device_ptr(&self.stream);
+        p
+    }
+
+    /// Enqueues every launch of the schedule for a step of `t` tokens and `r` logit rows.
+    fn enqueue(&self, t: usize, r: usize, off: &[usize; 6]) -> Result<(), RuntimeError> {
+        for step in &self.program.steps {
+            match step {
+                Step::AllReduce { .. } => {
+                    return Err(RuntimeError::Unsupported("all-reduce on the CUDA backend (tp > 1)".into()))
+                }
+                Step::Kernels { by, variants } => {
+                    let c = if *by == Count::Tokens { t } else { r };
+                    let (_, launches) = variants.iter().find(|(max, _)| c <= *max).expect("an unbounded variant");
+                    for l in launches {
+                        self.launch(l, t, r, off)?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn launch(&self, l: &Launch, t: usize, r: usize, off: &[usize; 6]) -> Result<(), RuntimeError> {
+        enum V {
+            P(u64),
+            I(i32),
+            L(i64),
+            F(f32),
+        }
+        let count = |c: &Count| if *c == Count::Tokens { t } else { r };
+        let base = self.ptr(&self.inputs);
+        let vals: Vec<V> = l
+            .args
+            .iter()
+            .map(|a| match a {
+                Arg::Buf(b) => V::P(self.ptr(&self.bufs[*b])),
+                Arg::Weight(w) => V::P(self.weights[*w].as_ref().map_or(0, |s| self.ptr(s))),
+                Arg::Null => V::P(0),
+                Arg::Const(c) => V::P(self.ptr(&self.constants[*c])),
+                Arg::KCache(layer) => V::P(self.ptr(&self.k_cache[*layer])),
+                Arg::VCache(layer) => V::P(self.ptr(&self.v_cache[*layer])),
+                Arg::Input(i) => {
+                    let k = [Input::Ids, Input::Pos, Input::SlotOf, Input::SeqOff, Input::Rows, Input::Slots]
+                        .iter()
+                        .position(|x| x == i)
+                        .unwrap_or(0);
+                    V::P(base + 4 * off[k] as u64)
+                }
+                Arg::F32(x) => V::F(*x),
+                Arg::Count(c) => V::I(count(c) as i32),
+                Arg::Elems(c, cols) => V::L((count(c) * cols) as i64),
+            })
+            .collect();
+        let dim = |d: &Dim| match *d {
+            Dim::Fixed(n) => n,
+            Dim::Per(c, mul, div) => (count(&c) * mul).div_ceil(div),
+        };
+        let (gx, gy) = (dim(&l.grid[0]), dim(&l.grid[1]));
+        if gx == 0 || gy == 0 {
+            return Ok(());
+        }
+        let mut b = self.stream.launch_builder(&self.funcs[&l.key]);
+        for v in &vals {
+            match v {
+                V::P(p) => b.arg(p),
+                V::I(i) => b.arg(i),
+                V::L(x) => b.arg(x),
+                V::F(f) => b.arg(f),
+            };
+        }
+        let cfg = LaunchConfig { grid_dim: (gx as u32, gy as u32, 1), block_dim: (l.block, 1, 1), shared_mem_bytes: 0 };
+        unsafe { b.launch(cfg) }.map_err(driver("launching a kernel"))?;
+        Ok(())
+    }
+
+    /// The captured batch size a decode batch (one token and one logit row per sequence) is
+    /// padded to, if graphs are on and one is large enough.
+    fn graph_size(&self, batch: &[StepSeq]) -> Option<usize> {
+        let decode = batch.iter().all(|q| q.tokens.len() == 1 && q.rows == [0]);
+        let size = *CAPTURE_SIZES.iter().find(|&&s| s >= batch.len())?;
+        (self.use_graphs && decode && !batch.is_empty()).then_some(size)
+    }
 }
 
 impl Backend for CudaBackend {
@@ -165,7 +305,7 @@ impl Backend for CudaBackend {
     }
 
     fn kv_slot_bytes(&self) -> usize {
-        2 * self.plan.kv.layers * self.plan.kv.row() * 4
+        2 * self.plan.kv.layers * self.plan.kv.row() * 2
     }
 
     fn kv_slots(&self) -> usize {
@@ -175,162 +315,70 @@ impl Backend for CudaBackend {
     fn alloc_kv(&mut self, slots: usize) -> Result<(), RuntimeError> {
         self.k_cache.clear();
         self.v_cache.clear();
-        let n = slots * self.plan.kv.row();
+        self.graphs.clear();
+        // One more slot: padded decode rows write there.
+        let n = (slots + 1) * self.plan.kv.row();
         for _ in 0..self.plan.kv.layers {
             let oom = |e| RuntimeError::Invalid(format!("out of GPU memory for a KV pool of {slots} slots: {e:?}"));
-            self.k_cache.push(self.stream.alloc_zeros::<f32>(n).map_err(oom)?);
-            self.v_cache.push(self.stream.alloc_zeros::<f32>(n).map_err(oom)?);
+            self.k_cache.push(self.stream.alloc_zeros::<u16>(n).map_err(oom)?);
+            self.v_cache.push(self.stream.alloc_zeros::<u16>(n).map_err(oom)?);
         }
         self.slots = slots;
         Ok(())
     }
 
+    /// Best of five device-to-device copies of 1 GiB, counting bytes read and written.
+    fn copy_bandwidth(&mut self) -> Option<f64> {
+        let n = 1 << 28;
+        let a = self.stream.alloc_zeros::<f32>(n).ok()?;
+        let mut b = self.stream.alloc_zeros::<f32>(n).ok()?;
+        let mut best = f64::MAX;
+        for _ in 0..5 {
+            self.stream.synchronize().ok()?;
+            let t = std::time::Instant::now();
+            self.stream.memcpy_dtod(&a, &mut b).ok()?;
+            self.stream.synchronize().ok()?;
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+        Some(2.0 * 4.0 * n as f64 / best)
+    }
+
     fn forward(&mut self, batch: &[StepSeq]) -> Result<Vec<f32>, RuntimeError> {
         check_batch(&self.plan, batch, self.slots)?;
-        let h = inputs(batch);
-        let up = |v: &Vec<i32>| self.stream.clone_htod(if v.is_empty() { &[0][..] } else { v });
-        let e = driver("copying step inputs");
-        let (ids, pos, slot_of) = (up(&h.ids).map_err(&e)?, up(&h.pos).map_err(&e)?, up(&h.slot_of).map_err(&e)?);
-        let (slots, seq_off, rows) = (up(&h.slots).map_err(&e)?, up(&h.seq_off).map_err(&e)?, up(&h.rows).map_err(&e)?);
-        let t_len = h.ids.len();
-        let r_len = h.rows.len();
-        let mut vals: Vec<Option<CudaSlice<f32>>> = Vec::with_capacity(self.plan.nodes.len());
-        let launch = driver("launching a kernel");
-        for (i, n) in self.plan.nodes.iter().enumerate() {
-            let cols = n.ty.last().unwrap_or(0);
-            let keys = &self.program.nodes[i];
-            let input = |j: usize| vals[n.inputs[j]].as_ref().expect("an activation input");
-            let alloc = |len: usize| self.stream.alloc_zeros::<f32>(len.max(1)).map_err(driver("alloc"));
-            let out = match &n.op {
-                Op::Tokens | Op::Positions | Op::Weight { .. } => None,
-                Op::AllReduce => Some(self.stream.clone_dtod(input(0)).map_err(driver("copy"))?),
-                Op::Embedding => {
-                    let mut o = alloc(t_len * cols)?;
-                    let mut b = self.stream.launch_builder(self.f(&keys[0]));
-                    b.arg(&ids);
-                    self.push_weight(&mut b, n.inputs[1]);
-                    b.arg(&mut o);
-                    unsafe { b.launch(grid(t_len, 1, 256)) }.map_err(&launch)?;
-                    Some(o)
-                }
-                Op::Linear { bias } => {
-                    let mut o = alloc(t_len * cols)?;
-                    let x = input(0);
-                    let mut b = self.stream.launch_builder(self.f(&keys[0]));
-                    b.arg(x);
-                    self.push_weight(&mut b, n.inputs[1]);
-                    if *bias {
-                        self.push_weight(&mut b, n.inputs[2]);
-                    } else {
-                        self.push_dummy(&mut b, n.inputs[1]);
-                    }
-                    let t = t_len as i32;
-                    b.arg(&mut o);
-                    b.arg(&t);
-                    unsafe { b.launch(grid(cols.div_ceil(8), 1, 256)) }.map_err(&launch)?;
-                    Some(o)
-                }
-                Op::RmsNorm { eps } => {
-                    let mut o = alloc(t_len * cols)?;
-                    let mut b = self.stream.launch_builder(self.f(&keys[0]));
-                    b.arg(input(0));
-                    self.push_weight(&mut b, n.inputs[1]);
-                    b.arg(&mut o);
-                    b.arg(eps);
-                    unsafe { b.launch(grid(t_len, 1, 256)) }.map_err(&launch)?;
-                    Some(o)
-                }
-                Op::Rope { .. } => {
-                    let mut o = alloc(t_len * cols)?;
-                    let (inv, scale) = &self.rope[&i];
-                    let mut b = self.stream.launch_builder(self.f(&keys[0]));
-                    b.arg(input(0));
-                    b.arg(&pos);
-                    b.arg(inv);
-                    b.arg(scale);
-                    b.arg(&mut o);
-                    unsafe { b.launch(grid(t_len, 1, 128)) }.map_err(&launch)?;
-                    Some(o)
-                }
-                Op::Attention { heads, scale, layer, .. } => {
-                    let (kc, vc) = (&self.k_cache[*layer], &self.v_cache[*layer]);
-                    let mut w = self.stream.launch_builder(self.f(&keys[0]));
-                    w.arg(input(1));
-                    w.arg(input(2));
-                    w.arg(kc);
-                    w.arg(vc);
-                    w.arg(&slot_of);
-                    unsafe { w.launch(grid(t_len, 1, 128)) }.map_err(&launch)?;
-                    let mut o = alloc(t_len * cols)?;
-                    let mut b = self.stream.launch_builder(self.f(&keys[1]));
-                    b.arg(input(0));
-                    b.arg(kc);
-                    b.arg(vc);
-                    b.arg(&slots);
-                    b.arg(&seq_off);
-                    b.arg(&pos);
-                    b.arg(scale);
-                    b.arg(&mut o);
-                    unsafe { b.launch(grid(t_len, *heads, 32)) }.map_err(&launch)?;
-                    Some(o)
-                }
-                Op::Silu | Op::Mul | Op::Add => {
-                    let len = (t_len * cols) as i64;
-                    let mut o = alloc(t_len * cols)?;
-                    let mut b = self.stream.launch_builder(self.f(&keys[0]));
-                    b.arg(input(0));
-                    if !matches!(n.op, Op::Silu) {
-                        b.arg(input(1));
-                    }
-                    b.arg(&mut o);
-                    b.arg(&len);
-                    unsafe { b.launch(grid((len as usize).div_ceil(256), 1, 256)) }.map_err(&launch)?;
-                    Some(o)
-                }
-                Op::Logits => {
-                    let hidden = self.plan.nodes[n.inputs[0]].ty.last().unwrap_or(0);
-                    let mut sel = alloc(r_len * hidden)?;
-                    let mut g = self.stream.launch_builder(self.f(&keys[0]));
-                    g.arg(input(0));
-                    g.arg(&rows);
-                    g.arg(&mut sel);
-                    unsafe { g.launch(grid(r_len, 1, 256)) }.map_err(&launch)?;
-                    let mut o = alloc(r_len * cols)?;
-                    let r = r_len as i32;
-                    let mut b = self.stream.launch_builder(self.f(&keys[1]));
-                    b.arg(&sel);
-                    self.push_weight(&mut b, n.inputs[1]);
-                    self.push_dummy(&mut b, n.inputs[1]);
-                    b.arg(&mut o);
-                    b.arg(&r);
-                    if r_len > 0 {
-                        unsafe { b.launch(grid(cols.div_ceil(8), 1, 256)) }.map_err(&launch)?;
-                    }
-                    Some(o)
-                }
-            };
-            vals.push(out);
+        let wanted: usize = batch.iter().map(|q| q.rows.len()).sum();
+        let graph = self.graph_size(batch);
+        let pad = graph.map_or(0, |s| s - batch.len());
+        let t: usize = batch.iter().map(|q| q.tokens.len()).sum::<usize>() + pad;
+        let r = wanted + pad;
+        if t == 0 {
+            return Ok(vec![]);
         }
-        let out = vals[self.plan.output].as_ref().expect("logits");
-        let mut logits = self.stream.clone_dtoh(out).map_err(driver("copying logits"))?;
-        logits.truncate(r_len * self.plan.vocab);
+        self.ensure_cap(t)?;
+        let off = self.upload(batch, pad)?;
+        if graph.is_some() {
+            if !self.graphs.contains_key(&t) {
+                let start = std::time::Instant::now();
+                self.stream
+                    .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+                    .map_err(driver("capturing a graph"))?;
+                let enq = self.enqueue(t, r, &off);
+                let graph = self.stream.end_capture(CUgraphInstantiate_flags(0)).map_err(driver("capturing a graph"))?;
+                enq?;
+                let graph = graph.ok_or_else(|| RuntimeError::Unsupported("CUDA: graph capture gave nothing".into()))?;
+                eprintln!("captured the decode graph for batch {t} in {:.0} ms", start.elapsed().as_secs_f64() * 1e3);
+                self.graphs.insert(t, Graph(graph));
+            }
+            self.graphs[&t].0.launch().map_err(driver("replaying a graph"))?;
+        } else {
+            self.enqueue(t, r, &off)?;
+        }
+        let n = wanted * self.plan.vocab;
+        let mut logits = vec![0f32; n];
+        if n > 0 {
+            let src = self.bufs[self.program.output].slice(0..n);
+            self.stream.memcpy_dtoh(&src, &mut logits).map_err(driver("copying logits"))?;
+        }
+        self.stream.synchronize().map_err(driver("running a step"))?;
         Ok(logits)
-    }
-}
-
-impl CudaBackend {
-    fn push_weight<'a>(&'a self, b: &mut cudarc::driver::LaunchArgs<'a>, node: usize) {
-        match &self.weights[node] {
-            Some(DevWeight::F32(w)) => b.arg(w),
-            Some(DevWeight::Bf16(w)) => b.arg(w),
-            None => b.arg(&self.dummy.0),
-        };
-    }
-
-    fn push_dummy<'a>(&'a self, b: &mut cudarc::driver::LaunchArgs<'a>, like: usize) {
-        match &self.weights[like] {
-            Some(DevWeight::Bf16(_)) => b.arg(&self.dummy.1),
-            _ => b.arg(&self.dummy.0),
-        };
     }
 }

@@ -1,0 +1,234 @@
+//! [`KernelKey`]: one specialised kernel, its symbol and the `extern "C"` instance that
+//! instantiates its template from `kernels/`.
+
+use crate::CodegenError;
+use ir::DType;
+
+/// One specialised kernel. Shapes are compile-time constants of the instance.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum KernelKey {
+    /// Rows of an embedding table of width `h` (f32 out).
+    Embedding {
+        /// Row width.
+        h: usize,
+        /// Table dtype.
+        w: DType,
+    },
+    /// Optional residual add, then RMS norm over rows of `h`.
+    AddRmsNorm {
+        /// Row width.
+        h: usize,
+        /// Weight dtype.
+        w: DType,
+        /// With the residual add (writes the sum too).
+        add: bool,
+        /// Output dtype.
+        out: DType,
+    },
+    /// Up to three linears sharing a bf16 input, for at most `rows` rows (memory-bound GEMV).
+    Gemv {
+        /// Input features.
+        k: usize,
+        /// Output features of each group (0: absent).
+        n: [usize; 3],
+        /// Rows per launch (1, 2, 4 or 8).
+        rows: usize,
+    },
+    /// Gate and up projections with silu(gate)·up, bf16 out, for at most `rows` rows.
+    GemvGlu {
+        /// Input features.
+        k: usize,
+        /// Output features.
+        n: usize,
+        /// Rows per launch.
+        rows: usize,
+    },
+    /// Up to three linears sharing a bf16 input, any row count (tensor-core GEMM).
+    Gemm {
+        /// Input features.
+        k: usize,
+        /// Output features of each group (0: absent).
+        n: [usize; 3],
+    },
+    /// The fallback linear: bf16 input, any weight dtype and `k`.
+    Linear {
+        /// Input features.
+        k: usize,
+        /// Output features.
+        n: usize,
+        /// Weight dtype.
+        w: DType,
+        /// With a bias.
+        bias: bool,
+    },
+    /// silu(a)·b to bf16.
+    SiluMul,
+    /// f32 to bf16.
+    ToBf16,
+    /// Rotate-half RoPE over heads of `d` in rows of `cols` (a RoPE not feeding attention).
+    Rope {
+        /// Row width.
+        cols: usize,
+        /// Head size.
+        d: usize,
+    },
+    /// RoPE on q and k, k and v written into the bf16 paged cache.
+    RopeKv {
+        /// Query heads.
+        heads: usize,
+        /// KV heads.
+        kv_heads: usize,
+        /// Head size.
+        d: usize,
+        /// Whether q is rotated.
+        rope_q: bool,
+        /// Whether k is rotated.
+        rope_k: bool,
+    },
+    /// Causal GQA attention over the bf16 paged cache.
+    Attention {
+        /// Query heads.
+        heads: usize,
+        /// KV heads.
+        kv_heads: usize,
+        /// Head size.
+        d: usize,
+        /// Output dtype.
+        out: DType,
+    },
+    /// `a + b` (f32).
+    Add,
+    /// `a * b` (f32).
+    Mul,
+    /// `silu(a)` (f32).
+    Silu,
+    /// The rows whose logits are wanted.
+    Gather {
+        /// Row width.
+        h: usize,
+        /// Input dtype.
+        x: DType,
+        /// Output dtype.
+        out: DType,
+    },
+    /// Greedy sampling over rows of `vocab` logits.
+    Argmax {
+        /// Vocabulary size.
+        vocab: usize,
+    },
+}
+
+/// The C type of a dtype the kernels take.
+pub(crate) fn ctype(d: DType) -> Result<&'static str, CodegenError> {
+    match d {
+        DType::F32 => Ok("float"),
+        DType::BF16 => Ok("bf16_t"),
+        other => Err(CodegenError::Unsupported(format!("{other} weights (compile with --dtype bf16 or f32)"))),
+    }
+}
+
+const GROUP_PARAMS: &str = "const bf16_t* x, const bf16_t* w0, const bf16_t* b0, float* o0, const bf16_t* w1, \
+                            const bf16_t* b1, float* o1, const bf16_t* w2, const bf16_t* b2, float* o2, int T";
+const GROUP_ARGS: &str = "x, w0, b0, o0, w1, b1, o1, w2, b2, o2, T";
+
+impl KernelKey {
+    /// The kernel's symbol in the generated source.
+    pub fn name(&self) -> String {
+        let n3 = |n: [usize; 3]| n.iter().filter(|&&x| x > 0).map(|x| x.to_string()).collect::<Vec<_>>().join("_");
+        match *self {
+            KernelKey::Embedding { h, w } => format!("embedding_h{h}_{w}"),
+            KernelKey::AddRmsNorm { h, w, add, out } => {
+                format!("{}rms_norm_h{h}_{w}_to_{out}", if add { "add_" } else { "" })
+            }
+            KernelKey::Gemv { k, n, rows } => format!("gemv_k{k}_n{}_r{rows}", n3(n)),
+            KernelKey::GemvGlu { k, n, rows } => format!("gemv_glu_k{k}_n{n}_r{rows}"),
+            KernelKey::Gemm { k, n } => format!("gemm_k{k}_n{}", n3(n)),
+            KernelKey::Linear { k, n, w, bias } => format!("linear_k{k}_n{n}_{w}{}", if bias { "_bias" } else { "" }),
+            KernelKey::SiluMul => "silu_mul_to_bf16".into(),
+            KernelKey::ToBf16 => "f32_to_bf16_rows".into(),
+            KernelKey::Rope { cols, d } => format!("rope_c{cols}_d{d}"),
+            KernelKey::RopeKv { heads, kv_heads, d, rope_q, rope_k } => {
+                format!("rope_kv_h{heads}_kv{kv_heads}_d{d}_{}{}", u8::from(rope_q), u8::from(rope_k))
+            }
+            KernelKey::Attention { heads, kv_heads, d, out } => format!("attention_h{heads}_kv{kv_heads}_d{d}_to_{out}"),
+            KernelKey::Add => "add_f32".into(),
+            KernelKey::Mul => "mul_f32".into(),
+            KernelKey::Silu => "silu_f32".into(),
+            KernelKey::Gather { h, x, out } => format!("gather_h{h}_{x}_to_{out}"),
+            KernelKey::Argmax { vocab } => format!("argmax_v{vocab}"),
+        }
+    }
+
+    /// The `extern "C"` wrapper that instantiates the template.
+    pub(crate) fn instance(&self) -> Result<String, CodegenError> {
+        let name = self.name();
+        let (params, call) = match *self {
+            KernelKey::Embedding { h, w } => {
+                let t = ctype(w)?;
+                (format!("const int* ids, const {t}* table, float* out"), format!("embedding<{h}, {t}>(ids, table, out)"))
+            }
+            KernelKey::AddRmsNorm { h, w, add, out } => {
+                let (t, o) = (ctype(w)?, ctype(out)?);
+                (
+                    format!("const float* a, const float* b, float* s, const {t}* w, {o}* out, float eps"),
+                    format!("add_rms_norm<{h}, {t}, {add}, {o}>(a, b, s, w, out, eps)"),
+                )
+            }
+            KernelKey::Gemv { k, n, rows } => {
+                (GROUP_PARAMS.into(), format!("gemv<{k}, {}, {}, {}, {rows}>({GROUP_ARGS})", n[0], n[1], n[2]))
+            }
+            KernelKey::GemvGlu { k, n, rows } => (
+                "const bf16_t* x, const bf16_t* wg, const bf16_t* wu, bf16_t* out, int T".into(),
+                format!("gemv_glu<{k}, {n}, {rows}>(x, wg, wu, out, T)"),
+            ),
+            KernelKey::Gemm { k, n } => {
+                (GROUP_PARAMS.into(), format!("gemm<{k}, {}, {}, {}>({GROUP_ARGS})", n[0], n[1], n[2]))
+            }
+            KernelKey::Linear { k, n, w, bias } => {
+                let t = ctype(w)?;
+                (
+                    format!("const bf16_t* x, const {t}* w, const {t}* bias, float* out, int T"),
+                    format!("linear<{k}, {n}, bf16_t, {t}, {bias}>(x, w, bias, out, T)"),
+                )
+            }
+            KernelKey::SiluMul => {
+                ("const float* a, const float* b, bf16_t* out, long n".into(), "silu_mul(a, b, out, n)".into())
+            }
+            KernelKey::ToBf16 => ("const float* a, bf16_t* out, long n".into(), "to_bf16(a, out, n)".into()),
+            KernelKey::Rope { cols, d } => (
+                "const float* x, const int* pos, const float* inv_freq, float scale, float* out".into(),
+                format!("rope<{cols}, {d}>(x, pos, inv_freq, scale, out)"),
+            ),
+            KernelKey::RopeKv { heads, kv_heads, d, rope_q, rope_k } => (
+                "const float* q, const float* k, const float* v, const int* pos, const float* inv_freq, float scale, \
+                 const int* slot_of, float* qo, bf16_t* kc, bf16_t* vc"
+                    .into(),
+                format!(
+                    "rope_kv<{heads}, {kv_heads}, {d}, {rope_q}, {rope_k}>(q, k, v, pos, inv_freq, scale, slot_of, qo, \
+                     kc, vc)"
+                ),
+            ),
+            KernelKey::Attention { heads, kv_heads, d, out } => {
+                let o = ctype(out)?;
+                (
+                    format!(
+                        "const float* q, const bf16_t* kc, const bf16_t* vc, const int* slots, const int* seq_off, \
+                         const int* pos, float scale, {o}* out"
+                    ),
+                    format!("attention_kv16<{heads}, {kv_heads}, {d}, {o}>(q, kc, vc, slots, seq_off, pos, scale, out)"),
+                )
+            }
+            KernelKey::Add => ("const float* a, const float* b, float* out, long n".into(), "add(a, b, out, n)".into()),
+            KernelKey::Mul => ("const float* a, const float* b, float* out, long n".into(), "mul(a, b, out, n)".into()),
+            KernelKey::Silu => ("const float* a, float* out, long n".into(), "silu(a, out, n)".into()),
+            KernelKey::Gather { h, x, out } => {
+                let (t, o) = (ctype(x)?, ctype(out)?);
+                (format!("const {t}* x, const int* rows, {o}* out"), format!("gather<{h}, {t}, {o}>(x, rows, out)"))
+            }
+            KernelKey::Argmax { vocab } => {
+                ("const float* logits, int* out".into(), format!("argmax<{vocab}>(logits, out)"))
+            }
+        };
+        Ok(format!("extern \"C\" __global__ void {name}({params}) {{ {call}; }}\n"))
+    }
+}

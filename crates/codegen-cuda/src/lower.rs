@@ -1,0 +1,305 @@
+//! Lowering of plan nodes to launches, with the fusions the schedule module describes.
+
+use crate::keys::KernelKey;
+use crate::schedule::{launch, one, per_token, Arg, Builder, Count, Dim, Input, Launch, Step, GEMV_ROWS, ONE};
+use crate::CodegenError;
+use ir::{DType, Op};
+
+/// Marks the RoPE nodes whose only consumer is an attention's q or k: the attention step
+/// applies them while writing the KV cache.
+pub(crate) fn absorb_ropes(b: &mut Builder) {
+    for r in 0..b.plan.nodes.len() {
+        if !matches!(b.plan.nodes[r].op, Op::Rope { .. }) || b.consumers[r].len() != 1 {
+            continue;
+        }
+        let a = &b.plan.nodes[b.consumers[r][0]];
+        if matches!(a.op, Op::Attention { .. }) && (a.inputs[0] == r) != (a.inputs[1] == r) && a.inputs[2] != r {
+            b.done[r] = true;
+        }
+    }
+}
+
+/// Lowers node `i` (and whatever fuses into it).
+pub(crate) fn node(b: &mut Builder, i: usize) -> Result<(), CodegenError> {
+    let n = &b.plan.nodes[i];
+    let cols = b.cols(i);
+    let elementwise = |key, args: Vec<Arg>| one(launch(key, args, [per_token(cols, 256), ONE], 256));
+    match &n.op {
+        Op::Tokens | Op::Positions | Op::Weight { .. } => {}
+        Op::Embedding => {
+            let out = b.out(i, DType::F32);
+            let key = KernelKey::Embedding { h: cols, w: b.wdtype(n.inputs[1]) };
+            let args = vec![Arg::Input(Input::Ids), Arg::Weight(n.inputs[1]), Arg::Buf(out)];
+            b.steps.push(one(launch(key, args, [per_token(1, 1), ONE], 256)));
+        }
+        Op::Add => add(b, i)?,
+        Op::RmsNorm { eps } => {
+            let (x, w, eps) = (b.f32_val(n.inputs[0])?, n.inputs[1], *eps);
+            let out = b.out(i, b.act_dtype(i));
+            let key = KernelKey::AddRmsNorm { h: cols, w: b.wdtype(w), add: false, out: b.vals_dtype(out) };
+            let args = vec![Arg::Buf(x), Arg::Null, Arg::Null, Arg::Weight(w), Arg::Buf(out), Arg::F32(eps)];
+            b.steps.push(one(launch(key, args, [per_token(1, 1), ONE], 256)));
+        }
+        Op::Linear { .. } => linear(b, i)?,
+        Op::Rope { head_dim, theta, scaling } => {
+            let (inv, scale) = scaling.inv_freq(*head_dim, *theta);
+            b.constants.push(inv.iter().map(|&f| f as f32).collect());
+            let c = Arg::Const(b.constants.len() - 1);
+            let x = b.f32_val(n.inputs[0])?;
+            let out = b.out(i, DType::F32);
+            let key = KernelKey::Rope { cols, d: *head_dim };
+            let args = vec![Arg::Buf(x), Arg::Input(Input::Pos), c, Arg::F32(scale as f32), Arg::Buf(out)];
+            b.steps.push(one(launch(key, args, [per_token(1, 1), ONE], 128)));
+        }
+        Op::Attention { .. } => attention(b, i)?,
+        Op::Silu => {
+            let (a, out) = (b.f32_val(n.inputs[0])?, b.out(i, DType::F32));
+            b.steps.push(elementwise(KernelKey::Silu, vec![Arg::Buf(a), Arg::Buf(out), Arg::Elems(Count::Tokens, cols)]));
+        }
+        Op::Mul => {
+            let (x, y) = (b.f32_val(n.inputs[0])?, b.f32_val(n.inputs[1])?);
+            let out = b.out(i, DType::F32);
+            let args = vec![Arg::Buf(x), Arg::Buf(y), Arg::Buf(out), Arg::Elems(Count::Tokens, cols)];
+            b.steps.push(elementwise(KernelKey::Mul, args));
+        }
+        Op::AllReduce => {
+            let v = b.f32_val(n.inputs[0])?;
+            b.node_val[i] = Some(v);
+            b.steps.push(Step::AllReduce { buf: v, cols });
+        }
+        Op::Logits => logits(b, i)?,
+    }
+    Ok(())
+}
+
+/// A residual add, fused with the RMS norm that reads it when there is one.
+fn add(b: &mut Builder, i: usize) -> Result<(), CodegenError> {
+    let n = &b.plan.nodes[i];
+    let cols = b.cols(i);
+    let (x, y) = (b.f32_val(n.inputs[0])?, b.f32_val(n.inputs[1])?);
+    let norm = b.consumers[i].iter().copied().find(|&c| {
+        matches!(b.plan.nodes[c].op, Op::RmsNorm { .. }) && b.plan.nodes[c].inputs[0] == i && !b.done[c]
+    });
+    let s = b.out(i, DType::F32);
+    let Some(c) = norm else {
+        let args = vec![Arg::Buf(x), Arg::Buf(y), Arg::Buf(s), Arg::Elems(Count::Tokens, cols)];
+        b.steps.push(one(launch(KernelKey::Add, args, [per_token(cols, 256), ONE], 256)));
+        return Ok(());
+    };
+    let Op::RmsNorm { eps } = b.plan.nodes[c].op else { unreachable!("found as a norm") };
+    let w = b.plan.nodes[c].inputs[1];
+    let out = b.out(c, b.act_dtype(c));
+    b.done[c] = true;
+    let key = KernelKey::AddRmsNorm { h: cols, w: b.wdtype(w), add: true, out: b.vals_dtype(out) };
+    let args = vec![Arg::Buf(x), Arg::Buf(y), Arg::Buf(s), Arg::Weight(w), Arg::Buf(out), Arg::F32(eps)];
+    b.steps.push(one(launch(key, args, [per_token(1, 1), ONE], 256)));
+    Ok(())
+}
+
+/// One linear of a group: weight, bias, output value, output features.
+type Group = (usize, Option<usize>, usize, usize);
+
+/// Launch variants of up to three fast linears sharing the bf16 input `x`, over `by` rows.
+fn grouped(x: usize, k: usize, groups: &[Group], by: Count) -> Step {
+    let mut n = [0; 3];
+    let mut args = vec![Arg::Buf(x)];
+    for g in 0..3 {
+        match groups.get(g) {
+            Some(&(w, bias, out, cols)) => {
+                n[g] = cols;
+                args.extend([Arg::Weight(w), bias.map_or(Arg::Null, Arg::Weight), Arg::Buf(out)]);
+            }
+            None => args.extend([Arg::Null, Arg::Null, Arg::Null]),
+        }
+    }
+    args.push(Arg::Count(by));
+    let total: usize = n.iter().sum();
+    let tiles: usize = n.iter().map(|c| c.div_ceil(128)).sum();
+    let mut variants: Vec<(usize, Vec<Launch>)> = GEMV_ROWS
+        .iter()
+        .map(|&rows| {
+            let key = KernelKey::Gemv { k, n, rows };
+            (rows, vec![launch(key, args.clone(), [Dim::Fixed(total.div_ceil(4)), ONE], 128)])
+        })
+        .collect();
+    let gemm = launch(KernelKey::Gemm { k, n }, args, [Dim::Fixed(tiles), Dim::Per(by, 1, 128)], 256);
+    variants.push((usize::MAX, vec![gemm]));
+    Step::Kernels { by, variants }
+}
+
+/// gate / up, silu and mul of a SwiGLU MLP reading `x`, if `g` is the gate of one.
+fn glu_of(b: &Builder, g: usize, candidates: &[usize]) -> Option<(usize, usize, usize)> {
+    let [s] = b.consumers[g][..] else { return None };
+    if matches!(b.plan.nodes[g].op, Op::Linear { bias: true }) {
+        return None;
+    }
+    if !matches!(b.plan.nodes[s].op, Op::Silu) {
+        return None;
+    }
+    let [m] = b.consumers[s][..] else { return None };
+    let mn = &b.plan.nodes[m];
+    if !matches!(mn.op, Op::Mul) || !b.feeds_linears(m) {
+        return None;
+    }
+    let u = if mn.inputs[0] == s { mn.inputs[1] } else { mn.inputs[0] };
+    (candidates.contains(&u) && u != g && b.consumers[u] == [m] && !matches!(b.plan.nodes[u].op, Op::Linear { bias: true }))
+        .then_some((u, s, m))
+}
+
+/// A linear: grouped with the other fast linears reading the same input, or fused into a GLU.
+fn linear(b: &mut Builder, i: usize) -> Result<(), CodegenError> {
+    let xn = b.plan.nodes[i].inputs[0];
+    let k = b.cols(xn);
+    let x = b.bf16_input(xn)?;
+    if !b.fast_linear(i) {
+        let n = &b.plan.nodes[i];
+        let (w, bias) = (n.inputs[1], n.inputs.get(2).copied());
+        let out = b.out(i, DType::F32);
+        let key = KernelKey::Linear { k, n: b.cols(i), w: b.wdtype(w), bias: bias.is_some() };
+        let args = vec![Arg::Buf(x), Arg::Weight(w), bias.map_or(Arg::Null, Arg::Weight), Arg::Buf(out), Arg::Count(Count::Tokens)];
+        b.steps.push(one(launch(key, args, [Dim::Fixed(b.cols(i).div_ceil(8)), ONE], 256)));
+        return Ok(());
+    }
+    let candidates: Vec<usize> = b.consumers[xn]
+        .iter()
+        .copied()
+        .filter(|&c| {
+            let n = &b.plan.nodes[c];
+            matches!(n.op, Op::Linear { .. }) && n.inputs[0] == xn && !b.done[c] && b.fast_linear(c)
+        })
+        .collect();
+    for &g in &candidates {
+        if let Some((u, s, m)) = glu_of(b, g, &candidates) {
+            if !b.done[g] && !b.done[u] {
+                glu(b, x, k, [g, u, s, m]);
+            }
+        }
+    }
+    let rest: Vec<usize> = candidates.into_iter().filter(|&c| !b.done[c]).collect();
+    for chunk in rest.chunks(3) {
+        let mut groups = vec![];
+        for &c in chunk {
+            b.done[c] = true;
+            let out = b.out(c, DType::F32);
+            let n = &b.plan.nodes[c];
+            groups.push((n.inputs[1], n.inputs.get(2).copied(), out, b.cols(c)));
+        }
+        b.steps.push(grouped(x, k, &groups, Count::Tokens));
+    }
+    Ok(())
+}
+
+/// silu(x·gateᵀ) * (x·upᵀ) in one GEMV for few rows; GEMM + silu_mul above.
+fn glu(b: &mut Builder, x: usize, k: usize, [g, u, s, m]: [usize; 4]) {
+    for d in [g, u, s, m] {
+        b.done[d] = true;
+    }
+    let n = b.cols(g);
+    let out = b.out(m, DType::BF16);
+    let (wg, wu) = (b.plan.nodes[g].inputs[1], b.plan.nodes[u].inputs[1]);
+    let mut variants: Vec<(usize, Vec<Launch>)> = GEMV_ROWS
+        .iter()
+        .map(|&rows| {
+            let args = vec![Arg::Buf(x), Arg::Weight(wg), Arg::Weight(wu), Arg::Buf(out), Arg::Count(Count::Tokens)];
+            (rows, vec![launch(KernelKey::GemvGlu { k, n, rows }, args, [Dim::Fixed(n.div_ceil(4)), ONE], 128)])
+        })
+        .collect();
+    let (tg, tu) = (b.new_val(n, DType::F32, Count::Tokens), b.new_val(n, DType::F32, Count::Tokens));
+    let Step::Kernels { variants: mut big, .. } = grouped(x, k, &[(wg, None, tg, n), (wu, None, tu, n)], Count::Tokens)
+    else {
+        unreachable!("grouped gives kernels")
+    };
+    let (_, mut launches) = big.pop().expect("the GEMM variant");
+    let args = vec![Arg::Buf(tg), Arg::Buf(tu), Arg::Buf(out), Arg::Elems(Count::Tokens, n)];
+    launches.push(launch(KernelKey::SiluMul, args, [per_token(n, 256), ONE], 256));
+    variants.push((usize::MAX, launches));
+    b.steps.push(Step::Kernels { by: Count::Tokens, variants });
+}
+
+/// RoPE + KV write, then attention.
+fn attention(b: &mut Builder, i: usize) -> Result<(), CodegenError> {
+    let n = &b.plan.nodes[i];
+    let Op::Attention { heads, kv_heads, head_dim: d, scale, layer } = n.op else { unreachable!("an attention") };
+    let g = d / 16;
+    if d % 16 != 0 || !g.is_power_of_two() || g > 32 || heads % kv_heads != 0 {
+        return Err(CodegenError::Unsupported(format!(
+            "{}: head_dim {d} (the CUDA attention takes 16, 32, 64, 128, 256 or 512)",
+            n.label
+        )));
+    }
+    let absorbed = |j: usize| matches!(b.plan.nodes[j].op, Op::Rope { .. }) && b.done[j];
+    let (qn, kn, vn) = (n.inputs[0], n.inputs[1], n.inputs[2]);
+    let ropes: Vec<usize> = [qn, kn].into_iter().filter(|&j| absorbed(j)).collect();
+    if let [a, c] = ropes[..] {
+        if b.plan.nodes[a].op != b.plan.nodes[c].op {
+            return Err(CodegenError::Unsupported(format!("{}: q and k with different RoPE", n.label)));
+        }
+    }
+    let (freq, rscale) = match ropes.first().map(|&r| &b.plan.nodes[r].op) {
+        Some(Op::Rope { head_dim, theta, scaling }) => {
+            let (inv, s) = scaling.inv_freq(*head_dim, *theta);
+            b.constants.push(inv.iter().map(|&f| f as f32).collect());
+            (Arg::Const(b.constants.len() - 1), s as f32)
+        }
+        _ => (Arg::Null, 1.0),
+    };
+    let (rope_q, rope_k) = (absorbed(qn), absorbed(kn));
+    let src = |j: usize, roped: bool| if roped { b.plan.nodes[j].inputs[0] } else { j };
+    let (q, k, v) = (b.f32_val(src(qn, rope_q))?, b.f32_val(src(kn, rope_k))?, b.f32_val(vn)?);
+    let qo = b.new_val(heads * d, DType::F32, Count::Tokens);
+    let key = KernelKey::RopeKv { heads, kv_heads, d, rope_q, rope_k };
+    let args = vec![
+        Arg::Buf(q),
+        Arg::Buf(k),
+        Arg::Buf(v),
+        Arg::Input(Input::Pos),
+        freq,
+        Arg::F32(rscale),
+        Arg::Input(Input::SlotOf),
+        Arg::Buf(qo),
+        Arg::KCache(layer),
+        Arg::VCache(layer),
+    ];
+    let rope = launch(key, args, [per_token(1, 1), ONE], 128);
+    let out = b.out(i, b.act_dtype(i));
+    let key = KernelKey::Attention { heads, kv_heads, d, out: b.vals_dtype(out) };
+    let args = vec![
+        Arg::Buf(qo),
+        Arg::KCache(layer),
+        Arg::VCache(layer),
+        Arg::Input(Input::Slots),
+        Arg::Input(Input::SeqOff),
+        Arg::Input(Input::Pos),
+        Arg::F32(scale),
+        Arg::Buf(out),
+    ];
+    let attn = launch(key, args, [per_token(1, 1), Dim::Fixed(heads)], 128);
+    b.steps.push(Step::Kernels { by: Count::Tokens, variants: vec![(usize::MAX, vec![rope, attn])] });
+    Ok(())
+}
+
+/// The wanted rows gathered (as bf16), then the LM head over them.
+fn logits(b: &mut Builder, i: usize) -> Result<(), CodegenError> {
+    let n = &b.plan.nodes[i];
+    let (xn, w) = (n.inputs[0], n.inputs[1]);
+    let (h, vocab) = (b.cols(xn), b.cols(i));
+    let x = b.val(xn)?;
+    let sel = b.new_val(h, DType::BF16, Count::Rows);
+    let key = KernelKey::Gather { h, x: b.vals_dtype(x), out: DType::BF16 };
+    let args = vec![Arg::Buf(x), Arg::Input(Input::Rows), Arg::Buf(sel)];
+    b.steps.push(Step::Kernels {
+        by: Count::Rows,
+        variants: vec![(usize::MAX, vec![launch(key, args, [Dim::Per(Count::Rows, 1, 1), ONE], 256)])],
+    });
+    let out = b.new_val(vocab, DType::F32, Count::Rows);
+    b.node_val[i] = Some(out);
+    if b.wdtype(w) == DType::BF16 && h % 32 == 0 {
+        b.steps.push(grouped(sel, h, &[(w, None, out, vocab)], Count::Rows));
+    } else {
+        let key = KernelKey::Linear { k: h, n: vocab, w: b.wdtype(w), bias: false };
+        let args = vec![Arg::Buf(sel), Arg::Weight(w), Arg::Null, Arg::Buf(out), Arg::Count(Count::Rows)];
+        let l = launch(key, args, [Dim::Fixed(vocab.div_ceil(8)), ONE], 256);
+        b.steps.push(Step::Kernels { by: Count::Rows, variants: vec![(usize::MAX, vec![l])] });
+    }
+    Ok(())
+}

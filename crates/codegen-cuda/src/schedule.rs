@@ -1,0 +1,356 @@
+//! The launch schedule: a plan lowered to fused kernel launches. Pattern matching on the plan
+//! fuses residual add + RMS norm, groups the linears that share an input into one launch (q, k
+//! and v), fuses gate/up + silu·mul, and RoPE + the paged KV write into the step before
+//! attention. Each linear has variants by row count (GEMV specialised to 1, 2, 4, 8 rows, the
+//! tensor-core GEMM above). Values get device buffers by liveness, so buffers are reused across
+//! layers. The runtime only resolves arguments and launches; it knows no op.
+
+use crate::keys::KernelKey;
+use crate::CodegenError;
+use ir::{DType, Op, Plan};
+
+/// What a per-step size counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Count {
+    /// Tokens of the step.
+    Tokens,
+    /// Rows whose logits are wanted.
+    Rows,
+}
+
+/// A step input the runtime uploads (i32 arrays).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Input {
+    /// Token ids `[T]`.
+    Ids,
+    /// Positions `[T]`.
+    Pos,
+    /// KV slot of each token `[T]`.
+    SlotOf,
+    /// Offset of each token's sequence into `Slots` `[T]`.
+    SeqOff,
+    /// Logit rows `[R]`.
+    Rows,
+    /// Slots of every position of every sequence.
+    Slots,
+}
+
+/// One kernel argument.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Arg {
+    /// A device buffer of [`Program::buffers`].
+    Buf(usize),
+    /// The weight of plan node `i`.
+    Weight(usize),
+    /// A null pointer (an absent bias or table).
+    Null,
+    /// A constant array of [`Program::constants`] (f32).
+    Const(usize),
+    /// The K cache of a layer (bf16).
+    KCache(usize),
+    /// The V cache of a layer (bf16).
+    VCache(usize),
+    /// A step input.
+    Input(Input),
+    /// An f32 scalar.
+    F32(f32),
+    /// A count as i32.
+    Count(Count),
+    /// A count times a width, as i64 (elementwise kernels).
+    Elems(Count, usize),
+}
+
+/// A grid dimension: fixed, or `ceil(count * mul / div)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Dim {
+    /// A fixed size.
+    Fixed(usize),
+    /// `ceil(count * mul / div)`.
+    Per(Count, usize, usize),
+}
+
+/// One kernel launch.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Launch {
+    /// The kernel.
+    pub key: KernelKey,
+    /// Its arguments, in order.
+    pub args: Vec<Arg>,
+    /// Grid x and y.
+    pub grid: [Dim; 2],
+    /// Threads per block.
+    pub block: u32,
+}
+
+/// One step of the schedule.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Step {
+    /// Launches; the first variant whose bound is `>= count` runs.
+    Kernels {
+        /// What selects the variant.
+        by: Count,
+        /// (largest count, launches), bounds increasing; the last is unbounded.
+        variants: Vec<(usize, Vec<Launch>)>,
+    },
+    /// Sum a buffer of f32 rows over the tensor-parallel ranks, in place.
+    AllReduce {
+        /// The buffer.
+        buf: usize,
+        /// Floats per token.
+        cols: usize,
+    },
+}
+
+/// A device buffer: `row_bytes` per token (or per logit row).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Buffer {
+    /// Bytes per row.
+    pub row_bytes: usize,
+    /// Rows counted by.
+    pub per: Count,
+}
+
+/// Row counts that have their own GEMV instance; above the last, the GEMM runs.
+pub const GEMV_ROWS: [usize; 4] = [1, 2, 4, 8];
+
+/// A value before buffer assignment.
+#[derive(Clone, Copy)]
+struct Val {
+    row_bytes: usize,
+    per: Count,
+    dtype: DType,
+}
+
+pub(crate) struct Builder<'p> {
+    pub plan: &'p Plan,
+    pub consumers: Vec<Vec<usize>>,
+    pub done: Vec<bool>,
+    vals: Vec<Val>,
+    pub node_val: Vec<Option<usize>>,
+    bf16_of: Vec<Option<usize>>,
+    pub steps: Vec<Step>,
+    pub constants: Vec<Vec<f32>>,
+}
+
+fn bytes(d: DType) -> usize {
+    if d == DType::BF16 {
+        2
+    } else {
+        4
+    }
+}
+
+pub(crate) fn one(launch: Launch) -> Step {
+    Step::Kernels { by: Count::Tokens, variants: vec![(usize::MAX, vec![launch])] }
+}
+
+pub(crate) fn launch(key: KernelKey, args: Vec<Arg>, grid: [Dim; 2], block: u32) -> Launch {
+    Launch { key, args, grid, block }
+}
+
+pub(crate) const ONE: Dim = Dim::Fixed(1);
+
+pub(crate) fn per_token(mul: usize, div: usize) -> Dim {
+    Dim::Per(Count::Tokens, mul, div)
+}
+
+impl<'p> Builder<'p> {
+    pub(crate) fn cols(&self, node: usize) -> usize {
+        self.plan.nodes[node].ty.last().unwrap_or(0)
+    }
+
+    pub(crate) fn wdtype(&self, node: usize) -> DType {
+        match &self.plan.nodes[node].op {
+            Op::Weight { dtype, .. } => *dtype,
+            _ => DType::F32,
+        }
+    }
+
+    pub(crate) fn new_val(&mut self, cols: usize, dtype: DType, per: Count) -> usize {
+        self.vals.push(Val { row_bytes: cols * bytes(dtype), per, dtype });
+        self.vals.len() - 1
+    }
+
+    /// The value of node `i`, created with `dtype` on first use.
+    pub(crate) fn out(&mut self, node: usize, dtype: DType) -> usize {
+        if let Some(v) = self.node_val[node] {
+            return v;
+        }
+        let v = self.new_val(self.cols(node), dtype, Count::Tokens);
+        self.node_val[node] = Some(v);
+        v
+    }
+
+    pub(crate) fn val(&self, node: usize) -> Result<usize, CodegenError> {
+        self.node_val[node].ok_or_else(|| {
+            CodegenError::Unsupported(format!("node {node} ({}) is used before it is computed", self.plan.nodes[node].label))
+        })
+    }
+
+    /// The f32 value of node `i` (an error where a fused kernel left it in bf16).
+    pub(crate) fn f32_val(&self, node: usize) -> Result<usize, CodegenError> {
+        let v = self.val(node)?;
+        if self.vals[v].dtype != DType::F32 {
+            return Err(CodegenError::Unsupported(format!(
+                "{} reads a bf16 value where f32 is needed",
+                self.plan.nodes[node].label
+            )));
+        }
+        Ok(v)
+    }
+
+    /// The dtype of value `v`.
+    pub(crate) fn vals_dtype(&self, v: usize) -> DType {
+        self.vals[v].dtype
+    }
+
+    /// Whether every consumer of `node` reads it as the input of a linear (so bf16 serves).
+    pub(crate) fn feeds_linears(&self, node: usize) -> bool {
+        let c = &self.consumers[node];
+        !c.is_empty()
+            && c.iter().all(|&j| {
+                let n = &self.plan.nodes[j];
+                matches!(n.op, Op::Linear { .. } | Op::Logits) && n.inputs[0] == node
+            })
+    }
+
+    pub(crate) fn act_dtype(&self, node: usize) -> DType {
+        if self.feeds_linears(node) {
+            DType::BF16
+        } else {
+            DType::F32
+        }
+    }
+
+    /// Node `i`'s value as bf16, converting (once) when it is f32.
+    pub(crate) fn bf16_input(&mut self, node: usize) -> Result<usize, CodegenError> {
+        let v = self.val(node)?;
+        if self.vals[v].dtype == DType::BF16 {
+            return Ok(v);
+        }
+        if let Some(b) = self.bf16_of[node] {
+            return Ok(b);
+        }
+        let cols = self.cols(node);
+        let b = self.new_val(cols, DType::BF16, Count::Tokens);
+        self.bf16_of[node] = Some(b);
+        self.steps.push(one(launch(
+            KernelKey::ToBf16,
+            vec![Arg::Buf(v), Arg::Buf(b), Arg::Elems(Count::Tokens, cols)],
+            [per_token(cols, 256), ONE],
+            256,
+        )));
+        Ok(b)
+    }
+
+    /// Whether linear node `i` can take the fast (GEMV / GEMM) kernels.
+    pub(crate) fn fast_linear(&self, i: usize) -> bool {
+        let n = &self.plan.nodes[i];
+        let k = self.plan.nodes[n.inputs[0]].ty.last().unwrap_or(0);
+        n.inputs[1..].iter().all(|&w| self.wdtype(w) == DType::BF16) && k % 32 == 0 && k > 0
+    }
+}
+
+/// A lowered plan: steps, buffers and constants.
+pub(crate) struct Schedule {
+    pub steps: Vec<Step>,
+    pub buffers: Vec<Buffer>,
+    pub constants: Vec<Vec<f32>>,
+    pub output: usize,
+}
+
+/// Lowers `plan` to fused launches with buffers assigned.
+pub(crate) fn schedule(plan: &Plan) -> Result<Schedule, CodegenError> {
+    let n = plan.nodes.len();
+    let mut consumers = vec![vec![]; n];
+    for (i, node) in plan.nodes.iter().enumerate() {
+        for &j in &node.inputs {
+            if !consumers[j].contains(&i) {
+                consumers[j].push(i);
+            }
+        }
+    }
+    let mut b = Builder {
+        plan,
+        consumers,
+        done: vec![false; n],
+        vals: vec![],
+        node_val: vec![None; n],
+        bf16_of: vec![None; n],
+        steps: vec![],
+        constants: vec![],
+    };
+    crate::lower::absorb_ropes(&mut b);
+    for i in 0..n {
+        if !b.done[i] {
+            crate::lower::node(&mut b, i)?;
+        }
+    }
+    let out = b.val(plan.output)?;
+    Ok(assign(b.steps, &b.vals, out, b.constants))
+}
+
+/// Gives every value a device buffer, reusing the buffers of values no longer live.
+fn assign(mut steps: Vec<Step>, vals: &[Val], output: usize, constants: Vec<Vec<f32>>) -> Schedule {
+    let mut first = vec![usize::MAX; vals.len()];
+    let mut last = vec![0; vals.len()];
+    for (s, step) in steps.iter().enumerate() {
+        for v in step_vals(step) {
+            first[v] = first[v].min(s);
+            last[v] = s;
+        }
+    }
+    last[output] = usize::MAX;
+    let mut buffers: Vec<Buffer> = vec![];
+    let mut free: Vec<usize> = vec![];
+    let mut phys = vec![usize::MAX; vals.len()];
+    for s in 0..steps.len() {
+        for v in (0..vals.len()).filter(|&v| first[v] == s) {
+            let need = vals[v];
+            let fit = free
+                .iter()
+                .enumerate()
+                .filter(|(_, &p)| buffers[p].per == need.per)
+                .min_by_key(|(_, &p)| buffers[p].row_bytes.abs_diff(need.row_bytes))
+                .map(|(i, _)| i);
+            let p = match fit {
+                Some(i) => free.swap_remove(i),
+                None => {
+                    buffers.push(Buffer { row_bytes: 0, per: need.per });
+                    buffers.len() - 1
+                }
+            };
+            buffers[p].row_bytes = buffers[p].row_bytes.max(need.row_bytes);
+            phys[v] = p;
+        }
+        free.extend((0..vals.len()).filter(|&v| last[v] == s).map(|v| phys[v]));
+    }
+    for step in &mut steps {
+        map_bufs(step, |v| phys[v]);
+    }
+    Schedule { steps, buffers, constants, output: phys[output] }
+}
+
+fn step_vals(step: &Step) -> Vec<usize> {
+    match step {
+        Step::AllReduce { buf, .. } => vec![*buf],
+        Step::Kernels { variants, .. } => variants
+            .iter()
+            .flat_map(|(_, ls)| ls.iter().flat_map(|l| l.args.iter()))
+            .filter_map(|a| if let Arg::Buf(v) = a { Some(*v) } else { None })
+            .collect(),
+    }
+}
+
+fn map_bufs(step: &mut Step, f: impl Fn(usize) -> usize) {
+    match step {
+        Step::AllReduce { buf, .. } => *buf = f(*buf),
+        Step::Kernels { variants, .. } => {
+            for a in variants.iter_mut().flat_map(|(_, ls)| ls.iter_mut().flat_map(|l| l.args.iter_mut())) {
+                if let Arg::Buf(v) = a {
+                    *v = f(*v);
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,375 @@
+// Fused and tensor-core kernels: what the CUDA backend runs. Inputs of every linear are bf16
+// activations (as a bf16 model computes them); the residual stream, norms, softmax and all
+// accumulation are f32. The KV cache is bf16. basic.cuh keeps the unfused reference kernels
+// for shapes these do not cover.
+
+__device__ __forceinline__ void store(float* p, float v) { *p = v; }
+__device__ __forceinline__ void store(bf16_t* p, float v) { *p = f32_to_bf16(v); }
+
+// 8 bf16 (16 bytes) to f32.
+__device__ __forceinline__ void unpack8(uint4 u, float* f) {
+  f[0] = __uint_as_float(u.x << 16); f[1] = __uint_as_float(u.x & 0xffff0000u);
+  f[2] = __uint_as_float(u.y << 16); f[3] = __uint_as_float(u.y & 0xffff0000u);
+  f[4] = __uint_as_float(u.z << 16); f[5] = __uint_as_float(u.z & 0xffff0000u);
+  f[6] = __uint_as_float(u.w << 16); f[7] = __uint_as_float(u.w & 0xffff0000u);
+}
+
+// A 16-byte load that bypasses L1 (weights are streamed once per step).
+__device__ __forceinline__ uint4 ld_stream(const void* p) {
+  uint4 r;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  return r;
+}
+
+__device__ __forceinline__ float dot8(uint4 w, uint4 x) {
+  float a[8], b[8];
+  unpack8(w, a);
+  unpack8(x, b);
+  float s = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 8; i++) s = fmaf(a[i], b[i], s);
+  return s;
+}
+
+// ---- residual add + RMS norm ----
+// s = a (+ b), written to s when ADD; out = s * rsqrt(mean(s^2) + eps) * w.
+// grid: T, block: 256.
+template <int H, typename W, bool ADD, typename O>
+__device__ void add_rms_norm(const float* a, const float* b, float* s, const W* w, O* out, float eps) {
+  constexpr int PER = (H + 255) / 256;
+  const long base = (long)blockIdx.x * H;
+  float v[PER];
+  float ss = 0.0f;
+#pragma unroll
+  for (int j = 0; j < PER; j++) {
+    const int i = threadIdx.x + j * 256;
+    v[j] = 0.0f;
+    if (i < H) {
+      v[j] = ADD ? a[base + i] + b[base + i] : a[base + i];
+      if (ADD) s[base + i] = v[j];
+      ss += v[j] * v[j];
+    }
+  }
+  const float r = rsqrtf(block_sum(ss) / H + eps);
+#pragma unroll
+  for (int j = 0; j < PER; j++) {
+    const int i = threadIdx.x + j * 256;
+    if (i < H) store(out + base + i, v[j] * r * to_f32(w[i]));
+  }
+}
+
+// ---- decode linear: memory-bound GEMV over up to ROWS (<= 8) rows ----
+// Up to three linears sharing the input x (bf16 [T, K]): group g has N_g outputs, weight
+// w_g [N_g, K] bf16, optional bias b_g, output o_g f32 [T, N_g]. One warp per output feature;
+// each lane streams 16-byte weight chunks, four in flight. grid: ceil((N0+N1+N2) / 4), block: 128.
+template <int K, int ROWS>
+__device__ __forceinline__ void gemv_rows(const bf16_t* x, const bf16_t* w, int T, float* acc) {
+  constexpr int C = K / 8;
+  const int lane = threadIdx.x & 31;
+  const uint4* wr = (const uint4*)w;
+#pragma unroll
+  for (int r = 0; r < ROWS; r++) acc[r] = 0.0f;
+  int c = lane;
+  for (; c + 96 < C; c += 128) {
+    uint4 wv[4];
+#pragma unroll
+    for (int u = 0; u < 4; u++) wv[u] = ld_stream(wr + c + 32 * u);
+#pragma unroll
+    for (int u = 0; u < 4; u++)
+#pragma unroll
+      for (int r = 0; r < ROWS; r++)
+        if (r < T) acc[r] += dot8(wv[u], ((const uint4*)(x + (long)r * K))[c + 32 * u]);
+  }
+  for (; c < C; c += 32) {
+    const uint4 wv = ld_stream(wr + c);
+#pragma unroll
+    for (int r = 0; r < ROWS; r++)
+      if (r < T) acc[r] += dot8(wv, ((const uint4*)(x + (long)r * K))[c]);
+  }
+#pragma unroll
+  for (int r = 0; r < ROWS; r++) acc[r] = warp_sum(acc[r]);
+}
+
+template <int K, int N0, int N1, int N2, int ROWS>
+__device__ void gemv(const bf16_t* x, const bf16_t* w0, const bf16_t* b0, float* o0, const bf16_t* w1,
+                     const bf16_t* b1, float* o1, const bf16_t* w2, const bf16_t* b2, float* o2, int T) {
+  int n = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (n >= N0 + N1 + N2) return;
+  const bf16_t* w = w0;
+  const bf16_t* b = b0;
+  float* o = o0;
+  int N = N0;
+  if (n >= N0 + N1) { n -= N0 + N1; w = w2; b = b2; o = o2; N = N2; }
+  else if (n >= N0) { n -= N0; w = w1; b = b1; o = o1; N = N1; }
+  float acc[ROWS];
+  gemv_rows<K, ROWS>(x, w + (long)n * K, T, acc);
+  if ((threadIdx.x & 31) == 0) {
+    const float bias = b ? to_f32(b[n]) : 0.0f;
+#pragma unroll
+    for (int r = 0; r < ROWS; r++)
+      if (r < T) o[(long)r * N + n] = acc[r] + bias;
+  }
+}
+
+__device__ __forceinline__ float silu_f(float g) { return g / (1.0f + __expf(-g)); }
+
+// Gate and up projections with silu(gate)·up fused: out bf16 [T, N]. grid: ceil(N / 4), block: 128.
+template <int K, int N, int ROWS>
+__device__ void gemv_glu(const bf16_t* x, const bf16_t* wg, const bf16_t* wu, bf16_t* out, int T) {
+  const int n = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (n >= N) return;
+  float g[ROWS], u[ROWS];
+  gemv_rows<K, ROWS>(x, wg + (long)n * K, T, g);
+  gemv_rows<K, ROWS>(x, wu + (long)n * K, T, u);
+  if ((threadIdx.x & 31) == 0) {
+#pragma unroll
+    for (int r = 0; r < ROWS; r++)
+      if (r < T) out[(long)r * N + n] = f32_to_bf16(silu_f(g[r]) * u[r]);
+  }
+}
+
+// silu(a)·b as bf16 (after the GEMM path's gate and up). grid: ceil(n / 256), block: 256.
+__device__ void silu_mul(const float* a, const float* b, bf16_t* out, long n) {
+  const long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) out[i] = f32_to_bf16(silu_f(a[i]) * b[i]);
+}
+
+// f32 to bf16. grid: ceil(n / 256), block: 256.
+__device__ void to_bf16(const float* a, bf16_t* out, long n) {
+  const long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) out[i] = f32_to_bf16(a[i]);
+}
+
+// ---- extend linear: tensor-core GEMM (mma.sync m16n8k16 bf16, f32 accumulate) ----
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+  unsigned r;
+  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
+  return r;
+}
+__device__ __forceinline__ void cp_async16(unsigned dst, const void* src, int bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
+__device__ __forceinline__ void ldmatrix_x4(unsigned* r, unsigned addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ void mma_bf16(float* d, const unsigned* a, const unsigned* b) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// Tiles of 32 bf16 (64 bytes) per row: 16-byte chunk c of row r lives at chunk c ^ ((r >> 1) & 3),
+// so the eight rows an ldmatrix reads fall in distinct banks.
+__device__ __forceinline__ int swz(int r, int c) { return r * 32 + ((c ^ ((r >> 1) & 3)) << 3); }
+
+// Block tile 128 x 128 x 32, 8 warps as 2 (M) x 4 (N) of 64 x 32, three cp.async stages.
+// The groups' column tiles are concatenated along grid.x; grid: (tiles, ceil(T / 128)), block: 256.
+template <int K, int N0, int N1, int N2>
+__device__ void gemm(const bf16_t* x, const bf16_t* w0, const bf16_t* b0, float* o0, const bf16_t* w1,
+                     const bf16_t* b1, float* o1, const bf16_t* w2, const bf16_t* b2, float* o2, int T) {
+  constexpr int BM = 128, BN = 128, BK = 32, S = 3, KT = K / BK;
+  constexpr int T0 = (N0 + BN - 1) / BN, T1 = (N1 + BN - 1) / BN;
+  __shared__ __align__(128) bf16_t sa[S][BM * BK];
+  __shared__ __align__(128) bf16_t sb[S][BN * BK];
+  int tile = blockIdx.x;
+  const bf16_t* w = w0;
+  const bf16_t* bias = b0;
+  float* out = o0;
+  int N = N0;
+  if (tile >= T0 + T1) { tile -= T0 + T1; w = w2; bias = b2; out = o2; N = N2; }
+  else if (tile >= T0) { tile -= T0; w = w1; bias = b1; out = o1; N = N1; }
+  const int n0 = tile * BN, m0 = blockIdx.y * BM;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int wm = warp >> 2, wn = warp & 3;
+
+  auto load = [&](int st, int kt) {
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+      const int id = tid + i * 256, r = id >> 2, c = id & 3;
+      const int gm = m0 + r, gn = n0 + r;
+      cp_async16(smem_addr(&sa[st][swz(r, c)]), x + (long)min(gm, T - 1) * K + kt * BK + c * 8, gm < T ? 16 : 0);
+      cp_async16(smem_addr(&sb[st][swz(r, c)]), w + (long)min(gn, N - 1) * K + kt * BK + c * 8, gn < N ? 16 : 0);
+    }
+  };
+
+  float acc[4][4][4];
+#pragma unroll
+  for (int i = 0; i < 4; i++)
+#pragma unroll
+    for (int j = 0; j < 4; j++)
+#pragma unroll
+      for (int k = 0; k < 4; k++) acc[i][j][k] = 0.0f;
+
+#pragma unroll
+  for (int s = 0; s < S - 1; s++) {
+    if (s < KT) load(s, s);
+    cp_async_commit();
+  }
+  for (int kt = 0; kt < KT; kt++) {
+    cp_async_wait<S - 2>();
+    __syncthreads();
+    if (kt + S - 1 < KT) load((kt + S - 1) % S, kt + S - 1);
+    cp_async_commit();
+    const int st = kt % S;
+#pragma unroll
+    for (int kk = 0; kk < BK; kk += 16) {
+      unsigned af[4][4], bf[4][2];
+#pragma unroll
+      for (int mi = 0; mi < 4; mi++) {
+        const int r = wm * 64 + mi * 16 + (lane & 15), c = (kk >> 3) + (lane >> 4);
+        ldmatrix_x4(af[mi], smem_addr(&sa[st][swz(r, c)]));
+      }
+#pragma unroll
+      for (int nj = 0; nj < 2; nj++) {
+        const int r = wn * 32 + nj * 16 + ((lane >> 4) << 3) + (lane & 7), c = (kk >> 3) + ((lane >> 3) & 1);
+        unsigned q[4];
+        ldmatrix_x4(q, smem_addr(&sb[st][swz(r, c)]));
+        bf[2 * nj][0] = q[0];
+        bf[2 * nj][1] = q[1];
+        bf[2 * nj + 1][0] = q[2];
+        bf[2 * nj + 1][1] = q[3];
+      }
+#pragma unroll
+      for (int mi = 0; mi < 4; mi++)
+#pragma unroll
+        for (int ni = 0; ni < 4; ni++) mma_bf16(acc[mi][ni], af[mi], bf[ni]);
+    }
+  }
+  cp_async_wait<0>();
+
+#pragma unroll
+  for (int mi = 0; mi < 4; mi++)
+#pragma unroll
+    for (int ni = 0; ni < 4; ni++) {
+      const int r = m0 + wm * 64 + mi * 16 + (lane >> 2);
+      const int c = n0 + wn * 32 + ni * 8 + (lane & 3) * 2;
+#pragma unroll
+      for (int e = 0; e < 4; e++) {
+        const int rr = r + (e >> 1) * 8, cc = c + (e & 1);
+        if (rr < T && cc < N) out[(long)rr * N + cc] = acc[mi][ni][e] + (bias ? to_f32(bias[cc]) : 0.0f);
+      }
+    }
+}
+
+// ---- attention ----
+// RoPE on q (RQ) and k (RK) at positions pos[t], q written to qo (f32), k and v written as bf16
+// into the paged cache at slot slot_of[t]. grid: T, block: 128.
+template <int H, int KVH, int D, bool RQ, bool RK>
+__device__ void rope_kv(const float* q, const float* k, const float* v, const int* pos, const float* inv_freq,
+                        float scale, const int* slot_of, float* qo, bf16_t* kc, bf16_t* vc) {
+  const int t = blockIdx.x;
+  const float p = (float)pos[t];
+  const long dst = (long)slot_of[t] * (KVH * D);
+  for (int i = threadIdx.x; i < (H + KVH) * (D / 2); i += blockDim.x) {
+    const bool isq = i < H * (D / 2);
+    const int ii = isq ? i : i - H * (D / 2);
+    const int head = ii / (D / 2), j = ii % (D / 2);
+    const int cols = isq ? H * D : KVH * D;
+    const float* src = (isq ? q : k) + (long)t * cols + head * D;
+    float xa = src[j], xb = src[j + D / 2];
+    if (isq ? RQ : RK) {
+      float s, c;
+      sincosf(p * inv_freq[j], &s, &c);
+      s *= scale;
+      c *= scale;
+      const float ra = xa * c - xb * s, rb = xb * c + xa * s;
+      xa = ra;
+      xb = rb;
+    }
+    if (isq) {
+      qo[(long)t * cols + head * D + j] = xa;
+      qo[(long)t * cols + head * D + j + D / 2] = xb;
+    } else {
+      kc[dst + head * D + j] = f32_to_bf16(xa);
+      kc[dst + head * D + j + D / 2] = f32_to_bf16(xb);
+    }
+  }
+  for (int i = threadIdx.x; i < KVH * D; i += blockDim.x) vc[dst + i] = f32_to_bf16(v[(long)t * KVH * D + i]);
+}
+
+// Causal GQA attention of query row t, head h over the bf16 paged cache (positions 0..pos[t],
+// slots slots[seq_off[t] + p]). D / 16 lanes share a key (16 dims each), so a warp scores
+// 32 / (D / 16) keys at once; four warps split the keys and merge their online softmax states
+// through shared memory. grid: (T, H), block: 128.
+template <int H, int KVH, int D, typename O>
+__device__ void attention_kv16(const float* q, const bf16_t* kc, const bf16_t* vc, const int* slots,
+                               const int* seq_off, const int* pos, float scale, O* out) {
+  constexpr int G = D / 16, KPW = 32 / G, WARPS = 4, STATES = WARPS * KPW;
+  __shared__ float sm_acc[STATES][D];
+  __shared__ float sm_m[STATES], sm_l[STATES];
+  const int t = blockIdx.x, h = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int sub = lane % G, grp = lane / G, kvh = h / (H / KVH);
+  float qv[16], acc[16];
+  const float* qr = q + ((long)t * H + h) * D + sub * 16;
+#pragma unroll
+  for (int i = 0; i < 16; i++) {
+    qv[i] = qr[i] * scale;
+    acc[i] = 0.0f;
+  }
+  float m = NEG_INF, l = 0.0f;
+  const int n = pos[t] + 1;
+  const int* sl = slots + seq_off[t];
+  for (int p0 = warp * KPW; p0 < n; p0 += STATES) {
+    const int p = p0 + grp;
+    const bool valid = p < n;
+    long row = 0;
+    float s = 0.0f;
+    if (valid) {
+      row = (long)sl[p] * (KVH * D) + kvh * D + sub * 16;
+      const uint4* kr = (const uint4*)(kc + row);
+      float kf[16];
+      unpack8(kr[0], kf);
+      unpack8(kr[1], kf + 8);
+#pragma unroll
+      for (int i = 0; i < 16; i++) s = fmaf(qv[i], kf[i], s);
+    }
+#pragma unroll
+    for (int o = G / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    if (valid) {
+      const float m2 = fmaxf(m, s), corr = __expf(m - m2), e = __expf(s - m2);
+      const uint4* vr = (const uint4*)(vc + row);
+      float vf[16];
+      unpack8(vr[0], vf);
+      unpack8(vr[1], vf + 8);
+      l = l * corr + e;
+#pragma unroll
+      for (int i = 0; i < 16; i++) acc[i] = fmaf(acc[i], corr, e * vf[i]);
+      m = m2;
+    }
+  }
+  const int state = warp * KPW + grp;
+#pragma unroll
+  for (int i = 0; i < 16; i++) sm_acc[state][sub * 16 + i] = acc[i];
+  if (sub == 0) {
+    sm_m[state] = m;
+    sm_l[state] = l;
+  }
+  __syncthreads();
+  float mm = NEG_INF;
+#pragma unroll
+  for (int s = 0; s < STATES; s++) mm = fmaxf(mm, sm_m[s]);
+  float ll = 0.0f;
+#pragma unroll
+  for (int s = 0; s < STATES; s++) ll += sm_m[s] == NEG_INF ? 0.0f : sm_l[s] * __expf(sm_m[s] - mm);
+  O* o = out + ((long)t * H + h) * D;
+  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    float v = 0.0f;
+#pragma unroll
+    for (int s = 0; s < STATES; s++)
+      if (sm_m[s] != NEG_INF) v += sm_acc[s][d] * __expf(sm_m[s] - mm);
+    store(o + d, v / ll);
+  }
+}
+
+// out[r] = x[rows[r]] for the rows whose logits are wanted. grid: R, block: 256.
+template <int H, typename X, typename O>
+__device__ void gather(const X* x, const int* rows, O* out) {
+  const X* src = x + (long)rows[blockIdx.x] * H;
+  for (int i = threadIdx.x; i < H; i += blockDim.x) store(out + (long)blockIdx.x * H + i, to_f32(src[i]));
+}
