@@ -257,6 +257,74 @@ __device__ void gemm(const bf16_t* x, const bf16_t* w0, const bf16_t* b0, float*
     }
 }
 
+// ---- small-batch linear: tensor cores over few rows (9..64) ----
+// D[feature, token] = W · Xᵀ with mma.sync: W rows are the A operand (16 features per block),
+// the step's rows the B operand (NT tiles of 8). Lane (g, c) loads 16 contiguous bytes of a W
+// row and of an X row at k + 8c; both fragments use the same permutation of k inside each
+// 32-wide chunk, so the sum is the plain dot product. Four warps split K and reduce through
+// shared memory. Every N_g is a multiple of 16. grid: (N0 + N1 + N2) / 16, block: 128.
+template <int K, int N0, int N1, int N2, int NT>
+__device__ void gemm_skinny(const bf16_t* x, const bf16_t* w0, const bf16_t* b0, float* o0, const bf16_t* w1,
+                            const bf16_t* b1, float* o1, const bf16_t* w2, const bf16_t* b2, float* o2, int T) {
+  constexpr int WARPS = 4, CH = K / 32;
+  __shared__ float red[WARPS][16][NT * 8 + 1];
+  int f0 = blockIdx.x * 16;
+  const bf16_t* w = w0;
+  const bf16_t* bias = b0;
+  float* out = o0;
+  int N = N0;
+  if (f0 >= N0 + N1) { f0 -= N0 + N1; w = w2; bias = b2; out = o2; N = N2; }
+  else if (f0 >= N0) { f0 -= N0; w = w1; bias = b1; out = o1; N = N1; }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+  float acc[NT][4];
+#pragma unroll
+  for (int i = 0; i < NT; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+  const bf16_t* wa = w + (long)(f0 + g) * K + c * 8;
+  const bf16_t* wb = wa + 8L * K;
+  const bf16_t* xr[NT];
+  bool live[NT];
+#pragma unroll
+  for (int i = 0; i < NT; i++) {
+    live[i] = i * 8 + g < T;
+    xr[i] = x + (long)min(i * 8 + g, T - 1) * K + c * 8;
+  }
+  auto chunk = [&](int k, uint4 a0, uint4 a1) {
+#pragma unroll
+    for (int i = 0; i < NT; i++) {
+      uint4 xb = *(const uint4*)(xr[i] + k);
+      if (!live[i]) xb = make_uint4(0, 0, 0, 0);
+      const unsigned fa[4] = {a0.x, a1.x, a0.y, a1.y}, fb[2] = {xb.x, xb.y};
+      const unsigned ga[4] = {a0.z, a1.z, a0.w, a1.w}, gb[2] = {xb.z, xb.w};
+      mma_bf16(acc[i], fa, fb);
+      mma_bf16(acc[i], ga, gb);
+    }
+  };
+  int ch = warp;
+  for (; ch + WARPS < CH; ch += 2 * WARPS) {
+    const int k = ch * 32, k2 = k + WARPS * 32;
+    const uint4 a0 = ld_stream(wa + k), a1 = ld_stream(wb + k), c0 = ld_stream(wa + k2), c1 = ld_stream(wb + k2);
+    chunk(k, a0, a1);
+    chunk(k2, c0, c1);
+  }
+  if (ch < CH) chunk(ch * 32, ld_stream(wa + ch * 32), ld_stream(wb + ch * 32));
+#pragma unroll
+  for (int i = 0; i < NT; i++) {
+    red[warp][g][i * 8 + 2 * c] = acc[i][0];
+    red[warp][g][i * 8 + 2 * c + 1] = acc[i][1];
+    red[warp][g + 8][i * 8 + 2 * c] = acc[i][2];
+    red[warp][g + 8][i * 8 + 2 * c + 1] = acc[i][3];
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < 16 * NT * 8; idx += blockDim.x) {
+    const int tok = idx >> 4, f = idx & 15;
+    if (tok >= T) break;
+    float v = bias ? to_f32(bias[f0 + f]) : 0.0f;
+#pragma unroll
+    for (int q = 0; q < WARPS; q++) v += red[q][f][tok];
+    out[(long)tok * N + f0 + f] = v;
+  }
+}
+
 // ---- attention ----
 // RoPE on q (RQ) and k (RK) at positions pos[t], q written to qo (f32), k and v written as bf16
 // into the paged cache at slot slot_of[t]. grid: T, block: 128.

@@ -43,6 +43,16 @@ pub enum KernelKey {
         /// Rows per launch.
         rows: usize,
     },
+    /// Up to three linears sharing a bf16 input, for at most `8 * tiles` rows (tensor cores,
+    /// split K; every `n` a multiple of 16).
+    GemmSkinny {
+        /// Input features.
+        k: usize,
+        /// Output features of each group (0: absent).
+        n: [usize; 3],
+        /// Tiles of 8 rows.
+        tiles: usize,
+    },
     /// Up to three linears sharing a bf16 input, any row count (tensor-core GEMM).
     Gemm {
         /// Input features.
@@ -143,6 +153,7 @@ impl KernelKey {
             KernelKey::Gemv { k, n, rows } => format!("gemv_k{k}_n{}_r{rows}", n3(n)),
             KernelKey::GemvGlu { k, n, rows } => format!("gemv_glu_k{k}_n{n}_r{rows}"),
             KernelKey::Gemm { k, n } => format!("gemm_k{k}_n{}", n3(n)),
+            KernelKey::GemmSkinny { k, n, tiles } => format!("gemm_skinny_k{k}_n{}_t{tiles}", n3(n)),
             KernelKey::Linear { k, n, w, bias } => format!("linear_k{k}_n{n}_{w}{}", if bias { "_bias" } else { "" }),
             KernelKey::SiluMul => "silu_mul_to_bf16".into(),
             KernelKey::ToBf16 => "f32_to_bf16_rows".into(),
@@ -184,6 +195,10 @@ impl KernelKey {
             KernelKey::Gemm { k, n } => {
                 (GROUP_PARAMS.into(), format!("gemm<{k}, {}, {}, {}>({GROUP_ARGS})", n[0], n[1], n[2]))
             }
+            KernelKey::GemmSkinny { k, n, tiles } => (
+                GROUP_PARAMS.into(),
+                format!("gemm_skinny<{k}, {}, {}, {}, {tiles}>({GROUP_ARGS})", n[0], n[1], n[2]),
+            ),
             KernelKey::Linear { k, n, w, bias } => {
                 let t = ctype(w)?;
                 (

@@ -13,7 +13,7 @@ pub mod nvrtc;
 pub mod schedule;
 
 pub use keys::KernelKey;
-pub use schedule::{Arg, Buffer, Count, Dim, Input, Launch, Step, GEMV_ROWS};
+pub use schedule::{Arg, Buffer, Count, Dim, Input, Launch, Step, GEMV_ROWS, SKINNY_ROWS};
 
 use ir::Plan;
 use std::fmt::Write;

@@ -1,7 +1,7 @@
 //! Lowering of plan nodes to launches, with the fusions the schedule module describes.
 
 use crate::keys::KernelKey;
-use crate::schedule::{launch, one, per_token, Arg, Builder, Count, Dim, Input, Launch, Step, GEMV_ROWS, ONE};
+use crate::schedule::{launch, one, per_token, Arg, Builder, Count, Dim, Input, Launch, Step, GEMV_ROWS, ONE, SKINNY_ROWS};
 use crate::CodegenError;
 use ir::{DType, Op};
 
@@ -122,6 +122,12 @@ fn grouped(x: usize, k: usize, groups: &[Group], by: Count) -> Step {
             (rows, vec![launch(key, args.clone(), [Dim::Fixed(total.div_ceil(4)), ONE], 128)])
         })
         .collect();
+    if n.iter().all(|c| c % 16 == 0) {
+        for rows in SKINNY_ROWS {
+            let key = KernelKey::GemmSkinny { k, n, tiles: rows / 8 };
+            variants.push((rows, vec![launch(key, args.clone(), [Dim::Fixed(total / 16), ONE], 128)]));
+        }
+    }
     let gemm = launch(KernelKey::Gemm { k, n }, args, [Dim::Fixed(tiles), Dim::Per(by, 1, 128)], 256);
     variants.push((usize::MAX, vec![gemm]));
     Step::Kernels { by, variants }
@@ -205,14 +211,15 @@ fn glu(b: &mut Builder, x: usize, k: usize, [g, u, s, m]: [usize; 4]) {
         })
         .collect();
     let (tg, tu) = (b.new_val(n, DType::F32, Count::Tokens), b.new_val(n, DType::F32, Count::Tokens));
-    let Step::Kernels { variants: mut big, .. } = grouped(x, k, &[(wg, None, tg, n), (wu, None, tu, n)], Count::Tokens)
+    let Step::Kernels { variants: big, .. } = grouped(x, k, &[(wg, None, tg, n), (wu, None, tu, n)], Count::Tokens)
     else {
         unreachable!("grouped gives kernels")
     };
-    let (_, mut launches) = big.pop().expect("the GEMM variant");
     let args = vec![Arg::Buf(tg), Arg::Buf(tu), Arg::Buf(out), Arg::Elems(Count::Tokens, n)];
-    launches.push(launch(KernelKey::SiluMul, args, [per_token(n, 256), ONE], 256));
-    variants.push((usize::MAX, launches));
+    for (bound, mut launches) in big.into_iter().filter(|(bound, _)| *bound > GEMV_ROWS[GEMV_ROWS.len() - 1]) {
+        launches.push(launch(KernelKey::SiluMul, args.clone(), [per_token(n, 256), ONE], 256));
+        variants.push((bound, launches));
+    }
     b.steps.push(Step::Kernels { by: Count::Tokens, variants });
 }
 

@@ -110,8 +110,12 @@ pub struct Buffer {
     pub per: Count,
 }
 
-/// Row counts that have their own GEMV instance; above the last, the GEMM runs.
+/// Row counts that have their own GEMV instance.
 pub const GEMV_ROWS: [usize; 4] = [1, 2, 4, 8];
+
+/// Row counts of the small-batch tensor-core kernel (above the GEMV's); above the last, the
+/// GEMM runs.
+pub const SKINNY_ROWS: [usize; 3] = [16, 32, 64];
 
 /// A value before buffer assignment.
 #[derive(Clone, Copy)]

@@ -41,6 +41,22 @@ pub struct CudaBackend {
     inputs: CudaSlice<i32>,
     graphs: HashMap<usize, Graph>,
     use_graphs: bool,
+    /// `ENGINE_CUDA_PROFILE=1`: every launch timed with events (graphs off), summary at exit.
+    profile: Option<std::cell::RefCell<HashMap<String, (f64, usize)>>>,
+}
+
+impl Drop for CudaBackend {
+    fn drop(&mut self) {
+        let Some(p) = &self.profile else { return };
+        let p = p.borrow();
+        let total: f64 = p.values().map(|v| v.0).sum();
+        let mut rows: Vec<_> = p.iter().collect();
+        rows.sort_by(|a, b| b.1 .0.total_cmp(&a.1 .0));
+        eprintln!("CUDA kernel time: {total:.2} ms in all");
+        for (name, (ms, n)) in rows.iter().take(30) {
+            eprintln!("{:>9.3} ms {:>5.1}% {n:>7} calls {:>8.2} us/call  {name}", ms, 100.0 * ms / total, 1e3 * ms / *n as f64);
+        }
+    }
 }
 
 /// A captured graph. cudarc's handle is not `Send` (raw pointers); the backend that owns it is
@@ -133,7 +149,8 @@ impl CudaBackend {
         stream.synchronize().map_err(driver("uploading weights"))?;
         eprintln!("uploaded {:.2} GB of weights in {:.2}s", total as f64 / 1e9, t.elapsed().as_secs_f64());
         let inputs = stream.alloc_zeros::<i32>(1 << 16).map_err(driver("alloc"))?;
-        let use_graphs = std::env::var("ENGINE_CUDA_GRAPHS").map_or(true, |v| v != "0");
+        let profile = std::env::var("ENGINE_CUDA_PROFILE").is_ok_and(|v| v == "1");
+        let use_graphs = !profile && std::env::var("ENGINE_CUDA_GRAPHS").map_or(true, |v| v != "0");
         let mut be = CudaBackend {
             plan,
             program,
@@ -149,6 +166,7 @@ impl CudaBackend {
             inputs,
             graphs: HashMap::new(),
             use_graphs,
+            profile: profile.then(Default::default),
         };
         be.ensure_cap(256)?;
         Ok(be)
@@ -286,7 +304,21 @@ impl CudaBackend {
             };
         }
         let cfg = LaunchConfig { grid_dim: (gx as u32, gy as u32, 1), block_dim: (l.block, 1, 1), shared_mem_bytes: 0 };
+        let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let start = match &self.profile {
+            Some(_) => Some(self.stream.record_event(timing).map_err(driver("profiling"))?),
+            None => None,
+        };
         unsafe { b.launch(cfg) }.map_err(driver("launching a kernel"))?;
+        if let (Some(p), Some(start)) = (&self.profile, start) {
+            let end = self.stream.record_event(timing).map_err(driver("profiling"))?;
+            end.synchronize().map_err(driver("profiling"))?;
+            let ms = start.elapsed_ms(&end).map_err(driver("profiling"))? as f64;
+            let mut p = p.borrow_mut();
+            let e = p.entry(l.key.name()).or_insert((0.0, 0));
+            e.0 += ms;
+            e.1 += 1;
+        }
         Ok(())
     }
 
