@@ -61,17 +61,20 @@ __device__ void add_rms_norm(const float* a, const float* b, float* s, const W* 
 
 // ---- decode linear: memory-bound GEMV over up to ROWS (<= 8) rows ----
 // Up to three linears sharing the input x (bf16 [T, K]): group g has N_g outputs, weight
-// w_g [N_g, K] bf16, optional bias b_g, output o_g f32 [T, N_g]. One warp per output feature;
-// each lane streams 16-byte weight chunks, four in flight. grid: ceil((N0+N1+N2) / 4), block: 128.
-template <int K, int ROWS>
+// w_g [N_g, K] bf16, optional bias b_g, output o_g f32 [T, N_g]. SPLIT warps share an output
+// feature, each over K / SPLIT (so a warp needs few memory round trips), and reduce through
+// shared memory; each lane streams 16-byte weight chunks, four in flight.
+// grid: ceil((N0 + N1 + N2) / (8 / SPLIT)), block: 256.
+template <int K, int ROWS, int SPLIT>
 __device__ __forceinline__ void gemv_rows(const bf16_t* x, const bf16_t* w, int T, float* acc) {
-  constexpr int C = K / 8;
-  const int lane = threadIdx.x & 31;
+  constexpr int C = K / 8, PART = (C + SPLIT - 1) / SPLIT;
+  const int lane = threadIdx.x & 31, part = (threadIdx.x >> 5) % SPLIT;
   const uint4* wr = (const uint4*)w;
+  const int end = min(C, (part + 1) * PART);
 #pragma unroll
   for (int r = 0; r < ROWS; r++) acc[r] = 0.0f;
-  int c = lane;
-  for (; c + 96 < C; c += 128) {
+  int c = part * PART + lane;
+  for (; c + 96 < end; c += 128) {
     uint4 wv[4];
 #pragma unroll
     for (int u = 0; u < 4; u++) wv[u] = ld_stream(wr + c + 32 * u);
@@ -81,7 +84,7 @@ __device__ __forceinline__ void gemv_rows(const bf16_t* x, const bf16_t* w, int 
       for (int r = 0; r < ROWS; r++)
         if (r < T) acc[r] += dot8(wv[u], ((const uint4*)(x + (long)r * K))[c + 32 * u]);
   }
-  for (; c < C; c += 32) {
+  for (; c < end; c += 32) {
     const uint4 wv = ld_stream(wr + c);
 #pragma unroll
     for (int r = 0; r < ROWS; r++)
@@ -89,13 +92,29 @@ __device__ __forceinline__ void gemv_rows(const bf16_t* x, const bf16_t* w, int 
   }
 #pragma unroll
   for (int r = 0; r < ROWS; r++) acc[r] = warp_sum(acc[r]);
+  if (SPLIT > 1) {
+    __shared__ float part_sum[8][ROWS];
+    if (lane == 0)
+#pragma unroll
+      for (int r = 0; r < ROWS; r++) part_sum[threadIdx.x >> 5][r] = acc[r];
+    __syncthreads();
+    const int first = (threadIdx.x >> 5) - part;
+#pragma unroll
+    for (int r = 0; r < ROWS; r++) {
+      float v = 0.0f;
+#pragma unroll
+      for (int q = 0; q < SPLIT; q++) v += part_sum[first + q][r];
+      acc[r] = v;
+    }
+  }
 }
 
-template <int K, int N0, int N1, int N2, int ROWS>
+template <int K, int N0, int N1, int N2, int ROWS, int SPLIT>
 __device__ void gemv(const bf16_t* x, const bf16_t* w0, const bf16_t* b0, float* o0, const bf16_t* w1,
                      const bf16_t* b1, float* o1, const bf16_t* w2, const bf16_t* b2, float* o2, int T) {
-  int n = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-  if (n >= N0 + N1 + N2) return;
+  int n = blockIdx.x * (8 / SPLIT) + (threadIdx.x >> 5) / SPLIT;
+  const bool live = n < N0 + N1 + N2;
+  n = min(n, N0 + N1 + N2 - 1);
   const bf16_t* w = w0;
   const bf16_t* b = b0;
   float* o = o0;
@@ -103,8 +122,8 @@ __device__ void gemv(const bf16_t* x, const bf16_t* w0, const bf16_t* b0, float*
   if (n >= N0 + N1) { n -= N0 + N1; w = w2; b = b2; o = o2; N = N2; }
   else if (n >= N0) { n -= N0; w = w1; b = b1; o = o1; N = N1; }
   float acc[ROWS];
-  gemv_rows<K, ROWS>(x, w + (long)n * K, T, acc);
-  if ((threadIdx.x & 31) == 0) {
+  gemv_rows<K, ROWS, SPLIT>(x, w + (long)n * K, T, acc);
+  if (live && (threadIdx.x & 31) == 0 && ((threadIdx.x >> 5) % SPLIT) == 0) {
     const float bias = b ? to_f32(b[n]) : 0.0f;
 #pragma unroll
     for (int r = 0; r < ROWS; r++)
@@ -114,15 +133,18 @@ __device__ void gemv(const bf16_t* x, const bf16_t* w0, const bf16_t* b0, float*
 
 __device__ __forceinline__ float silu_f(float g) { return g / (1.0f + __expf(-g)); }
 
-// Gate and up projections with silu(gate)·up fused: out bf16 [T, N]. grid: ceil(N / 4), block: 128.
-template <int K, int N, int ROWS>
+// Gate and up projections with silu(gate)·up fused: out bf16 [T, N].
+// grid: ceil(N / (8 / SPLIT)), block: 256.
+template <int K, int N, int ROWS, int SPLIT>
 __device__ void gemv_glu(const bf16_t* x, const bf16_t* wg, const bf16_t* wu, bf16_t* out, int T) {
-  const int n = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-  if (n >= N) return;
+  int n = blockIdx.x * (8 / SPLIT) + (threadIdx.x >> 5) / SPLIT;
+  const bool live = n < N;
+  n = min(n, N - 1);
   float g[ROWS], u[ROWS];
-  gemv_rows<K, ROWS>(x, wg + (long)n * K, T, g);
-  gemv_rows<K, ROWS>(x, wu + (long)n * K, T, u);
-  if ((threadIdx.x & 31) == 0) {
+  gemv_rows<K, ROWS, SPLIT>(x, wg + (long)n * K, T, g);
+  __syncthreads();
+  gemv_rows<K, ROWS, SPLIT>(x, wu + (long)n * K, T, u);
+  if (live && (threadIdx.x & 31) == 0 && ((threadIdx.x >> 5) % SPLIT) == 0) {
 #pragma unroll
     for (int r = 0; r < ROWS; r++)
       if (r < T) out[(long)r * N + n] = f32_to_bf16(silu_f(g[r]) * u[r]);
@@ -261,12 +283,12 @@ __device__ void gemm(const bf16_t* x, const bf16_t* w0, const bf16_t* b0, float*
 // D[feature, token] = W · Xᵀ with mma.sync: W rows are the A operand (16 features per block),
 // the step's rows the B operand (NT tiles of 8). Lane (g, c) loads 16 contiguous bytes of a W
 // row and of an X row at k + 8c; both fragments use the same permutation of k inside each
-// 32-wide chunk, so the sum is the plain dot product. Four warps split K and reduce through
-// shared memory. Every N_g is a multiple of 16. grid: (N0 + N1 + N2) / 16, block: 128.
+// 32-wide chunk, so the sum is the plain dot product. Eight warps split K and reduce through
+// shared memory. Every N_g is a multiple of 16. grid: (N0 + N1 + N2) / 16, block: 256.
 template <int K, int N0, int N1, int N2, int NT>
 __device__ void gemm_skinny(const bf16_t* x, const bf16_t* w0, const bf16_t* b0, float* o0, const bf16_t* w1,
                             const bf16_t* b1, float* o1, const bf16_t* w2, const bf16_t* b2, float* o2, int T) {
-  constexpr int WARPS = 4, CH = K / 32;
+  constexpr int WARPS = 8, CH = K / 32;
   __shared__ float red[WARPS][16][NT * 8 + 1];
   int f0 = blockIdx.x * 16;
   const bf16_t* w = w0;
@@ -363,12 +385,12 @@ __device__ void rope_kv(const float* q, const float* k, const float* v, const in
 
 // Causal GQA attention of query row t, head h over the bf16 paged cache (positions 0..pos[t],
 // slots slots[seq_off[t] + p]). D / 16 lanes share a key (16 dims each), so a warp scores
-// 32 / (D / 16) keys at once; four warps split the keys and merge their online softmax states
-// through shared memory. grid: (T, H), block: 128.
+// 32 / (D / 16) keys at once (K and V rows loaded together); eight warps split the keys and
+// merge their online softmax states through shared memory. grid: (T, H), block: 256.
 template <int H, int KVH, int D, typename O>
 __device__ void attention_kv16(const float* q, const bf16_t* kc, const bf16_t* vc, const int* slots,
                                const int* seq_off, const int* pos, float scale, O* out) {
-  constexpr int G = D / 16, KPW = 32 / G, WARPS = 4, STATES = WARPS * KPW;
+  constexpr int G = D / 16, KPW = 32 / G, WARPS = 8, STATES = WARPS * KPW;
   __shared__ float sm_acc[STATES][D];
   __shared__ float sm_m[STATES], sm_l[STATES];
   const int t = blockIdx.x, h = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -386,14 +408,19 @@ __device__ void attention_kv16(const float* q, const bf16_t* kc, const bf16_t* v
   for (int p0 = warp * KPW; p0 < n; p0 += STATES) {
     const int p = p0 + grp;
     const bool valid = p < n;
-    long row = 0;
     float s = 0.0f;
+    uint4 k0 = make_uint4(0, 0, 0, 0), k1 = k0, v0 = k0, v1 = k0;
     if (valid) {
-      row = (long)sl[p] * (KVH * D) + kvh * D + sub * 16;
+      const long row = (long)sl[p] * (KVH * D) + kvh * D + sub * 16;
       const uint4* kr = (const uint4*)(kc + row);
+      const uint4* vr = (const uint4*)(vc + row);
+      k0 = kr[0];
+      k1 = kr[1];
+      v0 = vr[0];
+      v1 = vr[1];
       float kf[16];
-      unpack8(kr[0], kf);
-      unpack8(kr[1], kf + 8);
+      unpack8(k0, kf);
+      unpack8(k1, kf + 8);
 #pragma unroll
       for (int i = 0; i < 16; i++) s = fmaf(qv[i], kf[i], s);
     }
@@ -401,10 +428,9 @@ __device__ void attention_kv16(const float* q, const bf16_t* kc, const bf16_t* v
     for (int o = G / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
     if (valid) {
       const float m2 = fmaxf(m, s), corr = __expf(m - m2), e = __expf(s - m2);
-      const uint4* vr = (const uint4*)(vc + row);
       float vf[16];
-      unpack8(vr[0], vf);
-      unpack8(vr[1], vf + 8);
+      unpack8(v0, vf);
+      unpack8(v1, vf + 8);
       l = l * corr + e;
 #pragma unroll
       for (int i = 0; i < 16; i++) acc[i] = fmaf(acc[i], corr, e * vf[i]);

@@ -141,6 +141,16 @@ const GROUP_PARAMS: &str = "const bf16_t* x, const bf16_t* w0, const bf16_t* b0,
                             const bf16_t* b1, float* o1, const bf16_t* w2, const bf16_t* b2, float* o2, int T";
 const GROUP_ARGS: &str = "x, w0, b0, o0, w1, b1, o1, w2, b2, o2, T";
 
+/// Warps that share one output of the GEMV: enough that each streams at most 2048 weights of
+/// a row (a few memory round trips), at most 8.
+pub fn gemv_split(k: usize) -> usize {
+    let mut s = 1;
+    while k / s > 2048 && s < 8 {
+        s *= 2;
+    }
+    s
+}
+
 impl KernelKey {
     /// The kernel's symbol in the generated source.
     pub fn name(&self) -> String {
@@ -185,12 +195,13 @@ impl KernelKey {
                     format!("add_rms_norm<{h}, {t}, {add}, {o}>(a, b, s, w, out, eps)"),
                 )
             }
-            KernelKey::Gemv { k, n, rows } => {
-                (GROUP_PARAMS.into(), format!("gemv<{k}, {}, {}, {}, {rows}>({GROUP_ARGS})", n[0], n[1], n[2]))
-            }
+            KernelKey::Gemv { k, n, rows } => (
+                GROUP_PARAMS.into(),
+                format!("gemv<{k}, {}, {}, {}, {rows}, {}>({GROUP_ARGS})", n[0], n[1], n[2], gemv_split(k)),
+            ),
             KernelKey::GemvGlu { k, n, rows } => (
                 "const bf16_t* x, const bf16_t* wg, const bf16_t* wu, bf16_t* out, int T".into(),
-                format!("gemv_glu<{k}, {n}, {rows}>(x, wg, wu, out, T)"),
+                format!("gemv_glu<{k}, {n}, {rows}, {}>(x, wg, wu, out, T)", gemv_split(k)),
             ),
             KernelKey::Gemm { k, n } => {
                 (GROUP_PARAMS.into(), format!("gemm<{k}, {}, {}, {}>({GROUP_ARGS})", n[0], n[1], n[2]))

@@ -119,13 +119,14 @@ fn grouped(x: usize, k: usize, groups: &[Group], by: Count) -> Step {
         .iter()
         .map(|&rows| {
             let key = KernelKey::Gemv { k, n, rows };
-            (rows, vec![launch(key, args.clone(), [Dim::Fixed(total.div_ceil(4)), ONE], 128)])
+            let per_block = 8 / crate::keys::gemv_split(k);
+            (rows, vec![launch(key, args.clone(), [Dim::Fixed(total.div_ceil(per_block)), ONE], 256)])
         })
         .collect();
     if n.iter().all(|c| c % 16 == 0) {
         for rows in SKINNY_ROWS {
             let key = KernelKey::GemmSkinny { k, n, tiles: rows / 8 };
-            variants.push((rows, vec![launch(key, args.clone(), [Dim::Fixed(total / 16), ONE], 128)]));
+            variants.push((rows, vec![launch(key, args.clone(), [Dim::Fixed(total / 16), ONE], 256)]));
         }
     }
     let gemm = launch(KernelKey::Gemm { k, n }, args, [Dim::Fixed(tiles), Dim::Per(by, 1, 128)], 256);
@@ -207,7 +208,8 @@ fn glu(b: &mut Builder, x: usize, k: usize, [g, u, s, m]: [usize; 4]) {
         .iter()
         .map(|&rows| {
             let args = vec![Arg::Buf(x), Arg::Weight(wg), Arg::Weight(wu), Arg::Buf(out), Arg::Count(Count::Tokens)];
-            (rows, vec![launch(KernelKey::GemvGlu { k, n, rows }, args, [Dim::Fixed(n.div_ceil(4)), ONE], 128)])
+            let per_block = 8 / crate::keys::gemv_split(k);
+            (rows, vec![launch(KernelKey::GemvGlu { k, n, rows }, args, [Dim::Fixed(n.div_ceil(per_block)), ONE], 256)])
         })
         .collect();
     let (tg, tu) = (b.new_val(n, DType::F32, Count::Tokens), b.new_val(n, DType::F32, Count::Tokens));
@@ -280,7 +282,7 @@ fn attention(b: &mut Builder, i: usize) -> Result<(), CodegenError> {
         Arg::F32(scale),
         Arg::Buf(out),
     ];
-    let attn = launch(key, args, [per_token(1, 1), Dim::Fixed(heads)], 128);
+    let attn = launch(key, args, [per_token(1, 1), Dim::Fixed(heads)], 256);
     b.steps.push(Step::Kernels { by: Count::Tokens, variants: vec![(usize::MAX, vec![rope, attn])] });
     Ok(())
 }
