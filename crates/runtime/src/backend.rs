@@ -66,6 +66,13 @@ pub trait Backend: Send {
     /// Runs one step over several sequences (all their tokens through each weight once) and
     /// returns the logits of every sequence's rows, sequence after sequence.
     fn forward(&mut self, batch: &[StepSeq]) -> Result<Vec<f32>, RuntimeError>;
+    /// Like `forward`, but returns the argmax of each logits row (lowest id on ties) instead of
+    /// the logits, where the backend can compute it on its device; `None`: it cannot (the
+    /// caller then runs `forward`).
+    fn forward_argmax(&mut self, batch: &[StepSeq]) -> Result<Option<Vec<u32>>, RuntimeError> {
+        let _ = batch;
+        Ok(None)
+    }
     /// The device's measured copy bandwidth (bytes read + written per second), for backends
     /// whose memory is not the host's; `None`: the host's (see `bench::copy_bandwidth`).
     fn copy_bandwidth(&mut self) -> Option<f64> {

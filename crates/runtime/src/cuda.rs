@@ -39,6 +39,8 @@ pub struct CudaBackend {
     cap: usize,
     /// Step inputs: ids, pos, slot_of, seq_off (T each), rows (R), slots.
     inputs: CudaSlice<i32>,
+    /// Argmax of each logits row.
+    tokens: CudaSlice<i32>,
     graphs: HashMap<usize, Graph>,
     use_graphs: bool,
     /// `ENGINE_CUDA_PROFILE=1`: every launch timed with events (graphs off), summary at exit.
@@ -149,6 +151,7 @@ impl CudaBackend {
         stream.synchronize().map_err(driver("uploading weights"))?;
         eprintln!("uploaded {:.2} GB of weights in {:.2}s", total as f64 / 1e9, t.elapsed().as_secs_f64());
         let inputs = stream.alloc_zeros::<i32>(1 << 16).map_err(driver("alloc"))?;
+        let tokens = stream.alloc_zeros::<i32>(1).map_err(driver("alloc"))?;
         let profile = std::env::var("ENGINE_CUDA_PROFILE").is_ok_and(|v| v == "1");
         let use_graphs = !profile && std::env::var("ENGINE_CUDA_GRAPHS").map_or(true, |v| v != "0");
         let mut be = CudaBackend {
@@ -164,6 +167,7 @@ impl CudaBackend {
             bufs: vec![],
             cap: 0,
             inputs,
+            tokens,
             graphs: HashMap::new(),
             use_graphs,
             profile: profile.then(Default::default),
@@ -180,6 +184,7 @@ impl CudaBackend {
         let cap = tokens.max(self.cap * 2);
         self.graphs.clear();
         self.bufs.clear();
+        self.tokens = self.stream.alloc_zeros::<i32>(cap).map_err(driver("alloc"))?;
         for b in &self.program.buffers {
             let oom = |e| RuntimeError::Invalid(format!("out of GPU memory for a step of {cap} tokens: {e:?}"));
             self.bufs.push(self.stream.alloc_zeros::<f32>((cap * b.row_bytes).div_ceil(4).max(1)).map_err(oom)?);
@@ -376,6 +381,40 @@ impl Backend for CudaBackend {
     }
 
     fn forward(&mut self, batch: &[StepSeq]) -> Result<Vec<f32>, RuntimeError> {
+        let wanted = self.run(batch)?;
+        let n = wanted * self.plan.vocab;
+        let mut logits = vec![0f32; n];
+        if n > 0 {
+            let src = self.bufs[self.program.output].slice(0..n);
+            self.stream.memcpy_dtoh(&src, &mut logits).map_err(driver("copying logits"))?;
+        }
+        self.stream.synchronize().map_err(driver("running a step"))?;
+        Ok(logits)
+    }
+
+    fn forward_argmax(&mut self, batch: &[StepSeq]) -> Result<Option<Vec<u32>>, RuntimeError> {
+        let wanted = self.run(batch)?;
+        if wanted == 0 {
+            return Ok(Some(vec![]));
+        }
+        let key = KernelKey::Argmax { vocab: self.plan.vocab };
+        let out = self.bufs[self.program.output].slice(0..wanted * self.plan.vocab);
+        let mut b = self.stream.launch_builder(&self.funcs[&key]);
+        b.arg(&out);
+        b.arg(&mut self.tokens);
+        let cfg = LaunchConfig { grid_dim: (wanted as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+        unsafe { b.launch(cfg) }.map_err(driver("launching argmax"))?;
+        let mut ids = vec![0i32; wanted];
+        self.stream.memcpy_dtoh(&self.tokens.slice(0..wanted), &mut ids).map_err(driver("copying tokens"))?;
+        self.stream.synchronize().map_err(driver("running a step"))?;
+        Ok(Some(ids.into_iter().map(|i| i as u32).collect()))
+    }
+}
+
+impl CudaBackend {
+    /// Runs a step; the logits of the wanted rows are then at the start of the output buffer.
+    /// Returns how many rows were wanted.
+    fn run(&mut self, batch: &[StepSeq]) -> Result<usize, RuntimeError> {
         check_batch(&self.plan, batch, self.slots)?;
         let wanted: usize = batch.iter().map(|q| q.rows.len()).sum();
         let graph = self.graph_size(batch);
@@ -383,7 +422,7 @@ impl Backend for CudaBackend {
         let t: usize = batch.iter().map(|q| q.tokens.len()).sum::<usize>() + pad;
         let r = wanted + pad;
         if t == 0 {
-            return Ok(vec![]);
+            return Ok(0);
         }
         self.ensure_cap(t)?;
         let off = self.upload(batch, pad)?;
@@ -404,13 +443,6 @@ impl Backend for CudaBackend {
         } else {
             self.enqueue(t, r, &off)?;
         }
-        let n = wanted * self.plan.vocab;
-        let mut logits = vec![0f32; n];
-        if n > 0 {
-            let src = self.bufs[self.program.output].slice(0..n);
-            self.stream.memcpy_dtoh(&src, &mut logits).map_err(driver("copying logits"))?;
-        }
-        self.stream.synchronize().map_err(driver("running a step"))?;
-        Ok(logits)
+        Ok(wanted)
     }
 }

@@ -110,6 +110,22 @@ fn step(backend: &mut dyn Backend, plan: &StepPlan, st: &mut State) -> Result<Ve
         .zip(&rows)
         .map(|((s, t), r)| StepSeq { tokens: t, slots: &s.slots, rows: r })
         .collect();
+    let greedy = plan.seqs.iter().all(|s| s.sample.as_ref().is_none_or(|r| r.logprobs.is_none() && r.sampling.is_greedy()));
+    if greedy {
+        if let Some(ids) = backend.forward_argmax(&steps)? {
+            let mut ids = ids.into_iter();
+            return Ok(plan
+                .seqs
+                .iter()
+                .map(|s| {
+                    s.sample.as_ref()?;
+                    let token = ids.next().expect("one token per sampled sequence");
+                    st.last.insert(s.req, token);
+                    Some(Sampled { token, logprobs: None })
+                })
+                .collect());
+        }
+    }
     let logits = backend.forward(&steps)?;
     let vocab = backend.vocab();
     let mut rows = logits.chunks_exact(vocab);
