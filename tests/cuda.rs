@@ -88,3 +88,77 @@ fn no_gpu_is_a_clear_error() {
         assert!(e.contains("CUDA driver (libcuda.so) was not found") || e.contains("no usable GPU"), "{e}");
     }
 }
+
+fn plan(shape: &str, tp: usize) -> ir::Plan {
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(repo().join(format!("tests/configs/{shape}.json"))).unwrap())
+            .unwrap();
+    compiler::plan_for_config(&repo().join("models/qwen2.yaml"), &config, tp, ir::DType::BF16).unwrap()
+}
+
+/// The launches of a step of `t` tokens (and `t` logit rows).
+fn launches(p: &codegen_cuda::Program, t: usize) -> Vec<&codegen_cuda::Launch> {
+    p.steps
+        .iter()
+        .flat_map(|s| match s {
+            codegen_cuda::Step::Kernels { variants, .. } => {
+                variants.iter().find(|(max, _)| t <= *max).map(|(_, l)| l.iter().collect()).unwrap_or_default()
+            }
+            codegen_cuda::Step::AllReduce { .. } => vec![],
+        })
+        .collect()
+}
+
+/// The schedule's fusions and buffer plan on the Qwen2.5 shapes: eight launches per layer at
+/// batch 1 (add+norm, q/k/v, RoPE+KV write, attention, o, add+norm, gate/up+silu·mul, down),
+/// buffers reused across layers, and every launch's arguments matching its kernel's parameters.
+#[test]
+fn cuda_schedule_fuses_and_reuses_buffers() {
+    for (shape, layers) in [("qwen2.5-0.5b", 24), ("qwen2.5-7b", 28)] {
+        for tp in [1, 2] {
+            let plan = plan(shape, tp);
+            let p = codegen_cuda::emit(&plan).unwrap();
+            let one = launches(&p, 1);
+            assert!(one.len() <= 8 * layers + 5, "{shape} tp{tp}: {} launches at batch 1", one.len());
+            assert!(p.buffers.len() <= 16, "{shape} tp{tp}: {} buffers", p.buffers.len());
+            let allreduces = p.steps.iter().filter(|s| matches!(s, codegen_cuda::Step::AllReduce { .. })).count();
+            assert_eq!(allreduces, if tp > 1 { 2 * layers } else { 0 }, "{shape} tp{tp}");
+            for t in [1, 3, 8, 16, 40, 64, 65, 4096] {
+                let kinds: Vec<String> = launches(&p, t).iter().map(|l| l.key.name()).collect();
+                let want = match t {
+                    0..=8 => "gemv_",
+                    9..=64 => "gemm_skinny_",
+                    _ => "gemm_k",
+                };
+                assert!(kinds.iter().any(|k| k.starts_with(want)), "{shape} t={t}: {kinds:?}");
+                for l in launches(&p, t) {
+                    let src = p.source.lines().find(|s| s.contains(&format!(" {}(", l.key.name()))).unwrap();
+                    let params = src.split_once('(').unwrap().1.split_once(')').unwrap().0.split(',').count();
+                    assert_eq!(params, l.args.len(), "{}: {src}", l.key.name());
+                    for a in &l.args {
+                        match *a {
+                            codegen_cuda::Arg::Buf(b) => assert!(b < p.buffers.len()),
+                            codegen_cuda::Arg::Weight(w) => {
+                                assert!(matches!(plan.nodes[w].op, ir::Op::Weight { .. }), "{}", l.key.name())
+                            }
+                            codegen_cuda::Arg::Const(c) => assert!(c < p.constants.len()),
+                            _ => {}
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn unsupported_head_dim_is_a_clear_error() {
+    let config: serde_json::Value = serde_json::json!({
+        "architectures": ["Qwen2ForCausalLM"], "hidden_size": 240, "intermediate_size": 512,
+        "num_attention_heads": 3, "num_key_value_heads": 1, "num_hidden_layers": 1, "vocab_size": 1000,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": true
+    });
+    let plan = compiler::plan_for_config(&repo().join("models/qwen2.yaml"), &config, 1, ir::DType::BF16).unwrap();
+    let e = codegen_cuda::emit(&plan).unwrap_err().to_string();
+    assert!(e.contains("head_dim 80"), "{e}");
+}

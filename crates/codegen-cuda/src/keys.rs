@@ -171,7 +171,9 @@ impl KernelKey {
             KernelKey::RopeKv { heads, kv_heads, d, rope_q, rope_k } => {
                 format!("rope_kv_h{heads}_kv{kv_heads}_d{d}_{}{}", u8::from(rope_q), u8::from(rope_k))
             }
-            KernelKey::Attention { heads, kv_heads, d, out } => format!("attention_h{heads}_kv{kv_heads}_d{d}_to_{out}"),
+            KernelKey::Attention { heads, kv_heads, d, out } => {
+                format!("attention_h{heads}_kv{kv_heads}_d{d}_to_{out}")
+            }
             KernelKey::Add => "add_f32".into(),
             KernelKey::Mul => "mul_f32".into(),
             KernelKey::Silu => "silu_f32".into(),
@@ -186,7 +188,10 @@ impl KernelKey {
         let (params, call) = match *self {
             KernelKey::Embedding { h, w } => {
                 let t = ctype(w)?;
-                (format!("const int* ids, const {t}* table, float* out"), format!("embedding<{h}, {t}>(ids, table, out)"))
+                (
+                    format!("const int* ids, const {t}* table, float* out"),
+                    format!("embedding<{h}, {t}>(ids, table, out)"),
+                )
             }
             KernelKey::AddRmsNorm { h, w, add, out } => {
                 let (t, o) = (ctype(w)?, ctype(out)?);
@@ -206,10 +211,9 @@ impl KernelKey {
             KernelKey::Gemm { k, n } => {
                 (GROUP_PARAMS.into(), format!("gemm<{k}, {}, {}, {}>({GROUP_ARGS})", n[0], n[1], n[2]))
             }
-            KernelKey::GemmSkinny { k, n, tiles } => (
-                GROUP_PARAMS.into(),
-                format!("gemm_skinny<{k}, {}, {}, {}, {tiles}>({GROUP_ARGS})", n[0], n[1], n[2]),
-            ),
+            KernelKey::GemmSkinny { k, n, tiles } => {
+                (GROUP_PARAMS.into(), format!("gemm_skinny<{k}, {}, {}, {}, {tiles}>({GROUP_ARGS})", n[0], n[1], n[2]))
+            }
             KernelKey::Linear { k, n, w, bias } => {
                 let t = ctype(w)?;
                 (
@@ -241,7 +245,9 @@ impl KernelKey {
                         "const float* q, const bf16_t* kc, const bf16_t* vc, const int* slots, const int* seq_off, \
                          const int* pos, float scale, {o}* out"
                     ),
-                    format!("attention_kv16<{heads}, {kv_heads}, {d}, {o}>(q, kc, vc, slots, seq_off, pos, scale, out)"),
+                    format!(
+                        "attention_kv16<{heads}, {kv_heads}, {d}, {o}>(q, kc, vc, slots, seq_off, pos, scale, out)"
+                    ),
                 )
             }
             KernelKey::Add => ("const float* a, const float* b, float* out, long n".into(), "add(a, b, out, n)".into()),

@@ -1,7 +1,9 @@
 //! Lowering of plan nodes to launches, with the fusions the schedule module describes.
 
 use crate::keys::KernelKey;
-use crate::schedule::{launch, one, per_token, Arg, Builder, Count, Dim, Input, Launch, Step, GEMV_ROWS, ONE, SKINNY_ROWS};
+use crate::schedule::{
+    launch, one, per_token, Arg, Builder, Count, Dim, Input, Launch, Step, GEMV_ROWS, ONE, SKINNY_ROWS,
+};
 use crate::CodegenError;
 use ir::{DType, Op};
 
@@ -54,7 +56,8 @@ pub(crate) fn node(b: &mut Builder, i: usize) -> Result<(), CodegenError> {
         Op::Attention { .. } => attention(b, i)?,
         Op::Silu => {
             let (a, out) = (b.f32_val(n.inputs[0])?, b.out(i, DType::F32));
-            b.steps.push(elementwise(KernelKey::Silu, vec![Arg::Buf(a), Arg::Buf(out), Arg::Elems(Count::Tokens, cols)]));
+            b.steps
+                .push(elementwise(KernelKey::Silu, vec![Arg::Buf(a), Arg::Buf(out), Arg::Elems(Count::Tokens, cols)]));
         }
         Op::Mul => {
             let (x, y) = (b.f32_val(n.inputs[0])?, b.f32_val(n.inputs[1])?);
@@ -77,9 +80,10 @@ fn add(b: &mut Builder, i: usize) -> Result<(), CodegenError> {
     let n = &b.plan.nodes[i];
     let cols = b.cols(i);
     let (x, y) = (b.f32_val(n.inputs[0])?, b.f32_val(n.inputs[1])?);
-    let norm = b.consumers[i].iter().copied().find(|&c| {
-        matches!(b.plan.nodes[c].op, Op::RmsNorm { .. }) && b.plan.nodes[c].inputs[0] == i && !b.done[c]
-    });
+    let norm = b.consumers[i]
+        .iter()
+        .copied()
+        .find(|&c| matches!(b.plan.nodes[c].op, Op::RmsNorm { .. }) && b.plan.nodes[c].inputs[0] == i && !b.done[c]);
     let s = b.out(i, DType::F32);
     let Some(c) = norm else {
         let args = vec![Arg::Buf(x), Arg::Buf(y), Arg::Buf(s), Arg::Elems(Count::Tokens, cols)];
@@ -103,10 +107,10 @@ type Group = (usize, Option<usize>, usize, usize);
 fn grouped(x: usize, k: usize, groups: &[Group], by: Count) -> Step {
     let mut n = [0; 3];
     let mut args = vec![Arg::Buf(x)];
-    for g in 0..3 {
+    for (g, slot) in n.iter_mut().enumerate() {
         match groups.get(g) {
             Some(&(w, bias, out, cols)) => {
-                n[g] = cols;
+                *slot = cols;
                 args.extend([Arg::Weight(w), bias.map_or(Arg::Null, Arg::Weight), Arg::Buf(out)]);
             }
             None => args.extend([Arg::Null, Arg::Null, Arg::Null]),
@@ -149,8 +153,11 @@ fn glu_of(b: &Builder, g: usize, candidates: &[usize]) -> Option<(usize, usize, 
         return None;
     }
     let u = if mn.inputs[0] == s { mn.inputs[1] } else { mn.inputs[0] };
-    (candidates.contains(&u) && u != g && b.consumers[u] == [m] && !matches!(b.plan.nodes[u].op, Op::Linear { bias: true }))
-        .then_some((u, s, m))
+    (candidates.contains(&u)
+        && u != g
+        && b.consumers[u] == [m]
+        && !matches!(b.plan.nodes[u].op, Op::Linear { bias: true }))
+    .then_some((u, s, m))
 }
 
 /// A linear: grouped with the other fast linears reading the same input, or fused into a GLU.
@@ -163,7 +170,13 @@ fn linear(b: &mut Builder, i: usize) -> Result<(), CodegenError> {
         let (w, bias) = (n.inputs[1], n.inputs.get(2).copied());
         let out = b.out(i, DType::F32);
         let key = KernelKey::Linear { k, n: b.cols(i), w: b.wdtype(w), bias: bias.is_some() };
-        let args = vec![Arg::Buf(x), Arg::Weight(w), bias.map_or(Arg::Null, Arg::Weight), Arg::Buf(out), Arg::Count(Count::Tokens)];
+        let args = vec![
+            Arg::Buf(x),
+            Arg::Weight(w),
+            bias.map_or(Arg::Null, Arg::Weight),
+            Arg::Buf(out),
+            Arg::Count(Count::Tokens),
+        ];
         b.steps.push(one(launch(key, args, [Dim::Fixed(b.cols(i).div_ceil(8)), ONE], 256)));
         return Ok(());
     }

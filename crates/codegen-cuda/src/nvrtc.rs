@@ -37,7 +37,8 @@ fn compile(source: &str, arch: &str) -> Result<Vec<u8>, CodegenError> {
     let out = unsafe {
         match result::compile_program(prog, &opts) {
             Err(e) => {
-                let log = result::get_program_log(prog).map(|l| CStr::from_ptr(l.as_ptr()).to_string_lossy().into_owned());
+                let log =
+                    result::get_program_log(prog).map(|l| CStr::from_ptr(l.as_ptr()).to_string_lossy().into_owned());
                 Err(rejected(format!("{e:?}: {}", log.unwrap_or_default())))
             }
             Ok(()) if arch.starts_with("sm_") => {
@@ -112,6 +113,9 @@ pub struct CompileReport {
     pub cached: usize,
 }
 
+/// One kernel's binary and whether it came from the cache.
+type Compiled = Result<(Vec<u8>, bool), CodegenError>;
+
 /// Compiles every kernel of `program` for `arch` (`sm_90`: CUBIN; `compute_90`: PTX) on all
 /// cores, each its own NVRTC program, through the disk cache. Returns one binary per kernel, in
 /// `program.kernels` order.
@@ -129,7 +133,7 @@ pub fn compile_kernels(program: &Program, arch: &str) -> Result<(Vec<Vec<u8>>, C
         .collect();
     let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(4).min(sources.len().max(1));
     let next = std::sync::atomic::AtomicUsize::new(0);
-    let mut out: Vec<Option<Result<(Vec<u8>, bool), CodegenError>>> = (0..sources.len()).map(|_| None).collect();
+    let mut out: Vec<Option<Compiled>> = (0..sources.len()).map(|_| None).collect();
     let slots: Vec<std::sync::Mutex<&mut Option<_>>> = out.iter_mut().map(std::sync::Mutex::new).collect();
     std::thread::scope(|s| {
         for _ in 0..threads {

@@ -187,7 +187,10 @@ impl<'p> Builder<'p> {
 
     pub(crate) fn val(&self, node: usize) -> Result<usize, CodegenError> {
         self.node_val[node].ok_or_else(|| {
-            CodegenError::Unsupported(format!("node {node} ({}) is used before it is computed", self.plan.nodes[node].label))
+            CodegenError::Unsupported(format!(
+                "node {node} ({}) is used before it is computed",
+                self.plan.nodes[node].label
+            ))
         })
     }
 
@@ -251,7 +254,7 @@ impl<'p> Builder<'p> {
     pub(crate) fn fast_linear(&self, i: usize) -> bool {
         let n = &self.plan.nodes[i];
         let k = self.plan.nodes[n.inputs[0]].ty.last().unwrap_or(0);
-        n.inputs[1..].iter().all(|&w| self.wdtype(w) == DType::BF16) && k % 32 == 0 && k > 0
+        n.inputs[1..].iter().all(|&w| self.wdtype(w) == DType::BF16) && k.is_multiple_of(32) && k > 0
     }
 }
 

@@ -374,7 +374,8 @@ fn logits(path: &Path, ids: &str, prefill: Option<usize>, device: Device, out: &
     // Step 0 prefills the first `prefill` tokens of each sequence; step k > 0 feeds token
     // prefill + k - 1 of every sequence that has it.
     for step in 0..=longest.saturating_sub(prefill) {
-        let range = |s: &Vec<u32>| if step == 0 { 0..prefill.min(s.len()) } else { (prefill + step - 1)..(prefill + step) };
+        let range =
+            |s: &Vec<u32>| if step == 0 { 0..prefill.min(s.len()) } else { (prefill + step - 1)..(prefill + step) };
         let live: Vec<usize> = (0..seqs.len()).filter(|&i| range(&seqs[i]).end <= seqs[i].len()).collect();
         let rows: Vec<Vec<usize>> = live.iter().map(|&i| (0..range(&seqs[i]).len()).collect()).collect();
         let batch: Vec<runtime::SeqChunk> = live

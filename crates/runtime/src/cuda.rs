@@ -11,7 +11,9 @@ use crate::RuntimeError;
 use bundle::Bundle;
 use codegen_cuda::{Arg, Count, Dim, Input, KernelKey, Launch, Program, Step};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-use cudarc::driver::{CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
+};
 use ir::{DType, Op, Plan};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -56,7 +58,12 @@ impl Drop for CudaBackend {
         rows.sort_by(|a, b| b.1 .0.total_cmp(&a.1 .0));
         eprintln!("CUDA kernel time: {total:.2} ms in all");
         for (name, (ms, n)) in rows.iter().take(30) {
-            eprintln!("{:>9.3} ms {:>5.1}% {n:>7} calls {:>8.2} us/call  {name}", ms, 100.0 * ms / total, 1e3 * ms / *n as f64);
+            eprintln!(
+                "{:>9.3} ms {:>5.1}% {n:>7} calls {:>8.2} us/call  {name}",
+                ms,
+                100.0 * ms / total,
+                1e3 * ms / *n as f64
+            );
         }
     }
 }
@@ -146,8 +153,12 @@ impl CudaBackend {
                 _ => None,
             });
         }
-        let constants =
-            program.constants.iter().map(|c| stream.clone_htod(c)).collect::<Result<_, _>>().map_err(driver("upload"))?;
+        let constants = program
+            .constants
+            .iter()
+            .map(|c| stream.clone_htod(c))
+            .collect::<Result<_, _>>()
+            .map_err(driver("upload"))?;
         stream.synchronize().map_err(driver("uploading weights"))?;
         eprintln!("uploaded {:.2} GB of weights in {:.2}s", total as f64 / 1e9, t.elapsed().as_secs_f64());
         let inputs = stream.alloc_zeros::<i32>(1 << 16).map_err(driver("alloc"))?;
@@ -433,9 +444,11 @@ impl CudaBackend {
                     .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
                     .map_err(driver("capturing a graph"))?;
                 let enq = self.enqueue(t, r, &off);
-                let graph = self.stream.end_capture(CUgraphInstantiate_flags(0)).map_err(driver("capturing a graph"))?;
+                let graph =
+                    self.stream.end_capture(CUgraphInstantiate_flags(0)).map_err(driver("capturing a graph"))?;
                 enq?;
-                let graph = graph.ok_or_else(|| RuntimeError::Unsupported("CUDA: graph capture gave nothing".into()))?;
+                let graph =
+                    graph.ok_or_else(|| RuntimeError::Unsupported("CUDA: graph capture gave nothing".into()))?;
                 eprintln!("captured the decode graph for batch {t} in {:.0} ms", start.elapsed().as_secs_f64() * 1e3);
                 self.graphs.insert(t, Graph(graph));
             }

@@ -110,7 +110,8 @@ fn step(backend: &mut dyn Backend, plan: &StepPlan, st: &mut State) -> Result<Ve
         .zip(&rows)
         .map(|((s, t), r)| StepSeq { tokens: t, slots: &s.slots, rows: r })
         .collect();
-    let greedy = plan.seqs.iter().all(|s| s.sample.as_ref().is_none_or(|r| r.logprobs.is_none() && r.sampling.is_greedy()));
+    let greedy =
+        plan.seqs.iter().all(|s| s.sample.as_ref().is_none_or(|r| r.logprobs.is_none() && r.sampling.is_greedy()));
     if greedy {
         if let Some(ids) = backend.forward_argmax(&steps)? {
             let mut ids = ids.into_iter();
