@@ -387,13 +387,15 @@ __device__ void rope_kv(const float* q, const float* k, const float* v, const in
 // slots slots[seq_off[t] + p]). D / 16 lanes share a key (16 dims each), so a warp scores
 // 32 / (D / 16) keys at once (K and V rows loaded together); eight warps split the keys and
 // merge their online softmax states through shared memory. grid: (T, H), block: 256.
-template <int H, int KVH, int D, typename O>
+// With MIXED_ONLY, only rows whose group of 16 (see attention_fa) spans two sequences run.
+template <int H, int KVH, int D, typename O, bool MIXED_ONLY>
 __device__ void attention_kv16(const float* q, const bf16_t* kc, const bf16_t* vc, const int* slots,
-                               const int* seq_off, const int* pos, float scale, O* out) {
+                               const int* seq_off, const int* pos, float scale, O* out, int T) {
   constexpr int G = D / 16, KPW = 32 / G, WARPS = 8, STATES = WARPS * KPW;
   __shared__ float sm_acc[STATES][D];
   __shared__ float sm_m[STATES], sm_l[STATES];
   const int t = blockIdx.x, h = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (MIXED_ONLY && seq_off[t & ~15] == seq_off[min((t & ~15) + 15, T - 1)]) return;
   const int sub = lane % G, grp = lane / G, kvh = h / (H / KVH);
   float qv[16], acc[16];
   const float* qr = q + ((long)t * H + h) * D + sub * 16;
@@ -458,6 +460,144 @@ __device__ void attention_kv16(const float* q, const bf16_t* kc, const bf16_t* v
     for (int s = 0; s < STATES; s++)
       if (sm_m[s] != NEG_INF) v += sm_acc[s][d] * __expf(sm_m[s] - mm);
     store(o + d, v / ll);
+  }
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned* r, unsigned addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
+  unsigned r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+// Extend attention on tensor cores (FlashAttention-2 style, per warp): a warp takes 16
+// consecutive query rows of one head; when they belong to one sequence (rows of a sequence are
+// consecutive, at consecutive positions), it walks that sequence's keys in tiles of 16 staged
+// through shared memory (cp.async from the paged cache), S = Q·Kᵀ and O += P·V with mma.sync
+// m16n8k16, online softmax in f32 with a causal mask. Groups that span two sequences are left
+// to attention_kv16<MIXED_ONLY>. grid: (ceil(T / 64), H), block: 128. D <= 128.
+template <int H, int KVH, int D, typename O>
+__device__ void attention_fa(const float* q, const bf16_t* kc, const bf16_t* vc, const int* slots,
+                             const int* seq_off, const int* pos, float scale, O* out, int T) {
+  constexpr int S = D + 8, KS = D / 16, DT = D / 8;
+  __shared__ __align__(16) bf16_t sk[4][16 * S];
+  __shared__ __align__(16) bf16_t sv[4][16 * S];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+  const int h = blockIdx.y, kvh = h / (H / KVH);
+  const int r0 = blockIdx.x * 64 + warp * 16;
+  if (r0 >= T) return;
+  const int last = min(r0 + 15, T - 1);
+  if (seq_off[r0] != seq_off[last]) return;
+  const int* sl = slots + seq_off[r0];
+  const int p_first = pos[r0], n_keys = pos[last] + 1;
+  const float qs = scale * 1.4426950408889634f;
+  unsigned qf[KS][4];
+#pragma unroll
+  for (int ks = 0; ks < KS; ks++) {
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+      const int row = r0 + g + (e & 1) * 8, d = ks * 16 + 2 * c + (e >> 1) * 8;
+      float a = 0.0f, b = 0.0f;
+      if (row < T) {
+        const float* src = q + ((long)row * H + h) * D + d;
+        a = src[0] * qs;
+        b = src[1] * qs;
+      }
+      qf[ks][e] = pack_bf16x2(a, b);
+    }
+  }
+  float o[DT][4];
+#pragma unroll
+  for (int i = 0; i < DT; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+  float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
+  bf16_t* k_s = sk[warp];
+  bf16_t* v_s = sv[warp];
+  for (int p0 = 0; p0 < n_keys; p0 += 16) {
+    for (int i = lane; i < 16 * DT; i += 32) {
+      const int key = i / DT, ch = i % DT, p = p0 + key;
+      const bool valid = p < n_keys;
+      const long src = (long)(valid ? sl[p] : sl[0]) * (KVH * D) + kvh * D + ch * 8;
+      cp_async16(smem_addr(k_s + key * S + ch * 8), kc + src, valid ? 16 : 0);
+      cp_async16(smem_addr(v_s + key * S + ch * 8), vc + src, valid ? 16 : 0);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncwarp();
+    float s[2][4];
+#pragma unroll
+    for (int nt = 0; nt < 2; nt++) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+#pragma unroll
+    for (int ks = 0; ks < KS; ks++) {
+      unsigned kf[4];
+      ldmatrix_x4(kf, smem_addr(k_s + ((lane & 7) + (lane >> 4) * 8) * S + ks * 16 + ((lane >> 3) & 1) * 8));
+      const unsigned b0[2] = {kf[0], kf[1]}, b1[2] = {kf[2], kf[3]};
+      mma_bf16(s[0], qf[ks], b0);
+      mma_bf16(s[1], qf[ks], b1);
+    }
+    // causal mask, then the online softmax of rows g (hr 0) and g + 8 (hr 1)
+#pragma unroll
+    for (int hr = 0; hr < 2; hr++) {
+      const int row_pos = p_first + g + hr * 8;
+      float mx = NEG_INF;
+#pragma unroll
+      for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+          const int p = p0 + nt * 8 + 2 * c + e;
+          float& v = s[nt][hr * 2 + e];
+          if (p > row_pos || p >= n_keys) v = NEG_INF;
+          mx = fmaxf(mx, v);
+        }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(m[hr], mx);
+      const float base = m_new == NEG_INF ? 0.0f : m_new;
+      const float corr = exp2f(m[hr] - base);
+      m[hr] = m_new;
+      float sum = 0.0f;
+#pragma unroll
+      for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+          float& v = s[nt][hr * 2 + e];
+          v = exp2f(v - base);
+          sum += v;
+        }
+      l[hr] = l[hr] * corr + sum;
+#pragma unroll
+      for (int i = 0; i < DT; i++) {
+        o[i][hr * 2] *= corr;
+        o[i][hr * 2 + 1] *= corr;
+      }
+    }
+    const unsigned pa[4] = {pack_bf16x2(s[0][0], s[0][1]), pack_bf16x2(s[0][2], s[0][3]),
+                            pack_bf16x2(s[1][0], s[1][1]), pack_bf16x2(s[1][2], s[1][3])};
+#pragma unroll
+    for (int j = 0; j < D / 16; j++) {
+      unsigned vf[4];
+      ldmatrix_x4_trans(vf, smem_addr(v_s + ((lane & 7) + ((lane >> 3) & 1) * 8) * S + j * 16 + (lane >> 4) * 8));
+      const unsigned b0[2] = {vf[0], vf[1]}, b1[2] = {vf[2], vf[3]};
+      mma_bf16(o[2 * j], pa, b0);
+      mma_bf16(o[2 * j + 1], pa, b1);
+    }
+    __syncwarp();
+  }
+#pragma unroll
+  for (int hr = 0; hr < 2; hr++) {
+    float lt = l[hr];
+    lt += __shfl_xor_sync(0xffffffffu, lt, 1);
+    lt += __shfl_xor_sync(0xffffffffu, lt, 2);
+    const int row = r0 + g + hr * 8;
+    if (row >= T) continue;
+    O* dst = out + ((long)row * H + h) * D;
+#pragma unroll
+    for (int i = 0; i < DT; i++) {
+      store(dst + i * 8 + 2 * c, o[i][hr * 2] / lt);
+      store(dst + i * 8 + 2 * c + 1, o[i][hr * 2 + 1] / lt);
+    }
   }
 }
 

@@ -4,7 +4,7 @@
 # copy them). For each shape in SHAPES (default: qwen2.5-0.5b; qwen2.5-7b too with FULL=1):
 # builds a random-weight Qwen2 checkpoint with HF transformers, compiles a bundle, and compares
 # our CUDA logits with HF's (f32 forward over the same bf16 weights, and HF's bf16 forward):
-# batch 1 (32 tokens prefilled, then 32 decode steps) and batch 16 of mixed lengths (24 tokens
+# batch 1 (40 tokens prefilled, then 24 decode steps) and batch 16 of mixed lengths (24 tokens
 # prefilled each, then decode steps as one shrinking batch). Then benchmarks (BENCH=0 skips):
 # batch-1 decode, a 4096-token prefill, batches of 16 and 64, and a second start with a warm
 # kernel cache. Results go to $OUT (default /tmp/gpu-out).
@@ -57,7 +57,7 @@ PY
   one=$(python3 -c "import json; print(','.join(map(str, json.load(open('$ck/seqs.json'))[0])))")
   many=$(python3 -c "import json; print(';'.join(','.join(map(str, s)) for s in json.load(open('$ck/seqs.json'))[1:]))")
   rm -rf /tmp/engine-cache
-  /usr/bin/time -f "%e s wall" bin-gpu/engrun logits "$ck.bundle" --device cuda --ids "$one" --prefill 32 -o "$ck/b1.safetensors" 2>&1 | tee "$out/$shape-b1.txt"
+  /usr/bin/time -f "%e s wall" bin-gpu/engrun logits "$ck.bundle" --device cuda --ids "$one" --prefill 40 -o "$ck/b1.safetensors" 2>&1 | tee "$out/$shape-b1.txt"
   /usr/bin/time -f "%e s wall (warm kernel cache)" bin-gpu/engrun logits "$ck.bundle" --device cuda --ids "$many" --prefill 24 -o "$ck/b16.safetensors" 2>&1 | tee "$out/$shape-b16.txt"
   python3 - "$ck" "$shape" <<'PY' 2>&1 | tee "$out/$shape-compare.txt"
 import json, sys, torch
@@ -66,7 +66,7 @@ ck, shape = sys.argv[1:3]
 seqs = json.load(open(f"{ck}/seqs.json"))
 ref = load_file(f"{ck}/hf_logits.safetensors")
 lens = [len(s) for s in seqs]
-for run, first, count, pre in (("b1", 0, 1, 32), ("b16", 1, 16, 24)):
+for run, first, count, pre in (("b1", 0, 1, 40), ("b16", 1, 16, 24)):
     ours = load_file(f"{ck}/{run}.safetensors")["logits"]
     start = sum(lens[:first])
     for kind in ("f32", "bf16"):

@@ -95,13 +95,26 @@ pub enum KernelKey {
         /// Whether k is rotated.
         rope_k: bool,
     },
-    /// Causal GQA attention over the bf16 paged cache.
+    /// Causal GQA attention over the bf16 paged cache, a block per query row and head.
     Attention {
         /// Query heads.
         heads: usize,
         /// KV heads.
         kv_heads: usize,
         /// Head size.
+        d: usize,
+        /// Output dtype.
+        out: DType,
+        /// Only the rows [`KernelKey::AttentionFa`] leaves (groups of 16 spanning sequences).
+        mixed_only: bool,
+    },
+    /// Causal GQA attention on tensor cores for groups of 16 rows of one sequence.
+    AttentionFa {
+        /// Query heads.
+        heads: usize,
+        /// KV heads.
+        kv_heads: usize,
+        /// Head size (at most 128).
         d: usize,
         /// Output dtype.
         out: DType,
@@ -135,6 +148,13 @@ pub(crate) fn ctype(d: DType) -> Result<&'static str, CodegenError> {
         DType::BF16 => Ok("bf16_t"),
         other => Err(CodegenError::Unsupported(format!("{other} weights (compile with --dtype bf16 or f32)"))),
     }
+}
+
+fn attention_params(o: &str) -> String {
+    format!(
+        "const float* q, const bf16_t* kc, const bf16_t* vc, const int* slots, const int* seq_off, const int* pos, \
+         float scale, {o}* out, int T"
+    )
 }
 
 const GROUP_PARAMS: &str = "const bf16_t* x, const bf16_t* w0, const bf16_t* b0, float* o0, const bf16_t* w1, \
@@ -171,8 +191,11 @@ impl KernelKey {
             KernelKey::RopeKv { heads, kv_heads, d, rope_q, rope_k } => {
                 format!("rope_kv_h{heads}_kv{kv_heads}_d{d}_{}{}", u8::from(rope_q), u8::from(rope_k))
             }
-            KernelKey::Attention { heads, kv_heads, d, out } => {
-                format!("attention_h{heads}_kv{kv_heads}_d{d}_to_{out}")
+            KernelKey::Attention { heads, kv_heads, d, out, mixed_only } => {
+                format!("attention_h{heads}_kv{kv_heads}_d{d}_to_{out}{}", if mixed_only { "_mixed" } else { "" })
+            }
+            KernelKey::AttentionFa { heads, kv_heads, d, out } => {
+                format!("attention_fa_h{heads}_kv{kv_heads}_d{d}_to_{out}")
             }
             KernelKey::Add => "add_f32".into(),
             KernelKey::Mul => "mul_f32".into(),
@@ -238,16 +261,21 @@ impl KernelKey {
                      kc, vc)"
                 ),
             ),
-            KernelKey::Attention { heads, kv_heads, d, out } => {
+            KernelKey::Attention { heads, kv_heads, d, out, mixed_only } => {
                 let o = ctype(out)?;
                 (
+                    attention_params(o),
                     format!(
-                        "const float* q, const bf16_t* kc, const bf16_t* vc, const int* slots, const int* seq_off, \
-                         const int* pos, float scale, {o}* out"
+                        "attention_kv16<{heads}, {kv_heads}, {d}, {o}, {mixed_only}>(q, kc, vc, slots, seq_off, pos, \
+                         scale, out, T)"
                     ),
-                    format!(
-                        "attention_kv16<{heads}, {kv_heads}, {d}, {o}>(q, kc, vc, slots, seq_off, pos, scale, out)"
-                    ),
+                )
+            }
+            KernelKey::AttentionFa { heads, kv_heads, d, out } => {
+                let o = ctype(out)?;
+                (
+                    attention_params(o),
+                    format!("attention_fa<{heads}, {kv_heads}, {d}, {o}>(q, kc, vc, slots, seq_off, pos, scale, out, T)"),
                 )
             }
             KernelKey::Add => ("const float* a, const float* b, float* out, long n".into(), "add(a, b, out, n)".into()),

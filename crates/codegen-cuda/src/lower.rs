@@ -238,6 +238,10 @@ fn glu(b: &mut Builder, x: usize, k: usize, [g, u, s, m]: [usize; 4]) {
     b.steps.push(Step::Kernels { by: Count::Tokens, variants });
 }
 
+/// Steps of more tokens than this run attention on tensor cores (for groups of 16 rows of one
+/// sequence; the rest per row).
+const FA_ABOVE: usize = 32;
+
 /// RoPE + KV write, then attention.
 fn attention(b: &mut Builder, i: usize) -> Result<(), CodegenError> {
     let n = &b.plan.nodes[i];
@@ -284,7 +288,7 @@ fn attention(b: &mut Builder, i: usize) -> Result<(), CodegenError> {
     ];
     let rope = launch(key, args, [per_token(1, 1), ONE], 128);
     let out = b.out(i, b.act_dtype(i));
-    let key = KernelKey::Attention { heads, kv_heads, d, out: b.vals_dtype(out) };
+    let o = b.vals_dtype(out);
     let args = vec![
         Arg::Buf(qo),
         Arg::KCache(layer),
@@ -294,9 +298,21 @@ fn attention(b: &mut Builder, i: usize) -> Result<(), CodegenError> {
         Arg::Input(Input::Pos),
         Arg::F32(scale),
         Arg::Buf(out),
+        Arg::Count(Count::Tokens),
     ];
-    let attn = launch(key, args, [per_token(1, 1), Dim::Fixed(heads)], 256);
-    b.steps.push(Step::Kernels { by: Count::Tokens, variants: vec![(usize::MAX, vec![rope, attn])] });
+    let rows = |mixed_only| {
+        let key = KernelKey::Attention { heads, kv_heads, d, out: o, mixed_only };
+        launch(key, args.clone(), [per_token(1, 1), Dim::Fixed(heads)], 256)
+    };
+    let mut variants = vec![(FA_ABOVE, vec![rope.clone(), rows(false)])];
+    if d <= 128 {
+        let fa = KernelKey::AttentionFa { heads, kv_heads, d, out: o };
+        let fa = launch(fa, args.clone(), [per_token(1, 64), Dim::Fixed(heads)], 128);
+        variants.push((usize::MAX, vec![rope, fa, rows(true)]));
+    } else {
+        variants[0].0 = usize::MAX;
+    }
+    b.steps.push(Step::Kernels { by: Count::Tokens, variants });
     Ok(())
 }
 
