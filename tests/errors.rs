@@ -198,7 +198,7 @@ fn bundle_with_newer_format_is_refused() {
     let c = Case::new();
     let b = good_bundle(&c);
     let m = b.join("manifest.json");
-    let text = std::fs::read_to_string(&m).unwrap().replace("\"format_version\": 1", "\"format_version\": 99");
+    let text = std::fs::read_to_string(&m).unwrap().replace("\"format_version\": 2", "\"format_version\": 99");
     std::fs::write(&m, text).unwrap();
     engrun_fails(&["generate", b.to_str().unwrap(), "--prompt", "hi"], &["format 99", "upgrade engrun"]);
     let o = run("engc", &["inspect", b.to_str().unwrap()]);

@@ -22,8 +22,9 @@ pub use writer::{BundleWriter, TensorEntry};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
-/// The bundle format version this build writes and reads.
-pub const FORMAT_VERSION: u32 = 1;
+/// The bundle format version this build writes (it reads every version up to it). Version 2:
+/// BLAKE3 checksums (version 1: sha256).
+pub const FORMAT_VERSION: u32 = 2;
 
 /// The engine version, recorded in every bundle.
 pub const ENGINE_VERSION: &str = env!("CARGO_PKG_VERSION");
@@ -43,7 +44,8 @@ pub struct Manifest {
     pub tp: usize,
     /// Weight dtype (`bf16`, `f16`, `f32`).
     pub dtype: String,
-    /// sha256 (hex) of every other file, by path relative to the bundle root.
+    /// Checksum (hex) of every other file, by path relative to the bundle root: BLAKE3 from
+    /// format version 2, sha256 before.
     pub files: BTreeMap<String, String>,
 }
 

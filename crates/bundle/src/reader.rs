@@ -29,6 +29,13 @@ pub struct GenerationConfig {
     pub bos_token_id: Option<u32>,
 }
 
+/// BLAKE3 of a file, on all cores over its mmap.
+fn blake3_file(path: &Path) -> Result<String, BundleError> {
+    let mut h = blake3::Hasher::new();
+    h.update_mmap_rayon(path).map_err(|e| io_err(path, e))?;
+    Ok(h.finalize().to_hex().to_string())
+}
+
 fn sha256_file(path: &Path) -> Result<String, BundleError> {
     let mut f = std::fs::File::open(path).map_err(|e| io_err(path, e))?;
     let mut h = Sha256::new();
@@ -69,7 +76,8 @@ impl Bundle {
                     message: format!("`{file}` listed in manifest.json is missing"),
                 });
             }
-            if &sha256_file(&path)? != want {
+            let got = if manifest.format_version >= 2 { blake3_file(&path)? } else { sha256_file(&path)? };
+            if &got != want {
                 return Err(BundleError::Checksum { path: shown, file: file.clone() });
             }
         }

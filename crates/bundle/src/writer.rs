@@ -2,7 +2,6 @@
 
 use crate::{io_err, BundleError, Manifest, ENGINE_VERSION, FORMAT_VERSION};
 use ir::DType;
-use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -37,7 +36,7 @@ pub struct BundleWriter {
 
 struct HashingFile {
     file: std::io::BufWriter<std::fs::File>,
-    hash: Sha256,
+    hash: blake3::Hasher,
     path: PathBuf,
 }
 
@@ -73,12 +72,12 @@ impl BundleWriter {
             std::fs::create_dir_all(dir).map_err(|e| io_err(dir, e))?;
         }
         let file = std::fs::File::create(&path).map_err(|e| io_err(&path, e))?;
-        Ok(HashingFile { file: std::io::BufWriter::new(file), hash: Sha256::new(), path })
+        Ok(HashingFile { file: std::io::BufWriter::new(file), hash: blake3::Hasher::new(), path })
     }
 
     fn close(&mut self, rel: &str, mut f: HashingFile) -> Result<(), BundleError> {
         f.file.flush().map_err(|e| io_err(&f.path, e))?;
-        self.files.insert(rel.to_string(), hex(&f.hash.finalize()));
+        self.files.insert(rel.to_string(), f.hash.finalize().to_hex().to_string());
         Ok(())
     }
 
