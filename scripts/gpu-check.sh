@@ -6,7 +6,7 @@
 # our CUDA logits with HF's (f32 forward over the same bf16 weights, and HF's bf16 forward):
 # batch 1 (40 tokens prefilled, then 24 decode steps) and batch 16 of mixed lengths (24 tokens
 # prefilled each, then decode steps as one shrinking batch). Then benchmarks (BENCH=0 skips):
-# batch-1 decode, a 4096-token prefill, batches of 16 and 64, and a second start with a warm
+# batch-1 decode (with the default device: auto), a 4096-token prefill, batches of 16 and 64, and a second start with a warm
 # kernel cache. Results go to $OUT (default /tmp/gpu-out).
 set -euo pipefail
 out="${OUT:-/tmp/gpu-out}"
@@ -89,7 +89,7 @@ for run, first, count, pre in (("b1", 0, 1, 40), ("b16", 1, 16, 24)):
 PY
   if [ "${BENCH:-1}" = 1 ]; then
     b="$ck.bundle"
-    bin-gpu/engrun bench $b --device cuda --num-prompts 1 --input-len 128 --output-len 128 --json 2>&1 | tail -1 | tee "$out/$shape-bench-b1.json"
+    bin-gpu/engrun bench $b --num-prompts 1 --input-len 128 --output-len 128 --json 2>&1 | tail -1 | tee "$out/$shape-bench-b1.json"
     bin-gpu/engrun bench $b --device cuda --num-prompts 1 --input-len 4096 --output-len 2 --json 2>&1 | tail -1 | tee "$out/$shape-bench-prefill4096.json"
     bin-gpu/engrun bench $b --device cuda --num-prompts 16 --input-len 128 --output-len 128 --json 2>&1 | tail -1 | tee "$out/$shape-bench-b16.json"
     bin-gpu/engrun bench $b --device cuda --num-prompts 64 --input-len 128 --output-len 128 --json 2>&1 | tail -1 | tee "$out/$shape-bench-b64.json"

@@ -162,3 +162,18 @@ fn unsupported_head_dim_is_a_clear_error() {
     let e = codegen_cuda::emit(&plan).unwrap_err().to_string();
     assert!(e.contains("head_dim 80"), "{e}");
 }
+
+/// Without `--device`, a bundle runs on the GPU when one is usable and on the CPU otherwise;
+/// `--mem-fraction` outside (0, 1] is refused.
+#[test]
+fn auto_device_and_mem_fraction() {
+    let dir = scratch(env!("CARGO_TARGET_TMPDIR"), "cuda-auto");
+    let b = compile_fixture("tiny-llama", &dir, 1, None);
+    let out = dir.join("logits.safetensors");
+    let o = run("engrun", &["logits", b.to_str().unwrap(), "--ids", "1,2", "-o", out.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains(" on Cpu in ") || stderr(&o).contains(" on Cuda in "), "{}", stderr(&o));
+    let o = run("engrun", &["bench", b.to_str().unwrap(), "--num-prompts", "1", "--mem-fraction", "1.5"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("mem-fraction must be in (0, 1], got 1.5"), "{}", stderr(&o));
+}

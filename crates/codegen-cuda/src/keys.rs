@@ -275,7 +275,9 @@ impl KernelKey {
                 let o = ctype(out)?;
                 (
                     attention_params(o),
-                    format!("attention_fa<{heads}, {kv_heads}, {d}, {o}>(q, kc, vc, slots, seq_off, pos, scale, out, T)"),
+                    format!(
+                        "attention_fa<{heads}, {kv_heads}, {d}, {o}>(q, kc, vc, slots, seq_off, pos, scale, out, T)"
+                    ),
                 )
             }
             KernelKey::Add => ("const float* a, const float* b, float* out, long n".into(), "add(a, b, out, n)".into()),

@@ -18,9 +18,13 @@ struct Cli {
 /// How the engine schedules and sizes its KV pool (SGLang's flag names).
 #[derive(Args, Clone)]
 struct EngineArgs {
-    /// Token slots in the KV pool (default: as many as 1 GiB holds on the CPU).
+    /// Token slots in the KV pool (default: as many as 1 GiB holds on the CPU, or
+    /// --mem-fraction of the GPU's free memory after the weights).
     #[arg(long)]
     max_total_tokens: Option<usize>,
+    /// Share of the GPU's free memory after the weights that the KV pool takes.
+    #[arg(long, default_value_t = 0.85)]
+    mem_fraction: f64,
     /// Token slots per KV page.
     #[arg(long, default_value_t = 16)]
     page_size: usize,
@@ -49,6 +53,7 @@ impl EngineArgs {
         Ok(EngineConfig {
             page_size: self.page_size,
             kv_slots: self.max_total_tokens,
+            mem_fraction: self.mem_fraction,
             max_running_requests: self.max_running_requests,
             chunked_prefill_size: self.chunked_prefill_size,
             max_prefill_tokens: self.max_prefill_tokens,
@@ -93,8 +98,9 @@ enum Cmd {
         /// Keep generating past eos tokens.
         #[arg(long)]
         ignore_eos: bool,
-        /// cpu (Cranelift JIT, the default without a GPU), ref (reference interpreter) or cuda.
-        #[arg(long, default_value = "cpu")]
+        /// auto (cuda when a GPU is usable and the bundle runs there, else cpu), cpu (Cranelift
+        /// JIT), cuda, or ref (the reference interpreter).
+        #[arg(long, default_value = "auto")]
         device: Device,
         #[command(flatten)]
         engine: EngineArgs,
@@ -105,8 +111,9 @@ enum Cmd {
     Bench {
         /// The bundle directory.
         bundle: PathBuf,
-        /// cpu (Cranelift JIT, the default without a GPU), ref (reference interpreter) or cuda.
-        #[arg(long, default_value = "cpu")]
+        /// auto (cuda when a GPU is usable and the bundle runs there, else cpu), cpu (Cranelift
+        /// JIT), cuda, or ref (the reference interpreter).
+        #[arg(long, default_value = "auto")]
         device: Device,
         /// Number of requests.
         #[arg(long, default_value_t = 8)]
@@ -143,8 +150,9 @@ enum Cmd {
         /// Port (0: any free port; the chosen one is printed).
         #[arg(long, default_value_t = 30000)]
         port: u16,
-        /// cpu (Cranelift JIT, the default without a GPU), ref (reference interpreter) or cuda.
-        #[arg(long, default_value = "cpu")]
+        /// auto (cuda when a GPU is usable and the bundle runs there, else cpu), cpu (Cranelift
+        /// JIT), cuda, or ref (the reference interpreter).
+        #[arg(long, default_value = "auto")]
         device: Device,
         /// Require `Authorization: Bearer KEY`.
         #[arg(long)]
@@ -167,8 +175,9 @@ enum Cmd {
         /// per step, every sequence that still has tokens in the same decode batch. Default: all.
         #[arg(long)]
         prefill: Option<usize>,
-        /// cpu (Cranelift JIT, the default without a GPU), ref (reference interpreter) or cuda.
-        #[arg(long, default_value = "cpu")]
+        /// auto (cuda when a GPU is usable and the bundle runs there, else cpu), cpu (Cranelift
+        /// JIT), cuda, or ref (the reference interpreter).
+        #[arg(long, default_value = "auto")]
         device: Device,
         /// Output file.
         #[arg(short, long)]
@@ -246,9 +255,11 @@ struct GenArgs {
 fn open(path: &Path, device: Device) -> Result<(Bundle, Box<dyn runtime::Backend>), String> {
     let t = std::time::Instant::now();
     let b = Bundle::open(path).map_err(|e| e.to_string())?;
+    let opened = t.elapsed().as_secs_f64();
+    let device = runtime::resolve(&b, device);
     let backend = runtime::load(&b, device).map_err(|e| e.to_string())?;
     eprintln!(
-        "loaded {} ({} tp={} {}) on {device:?} in {:.2}s",
+        "loaded {} ({} tp={} {}) on {device:?} in {:.2}s (bundle checked in {opened:.2}s)",
         path.display(),
         b.manifest.model,
         b.manifest.tp,

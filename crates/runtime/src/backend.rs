@@ -20,6 +20,9 @@ pub enum Device {
     Cpu,
     /// The CUDA backend.
     Cuda,
+    /// CUDA when a GPU is usable and the bundle runs there (one rank, kernels it has), else
+    /// the CPU.
+    Auto,
 }
 
 impl FromStr for Device {
@@ -29,7 +32,8 @@ impl FromStr for Device {
             "ref" => Ok(Device::Ref),
             "cpu" => Ok(Device::Cpu),
             "cuda" => Ok(Device::Cuda),
-            other => Err(format!("unknown device `{other}` (expected ref, cpu or cuda)")),
+            "auto" => Ok(Device::Auto),
+            other => Err(format!("unknown device `{other}` (expected auto, ref, cpu or cuda)")),
         }
     }
 }
@@ -72,6 +76,11 @@ pub trait Backend: Send {
     fn forward_argmax(&mut self, batch: &[StepSeq]) -> Result<Option<Vec<u32>>, RuntimeError> {
         let _ = batch;
         Ok(None)
+    }
+    /// Free memory of the backend's device in bytes, when it is not the host's (the KV pool
+    /// is then sized from it).
+    fn free_memory(&self) -> Option<usize> {
+        None
     }
     /// The device's measured copy bandwidth (bytes read + written per second), for backends
     /// whose memory is not the host's; `None`: the host's (see `bench::copy_bandwidth`).
@@ -228,5 +237,23 @@ pub fn load(bundle: &Bundle, device: Device) -> Result<Box<dyn Backend>, Runtime
         Device::Cpu if bundle.plan.tp > 1 => Ok(Box::new(crate::TpCpuBackend::new(bundle)?)),
         Device::Cpu => Ok(Box::new(crate::CpuBackend::new(bundle)?)),
         Device::Cuda => Ok(Box::new(crate::CudaBackend::new(bundle)?)),
+        Device::Auto => load(bundle, resolve(bundle, Device::Auto)),
+    }
+}
+
+/// The device `Auto` means for `bundle` here (other devices are themselves): CUDA when a GPU is
+/// usable and the bundle runs on it, else the CPU (saying why on stderr when a GPU is there).
+pub fn resolve(bundle: &Bundle, device: Device) -> Device {
+    if device != Device::Auto {
+        return device;
+    }
+    match crate::cuda::usable(bundle) {
+        Ok(()) => Device::Cuda,
+        Err(why) => {
+            if crate::cuda::gpu_present() {
+                eprintln!("running on the CPU: {why}");
+            }
+            Device::Cpu
+        }
     }
 }

@@ -36,9 +36,9 @@ pub struct CudaBackend {
     k_cache: Vec<CudaSlice<u16>>,
     v_cache: Vec<CudaSlice<u16>>,
     slots: usize,
-    /// The schedule's buffers, `cap` rows each.
+    /// The schedule's buffers, `cap.0` token rows (or `cap.1` logit rows) each.
     bufs: Vec<CudaSlice<f32>>,
-    cap: usize,
+    cap: (usize, usize),
     /// Step inputs: ids, pos, slot_of, seq_off (T each), rows (R), slots.
     inputs: CudaSlice<i32>,
     /// Argmax of each logits row.
@@ -74,19 +74,58 @@ impl Drop for CudaBackend {
 struct Graph(CudaGraph);
 unsafe impl Send for Graph {}
 
-/// Creates the context of GPU 0, turning a missing driver (cudarc panics) into an error.
+/// The oldest driver the kernels' API level needs (CUDA 12.8).
+const MIN_DRIVER: i32 = 12080;
+
+/// Creates the context of GPU 0, turning a missing driver (cudarc panics), a driver older than
+/// the API level we use, or no GPU into one clear error each.
 fn context() -> Result<Arc<CudaContext>, RuntimeError> {
     let hook = std::panic::take_hook();
     std::panic::set_hook(Box::new(|_| {}));
+    let version = std::panic::catch_unwind(|| {
+        let mut v = 0;
+        unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut v) };
+        v
+    });
     let r = std::panic::catch_unwind(|| CudaContext::new(0));
     std::panic::set_hook(hook);
-    match r {
-        Ok(Ok(ctx)) => Ok(ctx),
-        Ok(Err(e)) => Err(RuntimeError::Unsupported(format!("no usable GPU: {e:?}; use --device cpu"))),
-        Err(_) => Err(RuntimeError::Unsupported(
+    match (version, r) {
+        (Err(_), _) | (_, Err(_)) => Err(RuntimeError::Unsupported(
             "the CUDA driver (libcuda.so) was not found: no GPU on this machine? use --device cpu".into(),
         )),
+        (Ok(v), _) if v > 0 && v < MIN_DRIVER => Err(RuntimeError::Unsupported(format!(
+            "the CUDA driver is too old: it supports CUDA {}.{}, the CUDA backend needs {}.{} or newer \
+             (update the NVIDIA driver, or use --device cpu)",
+            v / 1000,
+            v % 1000 / 10,
+            MIN_DRIVER / 1000,
+            MIN_DRIVER % 1000 / 10
+        ))),
+        (_, Ok(Ok(ctx))) => Ok(ctx),
+        (_, Ok(Err(e))) => Err(RuntimeError::Unsupported(format!("no usable GPU: {e:?}; use --device cpu"))),
     }
+}
+
+/// Whether a CUDA driver and a GPU are there (without keeping a context).
+pub fn gpu_present() -> bool {
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    let r = std::panic::catch_unwind(|| {
+        cudarc::driver::result::init().is_ok() && CudaContext::device_count().is_ok_and(|n| n > 0)
+    });
+    std::panic::set_hook(hook);
+    r.unwrap_or(false)
+}
+
+/// Whether `bundle` can run on the CUDA backend here: a GPU, one rank, kernels for its plan.
+pub fn usable(bundle: &Bundle) -> Result<(), String> {
+    if !gpu_present() {
+        return Err("no GPU".into());
+    }
+    if bundle.plan.tp != 1 {
+        return Err(format!("the CUDA backend runs one rank for now; this bundle has tp={}", bundle.plan.tp));
+    }
+    codegen_cuda::emit(&bundle.plan).map(|_| ()).map_err(|e| e.to_string())
 }
 
 /// The device's SM arch for NVRTC (`sm_90`), or `ENGINE_CUDA_ARCH`.
@@ -176,29 +215,37 @@ impl CudaBackend {
             v_cache: vec![],
             slots: 0,
             bufs: vec![],
-            cap: 0,
+            cap: (0, 0),
             inputs,
             tokens,
             graphs: HashMap::new(),
             use_graphs,
             profile: profile.then(Default::default),
         };
-        be.ensure_cap(256)?;
+        be.ensure_cap(256, 256)?;
         Ok(be)
     }
 
-    /// Grows the buffers to hold `tokens` rows (dropping captured graphs, whose pointers change).
-    fn ensure_cap(&mut self, tokens: usize) -> Result<(), RuntimeError> {
-        if tokens <= self.cap {
+    /// Grows the buffers to hold `tokens` token rows and `rows` logit rows (dropping captured
+    /// graphs, whose pointers change).
+    fn ensure_cap(&mut self, tokens: usize, rows: usize) -> Result<(), RuntimeError> {
+        if tokens <= self.cap.0 && rows <= self.cap.1 {
             return Ok(());
         }
-        let cap = tokens.max(self.cap * 2);
+        let grow = |need: usize, have: usize| if need > have { need.max(have * 2) } else { have };
+        let cap = (grow(tokens, self.cap.0), grow(rows, self.cap.1));
         self.graphs.clear();
         self.bufs.clear();
-        self.tokens = self.stream.alloc_zeros::<i32>(cap).map_err(driver("alloc"))?;
+        self.tokens = self.stream.alloc_zeros::<i32>(cap.1).map_err(driver("alloc"))?;
         for b in &self.program.buffers {
-            let oom = |e| RuntimeError::Invalid(format!("out of GPU memory for a step of {cap} tokens: {e:?}"));
-            self.bufs.push(self.stream.alloc_zeros::<f32>((cap * b.row_bytes).div_ceil(4).max(1)).map_err(oom)?);
+            let n = if b.per == Count::Tokens { cap.0 } else { cap.1 };
+            let oom = |e| {
+                RuntimeError::Invalid(format!(
+                    "out of GPU memory for a step of {} tokens, {} rows: {e:?}",
+                    cap.0, cap.1
+                ))
+            };
+            self.bufs.push(self.stream.alloc_zeros::<f32>((n * b.row_bytes).div_ceil(4).max(1)).map_err(oom)?);
         }
         self.cap = cap;
         Ok(())
@@ -375,6 +422,10 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
+    fn free_memory(&self) -> Option<usize> {
+        cudarc::driver::result::mem_get_info().ok().map(|(free, _)| free)
+    }
+
     /// Best of five device-to-device copies of 1 GiB, counting bytes read and written.
     fn copy_bandwidth(&mut self) -> Option<f64> {
         let n = 1 << 28;
@@ -435,7 +486,7 @@ impl CudaBackend {
         if t == 0 {
             return Ok(0);
         }
-        self.ensure_cap(t)?;
+        self.ensure_cap(t, r)?;
         let off = self.upload(batch, pad)?;
         if graph.is_some() {
             if !self.graphs.contains_key(&t) {

@@ -17,8 +17,11 @@ pub struct EngineConfig {
     pub page_size: usize,
     /// Token slots in the KV pool; `None`: as many as `kv_budget_bytes` holds.
     pub kv_slots: Option<usize>,
-    /// KV pool size in bytes when `kv_slots` is `None`.
+    /// KV pool size in bytes when `kv_slots` is `None` on a host-memory backend.
     pub kv_budget_bytes: usize,
+    /// Share of the device's free memory (after weights) the KV pool takes when `kv_slots` is
+    /// `None` on a device backend; the rest is for activations and CUDA graphs.
+    pub mem_fraction: f64,
     /// Most requests running at once.
     pub max_running_requests: usize,
     /// Most prompt tokens computed in one step.
@@ -43,6 +46,7 @@ impl Default for EngineConfig {
             page_size: 16,
             kv_slots: None,
             kv_budget_bytes: 1 << 30,
+            mem_fraction: 0.85,
             max_running_requests: 256,
             max_prefill_tokens: 16384,
             chunked_prefill_size: 8192,
@@ -95,7 +99,12 @@ impl Engine {
     /// Sizes the KV pool on `backend` and starts its worker thread.
     pub fn new(mut backend: Box<dyn Backend>, cfg: EngineConfig) -> Result<Engine, RuntimeError> {
         let slot_bytes = backend.kv_slot_bytes().max(1);
-        let slots = cfg.kv_slots.unwrap_or(cfg.kv_budget_bytes / slot_bytes);
+        if !(cfg.mem_fraction > 0.0 && cfg.mem_fraction <= 1.0) {
+            return Err(RuntimeError::Invalid(format!("mem-fraction must be in (0, 1], got {}", cfg.mem_fraction)));
+        }
+        let budget =
+            backend.free_memory().map_or(cfg.kv_budget_bytes, |free| (free as f64 * cfg.mem_fraction) as usize);
+        let slots = cfg.kv_slots.unwrap_or(budget / slot_bytes);
         if cfg.max_running_requests == 0 || cfg.chunked_prefill_size == 0 || cfg.max_prefill_tokens == 0 {
             return Err(RuntimeError::Invalid(
                 "max-running-requests, chunked-prefill-size and max-prefill-tokens must be at least 1".into(),

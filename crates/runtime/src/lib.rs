@@ -22,7 +22,7 @@ mod sequences;
 mod tp;
 mod worker;
 
-pub use backend::{check_batch, load, Backend, Device, RefBackend, StepSeq};
+pub use backend::{check_batch, load, resolve, Backend, Device, RefBackend, StepSeq};
 pub use cpu::CpuBackend;
 pub use cuda::CudaBackend;
 pub use engine::{Engine, EngineConfig, StepRecord};
