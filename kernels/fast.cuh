@@ -109,18 +109,33 @@ __device__ __forceinline__ void gemv_rows(const bf16_t* x, const bf16_t* w, int 
   }
 }
 
+// One linear of a launch that computes up to three sharing an input.
+struct LinearOut {
+  const bf16_t* w;
+  const bf16_t* b;
+  float* o;
+  int n;
+};
+
+// The group that index i (over the groups' concatenated units, c0 and c1 units in the first
+// two) falls in; i becomes the index inside that group.
+__device__ __forceinline__ LinearOut pick_group(int& i, int c0, int c1, LinearOut g0, LinearOut g1, LinearOut g2) {
+  if (i >= c0 + c1) { i -= c0 + c1; return g2; }
+  if (i >= c0) { i -= c0; return g1; }
+  return g0;
+}
+
 template <int K, int N0, int N1, int N2, int ROWS, int SPLIT>
 __device__ void gemv(const bf16_t* x, const bf16_t* w0, const bf16_t* b0, float* o0, const bf16_t* w1,
                      const bf16_t* b1, float* o1, const bf16_t* w2, const bf16_t* b2, float* o2, int T) {
   int n = blockIdx.x * (8 / SPLIT) + (threadIdx.x >> 5) / SPLIT;
   const bool live = n < N0 + N1 + N2;
   n = min(n, N0 + N1 + N2 - 1);
-  const bf16_t* w = w0;
-  const bf16_t* b = b0;
-  float* o = o0;
-  int N = N0;
-  if (n >= N0 + N1) { n -= N0 + N1; w = w2; b = b2; o = o2; N = N2; }
-  else if (n >= N0) { n -= N0; w = w1; b = b1; o = o1; N = N1; }
+  const LinearOut g = pick_group(n, N0, N1, LinearOut{w0, b0, o0, N0}, LinearOut{w1, b1, o1, N1}, LinearOut{w2, b2, o2, N2});
+  const bf16_t* w = g.w;
+  const bf16_t* b = g.b;
+  float* o = g.o;
+  const int N = g.n;
   float acc[ROWS];
   gemv_rows<K, ROWS, SPLIT>(x, w + (long)n * K, T, acc);
   if (live && (threadIdx.x & 31) == 0 && ((threadIdx.x >> 5) % SPLIT) == 0) {
@@ -200,12 +215,11 @@ __device__ void gemm(const bf16_t* x, const bf16_t* w0, const bf16_t* b0, float*
   __shared__ __align__(128) bf16_t sa[S][BM * BK];
   __shared__ __align__(128) bf16_t sb[S][BN * BK];
   int tile = blockIdx.x;
-  const bf16_t* w = w0;
-  const bf16_t* bias = b0;
-  float* out = o0;
-  int N = N0;
-  if (tile >= T0 + T1) { tile -= T0 + T1; w = w2; bias = b2; out = o2; N = N2; }
-  else if (tile >= T0) { tile -= T0; w = w1; bias = b1; out = o1; N = N1; }
+  const LinearOut g = pick_group(tile, T0, T1, LinearOut{w0, b0, o0, N0}, LinearOut{w1, b1, o1, N1}, LinearOut{w2, b2, o2, N2});
+  const bf16_t* w = g.w;
+  const bf16_t* bias = g.b;
+  float* out = g.o;
+  const int N = g.n;
   const int n0 = tile * BN, m0 = blockIdx.y * BM;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int wm = warp >> 2, wn = warp & 3;
@@ -291,12 +305,11 @@ __device__ void gemm_skinny(const bf16_t* x, const bf16_t* w0, const bf16_t* b0,
   constexpr int WARPS = 8, CH = K / 32;
   __shared__ float red[WARPS][16][NT * 8 + 1];
   int f0 = blockIdx.x * 16;
-  const bf16_t* w = w0;
-  const bf16_t* bias = b0;
-  float* out = o0;
-  int N = N0;
-  if (f0 >= N0 + N1) { f0 -= N0 + N1; w = w2; bias = b2; out = o2; N = N2; }
-  else if (f0 >= N0) { f0 -= N0; w = w1; bias = b1; out = o1; N = N1; }
+  const LinearOut grp = pick_group(f0, N0, N1, LinearOut{w0, b0, o0, N0}, LinearOut{w1, b1, o1, N1}, LinearOut{w2, b2, o2, N2});
+  const bf16_t* w = grp.w;
+  const bf16_t* bias = grp.b;
+  float* out = grp.o;
+  const int N = grp.n;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
   float acc[NT][4];
 #pragma unroll
