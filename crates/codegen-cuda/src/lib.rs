@@ -23,6 +23,16 @@ const PRELUDE: &str = include_str!("../../../kernels/prelude.cuh");
 const BASIC: &str = include_str!("../../../kernels/basic.cuh");
 const FAST: &str = include_str!("../../../kernels/fast.cuh");
 
+/// Runs `f` with panics silenced and caught: cudarc loads the CUDA libraries at run time and
+/// panics when one is missing, which callers turn into a clear error. `None`: it panicked.
+pub fn without_panic<T>(f: impl FnOnce() -> T + std::panic::UnwindSafe) -> Option<T> {
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    let r = std::panic::catch_unwind(f);
+    std::panic::set_hook(hook);
+    r.ok()
+}
+
 /// Errors of code generation.
 #[derive(Debug, thiserror::Error)]
 pub enum CodegenError {

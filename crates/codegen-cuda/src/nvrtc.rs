@@ -13,11 +13,7 @@ const FLAGS: [&str; 1] = ["-std=c++17"];
 
 /// Runs `f`, turning cudarc's panic on a missing NVRTC library into an error.
 fn guarded<T>(f: impl FnOnce() -> Result<T, CodegenError> + std::panic::UnwindSafe) -> Result<T, CodegenError> {
-    let hook = std::panic::take_hook();
-    std::panic::set_hook(Box::new(|_| {}));
-    let result = std::panic::catch_unwind(f);
-    std::panic::set_hook(hook);
-    result.unwrap_or_else(|_| {
+    crate::without_panic(f).unwrap_or_else(|| {
         Err(CodegenError::Unsupported(
             "the NVRTC library (libnvrtc.so) was not found: install the CUDA toolkit, or \
              `pip install nvidia-cuda-nvrtc-cu12` and put its lib directory on LD_LIBRARY_PATH \

@@ -80,20 +80,17 @@ const MIN_DRIVER: i32 = 12080;
 /// Creates the context of GPU 0, turning a missing driver (cudarc panics), a driver older than
 /// the API level we use, or no GPU into one clear error each.
 fn context() -> Result<Arc<CudaContext>, RuntimeError> {
-    let hook = std::panic::take_hook();
-    std::panic::set_hook(Box::new(|_| {}));
-    let version = std::panic::catch_unwind(|| {
+    let version = codegen_cuda::without_panic(|| {
         let mut v = 0;
         unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut v) };
         v
     });
-    let r = std::panic::catch_unwind(|| CudaContext::new(0));
-    std::panic::set_hook(hook);
+    let r = codegen_cuda::without_panic(|| CudaContext::new(0));
     match (version, r) {
-        (Err(_), _) | (_, Err(_)) => Err(RuntimeError::Unsupported(
+        (None, _) | (_, None) => Err(RuntimeError::Unsupported(
             "the CUDA driver (libcuda.so) was not found: no GPU on this machine? use --device cpu".into(),
         )),
-        (Ok(v), _) if v > 0 && v < MIN_DRIVER => Err(RuntimeError::Unsupported(format!(
+        (Some(v), _) if v > 0 && v < MIN_DRIVER => Err(RuntimeError::Unsupported(format!(
             "the CUDA driver is too old: it supports CUDA {}.{}, the CUDA backend needs {}.{} or newer \
              (update the NVIDIA driver, or use --device cpu)",
             v / 1000,
@@ -101,20 +98,17 @@ fn context() -> Result<Arc<CudaContext>, RuntimeError> {
             MIN_DRIVER / 1000,
             MIN_DRIVER % 1000 / 10
         ))),
-        (_, Ok(Ok(ctx))) => Ok(ctx),
-        (_, Ok(Err(e))) => Err(RuntimeError::Unsupported(format!("no usable GPU: {e:?}; use --device cpu"))),
+        (_, Some(Ok(ctx))) => Ok(ctx),
+        (_, Some(Err(e))) => Err(RuntimeError::Unsupported(format!("no usable GPU: {e:?}; use --device cpu"))),
     }
 }
 
 /// Whether a CUDA driver and a GPU are there (without keeping a context).
 pub fn gpu_present() -> bool {
-    let hook = std::panic::take_hook();
-    std::panic::set_hook(Box::new(|_| {}));
-    let r = std::panic::catch_unwind(|| {
+    codegen_cuda::without_panic(|| {
         cudarc::driver::result::init().is_ok() && CudaContext::device_count().is_ok_and(|n| n > 0)
-    });
-    std::panic::set_hook(hook);
-    r.unwrap_or(false)
+    })
+    .unwrap_or(false)
 }
 
 /// Whether `bundle` can run on the CUDA backend here: a GPU, one rank, kernels for its plan.
