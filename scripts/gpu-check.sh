@@ -7,12 +7,13 @@
 # batch 1 (40 tokens prefilled, then 24 decode steps) and batch 16 of mixed lengths (24 tokens
 # prefilled each, then decode steps as one shrinking batch). Then benchmarks (BENCH=0 skips):
 # batch-1 decode (with the default device: auto), a 4096-token prefill, batches of 16 and 64, and a second start with a warm
-# kernel cache. Results go to $OUT (default /tmp/gpu-out).
+# kernel cache. TPS="1 2" repeats the checks and benchmarks with a --tp 2 bundle on two GPUs
+# (compared with HF and with tp=1). Results go to $OUT (default /tmp/gpu-out).
 set -euo pipefail
 out="${OUT:-/tmp/gpu-out}"
 mkdir -p "$out"
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
-export ENGINE_CACHE_DIR=/tmp/engine-cache
+export ENGINE_CACHE_DIR=/tmp/engine-cache NCCL_NVLS_ENABLE=0
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
 shapes="${SHAPES:-qwen2.5-0.5b}"
 [ "${FULL:-0}" = 1 ] && shapes="qwen2.5-0.5b qwen2.5-7b"
@@ -53,24 +54,29 @@ save_file({"bf16": bf.contiguous(), "f32": f32.contiguous()}, f"{ck}/hf_logits.s
 print(f"{shape}: saved a random checkpoint and HF logits of {len(seqs)} sequences")
 PY
   fi
-  [ -d "$ck.bundle" ] || bin-gpu/engc compile models/qwen2.yaml --checkpoint "$ck" --dtype bf16 -o "$ck.bundle" 2>&1 | tail -2 | tee -a "$out/$shape-compile.txt"
   one=$(python3 -c "import json; print(','.join(map(str, json.load(open('$ck/seqs.json'))[0])))")
   many=$(python3 -c "import json; print(';'.join(','.join(map(str, s)) for s in json.load(open('$ck/seqs.json'))[1:]))")
+  for tp in ${TPS:-1}; do
+  b="$ck.bundle" sfx=""
+  [ "$tp" = 1 ] || { b="$ck.tp$tp.bundle"; sfx="-tp$tp"; }
+  [ -d "$b" ] || bin-gpu/engc compile models/qwen2.yaml --checkpoint "$ck" --dtype bf16 --tp "$tp" -o "$b" 2>&1 | tail -2 | tee -a "$out/$shape$sfx-compile.txt"
   rm -rf /tmp/engine-cache
-  /usr/bin/time -f "%e s wall" bin-gpu/engrun logits "$ck.bundle" --device cuda --ids "$one" --prefill 40 -o "$ck/b1.safetensors" 2>&1 | tee "$out/$shape-b1.txt"
-  /usr/bin/time -f "%e s wall (warm kernel cache)" bin-gpu/engrun logits "$ck.bundle" --device cuda --ids "$many" --prefill 24 -o "$ck/b16.safetensors" 2>&1 | tee "$out/$shape-b16.txt"
-  python3 - "$ck" "$shape" <<'PY' 2>&1 | tee "$out/$shape-compare.txt"
-import json, sys, torch
+  /usr/bin/time -f "%e s wall" bin-gpu/engrun logits "$b" --device cuda --ids "$one" --prefill 40 -o "$ck/b1$sfx.safetensors" 2>&1 | tee "$out/$shape-b1$sfx.txt"
+  /usr/bin/time -f "%e s wall (warm kernel cache)" bin-gpu/engrun logits "$b" --device cuda --ids "$many" --prefill 24 -o "$ck/b16$sfx.safetensors" 2>&1 | tee "$out/$shape-b16$sfx.txt"
+  python3 - "$ck" "$shape" "$sfx" <<'PY' 2>&1 | tee "$out/$shape$sfx-compare.txt"
+import json, os, sys, torch
 from safetensors.torch import load_file
-ck, shape = sys.argv[1:3]
+ck, shape, sfx = sys.argv[1:4]
 seqs = json.load(open(f"{ck}/seqs.json"))
 ref = load_file(f"{ck}/hf_logits.safetensors")
 lens = [len(s) for s in seqs]
 for run, first, count, pre in (("b1", 0, 1, 40), ("b16", 1, 16, 24)):
-    ours = load_file(f"{ck}/{run}.safetensors")["logits"]
+    ours = load_file(f"{ck}/{run}{sfx}.safetensors")["logits"]
     start = sum(lens[:first])
-    for kind in ("f32", "bf16"):
-        r = ref[kind][start:start + ours.shape[0]]
+    refs = [(f"hf_{k}", ref[k][start:start + ours.shape[0]]) for k in ("f32", "bf16")]
+    if sfx and os.path.exists(f"{ck}/{run}.safetensors"):
+        refs.append(("tp1", load_file(f"{ck}/{run}.safetensors")["logits"]))
+    for kind, r in refs:
         last, allp, clear, same, at = 0.0, 0.0, 0, 0, 0
         for n in lens[first:first + count]:
             o, h = ours[at:at + n], r[at:at + n]
@@ -84,16 +90,16 @@ for run, first, count, pre in (("b1", 0, 1, 40), ("b16", 1, 16, 24)):
             ok[:pre] = False
             clear += ok.sum().item()
             same += (ok & (o.argmax(-1) == h.argmax(-1))).sum().item()
-        print(json.dumps({"shape": shape, "run": run, "vs": f"hf_{kind}", "last_rel_err": last,
+        print(json.dumps({"shape": shape, "run": run + sfx, "vs": kind, "last_rel_err": last,
                           "all_rel_err": allp, "greedy_equal": same, "greedy_clear": clear}))
 PY
   if [ "${BENCH:-1}" = 1 ]; then
-    b="$ck.bundle"
-    bin-gpu/engrun bench $b --num-prompts 1 --input-len 128 --output-len 128 --json 2>&1 | tail -1 | tee "$out/$shape-bench-b1.json"
-    bin-gpu/engrun bench $b --device cuda --num-prompts 1 --input-len 4096 --output-len 2 --json 2>&1 | tail -1 | tee "$out/$shape-bench-prefill4096.json"
-    bin-gpu/engrun bench $b --device cuda --num-prompts 16 --input-len 128 --output-len 128 --json 2>&1 | tail -1 | tee "$out/$shape-bench-b16.json"
-    bin-gpu/engrun bench $b --device cuda --num-prompts 64 --input-len 128 --output-len 128 --json 2>&1 | tail -1 | tee "$out/$shape-bench-b64.json"
+    bin-gpu/engrun bench $b --num-prompts 1 --input-len 128 --output-len 128 --json 2>&1 | tail -1 | tee "$out/$shape$sfx-bench-b1.json"
+    bin-gpu/engrun bench $b --device cuda --num-prompts 1 --input-len 4096 --output-len 2 --json 2>&1 | tail -1 | tee "$out/$shape$sfx-bench-prefill4096.json"
+    bin-gpu/engrun bench $b --device cuda --num-prompts 16 --input-len 128 --output-len 128 --json 2>&1 | tail -1 | tee "$out/$shape$sfx-bench-b16.json"
+    bin-gpu/engrun bench $b --device cuda --num-prompts 64 --input-len 128 --output-len 128 --json 2>&1 | tail -1 | tee "$out/$shape$sfx-bench-b64.json"
   fi
+  done
 done
 # The nano-vllm workload on the 0.5B shape (issue "Runtime"): 256 requests, input and output
 # lengths uniform in [100, 1024], random ids, eos ignored.

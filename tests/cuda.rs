@@ -177,3 +177,28 @@ fn auto_device_and_mem_fraction() {
     assert!(!o.status.success());
     assert!(stderr(&o).contains("mem-fraction must be in (0, 1], got 1.5"), "{}", stderr(&o));
 }
+
+/// A tp=2 bundle on CUDA needs one GPU per rank: `--devices` naming the wrong number of GPUs
+/// is refused before anything loads; without a GPU the error says so; on the CPU it runs.
+#[test]
+fn tp_bundle_placement_errors() {
+    let dir = scratch(env!("CARGO_TARGET_TMPDIR"), "cuda-tp");
+    let b = compile_fixture("tiny-qwen2", &dir, 2, None);
+    let out = dir.join("logits.safetensors");
+    let args = |extra: &[&'static str]| {
+        let mut a = vec!["logits", b.to_str().unwrap(), "--ids", "1,2", "-o", out.to_str().unwrap()];
+        a.extend_from_slice(extra);
+        run("engrun", &a)
+    };
+    let o = args(&["--device", "cuda", "--devices", "0"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("--devices names 1 GPU(s) but the bundle has tp=2"), "{}", stderr(&o));
+    let o = args(&["--device", "cuda"]);
+    if !o.status.success() {
+        let e = stderr(&o);
+        let clear = ["CUDA driver (libcuda.so) was not found", "this machine has", "NCCL", "no usable GPU"];
+        assert!(clear.iter().any(|c| e.contains(c)), "{e}");
+    }
+    let o = args(&["--device", "cpu"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+}

@@ -6,7 +6,7 @@ use std::path::Path;
 
 fn loaded(path: &Path) -> runtime::Sequences {
     let b = bundle::Bundle::open(path).unwrap();
-    runtime::Sequences::new(runtime::load(&b, runtime::Device::Cpu).unwrap(), 1024).unwrap()
+    runtime::Sequences::new(runtime::load(&b, runtime::Device::Cpu, &[]).unwrap(), 1024).unwrap()
 }
 
 /// Prefill of a prompt (every position), then four decode steps, as logits.

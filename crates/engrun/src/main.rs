@@ -98,10 +98,8 @@ enum Cmd {
         /// Keep generating past eos tokens.
         #[arg(long)]
         ignore_eos: bool,
-        /// auto (cuda when a GPU is usable and the bundle runs there, else cpu), cpu (Cranelift
-        /// JIT), cuda, or ref (the reference interpreter).
-        #[arg(long, default_value = "auto")]
-        device: Device,
+        #[command(flatten)]
+        device: DeviceArgs,
         #[command(flatten)]
         engine: EngineArgs,
     },
@@ -111,10 +109,8 @@ enum Cmd {
     Bench {
         /// The bundle directory.
         bundle: PathBuf,
-        /// auto (cuda when a GPU is usable and the bundle runs there, else cpu), cpu (Cranelift
-        /// JIT), cuda, or ref (the reference interpreter).
-        #[arg(long, default_value = "auto")]
-        device: Device,
+        #[command(flatten)]
+        device: DeviceArgs,
         /// Number of requests.
         #[arg(long, default_value_t = 8)]
         num_prompts: usize,
@@ -150,10 +146,8 @@ enum Cmd {
         /// Port (0: any free port; the chosen one is printed).
         #[arg(long, default_value_t = 30000)]
         port: u16,
-        /// auto (cuda when a GPU is usable and the bundle runs there, else cpu), cpu (Cranelift
-        /// JIT), cuda, or ref (the reference interpreter).
-        #[arg(long, default_value = "auto")]
-        device: Device,
+        #[command(flatten)]
+        device: DeviceArgs,
         /// Require `Authorization: Bearer KEY`.
         #[arg(long)]
         api_key: Option<String>,
@@ -175,10 +169,8 @@ enum Cmd {
         /// per step, every sequence that still has tokens in the same decode batch. Default: all.
         #[arg(long)]
         prefill: Option<usize>,
-        /// auto (cuda when a GPU is usable and the bundle runs there, else cpu), cpu (Cranelift
-        /// JIT), cuda, or ref (the reference interpreter).
-        #[arg(long, default_value = "auto")]
-        device: Device,
+        #[command(flatten)]
+        device: DeviceArgs,
         /// Output file.
         #[arg(short, long)]
         out: PathBuf,
@@ -241,6 +233,19 @@ fn main() -> ExitCode {
     }
 }
 
+/// Where the model runs.
+#[derive(clap::Args, Debug, Clone)]
+struct DeviceArgs {
+    /// auto (cuda when there is a usable GPU for every rank and the bundle runs there, else
+    /// cpu), cpu (Cranelift JIT), cuda, or ref (the reference interpreter).
+    #[arg(long, default_value = "auto")]
+    device: Device,
+    /// The GPUs of the ranks, one per rank (`--devices 0,1` for a tp=2 bundle; default: the
+    /// first tp GPUs).
+    #[arg(long, value_delimiter = ',')]
+    devices: Vec<usize>,
+}
+
 struct GenArgs {
     prompt: String,
     chat: bool,
@@ -248,16 +253,16 @@ struct GenArgs {
     max_tokens: usize,
     sampling: SamplingParams,
     ignore_eos: bool,
-    device: Device,
+    device: DeviceArgs,
     engine: EngineArgs,
 }
 
-fn open(path: &Path, device: Device) -> Result<(Bundle, Box<dyn runtime::Backend>), String> {
+fn open(path: &Path, d: &DeviceArgs) -> Result<(Bundle, Box<dyn runtime::Backend>), String> {
     let t = std::time::Instant::now();
     let b = Bundle::open(path).map_err(|e| e.to_string())?;
     let opened = t.elapsed().as_secs_f64();
-    let device = runtime::resolve(&b, device);
-    let backend = runtime::load(&b, device).map_err(|e| e.to_string())?;
+    let device = runtime::resolve(&b, d.device, &d.devices);
+    let backend = runtime::load(&b, device, &d.devices).map_err(|e| e.to_string())?;
     eprintln!(
         "loaded {} ({} tp={} {}) on {device:?} in {:.2}s (bundle checked in {opened:.2}s)",
         path.display(),
@@ -270,7 +275,7 @@ fn open(path: &Path, device: Device) -> Result<(Bundle, Box<dyn runtime::Backend
 }
 
 fn generate(path: &Path, a: &GenArgs) -> Result<(), String> {
-    let (b, backend) = open(path, a.device)?;
+    let (b, backend) = open(path, &a.device)?;
     let tok = tokenizer(&b, path)?;
     let prompt = if a.chat {
         let mut messages = Vec::new();
@@ -335,14 +340,14 @@ fn tokenizer(b: &Bundle, path: &Path) -> Result<text::Tokenizer, String> {
 
 fn serve(
     path: &Path,
-    device: Device,
+    device: DeviceArgs,
     args: &EngineArgs,
     host: String,
     port: u16,
     api_key: Option<String>,
     name: Option<String>,
 ) -> Result<(), String> {
-    let (b, backend) = open(path, device)?;
+    let (b, backend) = open(path, &device)?;
     let tok = tokenizer(&b, path)?;
     let cfg = args.config(&b)?;
     let max_context = cfg.max_context;
@@ -373,11 +378,11 @@ fn parse_ids(ids: &str) -> Result<Vec<Vec<u32>>, String> {
     Ok(seqs)
 }
 
-fn logits(path: &Path, ids: &str, prefill: Option<usize>, device: Device, out: &Path) -> Result<(), String> {
+fn logits(path: &Path, ids: &str, prefill: Option<usize>, device: DeviceArgs, out: &Path) -> Result<(), String> {
     let seqs = parse_ids(ids)?;
     let longest = seqs.iter().map(Vec::len).max().unwrap_or(0);
     let prefill = prefill.unwrap_or(longest).max(1);
-    let (_, backend) = open(path, device)?;
+    let (_, backend) = open(path, &device)?;
     let total: usize = seqs.iter().map(Vec::len).sum();
     let mut runner = runtime::Sequences::new(backend, total + 16 * seqs.len()).map_err(|e| e.to_string())?;
     let vocab = runner.vocab();
@@ -411,12 +416,12 @@ fn logits(path: &Path, ids: &str, prefill: Option<usize>, device: Device, out: &
 
 fn bench(
     path: &Path,
-    device: Device,
+    device: DeviceArgs,
     args: &EngineArgs,
     opts: &runtime::bench::BenchOptions,
     json: bool,
 ) -> Result<(), String> {
-    let (b, mut backend) = open(path, device)?;
+    let (b, mut backend) = open(path, &device)?;
     let weight_bytes: usize = b.plan.weights().map(|(_, s, d)| s.iter().product::<usize>() * d.size()).sum();
     let matmul_params: usize = b
         .plan

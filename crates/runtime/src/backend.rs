@@ -230,24 +230,26 @@ impl Backend for RefBackend {
     }
 }
 
-/// Loads `bundle` onto `device`.
-pub fn load(bundle: &Bundle, device: Device) -> Result<Box<dyn Backend>, RuntimeError> {
+/// Loads `bundle` onto `device`; on CUDA, rank `i` on GPU `gpus[i]` (`--devices`; empty:
+/// GPUs `0..tp`).
+pub fn load(bundle: &Bundle, device: Device, gpus: &[usize]) -> Result<Box<dyn Backend>, RuntimeError> {
     match device {
         Device::Ref => Ok(Box::new(RefBackend::new(bundle)?)),
         Device::Cpu if bundle.plan.tp > 1 => Ok(Box::new(crate::TpCpuBackend::new(bundle)?)),
         Device::Cpu => Ok(Box::new(crate::CpuBackend::new(bundle)?)),
-        Device::Cuda => Ok(Box::new(crate::CudaBackend::new(bundle)?)),
-        Device::Auto => load(bundle, resolve(bundle, Device::Auto)),
+        Device::Cuda => crate::cuda::tp::load(bundle, gpus),
+        Device::Auto => load(bundle, resolve(bundle, Device::Auto, gpus), gpus),
     }
 }
 
-/// The device `Auto` means for `bundle` here (other devices are themselves): CUDA when a GPU is
-/// usable and the bundle runs on it, else the CPU (saying why on stderr when a GPU is there).
-pub fn resolve(bundle: &Bundle, device: Device) -> Device {
+/// The device `Auto` means for `bundle` here (other devices are themselves): CUDA when there
+/// is a usable GPU for every rank and the bundle runs on them, else the CPU (saying why on
+/// stderr when a GPU is there).
+pub fn resolve(bundle: &Bundle, device: Device, gpus: &[usize]) -> Device {
     if device != Device::Auto {
         return device;
     }
-    match crate::cuda::usable(bundle) {
+    match crate::cuda::usable(bundle, gpus) {
         Ok(()) => Device::Cuda,
         Err(why) => {
             if crate::cuda::gpu_present() {

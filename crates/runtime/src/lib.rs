@@ -24,6 +24,7 @@ mod worker;
 
 pub use backend::{check_batch, load, resolve, Backend, Device, RefBackend, StepSeq};
 pub use cpu::CpuBackend;
+pub use cuda::tp::{Bootstrap, InProcess, TpCudaBackend};
 pub use cuda::CudaBackend;
 pub use engine::{Engine, EngineConfig, StepRecord};
 pub use handle::{EngineHandle, Sink, Snapshot};

@@ -1,10 +1,11 @@
 //! The CUDA backend (`--device cuda`): runs the bundle plan's launch schedule (`codegen-cuda`:
-//! fused kernels, buffers assigned by liveness) on GPU 0. At load: every kernel compiled by
-//! NVRTC to CUBIN on all cores through the disk cache, weights uploaded from the bundle's
-//! mmap, constants uploaded. Each step uploads its inputs in one copy; decode steps (one token
-//! per sequence) are padded to a captured batch size and replayed as CUDA graphs, captured on
-//! first use of each size. cudarc loads the driver and NVRTC at run time, so building needs
-//! no CUDA. Not yet: tensor parallelism over NCCL.
+//! fused kernels, buffers assigned by liveness) on one GPU per rank. At load: every kernel
+//! compiled by NVRTC to CUBIN on all cores through the disk cache, weights uploaded from the
+//! bundle's mmap, constants uploaded. Each step uploads its inputs in one copy; decode steps
+//! (one token per sequence) are padded to a captured batch size and replayed as CUDA graphs,
+//! captured on first use of each size. A `--tp N` bundle runs one [`CudaBackend`] per rank,
+//! each on its own thread and GPU, the all-reduces over NCCL ([`tp`]). cudarc loads the
+//! driver, NVRTC and NCCL at run time, so building needs no CUDA.
 
 use crate::backend::{check_batch, Backend, StepSeq};
 use crate::RuntimeError;
@@ -18,6 +19,8 @@ use ir::{DType, Op, Plan};
 use std::collections::HashMap;
 use std::sync::Arc;
 
+pub mod tp;
+
 fn driver<E: std::fmt::Debug>(what: &str) -> impl Fn(E) -> RuntimeError + '_ {
     move |e| RuntimeError::Unsupported(format!("CUDA: {what}: {e:?}"))
 }
@@ -28,8 +31,10 @@ pub const CAPTURE_SIZES: [usize; 19] = [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 
 /// The CUDA backend (see the module docs).
 pub struct CudaBackend {
     plan: Plan,
-    program: Program,
+    program: Arc<Program>,
     stream: Arc<CudaStream>,
+    /// This rank's NCCL communicator (tensor-parallel bundles).
+    comm: Option<Nccl>,
     funcs: HashMap<KernelKey, CudaFunction>,
     weights: Vec<Option<CudaSlice<u8>>>,
     constants: Vec<CudaSlice<f32>>,
@@ -74,18 +79,23 @@ impl Drop for CudaBackend {
 struct Graph(CudaGraph);
 unsafe impl Send for Graph {}
 
+/// An NCCL communicator; not `Send` in cudarc (a raw pointer), used only by the thread of the
+/// backend that owns it, like [`Graph`].
+struct Nccl(cudarc::nccl::Comm);
+unsafe impl Send for Nccl {}
+
 /// The oldest driver the kernels' API level needs (CUDA 12.8).
 const MIN_DRIVER: i32 = 12080;
 
-/// Creates the context of GPU 0, turning a missing driver (cudarc panics), a driver older than
-/// the API level we use, or no GPU into one clear error each.
-fn context() -> Result<Arc<CudaContext>, RuntimeError> {
+/// Creates the context of GPU `ordinal`, turning a missing driver (cudarc panics), a driver
+/// older than the API level we use, or no such GPU into one clear error each.
+fn context(ordinal: usize) -> Result<Arc<CudaContext>, RuntimeError> {
     let version = codegen_cuda::without_panic(|| {
         let mut v = 0;
         unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut v) };
         v
     });
-    let r = codegen_cuda::without_panic(|| CudaContext::new(0));
+    let r = codegen_cuda::without_panic(|| CudaContext::new(ordinal));
     match (version, r) {
         (None, _) | (_, None) => Err(RuntimeError::Unsupported(
             "the CUDA driver (libcuda.so) was not found: no GPU on this machine? use --device cpu".into(),
@@ -99,27 +109,68 @@ fn context() -> Result<Arc<CudaContext>, RuntimeError> {
             MIN_DRIVER % 1000 / 10
         ))),
         (_, Some(Ok(ctx))) => Ok(ctx),
-        (_, Some(Err(e))) => Err(RuntimeError::Unsupported(format!("no usable GPU: {e:?}; use --device cpu"))),
+        (_, Some(Err(e))) => {
+            Err(RuntimeError::Unsupported(format!("no usable GPU {ordinal}: {e:?}; use --device cpu")))
+        }
     }
+}
+
+/// How many GPUs the driver sees (0 without a driver).
+pub fn gpu_count() -> usize {
+    codegen_cuda::without_panic(|| {
+        if cudarc::driver::result::init().is_err() {
+            return 0;
+        }
+        CudaContext::device_count().map_or(0, |n| n.max(0) as usize)
+    })
+    .unwrap_or(0)
 }
 
 /// Whether a CUDA driver and a GPU are there (without keeping a context).
 pub fn gpu_present() -> bool {
-    codegen_cuda::without_panic(|| {
-        cudarc::driver::result::init().is_ok() && CudaContext::device_count().is_ok_and(|n| n > 0)
-    })
-    .unwrap_or(false)
+    gpu_count() > 0
 }
 
-/// Whether `bundle` can run on the CUDA backend here: a GPU, one rank, kernels for its plan.
-pub fn usable(bundle: &Bundle) -> Result<(), String> {
+/// Whether `bundle` can run on the CUDA backend here: a GPU per rank, NCCL when there are
+/// several, kernels for its plan.
+pub fn usable(bundle: &Bundle, gpus: &[usize]) -> Result<(), String> {
     if !gpu_present() {
         return Err("no GPU".into());
     }
-    if bundle.plan.tp != 1 {
-        return Err(format!("the CUDA backend runs one rank for now; this bundle has tp={}", bundle.plan.tp));
+    placement(bundle.plan.tp, gpus).map_err(|e| e.to_string())?;
+    if bundle.plan.tp > 1 && !tp::nccl_present() {
+        return Err("NCCL (libnccl.so) was not found".into());
     }
     codegen_cuda::emit(&bundle.plan).map(|_| ()).map_err(|e| e.to_string())
+}
+
+/// The GPU of each of `tp` ranks: `gpus` (`--devices`) or `0..tp`, checked against the GPUs
+/// there are.
+pub fn placement(tp: usize, gpus: &[usize]) -> Result<Vec<usize>, RuntimeError> {
+    let chosen: Vec<usize> = if gpus.is_empty() { (0..tp).collect() } else { gpus.to_vec() };
+    if chosen.len() != tp {
+        return Err(RuntimeError::Invalid(format!(
+            "--devices names {} GPU(s) but the bundle has tp={tp}: give one GPU per rank",
+            chosen.len()
+        )));
+    }
+    let have = gpu_count();
+    if have == 0 {
+        context(0)?; // the error that says why (no driver, too old, no GPU)
+    }
+    if let Some(g) = chosen.iter().find(|&&g| g >= have) {
+        return Err(RuntimeError::Unsupported(format!(
+            "the bundle has tp={tp} and needs GPU {g}, but this machine has {have} GPU(s) \
+             (compile with a smaller --tp, or choose GPUs with --devices)"
+        )));
+    }
+    let mut seen = chosen.clone();
+    seen.sort_unstable();
+    seen.dedup();
+    if seen.len() != chosen.len() {
+        return Err(RuntimeError::Invalid(format!("--devices names a GPU twice: {chosen:?}")));
+    }
+    Ok(chosen)
 }
 
 /// The device's SM arch for NVRTC (`sm_90`), or `ENGINE_CUDA_ARCH`.
@@ -138,38 +189,75 @@ fn arch(ctx: &CudaContext) -> Result<String, RuntimeError> {
     Ok(format!("sm_{major}{minor}"))
 }
 
-impl CudaBackend {
-    /// Compiles the bundle's kernels and uploads rank 0's weights to GPU 0.
-    pub fn new(bundle: &Bundle) -> Result<CudaBackend, RuntimeError> {
-        let plan = bundle.plan.clone();
-        if plan.tp != 1 {
-            return Err(RuntimeError::Unsupported(format!(
-                "the CUDA backend runs one rank for now; this bundle has tp={}",
-                plan.tp
-            )));
-        }
-        let ctx = context()?;
-        // One stream, ordered: no per-buffer events (they also break graph capture).
-        unsafe { ctx.disable_event_tracking() };
-        let stream = ctx.new_stream().map_err(driver("creating a stream"))?;
-        let program = codegen_cuda::emit(&plan).map_err(|e| RuntimeError::Unsupported(e.to_string()))?;
-        let arch = arch(&ctx)?;
+/// A plan's launch schedule and its kernels compiled for one GPU arch (shared by the ranks).
+pub(crate) struct Compiled {
+    program: Arc<Program>,
+    bins: Vec<Vec<u8>>,
+}
+
+impl Compiled {
+    /// Emits the schedule of `plan` and compiles its kernels for the arch of `ctx`'s GPU.
+    pub(crate) fn new(plan: &Plan, ctx: &CudaContext) -> Result<Compiled, RuntimeError> {
+        let program = codegen_cuda::emit(plan).map_err(|e| RuntimeError::Unsupported(e.to_string()))?;
+        let arch = arch(ctx)?;
         let t = std::time::Instant::now();
         let (bins, report) = codegen_cuda::nvrtc::compile_kernels(&program, &arch)
             .map_err(|e| RuntimeError::Unsupported(e.to_string()))?;
-        let mut funcs = HashMap::new();
-        for (k, bin) in program.kernels.iter().zip(bins) {
-            let m = ctx.load_module(cudarc::nvrtc::Ptx::from_binary(bin)).map_err(driver("loading a kernel"))?;
-            funcs.insert(*k, m.load_function(&k.name()).map_err(driver("finding a kernel"))?);
-        }
         eprintln!(
             "CUDA kernels for {arch}: {} compiled, {} from the cache, in {:.2}s",
             report.compiled,
             report.cached,
             t.elapsed().as_secs_f64()
         );
+        Ok(Compiled { program: Arc::new(program), bins })
+    }
+}
+
+impl CudaBackend {
+    /// Compiles the kernels of a tp=1 bundle and uploads its weights to GPU `gpu`.
+    pub fn new(bundle: &Bundle, gpu: usize) -> Result<CudaBackend, RuntimeError> {
+        if bundle.plan.tp != 1 {
+            return Err(RuntimeError::Unsupported(format!(
+                "CudaBackend runs one rank; this bundle has tp={} (load it with TpCudaBackend)",
+                bundle.plan.tp
+            )));
+        }
+        let ctx = context(gpu)?;
+        let compiled = Compiled::new(&bundle.plan, &ctx)?;
+        CudaBackend::rank(bundle, 0, ctx, None, &compiled)
+    }
+
+    /// Rank `rank` of `bundle` on `ctx`'s GPU: joins the NCCL group `comm` (the ranks' shared
+    /// unique id and their number) when there is one, loads the kernels, uploads the rank's
+    /// weight shard.
+    pub(crate) fn rank(
+        bundle: &Bundle,
+        rank: usize,
+        ctx: Arc<CudaContext>,
+        comm: Option<(cudarc::nccl::Id, usize)>,
+        compiled: &Compiled,
+    ) -> Result<CudaBackend, RuntimeError> {
+        let plan = bundle.plan.clone();
+        ctx.bind_to_thread().map_err(driver("binding the context"))?;
+        // One stream, ordered: no per-buffer events (they also break graph capture).
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream().map_err(driver("creating a stream"))?;
+        // The communicator first: the other ranks wait in it for this one.
+        let comm = match comm {
+            Some((id, n)) => Some(Nccl(
+                cudarc::nccl::Comm::from_rank(stream.clone(), rank, n, id).map_err(driver("joining the NCCL group"))?,
+            )),
+            None => None,
+        };
+        let program = compiled.program.clone();
+        let mut funcs = HashMap::new();
+        for (k, bin) in program.kernels.iter().zip(&compiled.bins) {
+            let m =
+                ctx.load_module(cudarc::nvrtc::Ptx::from_binary(bin.clone())).map_err(driver("loading a kernel"))?;
+            funcs.insert(*k, m.load_function(&k.name()).map_err(driver("finding a kernel"))?);
+        }
         let t = std::time::Instant::now();
-        let file = bundle.weights(0)?;
+        let file = bundle.weights(rank)?;
         let mut weights = Vec::with_capacity(plan.nodes.len());
         let mut total = 0usize;
         for n in &plan.nodes {
@@ -193,7 +281,12 @@ impl CudaBackend {
             .collect::<Result<_, _>>()
             .map_err(driver("upload"))?;
         stream.synchronize().map_err(driver("uploading weights"))?;
-        eprintln!("uploaded {:.2} GB of weights in {:.2}s", total as f64 / 1e9, t.elapsed().as_secs_f64());
+        eprintln!(
+            "rank {rank}: uploaded {:.2} GB of weights to GPU {} in {:.2}s",
+            total as f64 / 1e9,
+            ctx.ordinal(),
+            t.elapsed().as_secs_f64()
+        );
         let inputs = stream.alloc_zeros::<i32>(1 << 16).map_err(driver("alloc"))?;
         let tokens = stream.alloc_zeros::<i32>(1).map_err(driver("alloc"))?;
         let profile = std::env::var("ENGINE_CUDA_PROFILE").is_ok_and(|v| v == "1");
@@ -202,6 +295,7 @@ impl CudaBackend {
             plan,
             program,
             stream,
+            comm,
             funcs,
             weights,
             constants,
@@ -245,11 +339,16 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Uploads the step's inputs (one copy) and returns the offsets of the regions. `pad`
-    /// sequences of one token (id 0, position 0, writing the scratch slot) follow the batch.
-    fn upload(&mut self, batch: &[StepSeq], pad: usize) -> Result<[usize; 6], RuntimeError> {
+    /// Packs the inputs of `batch` (checked against the plan and the pool) into the one array a
+    /// step uploads; a decode batch is padded to a captured graph size with sequences of one
+    /// token (id 0, position 0, writing the scratch slot).
+    pub(crate) fn pack(&self, batch: &[StepSeq]) -> Result<Packed, RuntimeError> {
+        check_batch(&self.plan, batch, self.slots)?;
+        let graph = self.graph_size(batch);
+        let pad = graph.map_or(0, |s| s - batch.len());
+        let wanted: usize = batch.iter().map(|q| q.rows.len()).sum();
         let t: usize = batch.iter().map(|q| q.tokens.len()).sum::<usize>() + pad;
-        let r: usize = batch.iter().map(|q| q.rows.len()).sum::<usize>() + pad;
+        let r = wanted + pad;
         let s: usize = batch.iter().map(|q| q.slots.len()).sum::<usize>() + 1;
         let off = [0, t, 2 * t, 3 * t, 4 * t, 4 * t + r];
         let mut h = vec![0i32; 4 * t + r + s];
@@ -279,13 +378,7 @@ impl CudaBackend {
             tok += 1;
             row += 1;
         }
-        if h.len() > self.inputs.len() {
-            self.graphs.clear();
-            self.inputs = self.stream.alloc_zeros::<i32>(h.len() * 2).map_err(driver("alloc"))?;
-        }
-        let mut dst = self.inputs.slice_mut(0..h.len());
-        self.stream.memcpy_htod(&h, &mut dst).map_err(driver("copying step inputs"))?;
-        Ok(off)
+        Ok(Packed { host: h, off, t, r, wanted, graph: graph.is_some() })
     }
 
     fn ptr<T>(&self, s: &CudaSlice<T>) -> u64 {
@@ -293,12 +386,20 @@ impl CudaBackend {
         p
     }
 
-    /// Enqueues every launch of the schedule for a step of `t` tokens and `r` logit rows.
-    fn enqueue(&self, t: usize, r: usize, off: &[usize; 6]) -> Result<(), RuntimeError> {
-        for step in &self.program.steps {
+    /// Enqueues every launch (and all-reduce) of the schedule for a step of `t` tokens and `r`
+    /// logit rows.
+    fn enqueue(&mut self, t: usize, r: usize, off: &[usize; 6]) -> Result<(), RuntimeError> {
+        let program = self.program.clone();
+        for step in &program.steps {
             match step {
-                Step::AllReduce { .. } => {
-                    return Err(RuntimeError::Unsupported("all-reduce on the CUDA backend (tp > 1)".into()))
+                Step::AllReduce { buf, cols } => {
+                    let comm = self.comm.as_ref().ok_or_else(|| {
+                        RuntimeError::Unsupported("an all-reduce step without an NCCL communicator".into())
+                    })?;
+                    let mut part = self.bufs[*buf].slice_mut(0..t * cols);
+                    comm.0
+                        .all_reduce_in_place(&mut part, &cudarc::nccl::ReduceOp::Sum)
+                        .map_err(driver("all-reduce (NCCL)"))?;
                 }
                 Step::Kernels { by, variants } => {
                     let c = if *by == Count::Tokens { t } else { r };
@@ -417,6 +518,7 @@ impl Backend for CudaBackend {
     }
 
     fn free_memory(&self) -> Option<usize> {
+        self.stream.context().bind_to_thread().ok()?;
         cudarc::driver::result::mem_get_info().ok().map(|(free, _)| free)
     }
 
@@ -437,7 +539,35 @@ impl Backend for CudaBackend {
     }
 
     fn forward(&mut self, batch: &[StepSeq]) -> Result<Vec<f32>, RuntimeError> {
-        let wanted = self.run(batch)?;
+        let p = self.pack(batch)?;
+        self.execute(&p)?;
+        self.logits(p.wanted)
+    }
+
+    fn forward_argmax(&mut self, batch: &[StepSeq]) -> Result<Option<Vec<u32>>, RuntimeError> {
+        let p = self.pack(batch)?;
+        self.execute(&p)?;
+        self.argmax(p.wanted).map(Some)
+    }
+}
+
+/// A step's inputs as one array, the same for every rank (see [`CudaBackend::pack`]).
+pub(crate) struct Packed {
+    host: Vec<i32>,
+    /// Where ids, pos, slot_of, seq_off, rows and slots start in `host`.
+    off: [usize; 6],
+    /// Tokens and logit rows, padding included.
+    t: usize,
+    r: usize,
+    /// Logit rows wanted (the first `wanted` of `r`).
+    wanted: usize,
+    /// Replayed as a captured graph (of `t` rows).
+    graph: bool,
+}
+
+impl CudaBackend {
+    /// Copies the logits of the first `wanted` rows of the last step to the host.
+    pub(crate) fn logits(&mut self, wanted: usize) -> Result<Vec<f32>, RuntimeError> {
         let n = wanted * self.plan.vocab;
         let mut logits = vec![0f32; n];
         if n > 0 {
@@ -448,10 +578,11 @@ impl Backend for CudaBackend {
         Ok(logits)
     }
 
-    fn forward_argmax(&mut self, batch: &[StepSeq]) -> Result<Option<Vec<u32>>, RuntimeError> {
-        let wanted = self.run(batch)?;
+    /// The argmax of each of the first `wanted` logit rows of the last step, taken on the GPU.
+    pub(crate) fn argmax(&mut self, wanted: usize) -> Result<Vec<u32>, RuntimeError> {
         if wanted == 0 {
-            return Ok(Some(vec![]));
+            self.stream.synchronize().map_err(driver("running a step"))?;
+            return Ok(vec![]);
         }
         let key = KernelKey::Argmax { vocab: self.plan.vocab };
         let out = self.bufs[self.program.output].slice(0..wanted * self.plan.vocab);
@@ -463,44 +594,57 @@ impl Backend for CudaBackend {
         let mut ids = vec![0i32; wanted];
         self.stream.memcpy_dtoh(&self.tokens.slice(0..wanted), &mut ids).map_err(driver("copying tokens"))?;
         self.stream.synchronize().map_err(driver("running a step"))?;
-        Ok(Some(ids.into_iter().map(|i| i as u32).collect()))
+        Ok(ids.into_iter().map(|i| i as u32).collect())
     }
-}
 
-impl CudaBackend {
-    /// Runs a step; the logits of the wanted rows are then at the start of the output buffer.
-    /// Returns how many rows were wanted.
-    fn run(&mut self, batch: &[StepSeq]) -> Result<usize, RuntimeError> {
-        check_batch(&self.plan, batch, self.slots)?;
-        let wanted: usize = batch.iter().map(|q| q.rows.len()).sum();
-        let graph = self.graph_size(batch);
-        let pad = graph.map_or(0, |s| s - batch.len());
-        let t: usize = batch.iter().map(|q| q.tokens.len()).sum::<usize>() + pad;
-        let r = wanted + pad;
-        if t == 0 {
-            return Ok(0);
+    /// One eager all-reduce of one row and of many (NCCL sets up its connections per protocol
+    /// on first use, which must not happen inside a graph capture).
+    pub(crate) fn warm_up(&mut self) -> Result<(), RuntimeError> {
+        let program = self.program.clone();
+        let Some(&Step::AllReduce { buf, cols }) = program.steps.iter().find(|s| matches!(s, Step::AllReduce { .. }))
+        else {
+            return Ok(());
+        };
+        let comm = self.comm.as_ref().ok_or_else(|| RuntimeError::Unsupported("no NCCL communicator".into()))?;
+        for rows in [1, self.cap.0] {
+            let mut part = self.bufs[buf].slice_mut(0..rows * cols);
+            comm.0.all_reduce_in_place(&mut part, &cudarc::nccl::ReduceOp::Sum).map_err(driver("all-reduce (NCCL)"))?;
         }
-        self.ensure_cap(t, r)?;
-        let off = self.upload(batch, pad)?;
-        if graph.is_some() {
-            if !self.graphs.contains_key(&t) {
-                let start = std::time::Instant::now();
-                self.stream
-                    .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-                    .map_err(driver("capturing a graph"))?;
-                let enq = self.enqueue(t, r, &off);
-                let graph =
-                    self.stream.end_capture(CUgraphInstantiate_flags(0)).map_err(driver("capturing a graph"))?;
-                enq?;
-                let graph =
-                    graph.ok_or_else(|| RuntimeError::Unsupported("CUDA: graph capture gave nothing".into()))?;
+        self.stream.synchronize().map_err(driver("all-reduce (NCCL)"))
+    }
+
+    /// Runs a packed step: grows the buffers, uploads the inputs, replays (capturing on first
+    /// use) the decode graph of its size or enqueues its launches.
+    pub(crate) fn execute(&mut self, p: &Packed) -> Result<(), RuntimeError> {
+        if p.t == 0 {
+            return Ok(());
+        }
+        self.stream.context().bind_to_thread().map_err(driver("binding the context"))?;
+        self.ensure_cap(p.t, p.r)?;
+        if p.host.len() > self.inputs.len() {
+            self.graphs.clear();
+            self.inputs = self.stream.alloc_zeros::<i32>(p.host.len() * 2).map_err(driver("alloc"))?;
+        }
+        let mut dst = self.inputs.slice_mut(0..p.host.len());
+        self.stream.memcpy_htod(&p.host, &mut dst).map_err(driver("copying step inputs"))?;
+        let t = p.t;
+        if !p.graph {
+            return self.enqueue(t, p.r, &p.off);
+        }
+        if !self.graphs.contains_key(&t) {
+            let start = std::time::Instant::now();
+            self.stream
+                .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+                .map_err(driver("capturing a graph"))?;
+            let enq = self.enqueue(t, p.r, &p.off);
+            let graph = self.stream.end_capture(CUgraphInstantiate_flags(0)).map_err(driver("capturing a graph"))?;
+            enq?;
+            let graph = graph.ok_or_else(|| RuntimeError::Unsupported("CUDA: graph capture gave nothing".into()))?;
+            if self.comm.as_ref().is_none_or(|c| c.0.rank() == 0) {
                 eprintln!("captured the decode graph for batch {t} in {:.0} ms", start.elapsed().as_secs_f64() * 1e3);
-                self.graphs.insert(t, Graph(graph));
             }
-            self.graphs[&t].0.launch().map_err(driver("replaying a graph"))?;
-        } else {
-            self.enqueue(t, r, &off)?;
+            self.graphs.insert(t, Graph(graph));
         }
-        Ok(wanted)
+        self.graphs[&t].0.launch().map_err(driver("replaying a graph"))
     }
 }
