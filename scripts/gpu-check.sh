@@ -8,7 +8,7 @@
 # prefilled each, then decode steps as one shrinking batch). Then benchmarks (BENCH=0 skips):
 # batch-1 decode (with the default device: auto), a 4096-token prefill, batches of 16 and 64, and a second start with a warm
 # kernel cache. TPS="1 2" repeats the checks and benchmarks with a --tp 2 bundle on two GPUs
-# (compared with HF and with tp=1). Results go to $OUT (default /tmp/gpu-out).
+# (compared with HF and with tp=1; batch-1 decode also with NCCL-only all-reduces). Results go to $OUT (default /tmp/gpu-out).
 set -euo pipefail
 out="${OUT:-/tmp/gpu-out}"
 mkdir -p "$out"
@@ -95,6 +95,7 @@ for run, first, count, pre in (("b1", 0, 1, 40), ("b16", 1, 16, 24)):
 PY
   if [ "${BENCH:-1}" = 1 ]; then
     bin-gpu/engrun bench $b --num-prompts 1 --input-len 128 --output-len 128 --json 2>&1 | tail -1 | tee "$out/$shape$sfx-bench-b1.json"
+    [ "$tp" = 1 ] || ENGINE_ALLREDUCE=nccl bin-gpu/engrun bench $b --num-prompts 1 --input-len 128 --output-len 128 --json 2>&1 | tail -1 | tee "$out/$shape$sfx-bench-b1-nccl.json"
     bin-gpu/engrun bench $b --device cuda --num-prompts 1 --input-len 4096 --output-len 2 --json 2>&1 | tail -1 | tee "$out/$shape$sfx-bench-prefill4096.json"
     bin-gpu/engrun bench $b --device cuda --num-prompts 16 --input-len 128 --output-len 128 --json 2>&1 | tail -1 | tee "$out/$shape$sfx-bench-b16.json"
     bin-gpu/engrun bench $b --device cuda --num-prompts 64 --input-len 128 --output-len 128 --json 2>&1 | tail -1 | tee "$out/$shape$sfx-bench-b64.json"

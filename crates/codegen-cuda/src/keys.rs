@@ -139,7 +139,17 @@ pub enum KernelKey {
         /// Vocabulary size.
         vocab: usize,
     },
+    /// One-shot all-reduce of a small f32 message over peer memory between `ranks` GPUs
+    /// (`kernels/comm.cuh`); the runtime launches it in place of NCCL where peers can reach
+    /// each other.
+    AllReduce {
+        /// Ranks (2 to 8).
+        ranks: usize,
+    },
 }
+
+/// The most blocks a one-shot all-reduce launches (`AR_MAXB` in `kernels/comm.cuh`).
+pub const ALL_REDUCE_MAX_BLOCKS: usize = 32;
 
 /// The C type of a dtype the kernels take.
 pub(crate) fn ctype(d: DType) -> Result<&'static str, CodegenError> {
@@ -202,6 +212,7 @@ impl KernelKey {
             KernelKey::Silu => "silu_f32".into(),
             KernelKey::Gather { h, x, out } => format!("gather_h{h}_{x}_to_{out}"),
             KernelKey::Argmax { vocab } => format!("argmax_v{vocab}"),
+            KernelKey::AllReduce { ranks } => format!("all_reduce_r{ranks}"),
         }
     }
 
@@ -290,6 +301,10 @@ impl KernelKey {
             KernelKey::Argmax { vocab } => {
                 ("const float* logits, int* out".into(), format!("argmax<{vocab}>(logits, out)"))
             }
+            KernelKey::AllReduce { ranks } => (
+                "float* x, long n, const unsigned long long* table, int rank, long cap, unsigned* counters".into(),
+                format!("all_reduce_oneshot<{ranks}>(x, n, table, rank, cap, counters)"),
+            ),
         };
         Ok(format!("extern \"C\" __global__ void {name}({params}) {{ {call}; }}\n"))
     }

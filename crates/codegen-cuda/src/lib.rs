@@ -12,7 +12,7 @@ mod lower;
 pub mod nvrtc;
 pub mod schedule;
 
-pub use keys::KernelKey;
+pub use keys::{KernelKey, ALL_REDUCE_MAX_BLOCKS};
 pub use schedule::{Arg, Buffer, Count, Dim, Input, Launch, Step, GEMV_ROWS, SKINNY_ROWS};
 
 use ir::Plan;
@@ -22,6 +22,7 @@ use std::fmt::Write;
 const PRELUDE: &str = include_str!("../../../kernels/prelude.cuh");
 const BASIC: &str = include_str!("../../../kernels/basic.cuh");
 const FAST: &str = include_str!("../../../kernels/fast.cuh");
+const COMM: &str = include_str!("../../../kernels/comm.cuh");
 
 /// Runs `f` with panics silenced and caught: cudarc loads the CUDA libraries at run time and
 /// panics when one is missing, which callers turn into a clear error. `None`: it panicked.
@@ -67,7 +68,8 @@ pub fn emit(plan: &Plan) -> Result<Program, CodegenError> {
         Step::Kernels { variants, .. } => variants.iter().flat_map(|(_, ls)| ls.iter().map(|l| l.key)).collect(),
         Step::AllReduce { .. } => vec![],
     });
-    for k in launched.chain([KernelKey::Argmax { vocab: plan.vocab }]) {
+    let one_shot = (plan.tp > 1).then_some(KernelKey::AllReduce { ranks: plan.tp });
+    for k in launched.chain([KernelKey::Argmax { vocab: plan.vocab }]).chain(one_shot) {
         if !kernels.contains(&k) {
             kernels.push(k);
         }
@@ -92,7 +94,7 @@ pub fn emit(plan: &Plan) -> Result<Program, CodegenError> {
         plan.tp,
         plan.vocab
     );
-    for part in [PRELUDE, BASIC, FAST] {
+    for part in [PRELUDE, BASIC, FAST, COMM] {
         source += part;
         source += "\n";
     }

@@ -35,6 +35,8 @@ pub struct CudaBackend {
     stream: Arc<CudaStream>,
     /// This rank's NCCL communicator (tensor-parallel bundles).
     comm: Option<Nccl>,
+    /// Peer-memory buffers of the one-shot all-reduce, when the ranks' GPUs reach each other.
+    one_shot: Option<tp::OneShot>,
     funcs: HashMap<KernelKey, CudaFunction>,
     weights: Vec<Option<CudaSlice<u8>>>,
     constants: Vec<CudaSlice<f32>>,
@@ -296,6 +298,7 @@ impl CudaBackend {
             program,
             stream,
             comm,
+            one_shot: None,
             funcs,
             weights,
             constants,
@@ -392,6 +395,9 @@ impl CudaBackend {
         let program = self.program.clone();
         for step in &program.steps {
             match step {
+                Step::AllReduce { buf, cols } if self.one_shot.as_ref().is_some_and(|o| t * cols <= o.cap) => {
+                    self.launch_one_shot(*buf, t * cols)?;
+                }
                 Step::AllReduce { buf, cols } => {
                     let comm = self.comm.as_ref().ok_or_else(|| {
                         RuntimeError::Unsupported("an all-reduce step without an NCCL communicator".into())
@@ -595,6 +601,13 @@ impl CudaBackend {
         self.stream.memcpy_dtoh(&self.tokens.slice(0..wanted), &mut ids).map_err(driver("copying tokens"))?;
         self.stream.synchronize().map_err(driver("running a step"))?;
         Ok(ids.into_iter().map(|i| i as u32).collect())
+    }
+
+    /// Finishes this rank's work and drops its NCCL communicator (and the graphs that use it).
+    pub(crate) fn leave_group(&mut self) {
+        let _ = self.stream.synchronize();
+        self.graphs.clear();
+        self.comm.take();
     }
 
     /// One eager all-reduce of one row and of many (NCCL sets up its connections per protocol

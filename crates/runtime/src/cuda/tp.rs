@@ -5,11 +5,18 @@
 //! ranks, and all ranks enqueue the same schedule; the all-reduces after the row-parallel
 //! linears (NCCL kernels, captured into the decode graphs like the rest) keep them in step.
 //! The lm_head is replicated, so rank 0 alone reads the logits and samples.
+//!
+//! All-reduces of up to [`ONE_SHOT_ROWS`] rows (every decode step) run as one kernel that reads
+//! the peers' partial sums straight from their memory over NVLink ([`OneShot`]): NCCL's ring
+//! costs ~15 µs per call at these sizes, two calls per layer. Larger ones (prefill chunks), and
+//! all of them where the GPUs cannot reach each other or `ENGINE_ALLREDUCE=nccl`, go to NCCL.
 
-use super::{context, placement, Compiled, CudaBackend, Packed};
+use super::{context, driver, placement, Compiled, CudaBackend, Packed};
 use crate::backend::{Backend, StepSeq};
 use crate::RuntimeError;
 use bundle::Bundle;
+use codegen_cuda::{KernelKey, Step, ALL_REDUCE_MAX_BLOCKS};
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use cudarc::nccl::Id;
 use std::ffi::c_char;
 use std::sync::mpsc::{channel, Receiver, Sender};
@@ -134,6 +141,7 @@ impl TpCudaBackend {
                 .collect()
         });
         let mut backends = loaded.into_iter().collect::<Result<Vec<_>, _>>()?;
+        OneShot::set_up(&mut backends)?;
         let lead = backends.remove(0);
         let ranks = backends.into_iter().enumerate().map(|(i, b)| Rank::spawn(b, i + 1)).collect();
         let mut be = TpCudaBackend { lead, ranks };
@@ -170,6 +178,17 @@ impl TpCudaBackend {
         let wanted = p.wanted;
         self.on_all(move |b| b.execute(&p).map(|_| 0))?;
         Ok(wanted)
+    }
+}
+
+impl Drop for TpCudaBackend {
+    /// Every rank leaves the NCCL group at once: a communicator torn down while another rank's
+    /// thread still holds its own waits for it forever.
+    fn drop(&mut self) {
+        let _ = self.on_all(|b| {
+            b.leave_group();
+            Ok(0)
+        });
     }
 }
 
@@ -213,5 +232,100 @@ impl Backend for TpCudaBackend {
     fn forward_argmax(&mut self, batch: &[StepSeq]) -> Result<Option<Vec<u32>>, RuntimeError> {
         let wanted = self.step(batch)?;
         self.lead.argmax(wanted).map(Some)
+    }
+}
+
+/// Rows (tokens) up to which an all-reduce runs as the one-shot kernel.
+pub const ONE_SHOT_ROWS: usize = 256;
+
+/// One rank's buffers of the one-shot all-reduce (`kernels/comm.cuh`): a staging buffer of two
+/// halves that the peers read, flags the peers write, per-block epoch counters, and the table of
+/// every rank's staging and flag pointers.
+pub(crate) struct OneShot {
+    /// Floats per staging half: the largest message.
+    pub(crate) cap: usize,
+    /// Held for the peers, which read it through `table`.
+    _staging: CudaSlice<f32>,
+    /// Held for the peers, which write it through `table`.
+    _flags: CudaSlice<u32>,
+    counters: CudaSlice<u32>,
+    table: CudaSlice<u64>,
+    ranks: usize,
+    rank: usize,
+}
+
+/// Enables access from `a`'s GPU to `b`'s memory; false where the GPUs cannot reach each other.
+fn enable_peer(a: &cudarc::driver::CudaContext, b: &cudarc::driver::CudaContext) -> Result<bool, RuntimeError> {
+    use cudarc::driver::sys::{cuCtxEnablePeerAccess, cuDeviceCanAccessPeer, CUresult};
+    let mut can = 0;
+    unsafe { cuDeviceCanAccessPeer(&mut can, a.cu_device(), b.cu_device()) }.result().map_err(driver("peer access"))?;
+    if can == 0 {
+        return Ok(false);
+    }
+    a.bind_to_thread().map_err(driver("binding the context"))?;
+    match unsafe { cuCtxEnablePeerAccess(b.cu_ctx(), 0) } {
+        CUresult::CUDA_SUCCESS | CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => Ok(true),
+        e => Err(RuntimeError::Unsupported(format!("CUDA: enabling peer access: {e:?}"))),
+    }
+}
+
+impl OneShot {
+    /// Gives every rank its one-shot buffers when all GPUs reach each other (else the
+    /// all-reduces stay on NCCL, said on stderr).
+    fn set_up(ranks: &mut [CudaBackend]) -> Result<(), RuntimeError> {
+        if std::env::var("ENGINE_ALLREDUCE").is_ok_and(|v| v == "nccl") {
+            return Ok(());
+        }
+        let program = ranks[0].program.clone();
+        let cols = program
+            .steps
+            .iter()
+            .filter_map(|s| if let Step::AllReduce { cols, .. } = s { Some(*cols) } else { None })
+            .max();
+        let Some(cols) = cols else { return Ok(()) };
+        for a in 0..ranks.len() {
+            for b in 0..ranks.len() {
+                if a != b && !enable_peer(ranks[a].stream.context(), ranks[b].stream.context())? {
+                    eprintln!("GPUs {a} and {b} cannot access each other's memory: all-reduces over NCCL only");
+                    return Ok(());
+                }
+            }
+        }
+        let cap = (ONE_SHOT_ROWS * cols).div_ceil(4) * 4;
+        let n = ranks.len();
+        let mut parts = Vec::with_capacity(n);
+        for r in ranks.iter() {
+            r.stream.context().bind_to_thread().map_err(driver("binding the context"))?;
+            let alloc = |e| RuntimeError::Invalid(format!("out of GPU memory for the all-reduce buffers: {e:?}"));
+            let staging = r.stream.alloc_zeros::<f32>(2 * cap).map_err(alloc)?;
+            let flags = r.stream.alloc_zeros::<u32>(ALL_REDUCE_MAX_BLOCKS * n).map_err(alloc)?;
+            let counters = r.stream.alloc_zeros::<u32>(ALL_REDUCE_MAX_BLOCKS).map_err(alloc)?;
+            parts.push((staging, flags, counters));
+        }
+        let mut table: Vec<u64> = parts.iter().zip(ranks.iter()).map(|(p, r)| r.ptr(&p.0)).collect();
+        table.extend(parts.iter().zip(ranks.iter()).map(|(p, r)| r.ptr(&p.1)));
+        for (rank, (r, (staging, flags, counters))) in ranks.iter_mut().zip(parts).enumerate() {
+            r.stream.context().bind_to_thread().map_err(driver("binding the context"))?;
+            let table = r.stream.clone_htod(&table).map_err(driver("uploading the all-reduce table"))?;
+            r.stream.synchronize().map_err(driver("all-reduce buffers"))?;
+            r.one_shot = Some(OneShot { cap, _staging: staging, _flags: flags, counters, table, ranks: n, rank });
+        }
+        eprintln!("all-reduces of up to {ONE_SHOT_ROWS} rows: one-shot over peer memory; larger: NCCL");
+        Ok(())
+    }
+}
+
+impl CudaBackend {
+    /// Sums the first `n` floats of buffer `buf` over the ranks with the one-shot kernel.
+    pub(super) fn launch_one_shot(&self, buf: usize, n: usize) -> Result<(), RuntimeError> {
+        let o = self.one_shot.as_ref().ok_or_else(|| RuntimeError::Unsupported("no one-shot buffers".into()))?;
+        let x = self.ptr(&self.bufs[buf]);
+        let (table, counters) = (self.ptr(&o.table), self.ptr(&o.counters));
+        let (n, rank, cap) = (n as i64, o.rank as i32, o.cap as i64);
+        let blocks = (n as usize).div_ceil(4 * 512).clamp(1, ALL_REDUCE_MAX_BLOCKS);
+        let mut b = self.stream.launch_builder(&self.funcs[&KernelKey::AllReduce { ranks: o.ranks }]);
+        b.arg(&x).arg(&n).arg(&table).arg(&rank).arg(&cap).arg(&counters);
+        let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (512, 1, 1), shared_mem_bytes: 0 };
+        unsafe { b.launch(cfg) }.map_err(driver("launching the one-shot all-reduce")).map(drop)
     }
 }

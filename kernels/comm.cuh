@@ -1,0 +1,75 @@
+// ---- Collectives between the GPUs of one host ------------------------------------------------
+
+// One-shot all-reduce of a small f32 message over peer (NVLink) memory, for R ranks, graph-safe.
+// `table` holds every rank's staging buffer (two halves of `cap` floats, alternated by epoch
+// parity) and then every rank's flag array (AR_MAXB blocks x R sources, u32). Block b of every
+// rank owns the same elements: it copies them into its staging half, tells block b of each peer
+// (release store of the epoch into the peer's flag), waits for the peers' flags (acquire), then
+// sums the R staging halves in rank order, so every rank holds bit-identical sums. `counters`
+// (AR_MAXB u32, this rank's) give each block its epoch without the host. A rank cannot reuse a
+// half before every peer has read it: that would take it two epochs ahead, past a wait.
+#define AR_MAXB 32
+
+__device__ __forceinline__ void st_release_sys(unsigned* p, unsigned v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ unsigned ld_acquire_sys(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ float4 ld_cg4(const float* p) {
+  float4 v;
+  asm volatile("ld.global.cg.v4.f32 {%0,%1,%2,%3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ float ld_cg(const float* p) {
+  float v;
+  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+  return v;
+}
+
+template <int R>
+__device__ void all_reduce_oneshot(float* x, long n, const unsigned long long* table, int rank, long cap,
+                                   unsigned* counters) {
+  __shared__ unsigned epoch;
+  if (threadIdx.x == 0) epoch = ++counters[blockIdx.x];
+  __syncthreads();
+  const unsigned e = epoch;
+  const long half = (long)(e & 1) * cap;
+  float* mine = (float*)table[rank] + half;
+  const long first = (long)blockIdx.x * blockDim.x + threadIdx.x, stride = (long)gridDim.x * blockDim.x;
+  const long n4 = n / 4;
+  for (long i = first; i < n4; i += stride) ((float4*)mine)[i] = ((const float4*)x)[i];
+  for (long i = 4 * n4 + first; i < n; i += stride) mine[i] = x[i];
+  __syncthreads();
+  const int peer = threadIdx.x;
+  if (peer < R && peer != rank) {
+    __threadfence_system();
+    st_release_sys((unsigned*)table[R + peer] + blockIdx.x * R + rank, e);
+    const unsigned* flag = (const unsigned*)table[R + rank] + blockIdx.x * R + peer;
+    while (ld_acquire_sys(flag) < e) {
+    }
+  }
+  __syncthreads();
+  for (long i = first; i < n4; i += stride) {
+    float4 s = ld_cg4((const float*)table[0] + half + 4 * i);
+#pragma unroll
+    for (int r = 1; r < R; r++) {
+      const float4 v = ld_cg4((const float*)table[r] + half + 4 * i);
+      s.x += v.x;
+      s.y += v.y;
+      s.z += v.z;
+      s.w += v.w;
+    }
+    ((float4*)x)[i] = s;
+  }
+  for (long i = 4 * n4 + first; i < n; i += stride) {
+    float s = ld_cg((const float*)table[0] + half + i);
+    for (int r = 1; r < R; r++) s += ld_cg((const float*)table[r] + half + i);
+    x[i] = s;
+  }
+}
