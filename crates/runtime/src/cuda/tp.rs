@@ -256,7 +256,10 @@ pub(crate) struct OneShot {
 
 /// Enables access from `a`'s GPU to `b`'s memory; false where the GPUs cannot reach each other.
 fn enable_peer(a: &cudarc::driver::CudaContext, b: &cudarc::driver::CudaContext) -> Result<bool, RuntimeError> {
-    use cudarc::driver::sys::{cuCtxEnablePeerAccess, cuDeviceCanAccessPeer, CUresult};
+    use cudarc::driver::sys::{
+        cuCtxEnablePeerAccess, cuDeviceCanAccessPeer, cuDeviceGetDefaultMemPool, cuMemPoolSetAccess, CUmemAccessDesc,
+        CUmemAccess_flags, CUmemLocation, CUmemLocationType, CUresult,
+    };
     let mut can = 0;
     unsafe { cuDeviceCanAccessPeer(&mut can, a.cu_device(), b.cu_device()) }.result().map_err(driver("peer access"))?;
     if can == 0 {
@@ -264,9 +267,20 @@ fn enable_peer(a: &cudarc::driver::CudaContext, b: &cudarc::driver::CudaContext)
     }
     a.bind_to_thread().map_err(driver("binding the context"))?;
     match unsafe { cuCtxEnablePeerAccess(b.cu_ctx(), 0) } {
-        CUresult::CUDA_SUCCESS | CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => Ok(true),
-        e => Err(RuntimeError::Unsupported(format!("CUDA: enabling peer access: {e:?}"))),
+        CUresult::CUDA_SUCCESS | CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => {}
+        e => return Err(RuntimeError::Unsupported(format!("CUDA: enabling peer access: {e:?}"))),
     }
+    // cudarc allocates from the device's stream-ordered memory pool, whose memory peers reach
+    // only once the pool grants them access (context peer access does not cover it).
+    let mut pool = std::ptr::null_mut();
+    if unsafe { cuDeviceGetDefaultMemPool(&mut pool, b.cu_device()) } == CUresult::CUDA_SUCCESS {
+        let desc = CUmemAccessDesc {
+            location: CUmemLocation { type_: CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: a.ordinal() as i32 },
+            flags: CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        };
+        unsafe { cuMemPoolSetAccess(pool, &desc, 1) }.result().map_err(driver("granting a peer the memory pool"))?;
+    }
+    Ok(true)
 }
 
 impl OneShot {
