@@ -19,7 +19,11 @@ use ir::{DType, Op, Plan};
 use std::collections::HashMap;
 use std::sync::Arc;
 
+mod device;
 pub mod tp;
+
+use device::{arch, context};
+pub use device::{gpu_present, placement, usable};
 
 fn driver<E: std::fmt::Debug>(what: &str) -> impl Fn(E) -> RuntimeError + '_ {
     move |e| RuntimeError::Unsupported(format!("CUDA: {what}: {e:?}"))
@@ -85,111 +89,6 @@ unsafe impl Send for Graph {}
 /// backend that owns it, like [`Graph`].
 struct Nccl(cudarc::nccl::Comm);
 unsafe impl Send for Nccl {}
-
-/// The oldest driver the kernels' API level needs (CUDA 12.8).
-const MIN_DRIVER: i32 = 12080;
-
-/// Creates the context of GPU `ordinal`, turning a missing driver (cudarc panics), a driver
-/// older than the API level we use, or no such GPU into one clear error each.
-fn context(ordinal: usize) -> Result<Arc<CudaContext>, RuntimeError> {
-    let version = codegen_cuda::without_panic(|| {
-        let mut v = 0;
-        unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut v) };
-        v
-    });
-    let r = codegen_cuda::without_panic(|| CudaContext::new(ordinal));
-    match (version, r) {
-        (None, _) | (_, None) => Err(RuntimeError::Unsupported(
-            "the CUDA driver (libcuda.so) was not found: no GPU on this machine? use --device cpu".into(),
-        )),
-        (Some(v), _) if v > 0 && v < MIN_DRIVER => Err(RuntimeError::Unsupported(format!(
-            "the CUDA driver is too old: it supports CUDA {}.{}, the CUDA backend needs {}.{} or newer \
-             (update the NVIDIA driver, or use --device cpu)",
-            v / 1000,
-            v % 1000 / 10,
-            MIN_DRIVER / 1000,
-            MIN_DRIVER % 1000 / 10
-        ))),
-        (_, Some(Ok(ctx))) => Ok(ctx),
-        (_, Some(Err(e))) => {
-            Err(RuntimeError::Unsupported(format!("no usable GPU {ordinal}: {e:?}; use --device cpu")))
-        }
-    }
-}
-
-/// How many GPUs the driver sees (0 without a driver).
-pub fn gpu_count() -> usize {
-    codegen_cuda::without_panic(|| {
-        if cudarc::driver::result::init().is_err() {
-            return 0;
-        }
-        CudaContext::device_count().map_or(0, |n| n.max(0) as usize)
-    })
-    .unwrap_or(0)
-}
-
-/// Whether a CUDA driver and a GPU are there (without keeping a context).
-pub fn gpu_present() -> bool {
-    gpu_count() > 0
-}
-
-/// Whether `bundle` can run on the CUDA backend here: a GPU per rank, NCCL when there are
-/// several, kernels for its plan.
-pub fn usable(bundle: &Bundle, gpus: &[usize]) -> Result<(), String> {
-    if !gpu_present() {
-        return Err("no GPU".into());
-    }
-    placement(bundle.plan.tp, gpus).map_err(|e| e.to_string())?;
-    if bundle.plan.tp > 1 && !tp::nccl_present() {
-        return Err("NCCL (libnccl.so) was not found".into());
-    }
-    codegen_cuda::emit(&bundle.plan).map(|_| ()).map_err(|e| e.to_string())
-}
-
-/// The GPU of each of `tp` ranks: `gpus` (`--devices`) or `0..tp`, checked against the GPUs
-/// there are.
-pub fn placement(tp: usize, gpus: &[usize]) -> Result<Vec<usize>, RuntimeError> {
-    let chosen: Vec<usize> = if gpus.is_empty() { (0..tp).collect() } else { gpus.to_vec() };
-    if chosen.len() != tp {
-        return Err(RuntimeError::Invalid(format!(
-            "--devices names {} GPU(s) but the bundle has tp={tp}: give one GPU per rank",
-            chosen.len()
-        )));
-    }
-    let have = gpu_count();
-    if have == 0 {
-        context(0)?; // the error that says why (no driver, too old, no GPU)
-    }
-    if let Some(g) = chosen.iter().find(|&&g| g >= have) {
-        return Err(RuntimeError::Unsupported(format!(
-            "the bundle has tp={tp} and needs GPU {g}, but this machine has {have} GPU(s) \
-             (compile with a smaller --tp, or choose GPUs with --devices)"
-        )));
-    }
-    let mut seen = chosen.clone();
-    seen.sort_unstable();
-    seen.dedup();
-    if seen.len() != chosen.len() {
-        return Err(RuntimeError::Invalid(format!("--devices names a GPU twice: {chosen:?}")));
-    }
-    Ok(chosen)
-}
-
-/// The device's SM arch for NVRTC (`sm_90`), or `ENGINE_CUDA_ARCH`.
-fn arch(ctx: &CudaContext) -> Result<String, RuntimeError> {
-    if let Ok(a) = std::env::var("ENGINE_CUDA_ARCH") {
-        return Ok(a);
-    }
-    use cudarc::driver::sys::CUdevice_attribute::*;
-    let major = ctx.attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR).map_err(driver("device arch"))?;
-    let minor = ctx.attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR).map_err(driver("device arch"))?;
-    if major < 8 {
-        return Err(RuntimeError::Unsupported(format!(
-            "GPU compute capability {major}.{minor}: the kernels need 8.0 or newer (bf16 tensor cores)"
-        )));
-    }
-    Ok(format!("sm_{major}{minor}"))
-}
 
 /// A plan's launch schedule and its kernels compiled for one GPU arch (shared by the ranks).
 pub(crate) struct Compiled {
