@@ -70,30 +70,3 @@ __device__ void silu(const float* a, float* out, long n) {
   if (i < n) out[i] = a[i] / (1.0f + __expf(-a[i]));
 }
 
-// Greedy sampling: the index of the largest logit of each row (lowest index on ties).
-// grid: R, block: 1024.
-template <int V>
-__device__ void argmax(const float* logits, int* out) {
-  __shared__ float best_v[1024];
-  __shared__ int best_i[1024];
-  const float* row = logits + (long)blockIdx.x * V;
-  float bv = NEG_INF;
-  int bi = 0x7fffffff;
-  for (int i = threadIdx.x; i < V; i += blockDim.x)
-    if (row[i] > bv) { bv = row[i]; bi = i; }
-  best_v[threadIdx.x] = bv;
-  best_i[threadIdx.x] = bi;
-  __syncthreads();
-  for (int s = blockDim.x / 2; s > 0; s >>= 1) {
-    if (threadIdx.x < s) {
-      const float ov = best_v[threadIdx.x + s];
-      const int oi = best_i[threadIdx.x + s];
-      if (ov > best_v[threadIdx.x] || (ov == best_v[threadIdx.x] && oi < best_i[threadIdx.x])) {
-        best_v[threadIdx.x] = ov;
-        best_i[threadIdx.x] = oi;
-      }
-    }
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) out[blockIdx.x] = best_i[0];
-}

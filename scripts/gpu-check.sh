@@ -5,7 +5,8 @@
 # builds a random-weight Qwen2 checkpoint with HF transformers, compiles a bundle, and compares
 # our CUDA logits with HF's (f32 forward over the same bf16 weights, and HF's bf16 forward):
 # batch 1 (40 tokens prefilled, then 24 decode steps) and batch 16 of mixed lengths (24 tokens
-# prefilled each, then decode steps as one shrinking batch). Then benchmarks (BENCH=0 skips):
+# prefilled each, then decode steps as one shrinking batch), and the GPU's sampling kernel
+# against the host's rule on the same logits. Then benchmarks (BENCH=0 skips):
 # batch-1 decode (with the default device: auto), a 4096-token prefill, batches of 16 and 64, and a second start with a warm
 # kernel cache. TPS="1 2" repeats the checks and benchmarks with a --tp 2 bundle on two GPUs
 # (compared with HF and with tp=1; batch-1 decode also with NCCL-only all-reduces). Results go to $OUT (default /tmp/gpu-out).
@@ -93,12 +94,21 @@ for run, first, count, pre in (("b1", 0, 1, 40), ("b16", 1, 16, 24)):
         print(json.dumps({"shape": shape, "run": run + sfx, "vs": kind, "last_rel_err": last,
                           "all_rel_err": allp, "greedy_equal": same, "greedy_clear": clear}))
 PY
+  # The sampling kernel against the host's rule, on the same logits and numbers.
+  for spec in "--temperature 0.7 --top-p 0.9" "--temperature 1.0 --top-k 50 --min-p 0.05" "--temperature 1.3"; do
+    r=$(bin-gpu/engrun logits "$b" --device cuda --ids "$many" --prefill 24 $spec -o /tmp/sample-check.safetensors 2>/dev/null | tail -1)
+    echo "$spec: $r" | tee -a "$out/$shape$sfx-sampling.txt"
+  done
   if [ "${BENCH:-1}" = 1 ]; then
     bin-gpu/engrun bench $b --num-prompts 1 --input-len 128 --output-len 128 --json 2>&1 | tail -1 | tee "$out/$shape$sfx-bench-b1.json"
     [ "$tp" = 1 ] || ENGINE_ALLREDUCE=nccl bin-gpu/engrun bench $b --num-prompts 1 --input-len 128 --output-len 128 --json 2>&1 | tail -1 | tee "$out/$shape$sfx-bench-b1-nccl.json"
     bin-gpu/engrun bench $b --device cuda --num-prompts 1 --input-len 4096 --output-len 2 --json 2>&1 | tail -1 | tee "$out/$shape$sfx-bench-prefill4096.json"
     bin-gpu/engrun bench $b --device cuda --num-prompts 16 --input-len 128 --output-len 128 --json 2>&1 | tail -1 | tee "$out/$shape$sfx-bench-b16.json"
     bin-gpu/engrun bench $b --device cuda --num-prompts 64 --input-len 128 --output-len 128 --json 2>&1 | tail -1 | tee "$out/$shape$sfx-bench-b64.json"
+    # Sampled on the GPU (temperature 0.7, top-p 0.9) instead of greedy.
+    for n in 1 64; do
+      bin-gpu/engrun bench $b --device cuda --num-prompts $n --input-len 128 --output-len 128 --temperature 0.7 --top-p 0.9 --json 2>&1 | tail -1 | tee "$out/$shape$sfx-bench-b$n-top-p.json"
+    done
   fi
   done
 done

@@ -134,8 +134,8 @@ pub enum KernelKey {
         /// Output dtype.
         out: DType,
     },
-    /// Greedy sampling over rows of `vocab` logits.
-    Argmax {
+    /// Sampling (greedy, temperature, top-k, top-p, min-p) over rows of `vocab` logits.
+    Sample {
         /// Vocabulary size.
         vocab: usize,
     },
@@ -211,7 +211,7 @@ impl KernelKey {
             KernelKey::Mul => "mul_f32".into(),
             KernelKey::Silu => "silu_f32".into(),
             KernelKey::Gather { h, x, out } => format!("gather_h{h}_{x}_to_{out}"),
-            KernelKey::Argmax { vocab } => format!("argmax_v{vocab}"),
+            KernelKey::Sample { vocab } => format!("sample_v{vocab}"),
             KernelKey::AllReduce { ranks } => format!("all_reduce_r{ranks}"),
         }
     }
@@ -298,9 +298,10 @@ impl KernelKey {
                 let (t, o) = (ctype(x)?, ctype(out)?);
                 (format!("const {t}* x, const int* rows, {o}* out"), format!("gather<{h}, {t}, {o}>(x, rows, out)"))
             }
-            KernelKey::Argmax { vocab } => {
-                ("const float* logits, int* out".into(), format!("argmax<{vocab}>(logits, out)"))
-            }
+            KernelKey::Sample { vocab } => (
+                "const float* logits, const float* params, int* out".into(),
+                format!("sample<{vocab}>(logits, params, out)"),
+            ),
             KernelKey::AllReduce { ranks } => (
                 "float* x, long n, const unsigned long long* table, int rank, long cap, unsigned* counters".into(),
                 format!("all_reduce_oneshot<{ranks}>(x, n, table, rank, cap, counters)"),

@@ -23,6 +23,7 @@ const PRELUDE: &str = include_str!("../../../kernels/prelude.cuh");
 const BASIC: &str = include_str!("../../../kernels/basic.cuh");
 const FAST: &str = include_str!("../../../kernels/fast.cuh");
 const COMM: &str = include_str!("../../../kernels/comm.cuh");
+const SAMPLE: &str = include_str!("../../../kernels/sample.cuh");
 
 /// Runs `f` with panics silenced and caught: cudarc loads the CUDA libraries at run time and
 /// panics when one is missing, which callers turn into a clear error. `None`: it panicked.
@@ -69,7 +70,7 @@ pub fn emit(plan: &Plan) -> Result<Program, CodegenError> {
         Step::AllReduce { .. } => vec![],
     });
     let one_shot = (plan.tp > 1).then_some(KernelKey::AllReduce { ranks: plan.tp });
-    for k in launched.chain([KernelKey::Argmax { vocab: plan.vocab }]).chain(one_shot) {
+    for k in launched.chain([KernelKey::Sample { vocab: plan.vocab }]).chain(one_shot) {
         if !kernels.contains(&k) {
             kernels.push(k);
         }
@@ -94,7 +95,7 @@ pub fn emit(plan: &Plan) -> Result<Program, CodegenError> {
         plan.tp,
         plan.vocab
     );
-    for part in [PRELUDE, BASIC, FAST, COMM] {
+    for part in [PRELUDE, BASIC, FAST, COMM, SAMPLE] {
         source += part;
         source += "\n";
     }

@@ -83,15 +83,8 @@ enum Cmd {
         /// Most new tokens.
         #[arg(long, default_value_t = 128)]
         max_tokens: usize,
-        /// Sampling temperature (0 = greedy).
-        #[arg(long, default_value_t = 0.0)]
-        temperature: f32,
-        /// Top-k (0 = off).
-        #[arg(long, default_value_t = 0)]
-        top_k: usize,
-        /// Top-p.
-        #[arg(long, default_value_t = 1.0)]
-        top_p: f32,
+        #[command(flatten)]
+        sampling: SamplingArgs,
         /// Random seed.
         #[arg(long, default_value_t = 0)]
         seed: u64,
@@ -126,9 +119,11 @@ enum Cmd {
         /// Every prompt starts with the same this many tokens.
         #[arg(long, default_value_t = 0)]
         shared_prefix_len: usize,
-        /// Seed of the random prompts.
+        /// Seed of the random prompts (request i samples with seed + i).
         #[arg(long, default_value_t = 0)]
         seed: u64,
+        #[command(flatten)]
+        sampling: SamplingArgs,
         /// Print one JSON object.
         #[arg(long)]
         json: bool,
@@ -171,6 +166,10 @@ enum Cmd {
         prefill: Option<usize>,
         #[command(flatten)]
         device: DeviceArgs,
+        /// With a temperature: also choose a token from every logits row on the device (each
+        /// row's number from a generator seeded 0) and on the host, and print how many agree.
+        #[command(flatten)]
+        sampling: SamplingArgs,
         /// Output file.
         #[arg(short, long)]
         out: PathBuf,
@@ -179,25 +178,14 @@ enum Cmd {
 
 fn main() -> ExitCode {
     let result = match Cli::parse().cmd {
-        Cmd::Generate {
-            bundle,
-            prompt,
-            chat,
-            system,
-            max_tokens,
-            temperature,
-            top_k,
-            top_p,
-            seed,
-            ignore_eos,
-            device,
-            engine,
-        } => {
-            let sampling = SamplingParams { temperature, top_k, top_p, seed, ..Default::default() };
+        Cmd::Generate { bundle, prompt, chat, system, max_tokens, sampling, seed, ignore_eos, device, engine } => {
+            let sampling = sampling.params(seed);
             let args = GenArgs { prompt, chat, system, max_tokens, sampling, ignore_eos, device, engine };
             generate(&bundle, &args)
         }
-        Cmd::Logits { bundle, ids, prefill, device, out } => logits(&bundle, &ids, prefill, device, &out),
+        Cmd::Logits { bundle, ids, prefill, device, sampling, out } => {
+            logits(&bundle, &ids, prefill, device, &sampling.params(0), &out)
+        }
         Cmd::Serve { bundle, host, port, device, api_key, served_model_name, engine } => {
             serve(&bundle, device, &engine, host, port, api_key, served_model_name)
         }
@@ -210,6 +198,7 @@ fn main() -> ExitCode {
             random_range_ratio,
             shared_prefix_len,
             seed,
+            sampling,
             json,
             engine,
         } => {
@@ -220,6 +209,7 @@ fn main() -> ExitCode {
                 range_ratio: random_range_ratio,
                 shared_prefix_len,
                 seed,
+                sampling: sampling.params(seed),
             };
             bench(&bundle, device, &engine, &opts, json)
         }
@@ -230,6 +220,30 @@ fn main() -> ExitCode {
             eprintln!("error: {e}");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// How tokens are chosen (greedy by default).
+#[derive(clap::Args, Debug, Clone, Copy)]
+struct SamplingArgs {
+    /// Sampling temperature (0 = greedy).
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Keep the k most likely tokens (0 = all).
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    /// Keep the most likely tokens holding this much of the probability.
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// Drop tokens less likely than this times the most likely one.
+    #[arg(long, default_value_t = 0.0)]
+    min_p: f32,
+}
+
+impl SamplingArgs {
+    fn params(&self, seed: u64) -> SamplingParams {
+        let SamplingArgs { temperature, top_k, top_p, min_p } = *self;
+        SamplingParams { temperature, top_k, top_p, min_p, seed, ..Default::default() }
     }
 }
 
@@ -378,7 +392,15 @@ fn parse_ids(ids: &str) -> Result<Vec<Vec<u32>>, String> {
     Ok(seqs)
 }
 
-fn logits(path: &Path, ids: &str, prefill: Option<usize>, device: DeviceArgs, out: &Path) -> Result<(), String> {
+fn logits(
+    path: &Path,
+    ids: &str,
+    prefill: Option<usize>,
+    device: DeviceArgs,
+    sampling: &SamplingParams,
+    out: &Path,
+) -> Result<(), String> {
+    let mut check = SampleCheck::new(sampling)?;
     let seqs = parse_ids(ids)?;
     let longest = seqs.iter().map(Vec::len).max().unwrap_or(0);
     let prefill = prefill.unwrap_or(longest).max(1);
@@ -400,6 +422,7 @@ fn logits(path: &Path, ids: &str, prefill: Option<usize>, device: DeviceArgs, ou
             .map(|(&i, r)| runtime::SeqChunk { seq: i as u64, tokens: &seqs[i][range(&seqs[i])], rows: r })
             .collect();
         let logits = runner.forward_batch(&batch).map_err(|e| e.to_string())?;
+        check.step(&mut runner, &logits)?;
         let mut at = 0;
         for (&i, r) in live.iter().zip(&rows) {
             rows_out[i].extend_from_slice(&logits[at..at + r.len() * vocab]);
@@ -411,7 +434,46 @@ fn logits(path: &Path, ids: &str, prefill: Option<usize>, device: DeviceArgs, ou
         .map_err(|e| e.to_string())?;
     safetensors::serialize_to_file([("logits", view)], &None, out).map_err(|e| format!("{}: {e}", out.display()))?;
     eprintln!("wrote logits [{total}, {vocab}] of {} sequences to {}", seqs.len(), out.display());
+    check.report();
     Ok(())
+}
+
+/// `engrun logits` with a temperature: every logits row's token chosen on the device and on the
+/// host from the same logits and numbers.
+struct SampleCheck {
+    sampler: Option<runtime::Sampler>,
+    rows: usize,
+    equal: usize,
+    on_device: bool,
+}
+
+impl SampleCheck {
+    fn new(params: &SamplingParams) -> Result<SampleCheck, String> {
+        let sampler = (params.temperature > 0.0).then(|| runtime::Sampler::new(params.clone())).transpose();
+        Ok(SampleCheck { sampler: sampler.map_err(|e| e.to_string())?, rows: 0, equal: 0, on_device: false })
+    }
+
+    fn step(&mut self, runner: &mut runtime::Sequences, logits: &[f32]) -> Result<(), String> {
+        let Some(s) = &mut self.sampler else { return Ok(()) };
+        let vocab = runner.vocab();
+        let rows: Vec<runtime::RowSampling> = (0..logits.len() / vocab).map(|_| s.row()).collect();
+        let host = logits.chunks_exact(vocab).zip(&rows).map(|(l, r)| runtime::pick(l, r));
+        let device = runner.resample(&rows).map_err(|e| e.to_string())?;
+        self.on_device |= device.is_some();
+        let device = device.unwrap_or_else(|| host.clone().collect());
+        self.rows += rows.len();
+        self.equal += host.zip(device).filter(|(h, d)| h == d).count();
+        Ok(())
+    }
+
+    fn report(&self) {
+        if self.sampler.is_some() {
+            println!(
+                "{}",
+                serde_json::json!({"sampled_rows": self.rows, "device_equal_host": self.equal, "on_device": self.on_device})
+            );
+        }
+    }
 }
 
 fn bench(

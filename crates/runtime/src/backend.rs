@@ -6,6 +6,7 @@
 //! and the radix cache ([`crate::PagePool`], [`crate::RadixCache`]) stay on the host, shared
 //! by every backend.
 
+use crate::sampler::{pick, RowSampling};
 use crate::RuntimeError;
 use bundle::Bundle;
 use ir::{Interpreter, IrError, KvStore, Plan};
@@ -70,11 +71,18 @@ pub trait Backend: Send {
     /// Runs one step over several sequences (all their tokens through each weight once) and
     /// returns the logits of every sequence's rows, sequence after sequence.
     fn forward(&mut self, batch: &[StepSeq]) -> Result<Vec<f32>, RuntimeError>;
-    /// Like `forward`, but returns the argmax of each logits row (lowest id on ties) instead of
-    /// the logits, where the backend can compute it on its device; `None`: it cannot (the
-    /// caller then runs `forward`).
-    fn forward_argmax(&mut self, batch: &[StepSeq]) -> Result<Option<Vec<u32>>, RuntimeError> {
-        let _ = batch;
+    /// Like `forward`, but returns each logits row's token, chosen by `rows` (one per logits
+    /// row, see [`crate::sampler::pick`]); a backend with a device overrides this to choose there
+    /// and copy back only the tokens.
+    fn forward_sample(&mut self, batch: &[StepSeq], rows: &[RowSampling]) -> Result<Vec<u32>, RuntimeError> {
+        let logits = self.forward(batch)?;
+        Ok(logits.chunks_exact(self.vocab()).zip(rows).map(|(l, r)| pick(l, r)).collect())
+    }
+    /// Chooses again, on the device, from the logits of the last step (one entry of `rows` per
+    /// logits row), for checking the device's choice against [`pick`]; `None`: the backend
+    /// chooses on the host.
+    fn resample(&mut self, rows: &[RowSampling]) -> Result<Option<Vec<u32>>, RuntimeError> {
+        let _ = rows;
         Ok(None)
     }
     /// Free memory of the backend's device in bytes, when it is not the host's (the KV pool

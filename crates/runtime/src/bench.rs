@@ -22,6 +22,8 @@ pub struct BenchOptions {
     pub shared_prefix_len: usize,
     /// Seed of the prompts.
     pub seed: u64,
+    /// How every request samples (request i with seed `sampling.seed + i`).
+    pub sampling: SamplingParams,
 }
 
 /// What was measured.
@@ -104,13 +106,15 @@ pub fn requests(opts: &BenchOptions, vocab: usize) -> Result<Vec<Request>, Runti
         let lo = ((max as f64 * opts.range_ratio).ceil() as usize).max(min).min(max);
         lo + (rng.uniform() * (max - lo + 1) as f64) as usize % (max - lo + 1)
     };
+    opts.sampling.validate()?;
     Ok((0..opts.num_prompts)
-        .map(|_| {
+        .map(|i| {
             let n = len(&mut rng, opts.input_len, prefix.len() + 1);
             let out = len(&mut rng, opts.output_len, 1);
             let mut prompt = prefix.clone();
             prompt.extend((prefix.len()..n).map(|_| token(&mut rng)));
-            Request { ignore_eos: true, ..Request::greedy(prompt, out) }
+            let sampling = SamplingParams { seed: opts.sampling.seed.wrapping_add(i as u64), ..opts.sampling.clone() };
+            Request { ignore_eos: true, sampling, ..Request::greedy(prompt, out) }
         })
         .collect())
 }

@@ -98,66 +98,123 @@ impl Sampler {
 
     /// A uniform number in [0, 1) from the sampler's generator.
     pub fn uniform(&mut self) -> f64 {
-        self.next_f64()
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
     }
 
-    fn next_f64(&mut self) -> f64 {
+    fn next_u64(&mut self) -> u64 {
         self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.state;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
         z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^= z >> 31;
-        (z >> 11) as f64 / (1u64 << 53) as f64
+        z ^ (z >> 31)
     }
 
-    /// Chooses a token from one row of logits.
-    pub fn sample(&mut self, logits: &[f32]) -> u32 {
-        if self.params.temperature == 0.0 || self.params.top_k == 1 {
-            return Sampler::argmax(logits);
+    /// This step's choice for one row: the parameters and, unless greedy, a fresh uniform
+    /// number (greedy steps draw none).
+    pub fn row(&mut self) -> RowSampling {
+        let p = &self.params;
+        let mut row =
+            RowSampling { temperature: p.temperature, top_k: p.top_k, top_p: p.top_p, min_p: p.min_p, u: 0.0 };
+        if !row.is_greedy() {
+            row.u = (self.next_u64() >> 40) as f32 / (1u32 << 24) as f32;
         }
-        let t = self.params.temperature;
-        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        // Tokens more than e^-40 below the top cannot be drawn in f64; skip them before sorting.
-        let mut probs: Vec<(u32, f64)> = logits
-            .iter()
-            .enumerate()
-            .filter(|&(_, &l)| (l - max) / t > -40.0)
-            .map(|(i, &l)| (i as u32, (((l - max) / t) as f64).exp()))
-            .collect();
-        let order = |a: &(u32, f64), b: &(u32, f64)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
-        if self.params.top_k > 0 && self.params.top_k < probs.len() {
-            probs.select_nth_unstable_by(self.params.top_k - 1, order);
-            probs.truncate(self.params.top_k);
-        }
-        // Only top-p and min-p need the tokens in order; plain sampling draws from them as
-        // they are (in id order).
-        let kept = if self.params.top_p < 1.0 || self.params.min_p > 0.0 {
-            probs.sort_by(order);
-            let total: f64 = probs.iter().map(|p| p.1).sum();
-            let top = probs[0].1;
-            let mut kept = 0.0;
-            let mut keep = 0;
-            for p in &probs {
-                if keep > 0 && (kept / total >= self.params.top_p as f64 || p.1 < self.params.min_p as f64 * top) {
-                    break;
-                }
-                kept += p.1;
-                keep += 1;
-            }
-            probs.truncate(keep);
-            kept
-        } else {
-            probs.iter().map(|p| p.1).sum()
-        };
-        let mut r = self.next_f64() * kept;
-        for (id, p) in &probs {
-            if r < *p {
-                return *id;
-            }
-            r -= p;
-        }
-        probs[probs.len() - 1].0
+        row
     }
+
+    /// Chooses a token from one row of logits (draws this step's number, then [`pick`]).
+    pub fn sample(&mut self, logits: &[f32]) -> u32 {
+        pick(logits, &self.row())
+    }
+}
+
+/// One logits row's sampling parameters and this step's uniform number: what a backend needs
+/// to choose the token on its device (`kernels/sample.cuh`) or the host (`pick`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RowSampling {
+    /// Softmax temperature; 0 is greedy.
+    pub temperature: f32,
+    /// Keep the k most likely tokens (0: all).
+    pub top_k: usize,
+    /// Keep the smallest set of most likely tokens that holds this much of the mass.
+    pub top_p: f32,
+    /// Keep tokens at least this likely relative to the top one.
+    pub min_p: f32,
+    /// Uniform in [0, 1): where in the kept mass the token lies.
+    pub u: f32,
+}
+
+impl RowSampling {
+    /// Greedy: the argmax, whatever `u`.
+    pub fn is_greedy(&self) -> bool {
+        self.temperature == 0.0 || self.top_k == 1
+    }
+
+    /// The five numbers the device kernel reads (top_k clamped to the vocabulary).
+    pub fn to_device(&self, vocab: usize) -> [f32; 5] {
+        [self.temperature, self.top_k.min(vocab) as f32, self.top_p, self.min_p, self.u]
+    }
+}
+
+/// Mass of a probability relative to the top token's, in fixed point (so that sums do not
+/// depend on the order of addition).
+fn mass(p: f32) -> u64 {
+    (p * (1u64 << 40) as f32) as u64
+}
+
+/// Chooses a token from one row of logits: greedy, or the rule of `kernels/sample.cuh` (the
+/// device kernel), to the same numbers. With m the largest logit, p = exp((l - m) / T); the kept
+/// tokens are those at or above the largest of: the k-th largest p (top_k), the largest p whose
+/// tokens at or above it hold top_p of the top-k mass (top_p), and min_p; the token is the kept
+/// one, in id order, where the running mass passes `u` times the kept mass.
+pub fn pick(logits: &[f32], row: &RowSampling) -> u32 {
+    if row.is_greedy() || logits.is_empty() {
+        return Sampler::argmax(logits);
+    }
+    let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let inv_t = 1.0 / row.temperature;
+    let p: Vec<f32> = logits.iter().map(|&l| if l == m { 1.0 } else { ((l - m) * inv_t).exp() }).collect();
+    let mut thr = row.min_p.to_bits();
+    let top_k = if row.top_k > 0 && row.top_k < p.len() { row.top_k } else { 0 };
+    if top_k > 0 || row.top_p < 1.0 {
+        thr = thr.max(top_k_top_p(&p, top_k, row.top_p));
+    }
+    let kept = || p.iter().enumerate().filter(|(_, x)| x.to_bits() >= thr);
+    let total: u64 = kept().map(|(_, &x)| mass(x)).sum();
+    let r = ((row.u as f64 * total as f64) as u64).min(total.saturating_sub(1));
+    let mut acc = 0;
+    for (i, &x) in kept() {
+        acc += mass(x);
+        if r < acc {
+            return i as u32;
+        }
+    }
+    Sampler::argmax(logits)
+}
+
+/// The top_k threshold, then the top_p one within it (bits of p; see [`pick`]).
+fn top_k_top_p(p: &[f32], top_k: usize, top_p: f32) -> u32 {
+    let desc = |a: &u32, b: &u32| b.cmp(a);
+    let mut bits: Vec<u32> = p.iter().map(|x| x.to_bits()).collect();
+    let mut thr = 0;
+    if top_k > 0 {
+        bits.select_nth_unstable_by(top_k - 1, desc);
+        thr = bits[top_k - 1];
+        bits.retain(|&b| b >= thr);
+    }
+    if top_p < 1.0 {
+        bits.sort_unstable_by(desc);
+        let total: u64 = bits.iter().map(|&b| mass(f32::from_bits(b))).sum();
+        let need = ((top_p as f64 * total as f64) as u64).max(1);
+        let mut acc = 0;
+        for (i, &b) in bits.iter().enumerate() {
+            acc += mass(f32::from_bits(b));
+            // Tokens of equal p are kept together: stop after the last of them.
+            if acc >= need && bits.get(i + 1) != Some(&b) {
+                return thr.max(b);
+            }
+        }
+    }
+    thr
 }
 
 /// The log-probabilities of a sampled token and of the most likely tokens, from the model's
@@ -186,12 +243,29 @@ impl RequestSampler {
         Ok(RequestSampler { sampler: Sampler::new(params)?, prompt, counts: HashMap::new() })
     }
 
-    /// Chooses the next token from `logits` and records it; with `logprobs = Some(n)` also
-    /// returns the chosen token's log-probability and the top `n`.
-    pub fn next(&mut self, logits: &[f32], logprobs: Option<usize>) -> (u32, Option<Logprobs>) {
+    /// Whether the choice depends on more than the raw logits and this step's numbers
+    /// (penalties look at the tokens so far).
+    pub fn penalised(&self) -> bool {
         let p = &self.sampler.params;
-        let penalised = p.repetition_penalty != 1.0 || p.frequency_penalty != 0.0 || p.presence_penalty != 0.0;
-        let token = if penalised {
+        p.repetition_penalty != 1.0 || p.frequency_penalty != 0.0 || p.presence_penalty != 0.0
+    }
+
+    /// This step's parameters and uniform number (see [`Sampler::row`]); draw once per step.
+    pub fn row(&mut self) -> RowSampling {
+        self.sampler.row()
+    }
+
+    /// Records a token chosen elsewhere (on a device) by this step's `row()`.
+    pub fn record(&mut self, token: u32) {
+        *self.counts.entry(token).or_insert(0) += 1;
+    }
+
+    /// Chooses the next token from `logits` (penalties applied) by this step's `row` and
+    /// records it; with `logprobs = Some(n)` also returns the chosen token's log-probability
+    /// and the top `n`.
+    pub fn choose(&mut self, logits: &[f32], row: &RowSampling, logprobs: Option<usize>) -> (u32, Option<Logprobs>) {
+        let token = if self.penalised() {
+            let p = &self.sampler.params;
             let mut l = logits.to_vec();
             let rep = p.repetition_penalty;
             if rep != 1.0 {
@@ -204,12 +278,18 @@ impl RequestSampler {
             for (&t, &c) in &self.counts {
                 l[t as usize] -= p.frequency_penalty * c as f32 + p.presence_penalty;
             }
-            self.sampler.sample(&l)
+            pick(&l, row)
         } else {
-            self.sampler.sample(logits)
+            pick(logits, row)
         };
-        *self.counts.entry(token).or_insert(0) += 1;
+        self.record(token);
         (token, logprobs.map(|n| log_probs(logits, token, n)))
+    }
+
+    /// Draws this step's number and chooses (`row`, then `choose`).
+    pub fn next(&mut self, logits: &[f32], logprobs: Option<usize>) -> (u32, Option<Logprobs>) {
+        let row = self.row();
+        self.choose(logits, &row, logprobs)
     }
 }
 
@@ -252,6 +332,84 @@ mod tests {
         let k = SamplingParams { temperature: 1.0, top_k: 2, ..Default::default() };
         let mut s = Sampler::new(k).unwrap();
         assert!((0..64).all(|_| matches!(s.sample(&logits), 1 | 2)));
+    }
+
+    /// The kept set by the textbook rule (sort by probability, top-k, the smallest prefix that
+    /// reaches top-p of the top-k mass, min-p), in f64.
+    fn kept_by_sorting(logits: &[f32], r: &RowSampling) -> Vec<u32> {
+        let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+        let mut p: Vec<(u32, f64)> = logits
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| (i as u32, ((l as f64 - m) / r.temperature as f64).exp()))
+            .collect();
+        p.sort_by(|a, b| b.1.total_cmp(&a.1));
+        if r.top_k > 0 {
+            p.truncate(r.top_k);
+        }
+        let total: f64 = p.iter().map(|x| x.1).sum();
+        let (mut acc, mut keep) = (0.0, 0);
+        while keep < p.len() && (keep == 0 || acc < r.top_p as f64 * total) {
+            acc += p[keep].1;
+            keep += 1;
+        }
+        p.truncate(keep);
+        p.retain(|x| x.1 >= r.min_p as f64);
+        let mut ids: Vec<u32> = p.into_iter().map(|x| x.0).collect();
+        ids.sort();
+        ids
+    }
+
+    #[test]
+    fn pick_keeps_what_sorting_keeps() {
+        let mut rng = Sampler::new(SamplingParams { temperature: 1.0, seed: 3, ..Default::default() }).unwrap();
+        for case in 0..40 {
+            let vocab = 50 + case * 7;
+            let logits: Vec<f32> = (0..vocab).map(|_| (rng.uniform() * 8.0 - 4.0) as f32).collect();
+            let r = RowSampling {
+                temperature: [0.5, 1.0, 1.7][case % 3],
+                top_k: [0, 1 + case % 9, 40][case % 3],
+                top_p: [1.0, 0.9, 0.5, 0.97][case % 4],
+                min_p: [0.0, 0.0, 0.05][case % 3],
+                u: 0.0,
+            };
+            let kept = kept_by_sorting(&logits, &r);
+            // u on a fine grid reaches only kept tokens, and every one it can (a share of the
+            // kept mass above the grid's step).
+            let grid = 20_000;
+            let mut seen: Vec<u32> =
+                (0..grid).map(|i| pick(&logits, &RowSampling { u: i as f32 / grid as f32, ..r })).collect();
+            seen.sort();
+            seen.dedup();
+            assert!(seen.iter().all(|t| kept.contains(t)), "case {case}: {r:?}: {seen:?} not in {kept:?}");
+            let p =
+                |t: u32| ((logits[t as usize] - logits.iter().copied().fold(f32::MIN, f32::max)) / r.temperature).exp();
+            let mass: f32 = kept.iter().map(|&t| p(t)).sum();
+            let reachable = kept.iter().filter(|&&t| p(t) / mass > 2.0 / grid as f32);
+            assert!(
+                reachable.clone().all(|t| seen.contains(t)),
+                "case {case}: {r:?}: {seen:?} misses some of {kept:?}"
+            );
+            assert!(reachable.count() > 0);
+        }
+    }
+
+    #[test]
+    fn pick_follows_the_probabilities() {
+        // p = 1, 1/2, 1/4, 1/8 at temperature 1: u splits [0, 1) by mass, in id order.
+        let l = [0.0f32, -std::f32::consts::LN_2, -2.0 * std::f32::consts::LN_2, -3.0 * std::f32::consts::LN_2];
+        let r = RowSampling { temperature: 1.0, top_k: 0, top_p: 1.0, min_p: 0.0, u: 0.0 };
+        let at = |u: f32| pick(&l, &RowSampling { u, ..r });
+        assert_eq!(
+            [at(0.0), at(0.53), at(0.54), at(0.79), at(0.81), at(0.93), at(0.94), at(0.999)],
+            [0, 0, 1, 1, 2, 2, 3, 3]
+        );
+        // top_p 0.5 of 1.875: the top token alone holds 0.53 of it.
+        assert_eq!(pick(&l, &RowSampling { top_p: 0.5, u: 0.99, ..r }), 0);
+        assert_eq!(pick(&l, &RowSampling { top_p: 0.6, u: 0.99, ..r }), 1);
+        assert_eq!(pick(&l, &RowSampling { min_p: 0.2, u: 0.99, ..r }), 2);
+        assert_eq!(pick(&l, &RowSampling { top_k: 2, u: 0.99, ..r }), 1);
+        assert_eq!(pick(&l, &RowSampling { temperature: 0.0, u: 0.99, ..r }), 0);
     }
 
     #[test]

@@ -2,7 +2,7 @@
 //! is released. `engrun logits` and the backend tests use it; serving goes through
 //! [`crate::Engine`].
 
-use crate::{Backend, PagePool, RuntimeError, StepSeq};
+use crate::{Backend, PagePool, RowSampling, RuntimeError, StepSeq};
 use std::collections::HashMap;
 
 /// Identifies a sequence of a [`Sequences`].
@@ -43,6 +43,11 @@ impl Sequences {
     /// Runs `tokens` for `seq` at its next positions; returns the logits of `rows`.
     pub fn forward(&mut self, seq: SeqId, tokens: &[u32], rows: &[usize]) -> Result<Vec<f32>, RuntimeError> {
         self.forward_batch(&[SeqChunk { seq, tokens, rows }])
+    }
+
+    /// The backend's [`Backend::resample`] of the last step's logits.
+    pub fn resample(&mut self, rows: &[RowSampling]) -> Result<Option<Vec<u32>>, RuntimeError> {
+        self.backend.resample(rows)
     }
 
     /// Runs one step over several sequences; returns every chunk's logits rows, in order. A

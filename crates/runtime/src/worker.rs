@@ -110,42 +110,44 @@ fn step(backend: &mut dyn Backend, plan: &StepPlan, st: &mut State) -> Result<Ve
         .zip(&rows)
         .map(|((s, t), r)| StepSeq { tokens: t, slots: &s.slots, rows: r })
         .collect();
-    let greedy =
-        plan.seqs.iter().all(|s| s.sample.as_ref().is_none_or(|r| r.logprobs.is_none() && r.sampling.is_greedy()));
-    if greedy {
-        if let Some(ids) = backend.forward_argmax(&steps)? {
-            let mut ids = ids.into_iter();
-            return Ok(plan
-                .seqs
-                .iter()
-                .map(|s| {
-                    s.sample.as_ref()?;
-                    let token = ids.next().expect("one token per sampled sequence");
-                    st.last.insert(s.req, token);
-                    Some(Sampled { token, logprobs: None })
-                })
-                .collect());
-        }
-    }
-    let logits = backend.forward(&steps)?;
-    let vocab = backend.vocab();
-    let mut rows = logits.chunks_exact(vocab);
-    let mut out = Vec::with_capacity(plan.seqs.len());
+    // One draw per sampled sequence and step, whichever side then chooses the token.
+    let mut rows = Vec::new();
+    let mut on_device = true;
     for s in &plan.seqs {
-        let Some(req) = &s.sample else {
-            out.push(None);
-            continue;
-        };
-        let row = rows.next().expect("one logits row per sampled sequence");
+        let Some(req) = &s.sample else { continue };
         let sampler = match st.samplers.entry(s.req) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
             std::collections::hash_map::Entry::Vacant(e) => {
                 e.insert(RequestSampler::new(req.sampling.clone(), &req.prompt)?)
             }
         };
-        let (token, logprobs) = sampler.next(row, req.logprobs);
-        st.last.insert(s.req, token);
-        out.push(Some(Sampled { token, logprobs }));
+        on_device &= req.logprobs.is_none() && !sampler.penalised();
+        rows.push(sampler.row());
+    }
+    let mut chosen = Vec::with_capacity(rows.len());
+    if on_device {
+        let ids = backend.forward_sample(&steps, &rows)?;
+        for (s, token) in plan.seqs.iter().filter(|s| s.sample.is_some()).zip(ids) {
+            st.samplers.get_mut(&s.req).expect("sampler made above").record(token);
+            chosen.push(Sampled { token, logprobs: None });
+        }
+    } else {
+        let logits = backend.forward(&steps)?;
+        let sampled = plan.seqs.iter().filter_map(|s| Some((s.req, s.sample.as_ref()?)));
+        for (((req, r), logits), row) in sampled.zip(logits.chunks_exact(backend.vocab())).zip(&rows) {
+            let (token, logprobs) =
+                st.samplers.get_mut(&req).expect("sampler made above").choose(logits, row, r.logprobs);
+            chosen.push(Sampled { token, logprobs });
+        }
+    }
+    let mut chosen = chosen.into_iter();
+    let mut out = Vec::with_capacity(plan.seqs.len());
+    for s in &plan.seqs {
+        let sampled = s.sample.as_ref().and_then(|_| chosen.next());
+        if let Some(c) = &sampled {
+            st.last.insert(s.req, c.token);
+        }
+        out.push(sampled);
     }
     Ok(out)
 }

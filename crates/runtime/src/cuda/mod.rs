@@ -8,6 +8,7 @@
 //! driver, NVRTC and NCCL at run time, so building needs no CUDA.
 
 use crate::backend::{check_batch, Backend, StepSeq};
+use crate::sampler::RowSampling;
 use crate::RuntimeError;
 use bundle::Bundle;
 use codegen_cuda::{Arg, Count, Dim, Input, KernelKey, Launch, Program, Step};
@@ -52,8 +53,11 @@ pub struct CudaBackend {
     cap: (usize, usize),
     /// Step inputs: ids, pos, slot_of, seq_off (T each), rows (R), slots.
     inputs: CudaSlice<i32>,
-    /// Argmax of each logits row.
+    /// The token chosen for each logits row, and each row's sampling parameters (5 floats).
     tokens: CudaSlice<i32>,
+    sample_params: CudaSlice<f32>,
+    /// Logits rows of the last step.
+    last_rows: usize,
     graphs: HashMap<usize, Graph>,
     use_graphs: bool,
     /// `ENGINE_CUDA_PROFILE=1`: every launch timed with events (graphs off), summary at exit.
@@ -190,6 +194,7 @@ impl CudaBackend {
         );
         let inputs = stream.alloc_zeros::<i32>(1 << 16).map_err(driver("alloc"))?;
         let tokens = stream.alloc_zeros::<i32>(1).map_err(driver("alloc"))?;
+        let sample_params = stream.alloc_zeros::<f32>(5).map_err(driver("alloc"))?;
         let profile = std::env::var("ENGINE_CUDA_PROFILE").is_ok_and(|v| v == "1");
         let use_graphs = !profile && std::env::var("ENGINE_CUDA_GRAPHS").map_or(true, |v| v != "0");
         let mut be = CudaBackend {
@@ -208,6 +213,8 @@ impl CudaBackend {
             cap: (0, 0),
             inputs,
             tokens,
+            sample_params,
+            last_rows: 0,
             graphs: HashMap::new(),
             use_graphs,
             profile: profile.then(Default::default),
@@ -227,6 +234,7 @@ impl CudaBackend {
         self.graphs.clear();
         self.bufs.clear();
         self.tokens = self.stream.alloc_zeros::<i32>(cap.1).map_err(driver("alloc"))?;
+        self.sample_params = self.stream.alloc_zeros::<f32>(5 * cap.1).map_err(driver("alloc"))?;
         for b in &self.program.buffers {
             let n = if b.per == Count::Tokens { cap.0 } else { cap.1 };
             let oom = |e| {
@@ -449,11 +457,25 @@ impl Backend for CudaBackend {
         self.logits(p.wanted)
     }
 
-    fn forward_argmax(&mut self, batch: &[StepSeq]) -> Result<Option<Vec<u32>>, RuntimeError> {
+    fn forward_sample(&mut self, batch: &[StepSeq], rows: &[RowSampling]) -> Result<Vec<u32>, RuntimeError> {
         let p = self.pack(batch)?;
+        check_rows(p.wanted, rows)?;
         self.execute(&p)?;
-        self.argmax(p.wanted).map(Some)
+        self.sample(rows)
     }
+
+    fn resample(&mut self, rows: &[RowSampling]) -> Result<Option<Vec<u32>>, RuntimeError> {
+        check_rows(self.last_rows, rows)?;
+        self.sample(rows).map(Some)
+    }
+}
+
+/// Checks that a step has one sampling row per logits row.
+fn check_rows(wanted: usize, rows: &[RowSampling]) -> Result<(), RuntimeError> {
+    if rows.len() == wanted {
+        return Ok(());
+    }
+    Err(RuntimeError::Invalid(format!("{} sampling rows for a step of {wanted} logits rows", rows.len())))
 }
 
 /// A step's inputs as one array, the same for every rank (see [`CudaBackend::pack`]).
@@ -483,19 +505,27 @@ impl CudaBackend {
         Ok(logits)
     }
 
-    /// The argmax of each of the first `wanted` logit rows of the last step, taken on the GPU.
-    pub(crate) fn argmax(&mut self, wanted: usize) -> Result<Vec<u32>, RuntimeError> {
+    /// The token of each of the first logit rows of the last step, one per entry of `rows`,
+    /// chosen on the GPU (`kernels/sample.cuh`).
+    pub(crate) fn sample(&mut self, rows: &[RowSampling]) -> Result<Vec<u32>, RuntimeError> {
+        let wanted = rows.len();
         if wanted == 0 {
             self.stream.synchronize().map_err(driver("running a step"))?;
             return Ok(vec![]);
         }
-        let key = KernelKey::Argmax { vocab: self.plan.vocab };
-        let out = self.bufs[self.program.output].slice(0..wanted * self.plan.vocab);
+        let vocab = self.plan.vocab;
+        let params: Vec<f32> = rows.iter().flat_map(|r| r.to_device(vocab)).collect();
+        self.stream
+            .memcpy_htod(&params, &mut self.sample_params.slice_mut(0..params.len()))
+            .map_err(driver("copying sampling parameters"))?;
+        let key = KernelKey::Sample { vocab };
+        let out = self.bufs[self.program.output].slice(0..wanted * vocab);
         let mut b = self.stream.launch_builder(&self.funcs[&key]);
         b.arg(&out);
+        b.arg(&self.sample_params);
         b.arg(&mut self.tokens);
         let cfg = LaunchConfig { grid_dim: (wanted as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
-        unsafe { b.launch(cfg) }.map_err(driver("launching argmax"))?;
+        unsafe { b.launch(cfg) }.map_err(driver("launching the sampling kernel"))?;
         let mut ids = vec![0i32; wanted];
         self.stream.memcpy_dtoh(&self.tokens.slice(0..wanted), &mut ids).map_err(driver("copying tokens"))?;
         self.stream.synchronize().map_err(driver("running a step"))?;
@@ -528,6 +558,7 @@ impl CudaBackend {
     /// Runs a packed step: grows the buffers, uploads the inputs, replays (capturing on first
     /// use) the decode graph of its size or enqueues its launches.
     pub(crate) fn execute(&mut self, p: &Packed) -> Result<(), RuntimeError> {
+        self.last_rows = p.wanted;
         if p.t == 0 {
             return Ok(());
         }

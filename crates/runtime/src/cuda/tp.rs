@@ -11,8 +11,9 @@
 //! costs ~15 µs per call at these sizes, two calls per layer. Larger ones (prefill chunks), and
 //! all of them where the GPUs cannot reach each other or `ENGINE_ALLREDUCE=nccl`, go to NCCL.
 
-use super::{context, driver, placement, Compiled, CudaBackend, Packed};
+use super::{check_rows, context, driver, placement, Compiled, CudaBackend, Packed};
 use crate::backend::{Backend, StepSeq};
+use crate::sampler::RowSampling;
 use crate::RuntimeError;
 use bundle::Bundle;
 use codegen_cuda::{KernelKey, Step, ALL_REDUCE_MAX_BLOCKS};
@@ -229,9 +230,14 @@ impl Backend for TpCudaBackend {
         self.lead.logits(wanted)
     }
 
-    fn forward_argmax(&mut self, batch: &[StepSeq]) -> Result<Option<Vec<u32>>, RuntimeError> {
+    fn forward_sample(&mut self, batch: &[StepSeq], rows: &[RowSampling]) -> Result<Vec<u32>, RuntimeError> {
         let wanted = self.step(batch)?;
-        self.lead.argmax(wanted).map(Some)
+        check_rows(wanted, rows)?;
+        self.lead.sample(rows)
+    }
+
+    fn resample(&mut self, rows: &[RowSampling]) -> Result<Option<Vec<u32>>, RuntimeError> {
+        self.lead.resample(rows)
     }
 }
 

@@ -1,0 +1,255 @@
+// ---- sampling: one block of 1024 threads per logits row ----
+//
+// Each row has five parameters: temperature, top_k, top_p, min_p and u (a uniform number in
+// [0, 1) from the request's seeded generator). Temperature 0 or top_k 1 is greedy: the argmax,
+// lowest index on ties. Otherwise, with m the largest logit, p_i = exp((l_i - m) / T) (the top
+// token has p = 1) and the kept tokens are those with p >= thr, thr the largest of:
+//   - top_k: the k-th largest p (tokens of equal p are all kept);
+//   - top_p: the largest p whose tokens at or above it (within top_k) hold at least top_p of the
+//     top-k mass (the smallest set by p that reaches top_p);
+//   - min_p: min_p itself (min_p times the top token's p).
+// The token is then the kept token where the running mass, in id order, passes u times the kept
+// mass. Masses are fixed point (p * 2^40 as 64-bit integers), so a sum does not depend on the
+// order threads add in: the same u gives the same token, run after run, and the host's
+// `runtime::sampler::pick` applies the very same rule to the same numbers.
+//
+// Thresholds compare the bit patterns of p (non-negative floats order as their bits). They are
+// found by bisection over those bits: over the row itself, or (usually) over the few
+// candidates above a pivot (2^-1 to 2^-16), copied to shared memory in one pass, when those are
+// known to hold the whole answer.
+
+typedef unsigned long long u64;
+#define SAMPLE_CAND 4096
+#define P_ONE 0x3f800000u
+
+__device__ __forceinline__ u64 warp_sum_u64(u64 v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Sum over the block (a multiple of 32 threads; every thread gets the result).
+__device__ __forceinline__ u64 block_sum_u64(u64 v) {
+  __shared__ u64 part[32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  v = warp_sum_u64(v);
+  __syncthreads();
+  if (lane == 0) part[warp] = v;
+  __syncthreads();
+  v = lane < (int)(blockDim.x >> 5) ? part[lane] : 0ull;
+  return warp_sum_u64(v);
+}
+
+__device__ __forceinline__ float block_max(float v) {
+  __shared__ float part[32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  v = warp_max(v);
+  __syncthreads();
+  if (lane == 0) part[warp] = v;
+  __syncthreads();
+  v = lane < (int)(blockDim.x >> 5) ? part[lane] : NEG_INF;
+  return warp_max(v);
+}
+
+// The sum of `v` over the threads before this one; `total` gets the block's sum.
+__device__ __forceinline__ u64 block_exclusive_u64(u64 v, u64* total) {
+  __shared__ u64 part[32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  u64 inc = v;
+  for (int o = 1; o < 32; o <<= 1) {
+    const u64 n = __shfl_up_sync(0xffffffffu, inc, o);
+    if (lane >= o) inc += n;
+  }
+  __syncthreads();
+  if (lane == 31) part[warp] = inc;
+  __syncthreads();
+  u64 before = 0, all = 0;
+  for (int w = 0; w < (int)(blockDim.x >> 5); ++w) {
+    if (w < warp) before += part[w];
+    all += part[w];
+  }
+  *total = all;
+  return before + inc - v;
+}
+
+// The top token's p is exactly 1 (so that min_p = 1 keeps it).
+__device__ __forceinline__ float sample_p(float l, float m, float inv_t) {
+  return l == m ? 1.0f : __expf((l - m) * inv_t);
+}
+__device__ __forceinline__ u64 sample_mass(float p) { return (u64)(p * 1099511627776.0f); }
+
+// The mass top_p of `total` must reach (at least one unit).
+__device__ __forceinline__ u64 top_p_need(float top_p, u64 total) {
+  const u64 n = (u64)((double)top_p * (double)total);
+  return n > 0 ? n : 1;
+}
+
+// Where a bisection reads p from: the row (recomputed from the logits) or shared candidates.
+struct RowSource {
+  const float* row;
+  int n;
+  float m, inv_t;
+  __device__ float at(int i) const { return sample_p(row[i], m, inv_t); }
+};
+struct CandSource {
+  const float* cand;
+  int n;
+  __device__ float at(int i) const { return cand[i]; }
+};
+
+// The largest bit pattern b >= floor for which the tokens with bits(p) >= b weigh at least
+// `need` (weight: 1 per token, or its mass). The caller makes sure `floor` qualifies.
+template <class S>
+__device__ unsigned largest_bits(const S& src, unsigned floor, u64 need, bool by_mass) {
+  unsigned lo = floor, hi = P_ONE;
+  while (lo < hi) {
+    const unsigned mid = lo + (hi - lo + 1) / 2;
+    u64 w = 0;
+    for (int i = threadIdx.x; i < src.n; i += blockDim.x) {
+      const float p = src.at(i);
+      if (__float_as_uint(p) >= mid) w += by_mass ? sample_mass(p) : 1ull;
+    }
+    if (block_sum_u64(w) >= need) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
+
+// top_k, then top_p within it, over one source that holds every token at or above them.
+template <class S>
+__device__ unsigned top_k_top_p(const S& src, int top_k, float top_p, u64 all) {
+  unsigned thr = 0;
+  u64 total = all;
+  if (top_k > 0) {
+    thr = largest_bits(src, 0u, (u64)top_k, false);
+    u64 w = 0;
+    for (int i = threadIdx.x; i < src.n; i += blockDim.x) {
+      const float p = src.at(i);
+      if (__float_as_uint(p) >= thr) w += sample_mass(p);
+    }
+    total = block_sum_u64(w);
+  }
+  if (top_p < 1.0f) thr = largest_bits(src, thr, top_p_need(top_p, total), true);
+  return thr;
+}
+
+// Copies the p >= pivot of the row to `cand` (any order); returns how many.
+template <int V>
+__device__ int gather_candidates(const RowSource& row, unsigned pivot, float* cand) {
+  __shared__ int count;
+  if (threadIdx.x == 0) count = 0;
+  __syncthreads();
+  const int lane = threadIdx.x & 31;
+  for (int base = 0; base < V; base += blockDim.x) {
+    const int i = base + threadIdx.x;
+    const float p = i < V ? row.at(i) : 0.0f;
+    const bool keep = i < V && __float_as_uint(p) >= pivot;
+    const unsigned ballot = __ballot_sync(0xffffffffu, keep);
+    int at = 0;
+    if (lane == 0 && ballot) at = atomicAdd(&count, __popc(ballot));
+    at = __shfl_sync(0xffffffffu, at, 0);
+    if (keep) cand[at + __popc(ballot & ((1u << lane) - 1))] = p;
+  }
+  __syncthreads();
+  return count;
+}
+
+// The top_k / top_p threshold of a row (bits of p). One pass weighs the tokens above four
+// pivots; the highest pivot whose tokens hold the answer (the top k, or without top_k, top_p of
+// the mass) and fit in shared memory gives the candidates; else the bisection reads the row.
+template <int V>
+__device__ unsigned sample_threshold(const RowSource& row, int top_k, float top_p) {
+  __shared__ float cand[SAMPLE_CAND];
+  const unsigned pivots[4] = {0x3f000000u /* 2^-1 */, 0x3d800000u /* 2^-4 */, 0x3b800000u /* 2^-8 */,
+                              0x37800000u /* 2^-16 */};
+  u64 count[4] = {0, 0, 0, 0}, above[4] = {0, 0, 0, 0}, all = 0;
+  for (int i = threadIdx.x; i < V; i += blockDim.x) {
+    const float p = row.at(i);
+    const u64 q = sample_mass(p);
+    all += q;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const bool in = __float_as_uint(p) >= pivots[j];
+      count[j] += in;
+      above[j] += in ? q : 0ull;
+    }
+  }
+  all = block_sum_u64(all);
+  for (int j = 0; j < 4; ++j) {
+    const u64 n = block_sum_u64(count[j]), w = block_sum_u64(above[j]);
+    const bool enough = top_k > 0 ? n >= (u64)top_k : w >= top_p_need(top_p, all);
+    if (!enough) continue;
+    if (n > SAMPLE_CAND) break;
+    const CandSource c{cand, gather_candidates<V>(row, pivots[j], cand)};
+    return top_k_top_p(c, top_k, top_p, all);
+  }
+  return top_k_top_p(row, top_k, top_p, all);
+}
+
+// Greedy: the index of the largest logit of the row (lowest index on ties).
+template <int V>
+__device__ int argmax_row(const float* row) {
+  __shared__ float best_v[1024];
+  __shared__ int best_i[1024];
+  float bv = NEG_INF;
+  int bi = 0x7fffffff;
+  for (int i = threadIdx.x; i < V; i += blockDim.x)
+    if (row[i] > bv) { bv = row[i]; bi = i; }
+  best_v[threadIdx.x] = bv;
+  best_i[threadIdx.x] = bi;
+  __syncthreads();
+  for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+    if (threadIdx.x < s) {
+      const float ov = best_v[threadIdx.x + s];
+      const int oi = best_i[threadIdx.x + s];
+      if (ov > best_v[threadIdx.x] || (ov == best_v[threadIdx.x] && oi < best_i[threadIdx.x])) {
+        best_v[threadIdx.x] = ov;
+        best_i[threadIdx.x] = oi;
+      }
+    }
+    __syncthreads();
+  }
+  return best_i[0];
+}
+
+// grid: R rows, block: 1024. params: [R][5] (temperature, top_k, top_p, min_p, u).
+template <int V>
+__device__ void sample(const float* logits, const float* params, int* out) {
+  const float* row = logits + (long)blockIdx.x * V;
+  const float* pr = params + blockIdx.x * 5;
+  const float temperature = pr[0], top_p = pr[2], min_p = pr[3], u = pr[4];
+  const int k = (int)pr[1], top_k = k > 0 && k < V ? k : 0;
+  if (temperature == 0.0f || k == 1) {
+    const int best = argmax_row<V>(row);
+    if (threadIdx.x == 0) out[blockIdx.x] = best;
+    return;
+  }
+  float m = NEG_INF;
+  for (int i = threadIdx.x; i < V; i += blockDim.x) m = fmaxf(m, row[i]);
+  const RowSource src{row, V, block_max(m), 1.0f / temperature};
+  unsigned thr = __float_as_uint(min_p);
+  if (top_k > 0 || top_p < 1.0f) thr = max(thr, sample_threshold<V>(src, top_k, top_p));
+  // Each thread sums the kept mass of its own run of ids; the run holding u * total is walked.
+  const int chunk = (V + blockDim.x - 1) / blockDim.x;
+  const int lo = min((int)threadIdx.x * chunk, V), hi = min(lo + chunk, V);
+  u64 mine = 0;
+  for (int i = lo; i < hi; ++i) {
+    const float p = src.at(i);
+    if (__float_as_uint(p) >= thr) mine += sample_mass(p);
+  }
+  u64 total;
+  const u64 before = block_exclusive_u64(mine, &total);
+  u64 r = (u64)((double)u * (double)total);
+  if (r >= total) r = total - 1;
+  if (r >= before && r < before + mine) {
+    u64 acc = before;
+    for (int i = lo; i < hi; ++i) {
+      const float p = src.at(i);
+      if (__float_as_uint(p) < thr) continue;
+      acc += sample_mass(p);
+      if (r < acc) {
+        out[blockIdx.x] = i;
+        break;
+      }
+    }
+  }
+}
