@@ -83,33 +83,92 @@ __device__ __forceinline__ u64 top_p_need(float top_p, u64 total) {
   return n > 0 ? n : 1;
 }
 
-// Where a bisection reads p from: the row (recomputed from the logits) or shared candidates.
+// Sums of N values over the block, in place (a multiple of 32 threads; all threads get them).
+template <int N>
+__device__ __forceinline__ void block_sum_u64s(u64 (&v)[N]) {
+  __shared__ u64 part[32][N];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int j = 0; j < N; ++j) v[j] = warp_sum_u64(v[j]);
+  __syncthreads();
+  if (lane == 0)
+    for (int j = 0; j < N; ++j) part[warp][j] = v[j];
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < N; ++j) v[j] = warp_sum_u64(lane < (int)(blockDim.x >> 5) ? part[lane][j] : 0ull);
+}
+
+// Where p is read from: the row (recomputed from the logits, four per 16-byte load where the
+// vocabulary allows: a block of one SM needs that many loads in flight) or shared candidates.
+template <int V>
 struct RowSource {
   const float* row;
-  int n;
   float m, inv_t;
-  __device__ float at(int i) const { return sample_p(row[i], m, inv_t); }
+  __device__ float p(float l) const { return sample_p(l, m, inv_t); }
+  // f(i, logit) for every token; each thread sees its own subset.
+  template <class F>
+  __device__ void each_logit(F f) const {
+    if constexpr (V % 4 == 0) {
+      const float4* r4 = reinterpret_cast<const float4*>(row);
+#pragma unroll 4
+      for (int i = threadIdx.x; i < V / 4; i += blockDim.x) {
+        const float4 v = r4[i];
+        f(4 * i, v.x);
+        f(4 * i + 1, v.y);
+        f(4 * i + 2, v.z);
+        f(4 * i + 3, v.w);
+      }
+    } else {
+      for (int i = threadIdx.x; i < V; i += blockDim.x) f(i, row[i]);
+    }
+  }
+  // f(i, p) for every token.
+  template <class F>
+  __device__ void each(F f) const {
+    each_logit([&](int i, float l) { f(i, p(l)); });
+  }
+  // p of tokens i .. i + 3 (i a multiple of 4; 0 from `end` on).
+  __device__ void load4(int i, int end, float (&out)[4]) const {
+    if (V % 4 == 0 && i + 3 < end) {
+      const float4 v = *reinterpret_cast<const float4*>(row + i);
+      out[0] = p(v.x), out[1] = p(v.y), out[2] = p(v.z), out[3] = p(v.w);
+    } else {
+      for (int j = 0; j < 4; ++j) out[j] = i + j < end ? p(row[i + j]) : 0.0f;
+    }
+  }
 };
 struct CandSource {
   const float* cand;
   int n;
-  __device__ float at(int i) const { return cand[i]; }
+  template <class F>
+  __device__ void each(F f) const {
+    for (int i = threadIdx.x; i < n; i += blockDim.x) f(i, cand[i]);
+  }
 };
 
 // The largest bit pattern b >= floor for which the tokens with bits(p) >= b weigh at least
-// `need` (weight: 1 per token, or its mass). The caller makes sure `floor` qualifies.
+// `need` (weight: 1 per token, or its mass). The caller makes sure `floor` qualifies. Each pass
+// weighs three probes, so the range shrinks fourfold.
 template <class S>
 __device__ unsigned largest_bits(const S& src, unsigned floor, u64 need, bool by_mass) {
   unsigned lo = floor, hi = P_ONE;
   while (lo < hi) {
-    const unsigned mid = lo + (hi - lo + 1) / 2;
-    u64 w = 0;
-    for (int i = threadIdx.x; i < src.n; i += blockDim.x) {
-      const float p = src.at(i);
-      if (__float_as_uint(p) >= mid) w += by_mass ? sample_mass(p) : 1ull;
-    }
-    if (block_sum_u64(w) >= need) lo = mid;
-    else hi = mid - 1;
+    const u64 span = hi - lo;
+    unsigned t[3];
+#pragma unroll
+    for (int j = 0; j < 3; ++j) t[j] = lo + (unsigned)((span * (j + 1) + 3) / 4);
+    u64 w[3] = {0, 0, 0};
+    src.each([&](int, float p) {
+      const unsigned b = __float_as_uint(p);
+      const u64 x = by_mass ? sample_mass(p) : 1ull;
+#pragma unroll
+      for (int j = 0; j < 3; ++j) w[j] += b >= t[j] ? x : 0ull;
+    });
+    block_sum_u64s(w);
+    if (w[2] >= need) lo = t[2];
+    else if (w[1] >= need) lo = t[1], hi = t[2] - 1;
+    else if (w[0] >= need) lo = t[0], hi = t[1] - 1;
+    else hi = t[0] - 1;
   }
   return lo;
 }
@@ -122,10 +181,7 @@ __device__ unsigned top_k_top_p(const S& src, int top_k, float top_p, u64 all) {
   if (top_k > 0) {
     thr = largest_bits(src, 0u, (u64)top_k, false);
     u64 w = 0;
-    for (int i = threadIdx.x; i < src.n; i += blockDim.x) {
-      const float p = src.at(i);
-      if (__float_as_uint(p) >= thr) w += sample_mass(p);
-    }
+    src.each([&](int, float p) { w += __float_as_uint(p) >= thr ? sample_mass(p) : 0ull; });
     total = block_sum_u64(w);
   }
   if (top_p < 1.0f) thr = largest_bits(src, thr, top_p_need(top_p, total), true);
@@ -134,20 +190,24 @@ __device__ unsigned top_k_top_p(const S& src, int top_k, float top_p, u64 all) {
 
 // Copies the p >= pivot of the row to `cand` (any order); returns how many.
 template <int V>
-__device__ int gather_candidates(const RowSource& row, unsigned pivot, float* cand) {
+__device__ int gather_candidates(const RowSource<V>& row, unsigned pivot, float* cand) {
   __shared__ int count;
   if (threadIdx.x == 0) count = 0;
   __syncthreads();
   const int lane = threadIdx.x & 31;
-  for (int base = 0; base < V; base += blockDim.x) {
-    const int i = base + threadIdx.x;
-    const float p = i < V ? row.at(i) : 0.0f;
-    const bool keep = i < V && __float_as_uint(p) >= pivot;
-    const unsigned ballot = __ballot_sync(0xffffffffu, keep);
-    int at = 0;
-    if (lane == 0 && ballot) at = atomicAdd(&count, __popc(ballot));
-    at = __shfl_sync(0xffffffffu, at, 0);
-    if (keep) cand[at + __popc(ballot & ((1u << lane) - 1))] = p;
+  // Every thread runs every round (the ballots need whole warps); rounds of four tokens each.
+  for (int base = 0; base < V; base += 4 * blockDim.x) {
+    const int i = base + 4 * threadIdx.x;
+    float p[4];
+    row.load4(i, V, p);
+    for (int j = 0; j < 4; ++j) {
+      const bool keep = i + j < V && __float_as_uint(p[j]) >= pivot;
+      const unsigned ballot = __ballot_sync(0xffffffffu, keep);
+      int at = 0;
+      if (lane == 0 && ballot) at = atomicAdd(&count, __popc(ballot));
+      at = __shfl_sync(0xffffffffu, at, 0);
+      if (keep) cand[at + __popc(ballot & ((1u << lane) - 1))] = p[j];
+    }
   }
   __syncthreads();
   return count;
@@ -157,28 +217,27 @@ __device__ int gather_candidates(const RowSource& row, unsigned pivot, float* ca
 // pivots; the highest pivot whose tokens hold the answer (the top k, or without top_k, top_p of
 // the mass) and fit in shared memory gives the candidates; else the bisection reads the row.
 template <int V>
-__device__ unsigned sample_threshold(const RowSource& row, int top_k, float top_p) {
+__device__ unsigned sample_threshold(const RowSource<V>& row, int top_k, float top_p) {
   __shared__ float cand[SAMPLE_CAND];
   const unsigned pivots[4] = {0x3f000000u /* 2^-1 */, 0x3d800000u /* 2^-4 */, 0x3b800000u /* 2^-8 */,
                               0x37800000u /* 2^-16 */};
-  u64 count[4] = {0, 0, 0, 0}, above[4] = {0, 0, 0, 0}, all = 0;
-  for (int i = threadIdx.x; i < V; i += blockDim.x) {
-    const float p = row.at(i);
+  u64 w[9] = {0, 0, 0, 0, 0, 0, 0, 0, 0};  // count and mass above each pivot, then all
+  row.each([&](int, float p) {
     const u64 q = sample_mass(p);
-    all += q;
+    w[8] += q;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const bool in = __float_as_uint(p) >= pivots[j];
-      count[j] += in;
-      above[j] += in ? q : 0ull;
+      w[j] += in;
+      w[4 + j] += in ? q : 0ull;
     }
-  }
-  all = block_sum_u64(all);
+  });
+  block_sum_u64s(w);
+  const u64 all = w[8];
   for (int j = 0; j < 4; ++j) {
-    const u64 n = block_sum_u64(count[j]), w = block_sum_u64(above[j]);
-    const bool enough = top_k > 0 ? n >= (u64)top_k : w >= top_p_need(top_p, all);
+    const bool enough = top_k > 0 ? w[j] >= (u64)top_k : w[4 + j] >= top_p_need(top_p, all);
     if (!enough) continue;
-    if (n > SAMPLE_CAND) break;
+    if (w[j] > SAMPLE_CAND) break;
     const CandSource c{cand, gather_candidates<V>(row, pivots[j], cand)};
     return top_k_top_p(c, top_k, top_p, all);
   }
@@ -211,30 +270,33 @@ __device__ int argmax_row(const float* row) {
   return best_i[0];
 }
 
-// grid: R rows, block: 1024. params: [R][5] (temperature, top_k, top_p, min_p, u).
+// grid: R rows, block: 1024. params: [R][5] (temperature, top_k, top_p, min_p, u), or null:
+// every row greedy.
 template <int V>
 __device__ void sample(const float* logits, const float* params, int* out) {
   const float* row = logits + (long)blockIdx.x * V;
   const float* pr = params + blockIdx.x * 5;
-  const float temperature = pr[0], top_p = pr[2], min_p = pr[3], u = pr[4];
-  const int k = (int)pr[1], top_k = k > 0 && k < V ? k : 0;
-  if (temperature == 0.0f || k == 1) {
+  const int k = params ? (int)pr[1] : 1, top_k = k > 0 && k < V ? k : 0;
+  if (!params || pr[0] == 0.0f || k == 1) {
     const int best = argmax_row<V>(row);
     if (threadIdx.x == 0) out[blockIdx.x] = best;
     return;
   }
+  const float top_p = pr[2], min_p = pr[3], u = pr[4];
   float m = NEG_INF;
-  for (int i = threadIdx.x; i < V; i += blockDim.x) m = fmaxf(m, row[i]);
-  const RowSource src{row, V, block_max(m), 1.0f / temperature};
+  RowSource<V>{row, 0.0f, 1.0f}.each_logit([&](int, float l) { m = fmaxf(m, l); });
+  const RowSource<V> src{row, block_max(m), 1.0f / pr[0]};
   unsigned thr = __float_as_uint(min_p);
   if (top_k > 0 || top_p < 1.0f) thr = max(thr, sample_threshold<V>(src, top_k, top_p));
-  // Each thread sums the kept mass of its own run of ids; the run holding u * total is walked.
-  const int chunk = (V + blockDim.x - 1) / blockDim.x;
+  // Each thread sums the kept mass of its own run of ids (a multiple of 4 long); the run holding
+  // u * total is walked.
+  const int chunk = ((V + 4 * blockDim.x - 1) / (4 * blockDim.x)) * 4;
   const int lo = min((int)threadIdx.x * chunk, V), hi = min(lo + chunk, V);
   u64 mine = 0;
-  for (int i = lo; i < hi; ++i) {
-    const float p = src.at(i);
-    if (__float_as_uint(p) >= thr) mine += sample_mass(p);
+  for (int i = lo; i < hi; i += 4) {
+    float p[4];
+    src.load4(i, hi, p);
+    for (int j = 0; j < 4; ++j) mine += __float_as_uint(p[j]) >= thr ? sample_mass(p[j]) : 0ull;
   }
   u64 total;
   const u64 before = block_exclusive_u64(mine, &total);
@@ -243,7 +305,7 @@ __device__ void sample(const float* logits, const float* params, int* out) {
   if (r >= before && r < before + mine) {
     u64 acc = before;
     for (int i = lo; i < hi; ++i) {
-      const float p = src.at(i);
+      const float p = src.p(row[i]);
       if (__float_as_uint(p) < thr) continue;
       acc += sample_mass(p);
       if (r < acc) {

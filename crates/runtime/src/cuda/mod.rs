@@ -514,15 +514,24 @@ impl CudaBackend {
             return Ok(vec![]);
         }
         let vocab = self.plan.vocab;
-        let params: Vec<f32> = rows.iter().flat_map(|r| r.to_device(vocab)).collect();
-        self.stream
-            .memcpy_htod(&params, &mut self.sample_params.slice_mut(0..params.len()))
-            .map_err(driver("copying sampling parameters"))?;
+        // All greedy (the usual case): no parameters to copy, the kernel gets a null pointer.
+        let greedy = rows.iter().all(RowSampling::is_greedy);
+        if !greedy {
+            let params: Vec<f32> = rows.iter().flat_map(|r| r.to_device(vocab)).collect();
+            self.stream
+                .memcpy_htod(&params, &mut self.sample_params.slice_mut(0..params.len()))
+                .map_err(driver("copying sampling parameters"))?;
+        }
         let key = KernelKey::Sample { vocab };
         let out = self.bufs[self.program.output].slice(0..wanted * vocab);
+        let null = 0u64;
         let mut b = self.stream.launch_builder(&self.funcs[&key]);
         b.arg(&out);
-        b.arg(&self.sample_params);
+        if greedy {
+            b.arg(&null);
+        } else {
+            b.arg(&self.sample_params);
+        }
         b.arg(&mut self.tokens);
         let cfg = LaunchConfig { grid_dim: (wanted as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
         unsafe { b.launch(cfg) }.map_err(driver("launching the sampling kernel"))?;
