@@ -54,6 +54,15 @@ fn qwen2_compile_inspect_generate_logits() {
     let (_, want) = read_f32(&fixture("tiny-qwen2").join("reference/logits.safetensors"), "all_logits.5");
     assert_eq!(shape, vec![5, 151936]);
     assert!(rel_err(&got, &want) < 1e-4);
+
+    // with a temperature, every row is also sampled (on the host here: no device)
+    let sampled = ["--temperature", "0.8", "--top-p", "0.9", "--min-p", "0.01", "-o", s(&out)];
+    let o = run("engrun", &[&["logits", s(&b), "--ids", &list.join(","), "--device", "ref"][..], &sampled].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let report: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(report, serde_json::json!({"sampled_rows": 5, "device_equal_host": 5, "on_device": false}));
+    let o = run("engrun", &["logits", s(&b), "--ids", "1", "--temperature", "1", "--top-p", "0", "-o", s(&out)]);
+    assert!(!o.status.success() && stderr(&o).contains("top_p must be in (0, 1]"), "{}", stderr(&o));
 }
 
 #[test]
