@@ -103,6 +103,8 @@ PY
     bin-gpu/engrun bench $b --num-prompts 1 --input-len 128 --output-len 128 --json 2>&1 | tail -1 | tee "$out/$shape$sfx-bench-b1.json"
     [ "$tp" = 1 ] || ENGINE_ALLREDUCE=nccl bin-gpu/engrun bench $b --num-prompts 1 --input-len 128 --output-len 128 --json 2>&1 | tail -1 | tee "$out/$shape$sfx-bench-b1-nccl.json"
     bin-gpu/engrun bench $b --device cuda --num-prompts 1 --input-len 4096 --output-len 2 --json 2>&1 | tail -1 | tee "$out/$shape$sfx-bench-prefill4096.json"
+    # Our GEMM kernel alone (no cuBLASLt where the start-up timing chose it).
+    ENGINE_CUBLASLT=0 bin-gpu/engrun bench $b --device cuda --num-prompts 1 --input-len 4096 --output-len 2 --json 2>&1 | tail -1 | tee "$out/$shape$sfx-bench-prefill4096-ours.json"
     bin-gpu/engrun bench $b --device cuda --num-prompts 16 --input-len 128 --output-len 128 --json 2>&1 | tail -1 | tee "$out/$shape$sfx-bench-b16.json"
     bin-gpu/engrun bench $b --device cuda --num-prompts 64 --input-len 128 --output-len 128 --json 2>&1 | tail -1 | tee "$out/$shape$sfx-bench-b64.json"
     # Sampled on the GPU (temperature 0.7, top-p 0.9) instead of greedy.

@@ -20,6 +20,7 @@ use ir::{DType, Op, Plan};
 use std::collections::HashMap;
 use std::sync::Arc;
 
+mod blas;
 mod device;
 pub mod tp;
 
@@ -60,6 +61,11 @@ pub struct CudaBackend {
     last_rows: usize,
     graphs: HashMap<usize, Graph>,
     use_graphs: bool,
+    /// cuBLASLt, where it loads; the GEMM shapes it runs (per token bucket, `blas::BUCKETS`) and
+    /// f32 copies of their biases.
+    blas: Option<blas::Blas>,
+    blas_choice: HashMap<KernelKey, [bool; 3]>,
+    bias_f32: HashMap<usize, CudaSlice<f32>>,
     /// `ENGINE_CUDA_PROFILE=1`: every launch timed with events (graphs off), summary at exit.
     profile: Option<std::cell::RefCell<HashMap<String, (f64, usize)>>>,
 }
@@ -217,9 +223,13 @@ impl CudaBackend {
             last_rows: 0,
             graphs: HashMap::new(),
             use_graphs,
+            blas: None,
+            blas_choice: HashMap::new(),
+            bias_f32: HashMap::new(),
             profile: profile.then(Default::default),
         };
         be.ensure_cap(256, 256)?;
+        be.choose_gemms()?;
         Ok(be)
     }
 
@@ -296,6 +306,15 @@ impl CudaBackend {
         p
     }
 
+    /// The device pointer of a buffer, weight or null argument (0 for any other).
+    fn arg_ptr(&self, a: &Arg) -> u64 {
+        match a {
+            Arg::Buf(b) => self.ptr(&self.bufs[*b]),
+            Arg::Weight(w) => self.weights[*w].as_ref().map_or(0, |s| self.ptr(s)),
+            _ => 0,
+        }
+    }
+
     /// Enqueues every launch (and all-reduce) of the schedule for a step of `t` tokens and `r`
     /// logit rows.
     fn enqueue(&mut self, t: usize, r: usize, off: &[usize; 6]) -> Result<(), RuntimeError> {
@@ -318,7 +337,11 @@ impl CudaBackend {
                     let c = if *by == Count::Tokens { t } else { r };
                     let (_, launches) = variants.iter().find(|(max, _)| c <= *max).expect("an unbounded variant");
                     for l in launches {
-                        self.launch(l, t, r, off)?;
+                        if self.blas_choice.get(&l.key).is_some_and(|choice| blas::use_blas(choice, c)) {
+                            self.launch_blas(l, c)?;
+                        } else {
+                            self.launch(l, t, r, off)?;
+                        }
                     }
                 }
             }
@@ -339,9 +362,7 @@ impl CudaBackend {
             .args
             .iter()
             .map(|a| match a {
-                Arg::Buf(b) => V::P(self.ptr(&self.bufs[*b])),
-                Arg::Weight(w) => V::P(self.weights[*w].as_ref().map_or(0, |s| self.ptr(s))),
-                Arg::Null => V::P(0),
+                Arg::Buf(_) | Arg::Weight(_) | Arg::Null => V::P(self.arg_ptr(a)),
                 Arg::Const(c) => V::P(self.ptr(&self.constants[*c])),
                 Arg::KCache(layer) => V::P(self.ptr(&self.k_cache[*layer])),
                 Arg::VCache(layer) => V::P(self.ptr(&self.v_cache[*layer])),

@@ -1,0 +1,248 @@
+//! cuBLASLt for the extend GEMMs (`KernelKey::Gemm`) where it measures faster than our
+//! kernel. At load every GEMM shape of the schedule is timed both ways at a few token counts
+//! (`BUCKETS`), the choice is logged, and a step uses the choice of the largest bucket not above
+//! its token count. The library is optional: where it cannot be loaded, our kernel runs
+//! throughout.
+
+use super::{driver, CudaBackend};
+use crate::RuntimeError;
+use codegen_cuda::without_panic;
+use codegen_cuda::{Arg, Count, KernelKey, Launch, Step};
+use cudarc::cublaslt::{result as lt, sys};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::fmt::Write;
+use std::sync::Arc;
+
+/// Token counts at which both GEMMs are timed.
+pub(crate) const BUCKETS: [usize; 3] = [256, 1024, 4096];
+
+/// Workspace for cuBLASLt's split-K and stream-K algorithms (NVIDIA's recommendation on Hopper).
+const WORKSPACE: usize = 32 << 20;
+
+/// One linear of a GEMM launch: device pointers of its weight `[n, k]`, bias `[n]` (f32, or 0)
+/// and output `[t, n]` f32.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Part {
+    pub w: u64,
+    pub bias: u64,
+    pub out: u64,
+    pub n: usize,
+}
+
+/// A cuBLASLt handle, its workspace and the best algorithm found per shape.
+pub(crate) struct Blas {
+    handle: sys::cublasLtHandle_t,
+    workspace: CudaSlice<u8>,
+    algos: RefCell<HashMap<(usize, usize, usize, bool), sys::cublasLtMatmulAlgo_t>>,
+}
+
+// The handle is used only by the thread that owns the backend.
+unsafe impl Send for Blas {}
+
+impl Drop for Blas {
+    fn drop(&mut self) {
+        unsafe {
+            let _ = lt::destroy_handle(self.handle);
+        }
+    }
+}
+
+impl Blas {
+    /// A handle on `stream`'s device; `None` when the cuBLASLt library cannot be loaded.
+    pub(crate) fn new(stream: &Arc<CudaStream>) -> Result<Option<Blas>, RuntimeError> {
+        let Some(Ok(handle)) = without_panic(lt::create_handle) else {
+            return Ok(None);
+        };
+        let workspace = stream.alloc_zeros::<u8>(WORKSPACE).map_err(driver("alloc"))?;
+        Ok(Some(Blas { handle, workspace, algos: RefCell::default() }))
+    }
+
+    /// `out = x · wᵀ (+ bias)` for each part: x `[t, k]` bf16, row-major throughout.
+    pub(crate) fn gemm(&self, stream: &CudaStream, x: u64, k: usize, t: usize, parts: &[Part]) -> Result<(), String> {
+        for p in parts {
+            unsafe { self.one(stream, x, k, t, p) }.map_err(|e| format!("cuBLASLt matmul {t}x{}x{k}: {e:?}", p.n))?;
+        }
+        Ok(())
+    }
+
+    /// In cuBLASLt's column-major terms: D (n x t) = op(W) (n x k) · X (k x t), W stored as k x n.
+    unsafe fn one(&self, stream: &CudaStream, x: u64, k: usize, t: usize, p: &Part) -> Result<(), lt::CublasError> {
+        use sys::cublasLtMatmulDescAttributes_t as D;
+        let (bf16, f32t) = (sys::cudaDataType_t::CUDA_R_16BF, sys::cudaDataType_t::CUDA_R_32F);
+        let a = lt::create_matrix_layout(bf16, k as u64, p.n as u64, k as i64)?;
+        let b = lt::create_matrix_layout(bf16, k as u64, t as u64, k as i64)?;
+        let c = lt::create_matrix_layout(f32t, p.n as u64, t as u64, p.n as i64)?;
+        let desc = lt::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, f32t)?;
+        let set = |attr: D, v: *const c_void, size: usize| lt::set_matmul_desc_attribute(desc, attr, v, size);
+        // cublasOperation_t: 1 transposes, 0 does not.
+        let (op_t, op_n) = (1i32, 0i32);
+        let r = (|| {
+            set(D::CUBLASLT_MATMUL_DESC_TRANSA, &op_t as *const _ as *const c_void, std::mem::size_of_val(&op_t))?;
+            set(D::CUBLASLT_MATMUL_DESC_TRANSB, &op_n as *const _ as *const c_void, std::mem::size_of_val(&op_n))?;
+            if p.bias != 0 {
+                let epi = sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS;
+                set(D::CUBLASLT_MATMUL_DESC_EPILOGUE, &epi as *const _ as *const c_void, std::mem::size_of_val(&epi))?;
+                set(D::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &p.bias as *const _ as *const c_void, 8)?;
+            }
+            let key = (p.n, t, k, p.bias != 0);
+            let found = self.algos.borrow().get(&key).copied();
+            let algo = match found {
+                Some(a) => a,
+                None => {
+                    let pref = lt::create_matmul_pref()?;
+                    let ws = WORKSPACE as u64;
+                    let attr = sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES;
+                    let h = lt::set_matmul_pref_attribute(pref, attr, &ws as *const _ as *const c_void, 8)
+                        .and_then(|_| lt::get_matmul_algo_heuristic(self.handle, desc, a, b, c, c, pref));
+                    let _ = lt::destroy_matmul_pref(pref);
+                    let algo = h?.algo;
+                    self.algos.borrow_mut().insert(key, algo);
+                    algo
+                }
+            };
+            let (alpha, beta) = (1.0f32, 0.0f32);
+            let (ws, _sync) = self.workspace.device_ptr(stream);
+            lt::matmul(
+                self.handle,
+                desc,
+                &alpha as *const f32 as *const c_void,
+                &beta as *const f32 as *const c_void,
+                p.w as *const c_void,
+                a,
+                x as *const c_void,
+                b,
+                p.out as *const c_void,
+                c,
+                p.out as *mut c_void,
+                c,
+                &algo,
+                ws as *mut c_void,
+                WORKSPACE,
+                stream.cu_stream() as sys::cudaStream_t,
+            )
+        })();
+        let _ = lt::destroy_matmul_desc(desc);
+        for l in [a, b, c] {
+            let _ = lt::destroy_matrix_layout(l);
+        }
+        r
+    }
+}
+
+/// Which GEMM runs a launch of `t` tokens, given the per-bucket choices (`true`: cuBLASLt).
+pub(crate) fn use_blas(choice: &[bool; 3], t: usize) -> bool {
+    BUCKETS.iter().rposition(|&b| b <= t).is_some_and(|i| choice[i])
+}
+
+impl CudaBackend {
+    /// Times every GEMM shape of the schedule with our kernel and with cuBLASLt at each bucket
+    /// and keeps the faster per bucket (`ENGINE_CUBLASLT=0`: ours only).
+    pub(super) fn choose_gemms(&mut self) -> Result<(), RuntimeError> {
+        let mut firsts: Vec<Launch> = Vec::new();
+        for step in self.program.steps.iter() {
+            // Per-token launches only (the logits rows of a step are few).
+            let Step::Kernels { variants, by: Count::Tokens } = step else { continue };
+            for l in variants.iter().flat_map(|(_, ls)| ls) {
+                if matches!(l.key, KernelKey::Gemm { .. }) && !firsts.iter().any(|f| f.key == l.key) {
+                    firsts.push(l.clone());
+                }
+            }
+        }
+        if firsts.is_empty() || std::env::var("ENGINE_CUBLASLT").is_ok_and(|v| v == "0") {
+            return Ok(());
+        }
+        let Some(blas) = Blas::new(&self.stream)? else {
+            eprintln!("cuBLASLt not found: every GEMM runs our kernel");
+            return Ok(());
+        };
+        self.blas = Some(blas);
+        self.convert_biases(&firsts)?;
+        self.ensure_cap(BUCKETS[BUCKETS.len() - 1], 256)?;
+        for l in &firsts {
+            let mut choice = [false; 3];
+            let mut line = format!("GEMM {}:", l.key.name());
+            for (i, &t) in BUCKETS.iter().enumerate() {
+                let ours = self.time(|be| be.launch(l, t, 0, &[0; 6]))?;
+                let theirs = self.time(|be| be.launch_blas(l, t));
+                let _ = write!(line, " t={t} ours {ours:.3} ms");
+                match theirs {
+                    Ok(ms) => {
+                        choice[i] = ms < ours;
+                        let _ =
+                            write!(line, " cuBLASLt {ms:.3} ms ->{}", if choice[i] { " cuBLASLt" } else { " ours" });
+                    }
+                    Err(e) => {
+                        let _ = write!(line, " cuBLASLt failed ({e}) -> ours");
+                    }
+                }
+                let _ = write!(line, ";");
+            }
+            eprintln!("{line}");
+            self.blas_choice.insert(l.key, choice);
+        }
+        Ok(())
+    }
+
+    /// f32 copies of the biases of the GEMM launches (cuBLASLt adds a bias of D's type).
+    fn convert_biases(&mut self, gemms: &[Launch]) -> Result<(), RuntimeError> {
+        let mut biases: Vec<usize> = vec![];
+        for step in self.program.steps.iter() {
+            let Step::Kernels { variants, .. } = step else { continue };
+            for l in variants.iter().flat_map(|(_, ls)| ls).filter(|l| gemms.iter().any(|g| g.key == l.key)) {
+                for g in 0..3 {
+                    if let Some(Arg::Weight(b)) = l.args.get(2 + 3 * g) {
+                        biases.push(*b);
+                    }
+                }
+            }
+        }
+        for b in biases {
+            if self.bias_f32.contains_key(&b) {
+                continue;
+            }
+            let Some(w) = &self.weights[b] else { continue };
+            let bytes = self.stream.clone_dtoh(w).map_err(driver("reading a bias"))?;
+            let f: Vec<f32> = bytes
+                .chunks_exact(2)
+                .map(|c| f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16))
+                .collect();
+            let d = self.stream.clone_htod(&f).map_err(driver("uploading a bias"))?;
+            self.bias_f32.insert(b, d);
+        }
+        Ok(())
+    }
+
+    /// A GEMM launch (`KernelKey::Gemm`: x, then weight, bias and output of up to three linears)
+    /// of `t` tokens through cuBLASLt.
+    pub(super) fn launch_blas(&self, l: &Launch, t: usize) -> Result<(), RuntimeError> {
+        let (KernelKey::Gemm { k, n }, Some(blas)) = (l.key, &self.blas) else {
+            return Err(RuntimeError::Unsupported(format!("{} is not a cuBLASLt GEMM", l.key.name())));
+        };
+        let mut parts = Vec::with_capacity(3);
+        for (g, &n) in n.iter().enumerate().filter(|(_, &n)| n > 0) {
+            let bias = match l.args.get(2 + 3 * g) {
+                Some(Arg::Weight(b)) => self.bias_f32.get(b).map_or(0, |s| self.ptr(s)),
+                _ => 0,
+            };
+            let (w, out) = (self.arg_ptr(&l.args[1 + 3 * g]), self.arg_ptr(&l.args[3 + 3 * g]));
+            parts.push(Part { w, bias, out, n });
+        }
+        blas.gemm(&self.stream, self.arg_ptr(&l.args[0]), k, t, &parts).map_err(RuntimeError::Unsupported)
+    }
+
+    /// Milliseconds per run of `f` on the stream (one warm-up, then the mean of three).
+    fn time(&self, f: impl Fn(&Self) -> Result<(), RuntimeError>) -> Result<f64, RuntimeError> {
+        let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        f(self)?;
+        let start = self.stream.record_event(timing).map_err(driver("timing"))?;
+        for _ in 0..3 {
+            f(self)?;
+        }
+        let end = self.stream.record_event(timing).map_err(driver("timing"))?;
+        end.synchronize().map_err(driver("timing"))?;
+        Ok(start.elapsed_ms(&end).map_err(driver("timing"))? as f64 / 3.0)
+    }
+}
