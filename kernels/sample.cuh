@@ -27,18 +27,6 @@ __device__ __forceinline__ u64 warp_sum_u64(u64 v) {
   return v;
 }
 
-// Sum over the block (a multiple of 32 threads; every thread gets the result).
-__device__ __forceinline__ u64 block_sum_u64(u64 v) {
-  __shared__ u64 part[32];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  v = warp_sum_u64(v);
-  __syncthreads();
-  if (lane == 0) part[warp] = v;
-  __syncthreads();
-  v = lane < (int)(blockDim.x >> 5) ? part[lane] : 0ull;
-  return warp_sum_u64(v);
-}
-
 __device__ __forceinline__ float block_max(float v) {
   __shared__ float part[32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -96,6 +84,12 @@ __device__ __forceinline__ void block_sum_u64s(u64 (&v)[N]) {
   __syncthreads();
 #pragma unroll
   for (int j = 0; j < N; ++j) v[j] = warp_sum_u64(lane < (int)(blockDim.x >> 5) ? part[lane][j] : 0ull);
+}
+
+__device__ __forceinline__ u64 block_sum_u64(u64 v) {
+  u64 a[1] = {v};
+  block_sum_u64s(a);
+  return a[0];
 }
 
 // Where p is read from: the row (recomputed from the logits, four per 16-byte load where the
