@@ -396,30 +396,23 @@ __device__ void rope_kv(const float* q, const float* k, const float* v, const in
   for (int i = threadIdx.x; i < KVH * D; i += blockDim.x) vc[dst + i] = f32_to_bf16(v[(long)t * KVH * D + i]);
 }
 
-// Causal GQA attention of query row t, head h over the bf16 paged cache (positions 0..pos[t],
-// slots slots[seq_off[t] + p]). D / 16 lanes share a key (16 dims each), so a warp scores
-// 32 / (D / 16) keys at once (K and V rows loaded together); eight warps split the keys and
-// merge their online softmax states through shared memory. grid: (T, H), block: 256.
-// With MIXED_ONLY, only rows whose group of 16 (see attention_fa) spans two sequences run.
-template <int H, int KVH, int D, typename O, bool MIXED_ONLY>
-__device__ void attention_kv16(const float* q, const bf16_t* kc, const bf16_t* vc, const int* slots,
-                               const int* seq_off, const int* pos, float scale, O* out, int T) {
-  constexpr int G = D / 16, KPW = 32 / G, WARPS = 8, STATES = WARPS * KPW;
-  __shared__ float sm_acc[STATES][D];
-  __shared__ float sm_m[STATES], sm_l[STATES];
-  const int t = blockIdx.x, h = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  if (MIXED_ONLY && seq_off[t & ~15] == seq_off[min((t & ~15) + 15, T - 1)]) return;
-  const int sub = lane % G, grp = lane / G, kvh = h / (H / KVH);
-  float qv[16], acc[16];
-  const float* qr = q + ((long)t * H + h) * D + sub * 16;
+// One key of the online softmax: score s (already summed over the G lanes of the key) and the
+// lane's 16 values of v.
+__device__ __forceinline__ void kv16_add(float s, const float* vf, float& m, float& l, float* acc) {
+  const float m2 = fmaxf(m, s), corr = __expf(m - m2), e = __expf(s - m2);
+  l = l * corr + e;
 #pragma unroll
-  for (int i = 0; i < 16; i++) {
-    qv[i] = qr[i] * scale;
-    acc[i] = 0.0f;
-  }
-  float m = NEG_INF, l = 0.0f;
-  const int n = pos[t] + 1;
-  const int* sl = slots + seq_off[t];
+  for (int i = 0; i < 16; i++) acc[i] = fmaf(acc[i], corr, e * vf[i]);
+  m = m2;
+}
+
+// The keys at positions 0..n-1 of a sequence (slots sl[p]) for kv head kvh, split over the
+// warps and lane groups of the block (see attention_kv16): each lane's online-softmax state.
+template <int KVH, int D>
+__device__ __forceinline__ void kv16_scan(const float* qv, const bf16_t* kc, const bf16_t* vc, const int* sl, int n,
+                                         int kvh, float& m, float& l, float* acc) {
+  constexpr int G = D / 16, KPW = 32 / G, WARPS = 8, STATES = WARPS * KPW;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = lane % G, grp = lane / G;
   for (int p0 = warp * KPW; p0 < n; p0 += STATES) {
     const int p = p0 + grp;
     const bool valid = p < n;
@@ -442,16 +435,21 @@ __device__ void attention_kv16(const float* q, const bf16_t* kc, const bf16_t* v
 #pragma unroll
     for (int o = G / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
     if (valid) {
-      const float m2 = fmaxf(m, s), corr = __expf(m - m2), e = __expf(s - m2);
       float vf[16];
       unpack8(v0, vf);
       unpack8(v1, vf + 8);
-      l = l * corr + e;
-#pragma unroll
-      for (int i = 0; i < 16; i++) acc[i] = fmaf(acc[i], corr, e * vf[i]);
-      m = m2;
+      kv16_add(s, vf, m, l, acc);
     }
   }
+}
+
+// Merges the lanes' states through shared memory and writes the head's output row `o`.
+template <int D, typename O>
+__device__ __forceinline__ void kv16_merge(float m, float l, const float* acc, O* o) {
+  constexpr int G = D / 16, KPW = 32 / G, WARPS = 8, STATES = WARPS * KPW;
+  __shared__ float sm_acc[STATES][D];
+  __shared__ float sm_m[STATES], sm_l[STATES];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = lane % G, grp = lane / G;
   const int state = warp * KPW + grp;
 #pragma unroll
   for (int i = 0; i < 16; i++) sm_acc[state][sub * 16 + i] = acc[i];
@@ -466,7 +464,6 @@ __device__ void attention_kv16(const float* q, const bf16_t* kc, const bf16_t* v
   float ll = 0.0f;
 #pragma unroll
   for (int s = 0; s < STATES; s++) ll += sm_m[s] == NEG_INF ? 0.0f : sm_l[s] * __expf(sm_m[s] - mm);
-  O* o = out + ((long)t * H + h) * D;
   for (int d = threadIdx.x; d < D; d += blockDim.x) {
     float v = 0.0f;
 #pragma unroll
@@ -474,6 +471,90 @@ __device__ void attention_kv16(const float* q, const bf16_t* kc, const bf16_t* v
       if (sm_m[s] != NEG_INF) v += sm_acc[s][d] * __expf(sm_m[s] - mm);
     store(o + d, v / ll);
   }
+}
+
+// Causal GQA attention of query row t, head h over the bf16 paged cache (positions 0..pos[t],
+// slots slots[seq_off[t] + p]). D / 16 lanes share a key (16 dims each), so a warp scores
+// 32 / (D / 16) keys at once (K and V rows loaded together); eight warps split the keys and
+// merge their online softmax states through shared memory. grid: (T, H), block: 256.
+// With MIXED_ONLY, only rows whose group of 16 (see attention_fa) spans two sequences run.
+template <int H, int KVH, int D, typename O, bool MIXED_ONLY>
+__device__ void attention_kv16(const float* q, const bf16_t* kc, const bf16_t* vc, const int* slots,
+                               const int* seq_off, const int* pos, float scale, O* out, int T) {
+  constexpr int G = D / 16;
+  const int t = blockIdx.x, h = blockIdx.y, sub = (threadIdx.x & 31) % G;
+  if (MIXED_ONLY && seq_off[t & ~15] == seq_off[min((t & ~15) + 15, T - 1)]) return;
+  float qv[16], acc[16];
+  const float* qr = q + ((long)t * H + h) * D + sub * 16;
+#pragma unroll
+  for (int i = 0; i < 16; i++) {
+    qv[i] = qr[i] * scale;
+    acc[i] = 0.0f;
+  }
+  float m = NEG_INF, l = 0.0f;
+  kv16_scan<KVH, D>(qv, kc, vc, slots + seq_off[t], pos[t] + 1, h / (H / KVH), m, l, acc);
+  kv16_merge<D>(m, l, acc, out + ((long)t * H + h) * D);
+}
+
+// Dim d of one head row x (f32, D wide), rotated as rope_kv does (rotate-half at position p; cos
+// and sin times rscale) when R.
+template <int D, bool R>
+__device__ __forceinline__ float rope_at(const float* x, int d, float p, const float* inv_freq, float rscale) {
+  const float v = x[d];
+  if (!R) return v;
+  const float other = x[d < D / 2 ? d + D / 2 : d - D / 2];
+  float sn, c;
+  sincosf(p * inv_freq[d % (D / 2)], &sn, &c);
+  sn *= rscale;
+  c *= rscale;
+  return d < D / 2 ? v * c - other * sn : v * c + other * sn;
+}
+
+// A step of one token (decode at batch 1): RoPE, the KV-cache write and attention in one
+// kernel. Every block rotates its head of q and the token's own k (its kv head), takes the own
+// key from registers (the cache write of another block may not be visible yet), and the first
+// block of each kv head writes k and v (bf16) to the cache. grid: (1, H), block: 256.
+template <int H, int KVH, int D, typename O, bool RQ, bool RK>
+__device__ void attention_rope1(const float* q, const float* k, const float* v, const int* pos, const float* inv_freq,
+                                float rscale, const int* slot_of, bf16_t* kc, bf16_t* vc, const int* slots,
+                                const int* seq_off, float scale, O* out) {
+  constexpr int G = D / 16;
+  const int h = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = lane % G, grp = lane / G;
+  const int kvh = h / (H / KVH), n = pos[0] + 1;
+  // The head's rotated q and the token's k and v (bf16 values, as the cache holds them), once
+  // per block through shared memory.
+  __shared__ float sq[D], sk[D], sv[D];
+  const float p = (float)pos[0];
+  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    sq[d] = rope_at<D, RQ>(q + h * D, d, p, inv_freq, rscale) * scale;
+    sk[d] = to_f32(f32_to_bf16(rope_at<D, RK>(k + kvh * D, d, p, inv_freq, rscale)));
+    sv[d] = to_f32(f32_to_bf16(v[kvh * D + d]));
+    if (h % (H / KVH) == 0) {
+      const long dst = (long)slot_of[0] * (KVH * D) + kvh * D + d;
+      kc[dst] = f32_to_bf16(sk[d]);
+      vc[dst] = f32_to_bf16(sv[d]);
+    }
+  }
+  __syncthreads();
+  float qv[16], kf[16], vf[16], acc[16];
+#pragma unroll
+  for (int i = 0; i < 16; i++) {
+    qv[i] = sq[sub * 16 + i];
+    kf[i] = sk[sub * 16 + i];
+    vf[i] = sv[sub * 16 + i];
+    acc[i] = 0.0f;
+  }
+  float m = NEG_INF, l = 0.0f;
+  kv16_scan<KVH, D>(qv, kc, vc, slots + seq_off[0], n - 1, kvh, m, l, acc);
+  if (warp == 0) {
+    float s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 16; i++) s = fmaf(qv[i], kf[i], s);
+#pragma unroll
+    for (int o = G / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    if (grp == 0) kv16_add(s, vf, m, l, acc);
+  }
+  kv16_merge<D>(m, l, acc, out + (long)h * D);
 }
 
 __device__ __forceinline__ void ldmatrix_x4_trans(unsigned* r, unsigned addr) {

@@ -108,6 +108,21 @@ pub enum KernelKey {
         /// Only the rows [`KernelKey::AttentionFa`] leaves (groups of 16 spanning sequences).
         mixed_only: bool,
     },
+    /// A step of one token: RoPE, the KV-cache write and attention in one kernel.
+    AttentionRope1 {
+        /// Query heads.
+        heads: usize,
+        /// KV heads.
+        kv_heads: usize,
+        /// Head size.
+        d: usize,
+        /// Output dtype.
+        out: DType,
+        /// Whether q is rotated.
+        rope_q: bool,
+        /// Whether k is rotated.
+        rope_k: bool,
+    },
     /// Causal GQA attention on tensor cores for groups of 16 rows of one sequence.
     AttentionFa {
         /// Query heads.
@@ -207,6 +222,9 @@ impl KernelKey {
             KernelKey::AttentionFa { heads, kv_heads, d, out } => {
                 format!("attention_fa_h{heads}_kv{kv_heads}_d{d}_to_{out}")
             }
+            KernelKey::AttentionRope1 { heads, kv_heads, d, out, rope_q, rope_k } => {
+                format!("attention_rope1_h{heads}_kv{kv_heads}_d{d}_to_{out}_{}{}", u8::from(rope_q), u8::from(rope_k))
+            }
             KernelKey::Add => "add_f32".into(),
             KernelKey::Mul => "mul_f32".into(),
             KernelKey::Silu => "silu_f32".into(),
@@ -279,6 +297,20 @@ impl KernelKey {
                     format!(
                         "attention_kv16<{heads}, {kv_heads}, {d}, {o}, {mixed_only}>(q, kc, vc, slots, seq_off, pos, \
                          scale, out, T)"
+                    ),
+                )
+            }
+            KernelKey::AttentionRope1 { heads, kv_heads, d, out, rope_q, rope_k } => {
+                let o = ctype(out)?;
+                (
+                    format!(
+                        "const float* q, const float* k, const float* v, const int* pos, const float* inv_freq, \
+                         float rscale, const int* slot_of, bf16_t* kc, bf16_t* vc, const int* slots, \
+                         const int* seq_off, float scale, {o}* out"
+                    ),
+                    format!(
+                        "attention_rope1<{heads}, {kv_heads}, {d}, {o}, {rope_q}, {rope_k}>(q, k, v, pos, inv_freq, \
+                         rscale, slot_of, kc, vc, slots, seq_off, scale, out)"
                     ),
                 )
             }

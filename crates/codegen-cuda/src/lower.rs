@@ -304,13 +304,30 @@ fn attention(b: &mut Builder, i: usize) -> Result<(), CodegenError> {
         let key = KernelKey::Attention { heads, kv_heads, d, out: o, mixed_only };
         launch(key, args.clone(), [per_token(1, 1), Dim::Fixed(heads)], 256)
     };
-    let mut variants = vec![(FA_ABOVE, vec![rope.clone(), rows(false)])];
+    let one = KernelKey::AttentionRope1 { heads, kv_heads, d, out: o, rope_q, rope_k };
+    let one_args = vec![
+        Arg::Buf(q),
+        Arg::Buf(k),
+        Arg::Buf(v),
+        Arg::Input(Input::Pos),
+        freq,
+        Arg::F32(rscale),
+        Arg::Input(Input::SlotOf),
+        Arg::KCache(layer),
+        Arg::VCache(layer),
+        Arg::Input(Input::Slots),
+        Arg::Input(Input::SeqOff),
+        Arg::F32(scale),
+        Arg::Buf(out),
+    ];
+    let one = launch(one, one_args, [ONE, Dim::Fixed(heads)], 256);
+    let mut variants = vec![(1, vec![one]), (FA_ABOVE, vec![rope.clone(), rows(false)])];
     if d <= 128 {
         let fa = KernelKey::AttentionFa { heads, kv_heads, d, out: o };
         let fa = launch(fa, args.clone(), [per_token(1, 64), Dim::Fixed(heads)], 128);
         variants.push((usize::MAX, vec![rope, fa, rows(true)]));
     } else {
-        variants[0].0 = usize::MAX;
+        variants[1].0 = usize::MAX;
     }
     b.steps.push(Step::Kernels { by: Count::Tokens, variants });
     Ok(())
