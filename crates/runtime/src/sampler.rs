@@ -43,15 +43,6 @@ impl Default for SamplingParams {
 }
 
 impl SamplingParams {
-    /// Whether the choice is the plain argmax of the raw logits (greedy, no penalty), which a
-    /// backend may compute on its device.
-    pub fn is_greedy(&self) -> bool {
-        (self.temperature == 0.0 || self.top_k == 1)
-            && self.repetition_penalty == 1.0
-            && self.frequency_penalty == 0.0
-            && self.presence_penalty == 0.0
-    }
-
     /// Checks every parameter's range.
     pub fn validate(&self) -> Result<(), RuntimeError> {
         let bad = |m: String| Err(RuntimeError::Invalid(m));
