@@ -232,7 +232,7 @@ fn glu(b: &mut Builder, x: usize, k: usize, [g, u, s, m]: [usize; 4]) {
     };
     let args = vec![Arg::Buf(tg), Arg::Buf(tu), Arg::Buf(out), Arg::Elems(Count::Tokens, n)];
     for (bound, mut launches) in big.into_iter().filter(|(bound, _)| *bound > GEMV_ROWS[GEMV_ROWS.len() - 1]) {
-        launches.push(launch(KernelKey::SiluMul, args.clone(), [per_token(n, 256), ONE], 256));
+        launches.push(launch(KernelKey::SiluMul, args.clone(), [per_token(n, 1024), ONE], 256));
         variants.push((bound, launches));
     }
     b.steps.push(Step::Kernels { by: Count::Tokens, variants });
