@@ -274,7 +274,8 @@ fn attention(b: &mut Builder, i: usize) -> Result<(), CodegenError> {
     let (q, k, v) = (b.f32_val(src(qn, rope_q))?, b.f32_val(src(kn, rope_k))?, b.f32_val(vn)?);
     let qo = b.new_val(heads * d, DType::F32, Count::Tokens);
     let key = KernelKey::RopeKv { heads, kv_heads, d, rope_q, rope_k };
-    let args = vec![
+    // q, k, v, where the token goes, how it rotates: what rope_kv and the one-token kernel read.
+    let head = [
         Arg::Buf(q),
         Arg::Buf(k),
         Arg::Buf(v),
@@ -282,10 +283,8 @@ fn attention(b: &mut Builder, i: usize) -> Result<(), CodegenError> {
         freq,
         Arg::F32(rscale),
         Arg::Input(Input::SlotOf),
-        Arg::Buf(qo),
-        Arg::KCache(layer),
-        Arg::VCache(layer),
     ];
+    let args = [&head[..], &[Arg::Buf(qo), Arg::KCache(layer), Arg::VCache(layer)]].concat();
     let rope = launch(key, args, [per_token(1, 1), ONE], 128);
     let out = b.out(i, b.act_dtype(i));
     let o = b.vals_dtype(out);
@@ -305,21 +304,18 @@ fn attention(b: &mut Builder, i: usize) -> Result<(), CodegenError> {
         launch(key, args.clone(), [per_token(1, 1), Dim::Fixed(heads)], 256)
     };
     let one = KernelKey::AttentionRope1 { heads, kv_heads, d, out: o, rope_q, rope_k };
-    let one_args = vec![
-        Arg::Buf(q),
-        Arg::Buf(k),
-        Arg::Buf(v),
-        Arg::Input(Input::Pos),
-        freq,
-        Arg::F32(rscale),
-        Arg::Input(Input::SlotOf),
-        Arg::KCache(layer),
-        Arg::VCache(layer),
-        Arg::Input(Input::Slots),
-        Arg::Input(Input::SeqOff),
-        Arg::F32(scale),
-        Arg::Buf(out),
-    ];
+    let one_args = [
+        &head[..],
+        &[
+            Arg::KCache(layer),
+            Arg::VCache(layer),
+            Arg::Input(Input::Slots),
+            Arg::Input(Input::SeqOff),
+            Arg::F32(scale),
+            Arg::Buf(out),
+        ],
+    ]
+    .concat();
     let one = launch(one, one_args, [ONE, Dim::Fixed(heads)], 256);
     let mut variants = vec![(1, vec![one]), (FA_ABOVE, vec![rope.clone(), rows(false)])];
     if d <= 128 {
