@@ -32,19 +32,18 @@ __device__ __forceinline__ float ld_cg(const float* p) {
   return v;
 }
 
-template <int R>
-__device__ void all_reduce_oneshot(float* x, long n, const unsigned long long* table, int rank, long cap,
-                                   unsigned* counters) {
+// Block b's epoch for this launch: its counter, bumped once per launch.
+__device__ __forceinline__ unsigned oneshot_epoch(unsigned* counters) {
   __shared__ unsigned epoch;
   if (threadIdx.x == 0) epoch = ++counters[blockIdx.x];
   __syncthreads();
-  const unsigned e = epoch;
-  const long half = (long)(e & 1) * cap;
-  float* mine = (float*)table[rank] + half;
-  const long first = (long)blockIdx.x * blockDim.x + threadIdx.x, stride = (long)gridDim.x * blockDim.x;
-  const long n4 = n / 4;
-  for (long i = first; i < n4; i += stride) ((float4*)mine)[i] = ((const float4*)x)[i];
-  for (long i = 4 * n4 + first; i < n; i += stride) mine[i] = x[i];
+  return epoch;
+}
+
+// Tells block b of every peer that this rank's staging half of epoch e is written, then waits
+// until every peer has told this rank the same.
+template <int R>
+__device__ __forceinline__ void oneshot_exchange(const unsigned long long* table, int rank, unsigned e) {
   __syncthreads();
   const int peer = threadIdx.x;
   if (peer < R && peer != rank) {
@@ -55,6 +54,19 @@ __device__ void all_reduce_oneshot(float* x, long n, const unsigned long long* t
     }
   }
   __syncthreads();
+}
+
+template <int R>
+__device__ void all_reduce_oneshot(float* x, long n, const unsigned long long* table, int rank, long cap,
+                                   unsigned* counters) {
+  const unsigned e = oneshot_epoch(counters);
+  const long half = (long)(e & 1) * cap;
+  float* mine = (float*)table[rank] + half;
+  const long first = (long)blockIdx.x * blockDim.x + threadIdx.x, stride = (long)gridDim.x * blockDim.x;
+  const long n4 = n / 4;
+  for (long i = first; i < n4; i += stride) ((float4*)mine)[i] = ((const float4*)x)[i];
+  for (long i = 4 * n4 + first; i < n; i += stride) mine[i] = x[i];
+  oneshot_exchange<R>(table, rank, e);
   for (long i = first; i < n4; i += stride) {
     float4 s = ld_cg4((const float*)table[0] + half + 4 * i);
 #pragma unroll
@@ -71,5 +83,42 @@ __device__ void all_reduce_oneshot(float* x, long n, const unsigned long long* t
     float s = ld_cg((const float*)table[0] + half + i);
     for (int r = 1; r < R; r++) s += ld_cg((const float*)table[r] + half + i);
     x[i] = s;
+  }
+}
+
+// One-shot all-gather of f32 rows over peer memory, completed on rank 0 only (the rank that
+// reads logits): x is this rank's [rows, cols] block, out the [rows, R * cols] rows, rank r's
+// block at column r * cols. Same staging protocol as the all-reduce, with buffers of its own
+// and always AR_MAXB blocks, so every block's epoch stays the same. Ranks other than 0 stage
+// their block and signal; rank 0 signals (its staging unused) and copies.
+template <int R>
+__device__ void all_gather_oneshot(const float* x, float* out, long rows, long cols, const unsigned long long* table,
+                                   int rank, long cap, unsigned* counters) {
+  const unsigned e = oneshot_epoch(counters);
+  const long half = (long)(e & 1) * cap;
+  const long first = (long)blockIdx.x * blockDim.x + threadIdx.x, stride = (long)gridDim.x * blockDim.x;
+  const long n = rows * cols;
+  if (rank != 0) {
+    float* mine = (float*)table[rank] + half;
+    const long n4 = n / 4;
+    for (long i = first; i < n4; i += stride) ((float4*)mine)[i] = ((const float4*)x)[i];
+    for (long i = 4 * n4 + first; i < n; i += stride) mine[i] = x[i];
+  }
+  oneshot_exchange<R>(table, rank, e);
+  if (rank != 0) return;
+  if (cols % 4 == 0) {
+    const long c4 = cols / 4, n4 = n / 4;
+    for (long i = first; i < n4; i += stride) {
+      float4* o = (float4*)(out + (i / c4) * cols * R) + i % c4;
+      o[0] = ((const float4*)x)[i];
+#pragma unroll
+      for (int r = 1; r < R; r++) o[r * c4] = ld_cg4((const float*)table[r] + half + 4 * i);
+    }
+  } else {
+    for (long i = first; i < n; i += stride) {
+      float* o = out + (i / cols) * cols * R + i % cols;
+      o[0] = x[i];
+      for (int r = 1; r < R; r++) o[r * cols] = ld_cg((const float*)table[r] + half + i);
+    }
   }
 }

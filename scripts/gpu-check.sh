@@ -9,7 +9,8 @@
 # against the host's rule on the same logits. Then benchmarks (BENCH=0 skips):
 # batch-1 decode (with the default device: auto), a 4096-token prefill, batches of 16 and 64, and a second start with a warm
 # kernel cache. TPS="1 2" repeats the checks and benchmarks with a --tp 2 bundle on two GPUs
-# (compared with HF and with tp=1; batch-1 decode also with NCCL-only all-reduces). Results go to $OUT (default /tmp/gpu-out).
+# (compared with HF and with tp=1; batch-1 decode also with NCCL-only collectives; batches 1 and
+# 64 also with a replicated lm_head). Results go to $OUT (default /tmp/gpu-out).
 set -euo pipefail
 out="${OUT:-/tmp/gpu-out}"
 mkdir -p "$out"
@@ -107,6 +108,15 @@ PY
     ENGINE_CUBLASLT=0 bin-gpu/engrun bench $b --device cuda --num-prompts 1 --input-len 4096 --output-len 2 --json 2>&1 | tail -1 | tee "$out/$shape$sfx-bench-prefill4096-ours.json"
     bin-gpu/engrun bench $b --device cuda --num-prompts 16 --input-len 128 --output-len 128 --json 2>&1 | tail -1 | tee "$out/$shape$sfx-bench-b16.json"
     bin-gpu/engrun bench $b --device cuda --num-prompts 64 --input-len 128 --output-len 128 --json 2>&1 | tail -1 | tee "$out/$shape$sfx-bench-b64.json"
+    # The other lm_head layout of a tensor-parallel bundle: replicated (the default splits it
+    # by vocabulary and gathers the logits).
+    if [ "$tp" != 1 ]; then
+      rb="$ck.tp$tp-replicated.bundle"
+      [ -d "$rb" ] || bin-gpu/engc compile models/qwen2.yaml --checkpoint "$ck" --dtype bf16 --tp "$tp" --lm-head replicated -o "$rb" 2>&1 | tail -1
+      for n in 1 64; do
+        bin-gpu/engrun bench $rb --device cuda --num-prompts $n --input-len 128 --output-len 128 --json 2>&1 | tail -1 | tee "$out/$shape$sfx-replicated-bench-b$n.json"
+      done
+    fi
     # Sampled on the GPU (temperature 0.7, top-p 0.9) instead of greedy.
     for n in 1 64; do
       bin-gpu/engrun bench $b --device cuda --num-prompts $n --input-len 128 --output-len 128 --temperature 0.7 --top-p 0.9 --json 2>&1 | tail -1 | tee "$out/$shape$sfx-bench-b$n-top-p.json"

@@ -104,7 +104,7 @@ fn launches(p: &codegen_cuda::Program, t: usize) -> Vec<&codegen_cuda::Launch> {
             codegen_cuda::Step::Kernels { variants, .. } => {
                 variants.iter().find(|(max, _)| t <= *max).map(|(_, l)| l.iter().collect()).unwrap_or_default()
             }
-            codegen_cuda::Step::AllReduce { .. } => vec![],
+            codegen_cuda::Step::AllReduce { .. } | codegen_cuda::Step::AllGather { .. } => vec![],
         })
         .collect()
 }
@@ -123,6 +123,9 @@ fn cuda_schedule_fuses_and_reuses_buffers() {
             assert!(p.buffers.len() <= 16, "{shape} tp{tp}: {} buffers", p.buffers.len());
             let allreduces = p.steps.iter().filter(|s| matches!(s, codegen_cuda::Step::AllReduce { .. })).count();
             assert_eq!(allreduces, if tp > 1 { 2 * layers } else { 0 }, "{shape} tp{tp}");
+            // The 7B shape's own lm_head is split by vocabulary (the 0.5B's is the embedding).
+            let gathers = p.steps.iter().filter(|s| matches!(s, codegen_cuda::Step::AllGather { .. })).count();
+            assert_eq!(gathers, usize::from(tp > 1 && shape == "qwen2.5-7b"), "{shape} tp{tp}");
             for t in [1, 3, 8, 16, 40, 64, 65, 4096] {
                 let kinds: Vec<String> = launches(&p, t).iter().map(|l| l.key.name()).collect();
                 let want = match t {

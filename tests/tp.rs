@@ -1,6 +1,8 @@
 //! Tensor parallelism on the CPU: `--tp N` bundles run one rank per thread with an in-process
-//! all-reduce, and give tp=1's logits (prefill and decode); the server runs on a tp=2 bundle.
+//! all-reduce (and all-gather of a vocab-parallel lm_head's logits), and give tp=1's logits
+//! (prefill and decode) with either lm_head layout; the server runs on a tp=2 bundle.
 
+use compiler::LmHead;
 use e2e::*;
 use std::path::Path;
 
@@ -26,11 +28,19 @@ fn tp_bundles_match_tp1_on_the_cpu() {
         let prompt = ids(&goldens(name)["prompts"][2]["ids"]);
         let want = run(&mut loaded(&compile_fixture(name, &dir, 1, None)), &prompt);
         for &tp in tps {
-            let got = run(&mut loaded(&compile_fixture(name, &dir, tp, None)), &prompt);
-            for (step, (g, w)) in got.iter().zip(&want).enumerate() {
-                let err = rel_err(g, w);
-                assert!(err < 1e-4, "{name} tp={tp} step {step}: rel err {err}");
-                eprintln!("{name} tp={tp} step {step}: rel err {err:.1e}");
+            for lm_head in [LmHead::Vocab, LmHead::Replicated] {
+                let path = compile_fixture_with(name, &dir, tp, None, lm_head);
+                // tiny-llama's own lm_head splits by vocabulary unless asked not to; tiny-qwen2's
+                // is the (replicated) embedding either way.
+                let plan = bundle::Bundle::open(&path).unwrap().plan;
+                let gathered = plan.nodes.iter().any(|n| matches!(n.op, ir::Op::AllGather { .. }));
+                assert_eq!(gathered, name == "tiny-llama" && lm_head == LmHead::Vocab, "{name} tp={tp} {lm_head:?}");
+                let got = run(&mut loaded(&path), &prompt);
+                for (step, (g, w)) in got.iter().zip(&want).enumerate() {
+                    let err = rel_err(g, w);
+                    assert!(err < 1e-4, "{name} tp={tp} {lm_head:?} step {step}: rel err {err}");
+                    eprintln!("{name} tp={tp} {lm_head:?} step {step}: rel err {err:.1e}");
+                }
             }
         }
     }

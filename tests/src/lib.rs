@@ -29,7 +29,18 @@ pub fn model_yaml(fixture: &str) -> PathBuf {
 /// Compiles a fixture into a bundle inside `dir`. The tiny-llama fixture borrows SmolLM2's
 /// tokenizer (same vocabulary size).
 pub fn compile_fixture(name: &str, dir: &Path, tp: usize, dtype: Option<ir::DType>) -> PathBuf {
-    let out = dir.join(format!("{name}-tp{tp}.bundle"));
+    compile_fixture_with(name, dir, tp, dtype, compiler::LmHead::default())
+}
+
+/// [`compile_fixture`] with the lm_head layout of a tensor-parallel bundle chosen.
+pub fn compile_fixture_with(
+    name: &str,
+    dir: &Path,
+    tp: usize,
+    dtype: Option<ir::DType>,
+    lm_head: compiler::LmHead,
+) -> PathBuf {
+    let out = dir.join(format!("{name}-tp{tp}-{lm_head:?}.bundle"));
     let tokenizer = (name == "tiny-llama").then(|| fixture("smollm2-135m"));
     let opts = compiler::CompileOptions {
         model: model_yaml(name),
@@ -39,6 +50,7 @@ pub fn compile_fixture(name: &str, dir: &Path, tp: usize, dtype: Option<ir::DTyp
         tokenizer,
         out: out.clone(),
         dump_after: None,
+        lm_head,
     };
     compiler::compile(&opts).unwrap_or_else(|e| panic!("compiling {name}: {e}"));
     out
@@ -195,6 +207,7 @@ pub fn smollm2_bundle(dir: &Path) -> PathBuf {
         tokenizer: Some(fixture("smollm2-135m")),
         out: out.clone(),
         dump_after: None,
+        lm_head: compiler::LmHead::default(),
     };
     let report = compiler::compile(&opts).unwrap_or_else(|e| panic!("{e}"));
     assert!(report.warnings.iter().all(|w| !w.contains("unused")), "{:?}", report.warnings);

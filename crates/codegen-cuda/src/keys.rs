@@ -161,6 +161,13 @@ pub enum KernelKey {
         /// Ranks (2 to 8).
         ranks: usize,
     },
+    /// One-shot all-gather of f32 logit rows over peer memory (`kernels/comm.cuh`): rank 0
+    /// joins every rank's column block; the runtime launches it in place of NCCL where peers
+    /// can reach each other.
+    AllGather {
+        /// Ranks (2 to 8).
+        ranks: usize,
+    },
 }
 
 /// The most blocks a one-shot all-reduce launches (`AR_MAXB` in `kernels/comm.cuh`).
@@ -231,6 +238,7 @@ impl KernelKey {
             KernelKey::Gather { h, x, out } => format!("gather_h{h}_{x}_to_{out}"),
             KernelKey::Sample { vocab } => format!("sample_v{vocab}"),
             KernelKey::AllReduce { ranks } => format!("all_reduce_r{ranks}"),
+            KernelKey::AllGather { ranks } => format!("all_gather_r{ranks}"),
         }
     }
 
@@ -337,6 +345,12 @@ impl KernelKey {
             KernelKey::AllReduce { ranks } => (
                 "float* x, long n, const unsigned long long* table, int rank, long cap, unsigned* counters".into(),
                 format!("all_reduce_oneshot<{ranks}>(x, n, table, rank, cap, counters)"),
+            ),
+            KernelKey::AllGather { ranks } => (
+                "const float* x, float* out, long rows, long cols, const unsigned long long* table, int rank, \
+                 long cap, unsigned* counters"
+                    .into(),
+                format!("all_gather_oneshot<{ranks}>(x, out, rows, cols, table, rank, cap, counters)"),
             ),
         };
         Ok(format!("extern \"C\" __global__ void {name}({params}) {{ {call}; }}\n"))

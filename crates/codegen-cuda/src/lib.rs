@@ -67,10 +67,12 @@ pub fn emit(plan: &Plan) -> Result<Program, CodegenError> {
     let mut kernels: Vec<KernelKey> = Vec::new();
     let launched = s.steps.iter().flat_map(|st| match st {
         Step::Kernels { variants, .. } => variants.iter().flat_map(|(_, ls)| ls.iter().map(|l| l.key)).collect(),
-        Step::AllReduce { .. } => vec![],
+        Step::AllReduce { .. } | Step::AllGather { .. } => vec![],
     });
     let one_shot = (plan.tp > 1).then_some(KernelKey::AllReduce { ranks: plan.tp });
-    for k in launched.chain([KernelKey::Sample { vocab: plan.vocab }]).chain(one_shot) {
+    let gather = s.steps.iter().any(|st| matches!(st, Step::AllGather { .. }));
+    let gather = gather.then_some(KernelKey::AllGather { ranks: plan.tp });
+    for k in launched.chain([KernelKey::Sample { vocab: plan.vocab }]).chain(one_shot).chain(gather) {
         if !kernels.contains(&k) {
             kernels.push(k);
         }
@@ -80,7 +82,7 @@ pub fn emit(plan: &Plan) -> Result<Program, CodegenError> {
         .iter()
         .map(|st| match st {
             Step::Kernels { variants, .. } => variants[0].1.len(),
-            Step::AllReduce { .. } => 0,
+            Step::AllReduce { .. } | Step::AllGather { .. } => 0,
         })
         .sum();
     let mut source = String::new();

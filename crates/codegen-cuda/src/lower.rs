@@ -71,6 +71,15 @@ pub(crate) fn node(b: &mut Builder, i: usize) -> Result<(), CodegenError> {
             b.steps.push(Step::AllReduce { buf: v, cols });
         }
         Op::Logits => logits(b, i)?,
+        Op::AllGather { .. } => {
+            let x = n.inputs[0];
+            if !matches!(b.plan.nodes[x].op, Op::Logits) {
+                return Err(CodegenError::Unsupported(format!("`{}`: an all_gather of anything but logits", n.label)));
+            }
+            let (src, dst) = (b.val(x)?, b.new_val(cols, DType::F32, Count::Rows));
+            b.node_val[i] = Some(dst);
+            b.steps.push(Step::AllGather { src, dst, cols: b.cols(x) });
+        }
     }
     Ok(())
 }

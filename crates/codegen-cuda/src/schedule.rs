@@ -99,6 +99,16 @@ pub enum Step {
         /// Floats per token.
         cols: usize,
     },
+    /// Join the ranks' column blocks of f32 logit rows (`src`, `cols` per row) into `dst`
+    /// (`cols * ranks` per row, rank r's block at column `r * cols`), on rank 0 at least.
+    AllGather {
+        /// This rank's block.
+        src: usize,
+        /// The whole rows.
+        dst: usize,
+        /// Floats per row of one rank's block.
+        cols: usize,
+    },
 }
 
 /// A device buffer: `row_bytes` per token (or per logit row).
@@ -341,6 +351,7 @@ fn assign(mut steps: Vec<Step>, vals: &[Val], output: usize, constants: Vec<Vec<
 fn step_vals(step: &Step) -> Vec<usize> {
     match step {
         Step::AllReduce { buf, .. } => vec![*buf],
+        Step::AllGather { src, dst, .. } => vec![*src, *dst],
         Step::Kernels { variants, .. } => variants
             .iter()
             .flat_map(|(_, ls)| ls.iter().flat_map(|l| l.args.iter()))
@@ -352,6 +363,10 @@ fn step_vals(step: &Step) -> Vec<usize> {
 fn map_bufs(step: &mut Step, f: impl Fn(usize) -> usize) {
     match step {
         Step::AllReduce { buf, .. } => *buf = f(*buf),
+        Step::AllGather { src, dst, .. } => {
+            *src = f(*src);
+            *dst = f(*dst);
+        }
         Step::Kernels { variants, .. } => {
             for a in variants.iter_mut().flat_map(|(_, ls)| ls.iter_mut().flat_map(|l| l.args.iter_mut())) {
                 if let Arg::Buf(v) = a {

@@ -1,7 +1,7 @@
 //! `engc compile`: model YAML + checkpoint → bundle, as one readable sequence of stages.
 
 use crate::checkpoint::Checkpoint;
-use crate::passes::{self, PassCtx};
+use crate::passes::{self, LmHead, PassCtx};
 use crate::{lower, shard, CompileError};
 use bundle::{BundleWriter, GenerationConfig, TensorEntry};
 use ir::{DType, Plan};
@@ -26,6 +26,8 @@ pub struct CompileOptions {
     pub out: PathBuf,
     /// Return the graph as text after this pass (`lower`, or a pipeline pass name).
     pub dump_after: Option<String>,
+    /// How a tensor-parallel bundle holds the lm_head.
+    pub lm_head: LmHead,
 }
 
 /// What a successful compile produced.
@@ -55,7 +57,7 @@ pub fn compile(opts: &CompileOptions) -> Result<CompileReport, CompileError> {
     let model = spec::bind(&spec, &ckpt.config)?;
     let mut warnings = validate_checkpoint(&model, &ckpt)?;
     let dtype = opts.dtype.or_else(|| config_dtype(&ckpt.config)).or_else(|| ckpt.main_dtype()).unwrap_or(DType::BF16);
-    let (plan, dump) = build_plan(&model, dtype, opts.tp, opts.dump_after.as_deref())?;
+    let (plan, dump) = build_plan(&model, dtype, (opts.tp, opts.lm_head), opts.dump_after.as_deref())?;
 
     let mut w = BundleWriter::create(&opts.out)?;
     let plan_json = serde_json::to_string_pretty(&plan).map_err(|e| CompileError::Usage(e.to_string()))?;
@@ -80,11 +82,11 @@ pub fn compile(opts: &CompileOptions) -> Result<CompileReport, CompileError> {
 fn build_plan(
     model: &BoundModel,
     dtype: DType,
-    tp: usize,
+    (tp, lm_head): (usize, LmHead),
     dump_after: Option<&str>,
 ) -> Result<(Plan, Option<String>), CompileError> {
     let graph = lower::lower(model, dtype, dtype)?;
-    let ctx = PassCtx { tp, model };
+    let ctx = PassCtx { tp, model, lm_head };
     let mut dump = None;
     let graph = passes::run(graph, &ctx, |name, g| {
         if dump_after == Some(name) {
@@ -114,7 +116,7 @@ pub fn plan_for_config(
     }
     let spec = ModelSpec::load(model_yaml)?;
     let model = spec::bind(&spec, config)?;
-    Ok(build_plan(&model, dtype, tp, None)?.0)
+    Ok(build_plan(&model, dtype, (tp, LmHead::default()), None)?.0)
 }
 
 /// Checks that every tensor the model names exists with its shape and a supported dtype.
@@ -177,7 +179,13 @@ fn write_rank_weights(
             .iter()
             .find(|bw| bw.name == e.name)
             .ok_or_else(|| CompileError::Usage(format!("plan weight `{}` is not in the model", e.name)))
-            .and_then(|bw| Ok(e.dtype.from_f32(&shard::cut(bw, &ckpt.read_f32(&e.name)?, tp, rank)?)));
+            .and_then(|bw| {
+                let data = ckpt.read_f32(&e.name)?;
+                // The plan's shape says whether this rank holds a slice (a replicated lm_head
+                // keeps its whole shape even where the model marks it column-parallel).
+                let data = if e.shape == bw.shape { data } else { shard::cut(bw, &data, tp, rank)? };
+                Ok(e.dtype.from_f32(&data))
+            });
         data.map_err(|err| {
             let msg = err.to_string();
             failure = Some(err);

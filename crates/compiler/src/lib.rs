@@ -13,6 +13,7 @@ pub mod passes;
 pub mod shard;
 
 pub use driver::{compile, plan_for_config, CompileOptions, CompileReport};
+pub use passes::LmHead;
 
 /// Errors of compilation. Each names the file, tensor or pass it concerns.
 #[derive(Debug, thiserror::Error)]

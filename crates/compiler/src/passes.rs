@@ -11,6 +11,31 @@ pub struct PassCtx<'a> {
     pub tp: usize,
     /// The bound model (weight shard kinds).
     pub model: &'a BoundModel,
+    /// How a column-parallel lm_head is held.
+    pub lm_head: LmHead,
+}
+
+/// How the ranks of a tensor-parallel bundle hold an lm_head that the model YAML marks
+/// `shard: column`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LmHead {
+    /// Split by vocabulary: each rank computes its share of the logits, an all-gather joins
+    /// them (when tp divides the vocabulary; else replicated).
+    #[default]
+    Vocab,
+    /// Whole on every rank: each computes all the logits, nothing to join.
+    Replicated,
+}
+
+impl LmHead {
+    /// Parses `vocab` or `replicated`.
+    pub fn parse(s: &str) -> Option<LmHead> {
+        match s {
+            "vocab" => Some(LmHead::Vocab),
+            "replicated" => Some(LmHead::Replicated),
+            _ => None,
+        }
+    }
 }
 
 /// A pass.
@@ -33,8 +58,9 @@ pub fn run(mut g: Graph, ctx: &PassCtx, mut observe: impl FnMut(&str, &Graph)) -
 }
 
 /// Megatron-style tensor parallelism: weights take their per-rank shapes, attention ops their
-/// per-rank head counts (KV heads replicated when tp exceeds them), and an `all_reduce`
-/// follows every linear whose weight is row-parallel.
+/// per-rank head counts (KV heads replicated when tp exceeds them), an `all_reduce` follows
+/// every linear whose weight is row-parallel, and an `all_gather` follows the logits of a
+/// vocab-parallel (column-split) lm_head.
 pub fn tensor_parallel(mut g: Graph, ctx: &PassCtx) -> Result<Graph, CompileError> {
     let tp = ctx.tp;
     if tp == 1 {
@@ -59,20 +85,38 @@ pub fn tensor_parallel(mut g: Graph, ctx: &PassCtx) -> Result<Graph, CompileErro
             };
         }
     }
+    // The lm_head splits by vocabulary only when asked and when tp divides the vocabulary;
+    // otherwise every rank holds all of it.
+    let lm_heads: Vec<_> = g.nodes().into_iter().filter(|&n| matches!(g.node(n).op, Op::Logits)).collect();
+    let lm_head_weights: Vec<_> = lm_heads.iter().filter_map(|&n| g.inputs(n).get(1).copied()).collect();
     let mut row_weights = Vec::new();
     for n in g.nodes() {
+        let lm_head = lm_head_weights.contains(&n);
         if let Op::Weight { name, shape, .. } = &mut g.node_mut(n).op {
             let w = ctx.model.weights.iter().find(|w| &w.name == name).ok_or_else(|| CompileError::Tp {
                 weight: name.clone(),
                 message: "is not declared by the model".into(),
             })?;
-            *shape = shard::shape(w, tp)?;
+            if !(lm_head && (ctx.lm_head == LmHead::Replicated || shard::shape(w, tp).is_err())) {
+                *shape = shard::shape(w, tp)?;
+            }
             if w.shard == ShardKind::Row {
                 row_weights.push(n);
             }
         }
     }
     g.reinfer().map_err(ir_err)?;
+    for n in lm_heads {
+        let split = g.inputs(n).get(1).is_some_and(|&w| match &g.node(w).op {
+            Op::Weight { name, shape, .. } => ctx.model.weights.iter().any(|b| &b.name == name && &b.shape != shape),
+            _ => false,
+        });
+        if split {
+            let label = format!("{}.all_gather", g.node(n).label);
+            let r = g.add(Op::AllGather { ranks: tp }, &[n], label).map_err(ir_err)?;
+            g.replace_uses(n, r, r);
+        }
+    }
     for n in g.nodes() {
         let node = g.node(n);
         if !matches!(node.op, Op::Linear { .. }) || !g.inputs(n).get(1).is_some_and(|w| row_weights.contains(w)) {

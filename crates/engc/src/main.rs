@@ -3,7 +3,7 @@
 
 use bundle::Bundle;
 use clap::{Parser, Subcommand};
-use compiler::CompileOptions;
+use compiler::{CompileOptions, LmHead};
 use ir::{DType, Op};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -40,6 +40,11 @@ enum Cmd {
         /// Print the graph after this pass (lower, tensor_parallel) on stdout.
         #[arg(long)]
         dump_after: Option<String>,
+        /// With --tp above 1, how the ranks hold an lm_head the model marks column-parallel:
+        /// vocab (each computes its share of the vocabulary, the logits are gathered) or
+        /// replicated (each computes all the logits).
+        #[arg(long, default_value = "vocab", value_parser = parse_lm_head)]
+        lm_head: LmHead,
     },
     /// Compile the CUDA kernels of a bundle (or of a model shape: --model and --config) with
     /// NVRTC, to check them without a GPU.
@@ -73,11 +78,15 @@ fn parse_dtype(s: &str) -> Result<DType, String> {
     DType::parse_float(s).ok_or_else(|| format!("unknown dtype `{s}` (expected bf16, f16 or f32)"))
 }
 
+fn parse_lm_head(s: &str) -> Result<LmHead, String> {
+    LmHead::parse(s).ok_or_else(|| format!("unknown lm_head layout `{s}` (expected vocab or replicated)"))
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.cmd {
-        Cmd::Compile { model, checkpoint, tp, dtype, tokenizer, out, dump_after } => {
-            let opts = CompileOptions { model, checkpoint, tp, dtype, tokenizer, out, dump_after };
+        Cmd::Compile { model, checkpoint, tp, dtype, tokenizer, out, dump_after, lm_head } => {
+            let opts = CompileOptions { model, checkpoint, tp, dtype, tokenizer, out, dump_after, lm_head };
             compile(&opts)
         }
         Cmd::Inspect { bundle, graph } => inspect(&bundle, graph),

@@ -171,7 +171,11 @@ impl Graph {
             return Err(IrError::Verify("attention layers have different KV layouts".into()));
         }
         let out = self.output.ok_or_else(|| IrError::Verify("the graph has no output (assign `logits`)".into()))?;
-        if !matches!(self.g[out].op, Op::Logits) {
+        let logits = match self.g[out].op {
+            Op::AllGather { .. } => self.inputs(out).first().copied().unwrap_or(out),
+            _ => out,
+        };
+        if !matches!(self.g[logits].op, Op::Logits) {
             return Err(IrError::Verify(format!(
                 "the output `{}` is a {}, not logits",
                 self.g[out].label, self.g[out].op

@@ -159,7 +159,7 @@ impl Interpreter {
                 Op::Silu => Some(Val::F(f(0).iter().map(|&x| x / (1.0 + (-x).exp())).collect())),
                 Op::Mul => Some(Val::F(f(0).iter().zip(f(1)).map(|(a, b)| a * b).collect())),
                 Op::Add => Some(Val::F(f(0).iter().zip(f(1)).map(|(a, b)| a + b).collect())),
-                Op::AllReduce => Some(Val::F(f(0).to_vec())),
+                Op::AllReduce | Op::AllGather { .. } => Some(Val::F(f(0).to_vec())),
                 Op::Logits => {
                     let h = f(1).len() / cols;
                     let x = f(0);

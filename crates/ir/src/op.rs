@@ -78,6 +78,14 @@ pub enum Op {
     Add,
     /// Sum of x over the tensor-parallel ranks (identity with one rank). Input x → same type.
     AllReduce,
+    /// Concatenation of x's last dimension over the tensor-parallel ranks, in rank order
+    /// (identity with one rank): a vocab-parallel lm_head's logits made whole. Input x
+    /// `[d, n]` → `[d, n · ranks]`, same dtype. The runtime may complete it on rank 0 alone,
+    /// the rank that reads the logits.
+    AllGather {
+        /// The ranks whose parts are joined.
+        ranks: usize,
+    },
     /// Logits of the requested rows: `out[r] = x[rows[r]] · wᵀ` in f32. Inputs: x `[T, H]`,
     /// w `[V, H]` → `[R, V] f32`. The rows are chosen by the runtime for each step.
     Logits,
@@ -99,6 +107,7 @@ impl Op {
             Op::Mul => "mul",
             Op::Add => "add",
             Op::AllReduce => "all_reduce",
+            Op::AllGather { .. } => "all_gather",
             Op::Logits => "logits",
         }
     }
@@ -111,7 +120,7 @@ impl Op {
     pub fn arity(&self) -> usize {
         match self {
             Op::Tokens | Op::Positions | Op::Weight { .. } => 0,
-            Op::Silu | Op::AllReduce => 1,
+            Op::Silu | Op::AllReduce | Op::AllGather { .. } => 1,
             Op::Embedding | Op::RmsNorm { .. } | Op::Rope { .. } | Op::Mul | Op::Add | Op::Logits => 2,
             Op::Linear { bias } => 2 + usize::from(*bias),
             Op::Attention { .. } => 3,
@@ -129,6 +138,7 @@ impl Op {
             Op::Attention { heads, kv_heads, head_dim, scale, layer } => {
                 format!("heads={heads}, kv_heads={kv_heads}, head_dim={head_dim}, scale={scale}, layer={layer}")
             }
+            Op::AllGather { ranks } => format!("ranks={ranks}"),
             Op::Tokens
             | Op::Positions
             | Op::Weight { .. }
@@ -222,6 +232,10 @@ impl Op {
                 act2(q)
             }
             Op::Silu | Op::AllReduce => act2(rows(inputs[0], "x")?),
+            Op::AllGather { ranks } => match inputs[0].shape.as_slice() {
+                [d, Dim::N(n)] if *ranks > 0 => TensorType::new(vec![*d, Dim::N(n * ranks)], inputs[0].dtype),
+                _ => return Err(self.err(format!("x must be [d, n] over {ranks} ranks, got {}", inputs[0]))),
+            },
             Op::Mul | Op::Add => {
                 let (a, b) = (rows(inputs[0], "lhs")?, rows(inputs[1], "rhs")?);
                 if a != b {

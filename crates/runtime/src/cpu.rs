@@ -134,7 +134,7 @@ impl CpuBackend {
             let in_cols = |j: usize| plan.nodes[n.inputs[j]].ty.last().unwrap_or(0);
             let cols = n.ty.last().unwrap_or(0);
             let step = match &n.op {
-                Op::Tokens | Op::Positions | Op::Weight { .. } | Op::AllReduce => Step::None,
+                Op::Tokens | Op::Positions | Op::Weight { .. } | Op::AllReduce | Op::AllGather { .. } => Step::None,
                 Op::Embedding => {
                     Step::Embedding(cached!(kc.embedding, (cols, wdtype(1)), EmbeddingKernel::compile(cols, wdtype(1))))
                 }
@@ -224,20 +224,33 @@ impl Backend for CpuBackend {
     }
 
     fn forward(&mut self, batch: &[StepSeq]) -> Result<Vec<f32>, RuntimeError> {
-        self.forward_rank(batch, &|_| {})
+        self.forward_rank(batch, &Alone)
     }
 }
 
+/// How one rank's step meets the other ranks' (see [`crate::tp`]).
+pub(crate) trait Collective: Sync {
+    /// Replaces `v`, this rank's part, with the sum over the ranks.
+    fn all_reduce(&self, v: &mut Vec<f32>);
+    /// Replaces `v`, this rank's `[rows, cols]` block, with the `[rows, cols * ranks]` rows of
+    /// every rank's block in rank order.
+    fn all_gather(&self, v: &mut Vec<f32>, cols: usize);
+}
+
+/// One rank alone: both collectives are the identity.
+struct Alone;
+
+impl Collective for Alone {
+    fn all_reduce(&self, _: &mut Vec<f32>) {}
+    fn all_gather(&self, _: &mut Vec<f32>, _: usize) {}
+}
+
 impl CpuBackend {
-    /// One step of this rank; `all_reduce` sums a tensor across the ranks (nothing at tp=1).
-    pub(crate) fn forward_rank(
-        &mut self,
-        batch: &[StepSeq],
-        all_reduce: &(dyn Fn(&mut Vec<f32>) + Sync),
-    ) -> Result<Vec<f32>, RuntimeError> {
+    /// One step of this rank; `comm` joins it with the other ranks (nothing at tp=1).
+    pub(crate) fn forward_rank(&mut self, batch: &[StepSeq], comm: &dyn Collective) -> Result<Vec<f32>, RuntimeError> {
         check_batch(&self.plan, batch, self.kv.slots)?;
         let mut kv = std::mem::replace(&mut self.kv, HostKv::new(&self.plan));
-        let result = self.run(&mut kv, batch, all_reduce);
+        let result = self.run(&mut kv, batch, comm);
         self.kv = kv;
         result
     }
@@ -246,12 +259,7 @@ impl CpuBackend {
 impl CpuBackend {
     /// Runs one step: the sequences' tokens concatenated, each sequence at its own positions
     /// and slots of the pool.
-    fn run(
-        &self,
-        kv: &mut HostKv,
-        batch: &[StepSeq],
-        all_reduce: &(dyn Fn(&mut Vec<f32>) + Sync),
-    ) -> Result<Vec<f32>, RuntimeError> {
+    fn run(&self, kv: &mut HostKv, batch: &[StepSeq], comm: &dyn Collective) -> Result<Vec<f32>, RuntimeError> {
         let ids: Vec<i32> = batch.iter().flat_map(|c| c.tokens.iter().map(|&t| t as i32)).collect();
         let t_len = ids.len();
         let positions: Vec<usize> = batch.iter().flat_map(|c| c.start()..c.slots.len()).collect();
@@ -329,7 +337,12 @@ impl CpuBackend {
                 }
                 (Step::None, Op::AllReduce) => {
                     let mut v = input(0).to_vec();
-                    all_reduce(&mut v);
+                    comm.all_reduce(&mut v);
+                    v
+                }
+                (Step::None, Op::AllGather { .. }) => {
+                    let mut v = input(0).to_vec();
+                    comm.all_gather(&mut v, self.plan.nodes[n.inputs[0]].ty.last().unwrap_or(1));
                     v
                 }
                 (Step::None, _) => Vec::new(),

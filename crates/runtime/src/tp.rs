@@ -1,42 +1,61 @@
 //! Tensor parallelism on the CPU: one [`CpuBackend`] per rank of a `--tp N` bundle, each with
 //! its rank's weight shard, KV pool and share of the cores, run on its own thread every step;
-//! an in-process all-reduce joins them after each row-parallel linear. The lm_head is
-//! replicated, so every rank computes the full logits and rank 0's are returned.
+//! an in-process all-reduce joins them after each row-parallel linear, and an all-gather joins
+//! a vocab-parallel lm_head's logits (a replicated one computes them whole on every rank);
+//! rank 0's logits are returned.
 
 use crate::backend::{Backend, StepSeq};
-use crate::cpu::CpuBackend;
+use crate::cpu::{Collective, CpuBackend};
 use crate::RuntimeError;
 use bundle::Bundle;
 use std::sync::{Barrier, Mutex};
 
-/// Sums a tensor across the ranks of one step: each rank deposits its part, waits for the
-/// others, and adds the parts in rank order (so every rank holds bit-identical sums).
-pub(crate) struct AllReduce {
+/// The collectives of one step between the ranks' threads: each rank deposits its part, waits
+/// for the others, and combines the parts in rank order (so every rank holds bit-identical
+/// results).
+pub(crate) struct Exchange {
     parts: Mutex<Vec<Vec<f32>>>,
     barrier: Barrier,
 }
 
-impl AllReduce {
-    fn new(ranks: usize) -> AllReduce {
-        AllReduce { parts: Mutex::new(vec![Vec::new(); ranks]), barrier: Barrier::new(ranks) }
+impl Exchange {
+    fn new(ranks: usize) -> Exchange {
+        Exchange { parts: Mutex::new(vec![Vec::new(); ranks]), barrier: Barrier::new(ranks) }
     }
 
-    /// Replaces `v` (rank `rank`'s part) with the sum over all ranks.
-    pub fn reduce(&self, rank: usize, v: &mut Vec<f32>) {
+    /// Replaces `v` (rank `rank`'s part) with `combine` of every rank's part.
+    fn exchange(&self, rank: usize, v: &mut Vec<f32>, combine: impl Fn(&[Vec<f32>]) -> Vec<f32>) {
         self.parts.lock().unwrap_or_else(|e| e.into_inner())[rank] = std::mem::take(v);
         self.barrier.wait();
-        {
-            let parts = self.parts.lock().unwrap_or_else(|e| e.into_inner());
+        *v = combine(&self.parts.lock().unwrap_or_else(|e| e.into_inner()));
+        // Nobody deposits the next tensor before everyone has read this one.
+        self.barrier.wait();
+    }
+}
+
+/// Rank `.1`'s side of an [`Exchange`].
+struct RankComm<'a>(&'a Exchange, usize);
+
+impl Collective for RankComm<'_> {
+    fn all_reduce(&self, v: &mut Vec<f32>) {
+        self.0.exchange(self.1, v, |parts| {
             let mut sum = parts[0].clone();
             for p in &parts[1..] {
                 for (s, x) in sum.iter_mut().zip(p) {
                     *s += x;
                 }
             }
-            *v = sum;
-        }
-        // Nobody deposits the next tensor before everyone has read this one.
-        self.barrier.wait();
+            sum
+        });
+    }
+
+    fn all_gather(&self, v: &mut Vec<f32>, cols: usize) {
+        self.0.exchange(self.1, v, |parts| {
+            let rows = parts[0].len() / cols.max(1);
+            (0..rows)
+                .flat_map(|r| parts.iter().flat_map(move |p| p[r * cols..(r + 1) * cols].iter().copied()))
+                .collect()
+        });
     }
 }
 
@@ -73,15 +92,15 @@ impl Backend for TpCpuBackend {
     }
 
     fn forward(&mut self, batch: &[StepSeq]) -> Result<Vec<f32>, RuntimeError> {
-        let ar = AllReduce::new(self.ranks.len());
+        let ex = Exchange::new(self.ranks.len());
         let results: Vec<Result<Vec<f32>, RuntimeError>> = std::thread::scope(|s| {
             let handles: Vec<_> = self
                 .ranks
                 .iter_mut()
                 .enumerate()
                 .map(|(i, r)| {
-                    let ar = &ar;
-                    s.spawn(move || r.forward_rank(batch, &|v: &mut Vec<f32>| ar.reduce(i, v)))
+                    let comm = RankComm(&ex, i);
+                    s.spawn(move || r.forward_rank(batch, &comm))
                 })
                 .collect();
             handles.into_iter().map(|h| h.join().expect("rank thread")).collect()

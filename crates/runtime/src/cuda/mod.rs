@@ -41,8 +41,10 @@ pub struct CudaBackend {
     stream: Arc<CudaStream>,
     /// This rank's NCCL communicator (tensor-parallel bundles).
     comm: Option<Nccl>,
-    /// Peer-memory buffers of the one-shot all-reduce, when the ranks' GPUs reach each other.
+    /// Peer-memory buffers of the one-shot all-reduce and all-gather, when the ranks' GPUs
+    /// reach each other.
     one_shot: Option<tp::OneShot>,
+    gather: Option<tp::OneShot>,
     funcs: HashMap<KernelKey, CudaFunction>,
     weights: Vec<Option<CudaSlice<u8>>>,
     constants: Vec<CudaSlice<f32>>,
@@ -209,6 +211,7 @@ impl CudaBackend {
             stream,
             comm,
             one_shot: None,
+            gather: None,
             funcs,
             weights,
             constants,
@@ -321,18 +324,8 @@ impl CudaBackend {
         let program = self.program.clone();
         for step in &program.steps {
             match step {
-                Step::AllReduce { buf, cols } if self.one_shot.as_ref().is_some_and(|o| t * cols <= o.cap) => {
-                    self.launch_one_shot(*buf, t * cols)?;
-                }
-                Step::AllReduce { buf, cols } => {
-                    let comm = self.comm.as_ref().ok_or_else(|| {
-                        RuntimeError::Unsupported("an all-reduce step without an NCCL communicator".into())
-                    })?;
-                    let mut part = self.bufs[*buf].slice_mut(0..t * cols);
-                    comm.0
-                        .all_reduce_in_place(&mut part, &cudarc::nccl::ReduceOp::Sum)
-                        .map_err(driver("all-reduce (NCCL)"))?;
-                }
+                Step::AllReduce { buf, cols } => self.all_reduce(*buf, t * cols)?,
+                Step::AllGather { src, dst, cols } => self.all_gather(*src, *dst, r, *cols)?,
                 Step::Kernels { by, variants } => {
                     let c = if *by == Count::Tokens { t } else { r };
                     let (_, launches) = variants.iter().find(|(max, _)| c <= *max).expect("an unbounded variant");
@@ -567,22 +560,6 @@ impl CudaBackend {
         let _ = self.stream.synchronize();
         self.graphs.clear();
         self.comm.take();
-    }
-
-    /// One eager all-reduce of one row and of many (NCCL sets up its connections per protocol
-    /// on first use, which must not happen inside a graph capture).
-    pub(crate) fn warm_up(&mut self) -> Result<(), RuntimeError> {
-        let program = self.program.clone();
-        let Some(&Step::AllReduce { buf, cols }) = program.steps.iter().find(|s| matches!(s, Step::AllReduce { .. }))
-        else {
-            return Ok(());
-        };
-        let comm = self.comm.as_ref().ok_or_else(|| RuntimeError::Unsupported("no NCCL communicator".into()))?;
-        for rows in [1, self.cap.0] {
-            let mut part = self.bufs[buf].slice_mut(0..rows * cols);
-            comm.0.all_reduce_in_place(&mut part, &cudarc::nccl::ReduceOp::Sum).map_err(driver("all-reduce (NCCL)"))?;
-        }
-        self.stream.synchronize().map_err(driver("all-reduce (NCCL)"))
     }
 
     /// Runs a packed step: grows the buffers, uploads the inputs, replays (capturing on first

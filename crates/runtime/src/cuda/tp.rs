@@ -4,7 +4,8 @@
 //! own that owns its backend. Every step rank 0 packs the inputs once, hands them to the other
 //! ranks, and all ranks enqueue the same schedule; the all-reduces after the row-parallel
 //! linears (NCCL kernels, captured into the decode graphs like the rest) keep them in step.
-//! The lm_head is replicated, so rank 0 alone reads the logits and samples.
+//! A vocab-parallel lm_head leaves each rank a block of the logits columns, which an all-gather
+//! joins on rank 0; rank 0 alone reads the logits and samples.
 //!
 //! All-reduces of up to [`ONE_SHOT_ROWS`] rows (every decode step) run as one kernel that reads
 //! the peers' partial sums straight from their memory over NVLink ([`OneShot`]): NCCL's ring
@@ -291,61 +292,169 @@ fn enable_peer(a: &cudarc::driver::CudaContext, b: &cudarc::driver::CudaContext)
 
 impl OneShot {
     /// Gives every rank its one-shot buffers when all GPUs reach each other (else the
-    /// all-reduces stay on NCCL, said on stderr).
+    /// collectives stay on NCCL, said on stderr): one set for the all-reduces, one for the
+    /// gather of a vocab-parallel lm_head's logits.
     fn set_up(ranks: &mut [CudaBackend]) -> Result<(), RuntimeError> {
         if std::env::var("ENGINE_ALLREDUCE").is_ok_and(|v| v == "nccl") {
             return Ok(());
         }
         let program = ranks[0].program.clone();
-        let cols = program
+        let reduce = program
             .steps
             .iter()
             .filter_map(|s| if let Step::AllReduce { cols, .. } = s { Some(*cols) } else { None })
             .max();
-        let Some(cols) = cols else { return Ok(()) };
+        let gather =
+            program.steps.iter().find_map(|s| if let Step::AllGather { cols, .. } = s { Some(*cols) } else { None });
+        if reduce.is_none() && gather.is_none() {
+            return Ok(());
+        }
         for a in 0..ranks.len() {
             for b in 0..ranks.len() {
                 if a != b && !enable_peer(ranks[a].stream.context(), ranks[b].stream.context())? {
-                    eprintln!("GPUs {a} and {b} cannot access each other's memory: all-reduces over NCCL only");
+                    eprintln!("GPUs {a} and {b} cannot access each other's memory: collectives over NCCL only");
                     return Ok(());
                 }
             }
         }
-        let cap = (ONE_SHOT_ROWS * cols).div_ceil(4) * 4;
+        if let Some(cols) = reduce {
+            let sets = OneShot::alloc(ranks, ONE_SHOT_ROWS * cols)?;
+            for (r, o) in ranks.iter_mut().zip(sets) {
+                r.one_shot = Some(o);
+            }
+            eprintln!("all-reduces of up to {ONE_SHOT_ROWS} rows: one-shot over peer memory; larger: NCCL");
+        }
+        if let Some(cols) = gather {
+            let sets = OneShot::alloc(ranks, ONE_SHOT_GATHER_ROWS * cols)?;
+            for (r, o) in ranks.iter_mut().zip(sets) {
+                r.gather = Some(o);
+            }
+            eprintln!("logits gathers of up to {ONE_SHOT_GATHER_ROWS} rows: one-shot over peer memory; larger: NCCL");
+        }
+        Ok(())
+    }
+
+    /// One set of buffers per rank, staging halves of `cap` floats.
+    fn alloc(ranks: &[CudaBackend], cap: usize) -> Result<Vec<OneShot>, RuntimeError> {
+        let cap = cap.div_ceil(4) * 4;
         let n = ranks.len();
         let mut parts = Vec::with_capacity(n);
-        for r in ranks.iter() {
+        for r in ranks {
             r.stream.context().bind_to_thread().map_err(driver("binding the context"))?;
-            let alloc = |e| RuntimeError::Invalid(format!("out of GPU memory for the all-reduce buffers: {e:?}"));
+            let alloc = |e| RuntimeError::Invalid(format!("out of GPU memory for the collectives' buffers: {e:?}"));
             let staging = r.stream.alloc_zeros::<f32>(2 * cap).map_err(alloc)?;
             let flags = r.stream.alloc_zeros::<u32>(ALL_REDUCE_MAX_BLOCKS * n).map_err(alloc)?;
             let counters = r.stream.alloc_zeros::<u32>(ALL_REDUCE_MAX_BLOCKS).map_err(alloc)?;
             parts.push((staging, flags, counters));
         }
-        let mut table: Vec<u64> = parts.iter().zip(ranks.iter()).map(|(p, r)| r.ptr(&p.0)).collect();
-        table.extend(parts.iter().zip(ranks.iter()).map(|(p, r)| r.ptr(&p.1)));
-        for (rank, (r, (staging, flags, counters))) in ranks.iter_mut().zip(parts).enumerate() {
+        let mut table: Vec<u64> = parts.iter().zip(ranks).map(|(p, r)| r.ptr(&p.0)).collect();
+        table.extend(parts.iter().zip(ranks).map(|(p, r)| r.ptr(&p.1)));
+        let mut out = Vec::with_capacity(n);
+        for (rank, (r, (staging, flags, counters))) in ranks.iter().zip(parts).enumerate() {
             r.stream.context().bind_to_thread().map_err(driver("binding the context"))?;
-            let table = r.stream.clone_htod(&table).map_err(driver("uploading the all-reduce table"))?;
-            r.stream.synchronize().map_err(driver("all-reduce buffers"))?;
-            r.one_shot = Some(OneShot { cap, _staging: staging, _flags: flags, counters, table, ranks: n, rank });
+            let table = r.stream.clone_htod(&table).map_err(driver("uploading the collectives' table"))?;
+            r.stream.synchronize().map_err(driver("collectives' buffers"))?;
+            out.push(OneShot { cap, _staging: staging, _flags: flags, counters, table, ranks: n, rank });
         }
-        eprintln!("all-reduces of up to {ONE_SHOT_ROWS} rows: one-shot over peer memory; larger: NCCL");
-        Ok(())
+        Ok(out)
     }
 }
 
+/// Logit rows up to which a vocab-parallel lm_head's gather runs as the one-shot kernel.
+pub const ONE_SHOT_GATHER_ROWS: usize = 64;
+
 impl CudaBackend {
-    /// Sums the first `n` floats of buffer `buf` over the ranks with the one-shot kernel.
-    pub(super) fn launch_one_shot(&self, buf: usize, n: usize) -> Result<(), RuntimeError> {
-        let o = self.one_shot.as_ref().ok_or_else(|| RuntimeError::Unsupported("no one-shot buffers".into()))?;
-        let x = self.ptr(&self.bufs[buf]);
-        let (table, counters) = (self.ptr(&o.table), self.ptr(&o.counters));
-        let (n, rank, cap) = (n as i64, o.rank as i32, o.cap as i64);
-        let blocks = (n as usize).div_ceil(4 * 512).clamp(1, ALL_REDUCE_MAX_BLOCKS);
-        let mut b = self.stream.launch_builder(&self.funcs[&KernelKey::AllReduce { ranks: o.ranks }]);
-        b.arg(&x).arg(&n).arg(&table).arg(&rank).arg(&cap).arg(&counters);
-        let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (512, 1, 1), shared_mem_bytes: 0 };
-        unsafe { b.launch(cfg) }.map_err(driver("launching the one-shot all-reduce")).map(drop)
+    /// Sums the first `n` floats of buffer `buf` over the ranks: the one-shot kernel where the
+    /// message fits its buffers, else NCCL.
+    pub(super) fn all_reduce(&mut self, buf: usize, n: usize) -> Result<(), RuntimeError> {
+        if let Some(o) = self.one_shot.as_ref().filter(|o| n <= o.cap) {
+            let x = self.ptr(&self.bufs[buf]);
+            let (table, counters) = (self.ptr(&o.table), self.ptr(&o.counters));
+            let (n, rank, cap) = (n as i64, o.rank as i32, o.cap as i64);
+            let blocks = (n as usize).div_ceil(4 * 512).clamp(1, ALL_REDUCE_MAX_BLOCKS);
+            let mut b = self.stream.launch_builder(&self.funcs[&KernelKey::AllReduce { ranks: o.ranks }]);
+            b.arg(&x).arg(&n).arg(&table).arg(&rank).arg(&cap).arg(&counters);
+            return one_shot_launch(b, blocks, "all-reduce");
+        }
+        let comm = nccl(&self.comm)?;
+        let mut part = self.bufs[buf].slice_mut(0..n);
+        comm.all_reduce_in_place(&mut part, &cudarc::nccl::ReduceOp::Sum).map_err(driver("all-reduce (NCCL)")).map(drop)
     }
+
+    /// Joins the ranks' `[rows, cols]` blocks in `src` into `[rows, cols * ranks]` rows in `dst`:
+    /// the one-shot kernel (rank 0's `dst` only) where they fit its buffers, else one NCCL
+    /// all-gather per row, in groups of up to [`ONE_SHOT_GATHER_ROWS`] (every rank's `dst`).
+    pub(super) fn all_gather(&mut self, src: usize, dst: usize, rows: usize, cols: usize) -> Result<(), RuntimeError> {
+        if let Some(o) = self.gather.as_ref().filter(|o| rows * cols <= o.cap) {
+            let (x, out) = (self.ptr(&self.bufs[src]), self.ptr(&self.bufs[dst]));
+            let (table, counters) = (self.ptr(&o.table), self.ptr(&o.counters));
+            let (rows, cols, rank, cap) = (rows as i64, cols as i64, o.rank as i32, o.cap as i64);
+            let mut b = self.stream.launch_builder(&self.funcs[&KernelKey::AllGather { ranks: o.ranks }]);
+            b.arg(&x).arg(&out).arg(&rows).arg(&cols).arg(&table).arg(&rank).arg(&cap).arg(&counters);
+            return one_shot_launch(b, ALL_REDUCE_MAX_BLOCKS, "all-gather");
+        }
+        let comm = nccl(&self.comm)?;
+        let whole = cols * comm.world_size();
+        let (s, d) = two(&mut self.bufs, src, dst);
+        let err = driver("all-gather (NCCL)");
+        for first in (0..rows).step_by(ONE_SHOT_GATHER_ROWS) {
+            cudarc::nccl::result::group_start().map_err(&err)?;
+            let gathered = (first..rows.min(first + ONE_SHOT_GATHER_ROWS)).try_for_each(|r| {
+                let mut out = d.slice_mut(r * whole..(r + 1) * whole);
+                comm.all_gather(&s.slice(r * cols..(r + 1) * cols), &mut out).map(drop)
+            });
+            let ended = cudarc::nccl::result::group_end();
+            gathered.map_err(&err)?;
+            ended.map_err(&err)?;
+        }
+        Ok(())
+    }
+
+    /// One eager NCCL all-reduce of one row and of many, and one gather (NCCL sets up its
+    /// connections per protocol on first use, which must not happen inside a graph capture).
+    pub(crate) fn warm_up(&mut self) -> Result<(), RuntimeError> {
+        let program = self.program.clone();
+        let (one_shot, gather) = (self.one_shot.take(), self.gather.take());
+        let mut warm = || -> Result<(), RuntimeError> {
+            for step in &program.steps {
+                match *step {
+                    Step::AllReduce { buf, cols } => {
+                        for rows in [1, self.cap.0] {
+                            self.all_reduce(buf, rows * cols)?;
+                        }
+                    }
+                    Step::AllGather { src, dst, cols } => self.all_gather(src, dst, 1, cols)?,
+                    Step::Kernels { .. } => {}
+                }
+            }
+            Ok(())
+        };
+        let result = warm();
+        (self.one_shot, self.gather) = (one_shot, gather);
+        result?;
+        self.stream.synchronize().map_err(driver("warming up NCCL"))
+    }
+}
+
+fn nccl(comm: &Option<super::Nccl>) -> Result<&cudarc::nccl::Comm, RuntimeError> {
+    comm.as_ref()
+        .map(|c| &c.0)
+        .ok_or_else(|| RuntimeError::Unsupported("a collective without an NCCL communicator".into()))
+}
+
+/// `v[a]` to read and `v[b]` to write (`a != b`).
+fn two<T>(v: &mut [T], a: usize, b: usize) -> (&T, &mut T) {
+    assert_ne!(a, b, "a gather's source and destination share a buffer");
+    if a < b {
+        let (l, r) = v.split_at_mut(b);
+        (&l[a], &mut r[0])
+    } else {
+        let (l, r) = v.split_at_mut(a);
+        (&r[0], &mut l[b])
+    }
+}
+
+fn one_shot_launch(mut b: cudarc::driver::LaunchArgs, blocks: usize, what: &str) -> Result<(), RuntimeError> {
+    let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (512, 1, 1), shared_mem_bytes: 0 };
+    unsafe { b.launch(cfg) }.map_err(driver(&format!("launching the one-shot {what}"))).map(drop)
 }
