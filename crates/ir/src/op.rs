@@ -264,3 +264,18 @@ impl fmt::Display for Op {
         f.write_str(self.name())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn all_gather_joins_the_last_dimension() {
+        let x = TensorType::new(vec![Dim::R, Dim::N(100)], DType::F32);
+        let out = Op::AllGather { ranks: 4 }.infer(&[&x], DType::F32).unwrap();
+        assert_eq!(out, TensorType::new(vec![Dim::R, Dim::N(400)], DType::F32));
+        let v = TensorType::fixed(&[100], DType::F32);
+        let e = Op::AllGather { ranks: 2 }.infer(&[&v], DType::F32).unwrap_err().to_string();
+        assert!(e.contains("must be [d, n] over 2 ranks"), "{e}");
+    }
+}
