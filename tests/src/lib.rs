@@ -40,7 +40,9 @@ pub fn compile_fixture_with(
     dtype: Option<ir::DType>,
     lm_head: compiler::LmHead,
 ) -> PathBuf {
-    let out = dir.join(format!("{name}-tp{tp}-{lm_head:?}.bundle"));
+    // The bundle's directory name is the served model name: plain for the default layout.
+    let layout = if lm_head == compiler::LmHead::default() { String::new() } else { format!("-{lm_head:?}") };
+    let out = dir.join(format!("{name}-tp{tp}{layout}.bundle"));
     let tokenizer = (name == "tiny-llama").then(|| fixture("smollm2-135m"));
     let opts = compiler::CompileOptions {
         model: model_yaml(name),
