@@ -415,17 +415,17 @@ impl CudaBackend {
     pub(crate) fn warm_up(&mut self) -> Result<(), RuntimeError> {
         let program = self.program.clone();
         let (one_shot, gather) = (self.one_shot.take(), self.gather.take());
+        // One of each kind is enough: the connections are the communicator's, not the step's.
+        let reduce = program.steps.iter().find(|s| matches!(s, Step::AllReduce { .. }));
+        let gather_step = program.steps.iter().find(|s| matches!(s, Step::AllGather { .. }));
         let mut warm = || -> Result<(), RuntimeError> {
-            for step in &program.steps {
-                match *step {
-                    Step::AllReduce { buf, cols } => {
-                        for rows in [1, self.cap.0] {
-                            self.all_reduce(buf, rows * cols)?;
-                        }
-                    }
-                    Step::AllGather { src, dst, cols } => self.all_gather(src, dst, 1, cols)?,
-                    Step::Kernels { .. } => {}
+            if let Some(&Step::AllReduce { buf, cols }) = reduce {
+                for rows in [1, self.cap.0] {
+                    self.all_reduce(buf, rows * cols)?;
                 }
+            }
+            if let Some(&Step::AllGather { src, dst, cols }) = gather_step {
+                self.all_gather(src, dst, 1, cols)?;
             }
             Ok(())
         };
