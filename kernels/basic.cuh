@@ -1,6 +1,6 @@
 // Straightforward kernels for ops the fused kernels (fast.cuh) do not cover, specialised by
 // template arguments to the model's shapes. Activations are f32 (linear inputs: any type X);
-// weights are f32 or bf16 (W).
+// weights are f32 or h16 (W).
 
 // out[t, :] = table[ids[t], :]. grid: T, block: 256.
 template <int H, typename W>

@@ -1,17 +1,28 @@
-// Fused and tensor-core kernels: what the CUDA backend runs. Inputs of every linear are bf16
-// activations (as a bf16 model computes them); the residual stream, norms, softmax and all
-// accumulation are f32. The KV cache is bf16. basic.cuh keeps the unfused reference kernels
+// Fused and tensor-core kernels: what the CUDA backend runs. Inputs of every linear are 16-bit
+// activations (h16_t: bf16 or f16, as a 16-bit model computes them); the residual stream, norms,
+// softmax and all accumulation are f32. The KV cache is h16_t too. basic.cuh keeps the unfused reference kernels
 // for shapes these do not cover.
 
 __device__ __forceinline__ void store(float* p, float v) { *p = v; }
-__device__ __forceinline__ void store(bf16_t* p, float v) { *p = f32_to_bf16(v); }
+__device__ __forceinline__ void store(h16_t* p, float v) { *p = f32_to_h16(v); }
 
-// 8 bf16 (16 bytes) to f32.
+// Two 16-bit floats (one 32-bit word) to f32.
+__device__ __forceinline__ void unpack2(unsigned u, float* f) {
+#if H16_F16
+  asm("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, %2; cvt.f32.f16 %0, lo; cvt.f32.f16 %1, hi; }"
+      : "=f"(f[0]), "=f"(f[1]) : "r"(u));
+#else
+  f[0] = __uint_as_float(u << 16);
+  f[1] = __uint_as_float(u & 0xffff0000u);
+#endif
+}
+
+// 8 16-bit floats (16 bytes) to f32.
 __device__ __forceinline__ void unpack8(uint4 u, float* f) {
-  f[0] = __uint_as_float(u.x << 16); f[1] = __uint_as_float(u.x & 0xffff0000u);
-  f[2] = __uint_as_float(u.y << 16); f[3] = __uint_as_float(u.y & 0xffff0000u);
-  f[4] = __uint_as_float(u.z << 16); f[5] = __uint_as_float(u.z & 0xffff0000u);
-  f[6] = __uint_as_float(u.w << 16); f[7] = __uint_as_float(u.w & 0xffff0000u);
+  unpack2(u.x, f);
+  unpack2(u.y, f + 2);
+  unpack2(u.z, f + 4);
+  unpack2(u.w, f + 6);
 }
 
 // A 16-byte load that bypasses L1 (weights are streamed once per step).
@@ -60,13 +71,13 @@ __device__ void add_rms_norm(const float* a, const float* b, float* s, const W* 
 }
 
 // ---- decode linear: memory-bound GEMV over up to ROWS (<= 8) rows ----
-// Up to three linears sharing the input x (bf16 [T, K]): group g has N_g outputs, weight
-// w_g [N_g, K] bf16, optional bias b_g, output o_g f32 [T, N_g]. SPLIT warps share an output
+// Up to three linears sharing the input x (h16 [T, K]): group g has N_g outputs, weight
+// w_g [N_g, K] h16, optional bias b_g, output o_g f32 [T, N_g]. SPLIT warps share an output
 // feature, each over K / SPLIT (so a warp needs few memory round trips), and reduce through
 // shared memory; each lane streams 16-byte weight chunks, four in flight.
 // grid: ceil((N0 + N1 + N2) / (8 / SPLIT)), block: 256.
 template <int K, int ROWS, int SPLIT>
-__device__ __forceinline__ void gemv_rows(const bf16_t* x, const bf16_t* w, int T, float* acc) {
+__device__ __forceinline__ void gemv_rows(const h16_t* x, const h16_t* w, int T, float* acc) {
   constexpr int C = K / 8, PART = (C + SPLIT - 1) / SPLIT;
   const int lane = threadIdx.x & 31, part = (threadIdx.x >> 5) % SPLIT;
   const uint4* wr = (const uint4*)w;
@@ -111,8 +122,8 @@ __device__ __forceinline__ void gemv_rows(const bf16_t* x, const bf16_t* w, int 
 
 // One linear of a launch that computes up to three sharing an input.
 struct LinearOut {
-  const bf16_t* w;
-  const bf16_t* b;
+  const h16_t* w;
+  const h16_t* b;
   float* o;
   int n;
 };
@@ -126,14 +137,14 @@ __device__ __forceinline__ LinearOut pick_group(int& i, int c0, int c1, LinearOu
 }
 
 template <int K, int N0, int N1, int N2, int ROWS, int SPLIT>
-__device__ void gemv(const bf16_t* x, const bf16_t* w0, const bf16_t* b0, float* o0, const bf16_t* w1,
-                     const bf16_t* b1, float* o1, const bf16_t* w2, const bf16_t* b2, float* o2, int T) {
+__device__ void gemv(const h16_t* x, const h16_t* w0, const h16_t* b0, float* o0, const h16_t* w1,
+                     const h16_t* b1, float* o1, const h16_t* w2, const h16_t* b2, float* o2, int T) {
   int n = blockIdx.x * (8 / SPLIT) + (threadIdx.x >> 5) / SPLIT;
   const bool live = n < N0 + N1 + N2;
   n = min(n, N0 + N1 + N2 - 1);
   const LinearOut g = pick_group(n, N0, N1, LinearOut{w0, b0, o0, N0}, LinearOut{w1, b1, o1, N1}, LinearOut{w2, b2, o2, N2});
-  const bf16_t* w = g.w;
-  const bf16_t* b = g.b;
+  const h16_t* w = g.w;
+  const h16_t* b = g.b;
   float* o = g.o;
   const int N = g.n;
   float acc[ROWS];
@@ -148,10 +159,10 @@ __device__ void gemv(const bf16_t* x, const bf16_t* w0, const bf16_t* b0, float*
 
 __device__ __forceinline__ float silu_f(float g) { return g / (1.0f + __expf(-g)); }
 
-// Gate and up projections with silu(gate)·up fused: out bf16 [T, N].
+// Gate and up projections with silu(gate)·up fused: out h16 [T, N].
 // grid: ceil(N / (8 / SPLIT)), block: 256.
 template <int K, int N, int ROWS, int SPLIT>
-__device__ void gemv_glu(const bf16_t* x, const bf16_t* wg, const bf16_t* wu, bf16_t* out, int T) {
+__device__ void gemv_glu(const h16_t* x, const h16_t* wg, const h16_t* wu, h16_t* out, int T) {
   int n = blockIdx.x * (8 / SPLIT) + (threadIdx.x >> 5) / SPLIT;
   const bool live = n < N;
   n = min(n, N - 1);
@@ -162,31 +173,31 @@ __device__ void gemv_glu(const bf16_t* x, const bf16_t* wg, const bf16_t* wu, bf
   if (live && (threadIdx.x & 31) == 0 && ((threadIdx.x >> 5) % SPLIT) == 0) {
 #pragma unroll
     for (int r = 0; r < ROWS; r++)
-      if (r < T) out[(long)r * N + n] = f32_to_bf16(silu_f(g[r]) * u[r]);
+      if (r < T) out[(long)r * N + n] = f32_to_h16(silu_f(g[r]) * u[r]);
   }
 }
 
-// silu(a)·b as bf16 (after the GEMM path's gate and up), four per thread (16-byte loads).
+// silu(a)·b as h16 (after the GEMM path's gate and up), four per thread (16-byte loads).
 // grid: ceil(n / 1024), block: 256.
-__device__ void silu_mul(const float* a, const float* b, bf16_t* out, long n) {
+__device__ void silu_mul(const float* a, const float* b, h16_t* out, long n) {
   const long i = 4 * ((long)blockIdx.x * blockDim.x + threadIdx.x);
   if (i + 3 < n) {
     const float4 x = *(const float4*)(a + i), y = *(const float4*)(b + i);
-    const unsigned lo = f32_to_bf16(silu_f(x.x) * y.x) | ((unsigned)f32_to_bf16(silu_f(x.y) * y.y) << 16);
-    const unsigned hi = f32_to_bf16(silu_f(x.z) * y.z) | ((unsigned)f32_to_bf16(silu_f(x.w) * y.w) << 16);
+    const unsigned lo = f32_to_h16(silu_f(x.x) * y.x) | ((unsigned)f32_to_h16(silu_f(x.y) * y.y) << 16);
+    const unsigned hi = f32_to_h16(silu_f(x.z) * y.z) | ((unsigned)f32_to_h16(silu_f(x.w) * y.w) << 16);
     *(uint2*)(out + i) = make_uint2(lo, hi);
   } else {
-    for (long j = i; j < n; ++j) out[j] = f32_to_bf16(silu_f(a[j]) * b[j]);
+    for (long j = i; j < n; ++j) out[j] = f32_to_h16(silu_f(a[j]) * b[j]);
   }
 }
 
-// f32 to bf16. grid: ceil(n / 256), block: 256.
-__device__ void to_bf16(const float* a, bf16_t* out, long n) {
+// f32 to h16. grid: ceil(n / 256), block: 256.
+__device__ void to_h16(const float* a, h16_t* out, long n) {
   const long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
-  if (i < n) out[i] = f32_to_bf16(a[i]);
+  if (i < n) out[i] = f32_to_h16(a[i]);
 }
 
-// ---- extend linear: tensor-core GEMM (mma.sync m16n8k16 bf16, f32 accumulate) ----
+// ---- extend linear: tensor-core GEMM (mma.sync m16n8k16 h16, f32 accumulate) ----
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
   unsigned r;
   asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
@@ -202,30 +213,30 @@ __device__ __forceinline__ void ldmatrix_x4(unsigned* r, unsigned addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
-__device__ __forceinline__ void mma_bf16(float* d, const unsigned* a, const unsigned* b) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+__device__ __forceinline__ void mma_h16(float* d, const unsigned* a, const unsigned* b) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." H16_PTX "." H16_PTX ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
                "{%0,%1,%2,%3};"
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// Tiles of 32 bf16 (64 bytes) per row: 16-byte chunk c of row r lives at chunk c ^ ((r >> 1) & 3),
+// Tiles of 32 h16 (64 bytes) per row: 16-byte chunk c of row r lives at chunk c ^ ((r >> 1) & 3),
 // so the eight rows an ldmatrix reads fall in distinct banks.
 __device__ __forceinline__ int swz(int r, int c) { return r * 32 + ((c ^ ((r >> 1) & 3)) << 3); }
 
 // Block tile 128 x 128 x 32, 8 warps as 2 (M) x 4 (N) of 64 x 32, three cp.async stages.
 // The groups' column tiles are concatenated along grid.x; grid: (tiles, ceil(T / 128)), block: 256.
 template <int K, int N0, int N1, int N2>
-__device__ void gemm(const bf16_t* x, const bf16_t* w0, const bf16_t* b0, float* o0, const bf16_t* w1,
-                     const bf16_t* b1, float* o1, const bf16_t* w2, const bf16_t* b2, float* o2, int T) {
+__device__ void gemm(const h16_t* x, const h16_t* w0, const h16_t* b0, float* o0, const h16_t* w1,
+                     const h16_t* b1, float* o1, const h16_t* w2, const h16_t* b2, float* o2, int T) {
   constexpr int BM = 128, BN = 128, BK = 32, S = 3, KT = K / BK;
   constexpr int T0 = (N0 + BN - 1) / BN, T1 = (N1 + BN - 1) / BN;
-  __shared__ __align__(128) bf16_t sa[S][BM * BK];
-  __shared__ __align__(128) bf16_t sb[S][BN * BK];
+  __shared__ __align__(128) h16_t sa[S][BM * BK];
+  __shared__ __align__(128) h16_t sb[S][BN * BK];
   int tile = blockIdx.x;
   const LinearOut g = pick_group(tile, T0, T1, LinearOut{w0, b0, o0, N0}, LinearOut{w1, b1, o1, N1}, LinearOut{w2, b2, o2, N2});
-  const bf16_t* w = g.w;
-  const bf16_t* bias = g.b;
+  const h16_t* w = g.w;
+  const h16_t* bias = g.b;
   float* out = g.o;
   const int N = g.n;
   const int n0 = tile * BN, m0 = blockIdx.y * BM;
@@ -282,7 +293,7 @@ __device__ void gemm(const bf16_t* x, const bf16_t* w0, const bf16_t* b0, float*
 #pragma unroll
       for (int mi = 0; mi < 4; mi++)
 #pragma unroll
-        for (int ni = 0; ni < 4; ni++) mma_bf16(acc[mi][ni], af[mi], bf[ni]);
+        for (int ni = 0; ni < 4; ni++) mma_h16(acc[mi][ni], af[mi], bf[ni]);
     }
   }
   cp_async_wait<0>();
@@ -308,23 +319,23 @@ __device__ void gemm(const bf16_t* x, const bf16_t* w0, const bf16_t* b0, float*
 // 32-wide chunk, so the sum is the plain dot product. Eight warps split K and reduce through
 // shared memory. Every N_g is a multiple of 16. grid: (N0 + N1 + N2) / 16, block: 256.
 template <int K, int N0, int N1, int N2, int NT>
-__device__ void gemm_skinny(const bf16_t* x, const bf16_t* w0, const bf16_t* b0, float* o0, const bf16_t* w1,
-                            const bf16_t* b1, float* o1, const bf16_t* w2, const bf16_t* b2, float* o2, int T) {
+__device__ void gemm_skinny(const h16_t* x, const h16_t* w0, const h16_t* b0, float* o0, const h16_t* w1,
+                            const h16_t* b1, float* o1, const h16_t* w2, const h16_t* b2, float* o2, int T) {
   constexpr int WARPS = 8, CH = K / 32;
   __shared__ float red[WARPS][16][NT * 8 + 1];
   int f0 = blockIdx.x * 16;
   const LinearOut grp = pick_group(f0, N0, N1, LinearOut{w0, b0, o0, N0}, LinearOut{w1, b1, o1, N1}, LinearOut{w2, b2, o2, N2});
-  const bf16_t* w = grp.w;
-  const bf16_t* bias = grp.b;
+  const h16_t* w = grp.w;
+  const h16_t* bias = grp.b;
   float* out = grp.o;
   const int N = grp.n;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
   float acc[NT][4];
 #pragma unroll
   for (int i = 0; i < NT; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
-  const bf16_t* wa = w + (long)(f0 + g) * K + c * 8;
-  const bf16_t* wb = wa + 8L * K;
-  const bf16_t* xr[NT];
+  const h16_t* wa = w + (long)(f0 + g) * K + c * 8;
+  const h16_t* wb = wa + 8L * K;
+  const h16_t* xr[NT];
   bool live[NT];
 #pragma unroll
   for (int i = 0; i < NT; i++) {
@@ -338,8 +349,8 @@ __device__ void gemm_skinny(const bf16_t* x, const bf16_t* w0, const bf16_t* b0,
       if (!live[i]) xb = make_uint4(0, 0, 0, 0);
       const unsigned fa[4] = {a0.x, a1.x, a0.y, a1.y}, fb[2] = {xb.x, xb.y};
       const unsigned ga[4] = {a0.z, a1.z, a0.w, a1.w}, gb[2] = {xb.z, xb.w};
-      mma_bf16(acc[i], fa, fb);
-      mma_bf16(acc[i], ga, gb);
+      mma_h16(acc[i], fa, fb);
+      mma_h16(acc[i], ga, gb);
     }
   };
   int ch = warp;
@@ -369,11 +380,11 @@ __device__ void gemm_skinny(const bf16_t* x, const bf16_t* w0, const bf16_t* b0,
 }
 
 // ---- attention ----
-// RoPE on q (RQ) and k (RK) at positions pos[t], q written to qo (f32), k and v written as bf16
+// RoPE on q (RQ) and k (RK) at positions pos[t], q written to qo (f32), k and v written as h16
 // into the paged cache at slot slot_of[t]. grid: T, block: 128.
 template <int H, int KVH, int D, bool RQ, bool RK>
 __device__ void rope_kv(const float* q, const float* k, const float* v, const int* pos, const float* inv_freq,
-                        float scale, const int* slot_of, float* qo, bf16_t* kc, bf16_t* vc) {
+                        float scale, const int* slot_of, float* qo, h16_t* kc, h16_t* vc) {
   const int t = blockIdx.x;
   const float p = (float)pos[t];
   const long dst = (long)slot_of[t] * (KVH * D);
@@ -397,11 +408,11 @@ __device__ void rope_kv(const float* q, const float* k, const float* v, const in
       qo[(long)t * cols + head * D + j] = xa;
       qo[(long)t * cols + head * D + j + D / 2] = xb;
     } else {
-      kc[dst + head * D + j] = f32_to_bf16(xa);
-      kc[dst + head * D + j + D / 2] = f32_to_bf16(xb);
+      kc[dst + head * D + j] = f32_to_h16(xa);
+      kc[dst + head * D + j + D / 2] = f32_to_h16(xb);
     }
   }
-  for (int i = threadIdx.x; i < KVH * D; i += blockDim.x) vc[dst + i] = f32_to_bf16(v[(long)t * KVH * D + i]);
+  for (int i = threadIdx.x; i < KVH * D; i += blockDim.x) vc[dst + i] = f32_to_h16(v[(long)t * KVH * D + i]);
 }
 
 // One key of the online softmax: score s (already summed over the G lanes of the key) and the
@@ -417,7 +428,7 @@ __device__ __forceinline__ void kv16_add(float s, const float* vf, float& m, flo
 // The keys at positions 0..n-1 of a sequence (slots sl[p]) for kv head kvh, split over the
 // warps and lane groups of the block (see attention_kv16): each lane's online-softmax state.
 template <int KVH, int D>
-__device__ __forceinline__ void kv16_scan(const float* qv, const bf16_t* kc, const bf16_t* vc, const int* sl, int n,
+__device__ __forceinline__ void kv16_scan(const float* qv, const h16_t* kc, const h16_t* vc, const int* sl, int n,
                                          int kvh, float& m, float& l, float* acc) {
   constexpr int G = D / 16, KPW = 32 / G, WARPS = 8, STATES = WARPS * KPW;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = lane % G, grp = lane / G;
@@ -481,13 +492,13 @@ __device__ __forceinline__ void kv16_merge(float m, float l, const float* acc, O
   }
 }
 
-// Causal GQA attention of query row t, head h over the bf16 paged cache (positions 0..pos[t],
+// Causal GQA attention of query row t, head h over the h16 paged cache (positions 0..pos[t],
 // slots slots[seq_off[t] + p]). D / 16 lanes share a key (16 dims each), so a warp scores
 // 32 / (D / 16) keys at once (K and V rows loaded together); eight warps split the keys and
 // merge their online softmax states through shared memory. grid: (T, H), block: 256.
 // With MIXED_ONLY, only rows whose group of 16 (see attention_fa) spans two sequences run.
 template <int H, int KVH, int D, typename O, bool MIXED_ONLY>
-__device__ void attention_kv16(const float* q, const bf16_t* kc, const bf16_t* vc, const int* slots,
+__device__ void attention_kv16(const float* q, const h16_t* kc, const h16_t* vc, const int* slots,
                                const int* seq_off, const int* pos, float scale, O* out, int T) {
   constexpr int G = D / 16;
   const int t = blockIdx.x, h = blockIdx.y, sub = (threadIdx.x & 31) % G;
@@ -521,26 +532,26 @@ __device__ __forceinline__ float rope_at(const float* x, int d, float p, const f
 // A step of one token (decode at batch 1): RoPE, the KV-cache write and attention in one
 // kernel. Every block rotates its head of q and the token's own k (its kv head), takes the own
 // key from registers (the cache write of another block may not be visible yet), and the first
-// block of each kv head writes k and v (bf16) to the cache. grid: (1, H), block: 256.
+// block of each kv head writes k and v (h16) to the cache. grid: (1, H), block: 256.
 template <int H, int KVH, int D, typename O, bool RQ, bool RK>
 __device__ void attention_rope1(const float* q, const float* k, const float* v, const int* pos, const float* inv_freq,
-                                float rscale, const int* slot_of, bf16_t* kc, bf16_t* vc, const int* slots,
+                                float rscale, const int* slot_of, h16_t* kc, h16_t* vc, const int* slots,
                                 const int* seq_off, float scale, O* out) {
   constexpr int G = D / 16;
   const int h = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = lane % G, grp = lane / G;
   const int kvh = h / (H / KVH), n = pos[0] + 1;
-  // The head's rotated q and the token's k and v (bf16 values, as the cache holds them), once
+  // The head's rotated q and the token's k and v (h16 values, as the cache holds them), once
   // per block through shared memory.
   __shared__ float sq[D], sk[D], sv[D];
   const float p = (float)pos[0];
   for (int d = threadIdx.x; d < D; d += blockDim.x) {
     sq[d] = rope_at<D, RQ>(q + h * D, d, p, inv_freq, rscale) * scale;
-    sk[d] = to_f32(f32_to_bf16(rope_at<D, RK>(k + kvh * D, d, p, inv_freq, rscale)));
-    sv[d] = to_f32(f32_to_bf16(v[kvh * D + d]));
+    sk[d] = to_f32(f32_to_h16(rope_at<D, RK>(k + kvh * D, d, p, inv_freq, rscale)));
+    sv[d] = to_f32(f32_to_h16(v[kvh * D + d]));
     if (h % (H / KVH) == 0) {
       const long dst = (long)slot_of[0] * (KVH * D) + kvh * D + d;
-      kc[dst] = f32_to_bf16(sk[d]);
-      vc[dst] = f32_to_bf16(sv[d]);
+      kc[dst] = f32_to_h16(sk[d]);
+      vc[dst] = f32_to_h16(sv[d]);
     }
   }
   __syncthreads();
@@ -569,9 +580,9 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned* r, unsigned addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
-__device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
+__device__ __forceinline__ unsigned pack_h16x2(float lo, float hi) {
   unsigned r;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  asm("cvt.rn." H16_PTX "x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
   return r;
 }
 
@@ -582,11 +593,11 @@ __device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
 // m16n8k16, online softmax in f32 with a causal mask. Groups that span two sequences are left
 // to attention_kv16<MIXED_ONLY>. grid: (ceil(T / 64), H), block: 128. D <= 128.
 template <int H, int KVH, int D, typename O>
-__device__ void attention_fa(const float* q, const bf16_t* kc, const bf16_t* vc, const int* slots,
+__device__ void attention_fa(const float* q, const h16_t* kc, const h16_t* vc, const int* slots,
                              const int* seq_off, const int* pos, float scale, O* out, int T) {
   constexpr int S = D + 8, KS = D / 16, DT = D / 8;
-  __shared__ __align__(16) bf16_t sk[4][16 * S];
-  __shared__ __align__(16) bf16_t sv[4][16 * S];
+  __shared__ __align__(16) h16_t sk[4][16 * S];
+  __shared__ __align__(16) h16_t sv[4][16 * S];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
   const int h = blockIdx.y, kvh = h / (H / KVH);
   const int r0 = blockIdx.x * 64 + warp * 16;
@@ -608,15 +619,15 @@ __device__ void attention_fa(const float* q, const bf16_t* kc, const bf16_t* vc,
         a = src[0] * qs;
         b = src[1] * qs;
       }
-      qf[ks][e] = pack_bf16x2(a, b);
+      qf[ks][e] = pack_h16x2(a, b);
     }
   }
   float o[DT][4];
 #pragma unroll
   for (int i = 0; i < DT; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
   float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
-  bf16_t* k_s = sk[warp];
-  bf16_t* v_s = sv[warp];
+  h16_t* k_s = sk[warp];
+  h16_t* v_s = sv[warp];
   for (int p0 = 0; p0 < n_keys; p0 += 16) {
     for (int i = lane; i < 16 * DT; i += 32) {
       const int key = i / DT, ch = i % DT, p = p0 + key;
@@ -636,8 +647,8 @@ __device__ void attention_fa(const float* q, const bf16_t* kc, const bf16_t* vc,
       unsigned kf[4];
       ldmatrix_x4(kf, smem_addr(k_s + ((lane & 7) + (lane >> 4) * 8) * S + ks * 16 + ((lane >> 3) & 1) * 8));
       const unsigned b0[2] = {kf[0], kf[1]}, b1[2] = {kf[2], kf[3]};
-      mma_bf16(s[0], qf[ks], b0);
-      mma_bf16(s[1], qf[ks], b1);
+      mma_h16(s[0], qf[ks], b0);
+      mma_h16(s[1], qf[ks], b1);
     }
     // causal mask, then the online softmax of rows g (hr 0) and g + 8 (hr 1)
 #pragma unroll
@@ -675,15 +686,15 @@ __device__ void attention_fa(const float* q, const bf16_t* kc, const bf16_t* vc,
         o[i][hr * 2 + 1] *= corr;
       }
     }
-    const unsigned pa[4] = {pack_bf16x2(s[0][0], s[0][1]), pack_bf16x2(s[0][2], s[0][3]),
-                            pack_bf16x2(s[1][0], s[1][1]), pack_bf16x2(s[1][2], s[1][3])};
+    const unsigned pa[4] = {pack_h16x2(s[0][0], s[0][1]), pack_h16x2(s[0][2], s[0][3]),
+                            pack_h16x2(s[1][0], s[1][1]), pack_h16x2(s[1][2], s[1][3])};
 #pragma unroll
     for (int j = 0; j < D / 16; j++) {
       unsigned vf[4];
       ldmatrix_x4_trans(vf, smem_addr(v_s + ((lane & 7) + ((lane >> 3) & 1) * 8) * S + j * 16 + (lane >> 4) * 8));
       const unsigned b0[2] = {vf[0], vf[1]}, b1[2] = {vf[2], vf[3]};
-      mma_bf16(o[2 * j], pa, b0);
-      mma_bf16(o[2 * j + 1], pa, b1);
+      mma_h16(o[2 * j], pa, b0);
+      mma_h16(o[2 * j + 1], pa, b1);
     }
     __syncwarp();
   }

@@ -1,10 +1,30 @@
 // Prelude of every generated program. No CUDA toolkit header is included (a machine may have
-// only the driver and the NVRTC library): bf16 is handled as its bits.
-typedef unsigned short bf16_t;
+// only the driver and the NVRTC library): 16-bit floats are handled as their bits.
+//
+// h16_t is the program's 16-bit float: bf16, or IEEE f16 where the generator defines H16_F16 1
+// (a bundle compiled with --dtype f16). Activations that feed linears, 16-bit weights and the KV
+// cache use it; H16_PTX is its name in PTX instructions.
+#ifndef H16_F16
+#define H16_F16 0
+#endif
+#if H16_F16
+#define H16_PTX "f16"
+#else
+#define H16_PTX "bf16"
+#endif
+typedef unsigned short h16_t;
 #define NEG_INF __int_as_float(0xff800000u)
 
 __device__ __forceinline__ float to_f32(float v) { return v; }
-__device__ __forceinline__ float to_f32(bf16_t v) { return __uint_as_float(((unsigned)v) << 16); }
+__device__ __forceinline__ float to_f32(h16_t v) {
+#if H16_F16
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));
+  return f;
+#else
+  return __uint_as_float(((unsigned)v) << 16);
+#endif
+}
 
 __device__ __forceinline__ float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -29,9 +49,9 @@ __device__ __forceinline__ float block_sum(float v) {
   return warp_sum(v);
 }
 
-// f32 to bf16, rounding to nearest even.
-__device__ __forceinline__ bf16_t f32_to_bf16(float f) {
-  bf16_t r;
-  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+// f32 to the 16-bit float, rounding to nearest even.
+__device__ __forceinline__ h16_t f32_to_h16(float f) {
+  h16_t r;
+  asm("cvt.rn." H16_PTX ".f32 %0, %1;" : "=h"(r) : "f"(f));
   return r;
 }

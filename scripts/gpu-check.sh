@@ -10,7 +10,9 @@
 # batch-1 decode (with the default device: auto), a 4096-token prefill, batches of 16 and 64, and a second start with a warm
 # kernel cache. TPS="1 2" repeats the checks and benchmarks with a --tp 2 bundle on two GPUs
 # (compared with HF and with tp=1; batch-1 decode also with NCCL-only collectives; batches 1 and
-# 64 also with a replicated lm_head). Results go to $OUT (default /tmp/gpu-out).
+# 64 also with a replicated lm_head). DTYPES="bf16 f16" repeats everything with bundles compiled
+# with --dtype f16 (IEEE halves for weights, linear inputs and the KV cache; result files get a
+# -f16 suffix). Results go to $OUT (default /tmp/gpu-out).
 set -euo pipefail
 out="${OUT:-/tmp/gpu-out}"
 mkdir -p "$out"
@@ -51,33 +53,39 @@ def run(m):
 f32 = run(model)
 bf = run(model.to(torch.bfloat16))
 model.save_pretrained(ck)
+# HF's own f16 forward (the bf16 weights are exact in f16), for comparison with ours.
+f16 = run(model.to(torch.float16))
 json.dump(seqs, open(f"{ck}/seqs.json", "w"))
-save_file({"bf16": bf.contiguous(), "f32": f32.contiguous()}, f"{ck}/hf_logits.safetensors")
+save_file({"bf16": bf.contiguous(), "f32": f32.contiguous(), "f16": f16.contiguous()}, f"{ck}/hf_logits.safetensors")
 print(f"{shape}: saved a random checkpoint and HF logits of {len(seqs)} sequences")
 PY
   fi
   one=$(python3 -c "import json; print(','.join(map(str, json.load(open('$ck/seqs.json'))[0])))")
   many=$(python3 -c "import json; print(';'.join(','.join(map(str, s)) for s in json.load(open('$ck/seqs.json'))[1:]))")
+  for dtype in ${DTYPES:-bf16}; do
   for tp in ${TPS:-1}; do
-  b="$ck.bundle" sfx=""
-  [ "$tp" = 1 ] || { b="$ck.tp$tp.bundle"; sfx="-tp$tp"; }
-  [ -d "$b" ] || bin-gpu/engc compile models/qwen2.yaml --checkpoint "$ck" --dtype bf16 --tp "$tp" -o "$b" 2>&1 | tail -2 | tee -a "$out/$shape$sfx-compile.txt"
+  # Result suffix: -f16 for f16 bundles, then -tpN for tensor-parallel ones.
+  dsfx=""
+  [ "$dtype" = bf16 ] || dsfx="-$dtype"
+  b="$ck$dsfx.bundle" sfx="$dsfx"
+  [ "$tp" = 1 ] || { b="$ck$dsfx.tp$tp.bundle"; sfx="$dsfx-tp$tp"; }
+  [ -d "$b" ] || bin-gpu/engc compile models/qwen2.yaml --checkpoint "$ck" --dtype "$dtype" --tp "$tp" -o "$b" 2>&1 | tail -2 | tee -a "$out/$shape$sfx-compile.txt"
   rm -rf /tmp/engine-cache
   /usr/bin/time -f "%e s wall" bin-gpu/engrun logits "$b" --device cuda --ids "$one" --prefill 40 -o "$ck/b1$sfx.safetensors" 2>&1 | tee "$out/$shape-b1$sfx.txt"
   /usr/bin/time -f "%e s wall (warm kernel cache)" bin-gpu/engrun logits "$b" --device cuda --ids "$many" --prefill 24 -o "$ck/b16$sfx.safetensors" 2>&1 | tee "$out/$shape-b16$sfx.txt"
-  python3 - "$ck" "$shape" "$sfx" <<'PY' 2>&1 | tee "$out/$shape$sfx-compare.txt"
+  python3 - "$ck" "$shape" "$sfx" "$dsfx" <<'PY' 2>&1 | tee "$out/$shape$sfx-compare.txt"
 import json, os, sys, torch
 from safetensors.torch import load_file
-ck, shape, sfx = sys.argv[1:4]
+ck, shape, sfx, dsfx = sys.argv[1:5]
 seqs = json.load(open(f"{ck}/seqs.json"))
 ref = load_file(f"{ck}/hf_logits.safetensors")
 lens = [len(s) for s in seqs]
 for run, first, count, pre in (("b1", 0, 1, 40), ("b16", 1, 16, 24)):
     ours = load_file(f"{ck}/{run}{sfx}.safetensors")["logits"]
     start = sum(lens[:first])
-    refs = [(f"hf_{k}", ref[k][start:start + ours.shape[0]]) for k in ("f32", "bf16")]
-    if sfx and os.path.exists(f"{ck}/{run}.safetensors"):
-        refs.append(("tp1", load_file(f"{ck}/{run}.safetensors")["logits"]))
+    refs = [(f"hf_{k}", ref[k][start:start + ours.shape[0]]) for k in ("f32", "bf16", "f16") if k in ref]
+    if sfx != dsfx and os.path.exists(f"{ck}/{run}{dsfx}.safetensors"):
+        refs.append(("tp1", load_file(f"{ck}/{run}{dsfx}.safetensors")["logits"]))
     for kind, r in refs:
         last, allp, clear, same, at = 0.0, 0.0, 0, 0, 0
         for n in lens[first:first + count]:
@@ -111,8 +119,8 @@ PY
     # The other lm_head layout of a tensor-parallel bundle: replicated (the default splits it
     # by vocabulary and gathers the logits).
     if [ "$tp" != 1 ]; then
-      rb="$ck.tp$tp-replicated.bundle"
-      [ -d "$rb" ] || bin-gpu/engc compile models/qwen2.yaml --checkpoint "$ck" --dtype bf16 --tp "$tp" --lm-head replicated -o "$rb" 2>&1 | tail -1
+      rb="$ck$dsfx.tp$tp-replicated.bundle"
+      [ -d "$rb" ] || bin-gpu/engc compile models/qwen2.yaml --checkpoint "$ck" --dtype "$dtype" --tp "$tp" --lm-head replicated -o "$rb" 2>&1 | tail -1
       for n in 1 64; do
         bin-gpu/engrun bench $rb --device cuda --num-prompts $n --input-len 128 --output-len 128 --json 2>&1 | tail -1 | tee "$out/$shape$sfx-replicated-bench-b$n.json"
       done
@@ -122,6 +130,7 @@ PY
       bin-gpu/engrun bench $b --device cuda --num-prompts $n --input-len 128 --output-len 128 --temperature 0.7 --top-p 0.9 --json 2>&1 | tail -1 | tee "$out/$shape$sfx-bench-b$n-top-p.json"
     done
   fi
+  done
   done
 done
 # The nano-vllm workload on the 0.5B shape (issue "Runtime"): 256 requests, input and output

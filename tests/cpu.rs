@@ -92,3 +92,15 @@ fn batched_steps_equal_single_sequences() {
     assert!(c.forward_batch(&dup).unwrap_err().to_string().contains("appears twice"));
     assert_eq!(c.seq_len(0), 12, "a rejected batch changes nothing");
 }
+
+/// An f16 bundle (`--dtype f16`: weights rounded to IEEE halves) runs on the CPU backend (its
+/// weights widened to f32 at load) and stays within f16 rounding of HF's logits.
+#[test]
+fn cpu_runs_f16_bundles() {
+    let dir = scratch(env!("CARGO_TARGET_TMPDIR"), "cpu-f16");
+    let path = compile_fixture("tiny-qwen2", &dir, 1, Some(ir::DType::F16));
+    let b = bundle::Bundle::open(&path).unwrap();
+    assert_eq!(b.plan.act_dtype, ir::DType::F16);
+    // The fixture's weights are bf16 values, which f16 holds exactly at their magnitudes.
+    check_backend_against_hf("tiny-qwen2", &mut seqs(CpuBackend::new(&b).unwrap()), 1e-4);
+}

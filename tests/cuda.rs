@@ -28,11 +28,26 @@ fn generated_kernels_compile_with_nvrtc_for_sm90() {
     for name in ["tiny-qwen2", "tiny-llama"] {
         runs.push(vec![compile_fixture(name, &dir, 1, None).display().to_string()]);
     }
-    for shape in ["qwen2.5-0.5b", "qwen2.5-7b"] {
+    // An f16 bundle: the same kernels over IEEE halves (H16_F16).
+    let f16 = compile_fixture("tiny-qwen2", &dir.join("f16"), 1, Some(ir::DType::F16));
+    let source = std::fs::read_to_string(f16.join("kernels/model.cu")).unwrap();
+    assert!(source.contains("#define H16_F16 1"), "the f16 bundle's source does not select f16");
+    runs.push(vec![f16.display().to_string()]);
+    for (shape, dtype) in [("qwen2.5-0.5b", "bf16"), ("qwen2.5-7b", "bf16"), ("qwen2.5-7b", "f16")] {
         for tp in ["1", "2"] {
             let config = repo().join(format!("tests/configs/{shape}.json")).display().to_string();
             let model = repo().join("models/qwen2.yaml").display().to_string();
-            runs.push(vec!["--model".into(), model, "--config".into(), config, "--tp".into(), tp.into()]);
+            let dtype = dtype.to_string();
+            runs.push(vec![
+                "--model".into(),
+                model,
+                "--config".into(),
+                config,
+                "--tp".into(),
+                tp.into(),
+                "--dtype".into(),
+                dtype,
+            ]);
         }
     }
     for args in runs {

@@ -126,6 +126,33 @@ fn unsupported_dtype() {
     c.compile_fails(&qwen(), &d, &[], &["model.embed_tokens.weight", "F64", "not supported"]);
 }
 
+/// A weight beyond f16's range cannot become an f16 bundle (it would be infinity).
+#[test]
+fn weight_beyond_f16_range() {
+    let c = Case::new();
+    let d = c.path("bigckpt");
+    std::fs::create_dir_all(&d).unwrap();
+    let src = fixture("tiny-qwen2");
+    std::fs::copy(src.join("config.json"), d.join("config.json")).unwrap();
+    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut tensors: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> =
+        st.tensors().into_iter().map(|(n, v)| (n, v.dtype(), v.shape().to_vec(), v.data().to_vec())).collect();
+    let norm = tensors.iter_mut().find(|t| t.0 == "model.norm.weight").expect("model.norm.weight");
+    let big: Vec<u8> = match norm.1 {
+        safetensors::Dtype::BF16 => (((1e5f32.to_bits() >> 16) as u16).to_le_bytes()).to_vec(),
+        safetensors::Dtype::F32 => 1e5f32.to_le_bytes().to_vec(),
+        other => panic!("fixture dtype {other:?}"),
+    };
+    norm.3[..big.len()].copy_from_slice(&big);
+    let views: Vec<(String, safetensors::tensor::TensorView)> = tensors
+        .iter()
+        .map(|(n, dt, sh, data)| (n.clone(), safetensors::tensor::TensorView::new(*dt, sh.clone(), data).unwrap()))
+        .collect();
+    safetensors::serialize_to_file(views, &None, &d.join("model.safetensors")).unwrap();
+    c.compile_fails(&qwen(), &d, &["--dtype", "f16"], &["model.norm.weight", "beyond f16", "--dtype bf16"]);
+}
+
 #[test]
 fn checkpoint_directory_missing() {
     let c = Case::new();

@@ -25,7 +25,7 @@ pub enum KernelKey {
         /// Output dtype.
         out: DType,
     },
-    /// Up to three linears sharing a bf16 input, for at most `rows` rows (memory-bound GEMV).
+    /// Up to three linears sharing a 16-bit input, for at most `rows` rows (memory-bound GEMV).
     Gemv {
         /// Input features.
         k: usize,
@@ -34,7 +34,7 @@ pub enum KernelKey {
         /// Rows per launch (1, 2, 4 or 8).
         rows: usize,
     },
-    /// Gate and up projections with silu(gate)·up, bf16 out, for at most `rows` rows.
+    /// Gate and up projections with silu(gate)·up, 16-bit out, for at most `rows` rows.
     GemvGlu {
         /// Input features.
         k: usize,
@@ -43,7 +43,7 @@ pub enum KernelKey {
         /// Rows per launch.
         rows: usize,
     },
-    /// Up to three linears sharing a bf16 input, for at most `8 * tiles` rows (tensor cores,
+    /// Up to three linears sharing a 16-bit input, for at most `8 * tiles` rows (tensor cores,
     /// split K; every `n` a multiple of 16).
     GemmSkinny {
         /// Input features.
@@ -53,14 +53,14 @@ pub enum KernelKey {
         /// Tiles of 8 rows.
         tiles: usize,
     },
-    /// Up to three linears sharing a bf16 input, any row count (tensor-core GEMM).
+    /// Up to three linears sharing a 16-bit input, any row count (tensor-core GEMM).
     Gemm {
         /// Input features.
         k: usize,
         /// Output features of each group (0: absent).
         n: [usize; 3],
     },
-    /// The fallback linear: bf16 input, any weight dtype and `k`.
+    /// The fallback linear: 16-bit input, any weight dtype and `k`.
     Linear {
         /// Input features.
         k: usize,
@@ -71,10 +71,10 @@ pub enum KernelKey {
         /// With a bias.
         bias: bool,
     },
-    /// silu(a)·b to bf16.
+    /// silu(a)·b to the 16-bit float.
     SiluMul,
-    /// f32 to bf16.
-    ToBf16,
+    /// f32 to the 16-bit float.
+    ToH16,
     /// Rotate-half RoPE over heads of `d` in rows of `cols` (a RoPE not feeding attention).
     Rope {
         /// Row width.
@@ -82,7 +82,7 @@ pub enum KernelKey {
         /// Head size.
         d: usize,
     },
-    /// RoPE on q and k, k and v written into the bf16 paged cache.
+    /// RoPE on q and k, k and v written into the 16-bit paged cache.
     RopeKv {
         /// Query heads.
         heads: usize,
@@ -95,7 +95,7 @@ pub enum KernelKey {
         /// Whether k is rotated.
         rope_k: bool,
     },
-    /// Causal GQA attention over the bf16 paged cache, a block per query row and head.
+    /// Causal GQA attention over the 16-bit paged cache, a block per query row and head.
     Attention {
         /// Query heads.
         heads: usize,
@@ -173,24 +173,26 @@ pub enum KernelKey {
 /// The most blocks a one-shot all-reduce launches (`AR_MAXB` in `kernels/comm.cuh`).
 pub const ALL_REDUCE_MAX_BLOCKS: usize = 32;
 
-/// The C type of a dtype the kernels take.
+/// The C type of a dtype the kernels take. Both 16-bit floats are `h16_t`: a program has one
+/// of them (`Program::half`, the source's `H16_F16`), and the schedule rejects a plan that mixes
+/// them.
 pub(crate) fn ctype(d: DType) -> Result<&'static str, CodegenError> {
     match d {
         DType::F32 => Ok("float"),
-        DType::BF16 => Ok("bf16_t"),
-        other => Err(CodegenError::Unsupported(format!("{other} weights (compile with --dtype bf16 or f32)"))),
+        DType::BF16 | DType::F16 => Ok("h16_t"),
+        other => Err(CodegenError::Unsupported(format!("{other} weights (compile with --dtype bf16, f16 or f32)"))),
     }
 }
 
 fn attention_params(o: &str) -> String {
     format!(
-        "const float* q, const bf16_t* kc, const bf16_t* vc, const int* slots, const int* seq_off, const int* pos, \
+        "const float* q, const h16_t* kc, const h16_t* vc, const int* slots, const int* seq_off, const int* pos, \
          float scale, {o}* out, int T"
     )
 }
 
-const GROUP_PARAMS: &str = "const bf16_t* x, const bf16_t* w0, const bf16_t* b0, float* o0, const bf16_t* w1, \
-                            const bf16_t* b1, float* o1, const bf16_t* w2, const bf16_t* b2, float* o2, int T";
+const GROUP_PARAMS: &str = "const h16_t* x, const h16_t* w0, const h16_t* b0, float* o0, const h16_t* w1, \
+                            const h16_t* b1, float* o1, const h16_t* w2, const h16_t* b2, float* o2, int T";
 const GROUP_ARGS: &str = "x, w0, b0, o0, w1, b1, o1, w2, b2, o2, T";
 
 /// Warps that share one output of the GEMV: enough that each streams at most 2048 weights of
@@ -217,8 +219,8 @@ impl KernelKey {
             KernelKey::Gemm { k, n } => format!("gemm_k{k}_n{}", n3(n)),
             KernelKey::GemmSkinny { k, n, tiles } => format!("gemm_skinny_k{k}_n{}_t{tiles}", n3(n)),
             KernelKey::Linear { k, n, w, bias } => format!("linear_k{k}_n{n}_{w}{}", if bias { "_bias" } else { "" }),
-            KernelKey::SiluMul => "silu_mul_to_bf16".into(),
-            KernelKey::ToBf16 => "f32_to_bf16_rows".into(),
+            KernelKey::SiluMul => "silu_mul_to_h16".into(),
+            KernelKey::ToH16 => "f32_to_h16_rows".into(),
             KernelKey::Rope { cols, d } => format!("rope_c{cols}_d{d}"),
             KernelKey::RopeKv { heads, kv_heads, d, rope_q, rope_k } => {
                 format!("rope_kv_h{heads}_kv{kv_heads}_d{d}_{}{}", u8::from(rope_q), u8::from(rope_k))
@@ -265,7 +267,7 @@ impl KernelKey {
                 format!("gemv<{k}, {}, {}, {}, {rows}, {}>({GROUP_ARGS})", n[0], n[1], n[2], gemv_split(k)),
             ),
             KernelKey::GemvGlu { k, n, rows } => (
-                "const bf16_t* x, const bf16_t* wg, const bf16_t* wu, bf16_t* out, int T".into(),
+                "const h16_t* x, const h16_t* wg, const h16_t* wu, h16_t* out, int T".into(),
                 format!("gemv_glu<{k}, {n}, {rows}, {}>(x, wg, wu, out, T)", gemv_split(k)),
             ),
             KernelKey::Gemm { k, n } => {
@@ -277,21 +279,21 @@ impl KernelKey {
             KernelKey::Linear { k, n, w, bias } => {
                 let t = ctype(w)?;
                 (
-                    format!("const bf16_t* x, const {t}* w, const {t}* bias, float* out, int T"),
-                    format!("linear<{k}, {n}, bf16_t, {t}, {bias}>(x, w, bias, out, T)"),
+                    format!("const h16_t* x, const {t}* w, const {t}* bias, float* out, int T"),
+                    format!("linear<{k}, {n}, h16_t, {t}, {bias}>(x, w, bias, out, T)"),
                 )
             }
             KernelKey::SiluMul => {
-                ("const float* a, const float* b, bf16_t* out, long n".into(), "silu_mul(a, b, out, n)".into())
+                ("const float* a, const float* b, h16_t* out, long n".into(), "silu_mul(a, b, out, n)".into())
             }
-            KernelKey::ToBf16 => ("const float* a, bf16_t* out, long n".into(), "to_bf16(a, out, n)".into()),
+            KernelKey::ToH16 => ("const float* a, h16_t* out, long n".into(), "to_h16(a, out, n)".into()),
             KernelKey::Rope { cols, d } => (
                 "const float* x, const int* pos, const float* inv_freq, float scale, float* out".into(),
                 format!("rope<{cols}, {d}>(x, pos, inv_freq, scale, out)"),
             ),
             KernelKey::RopeKv { heads, kv_heads, d, rope_q, rope_k } => (
                 "const float* q, const float* k, const float* v, const int* pos, const float* inv_freq, float scale, \
-                 const int* slot_of, float* qo, bf16_t* kc, bf16_t* vc"
+                 const int* slot_of, float* qo, h16_t* kc, h16_t* vc"
                     .into(),
                 format!(
                     "rope_kv<{heads}, {kv_heads}, {d}, {rope_q}, {rope_k}>(q, k, v, pos, inv_freq, scale, slot_of, qo, \
@@ -313,7 +315,7 @@ impl KernelKey {
                 (
                     format!(
                         "const float* q, const float* k, const float* v, const int* pos, const float* inv_freq, \
-                         float rscale, const int* slot_of, bf16_t* kc, bf16_t* vc, const int* slots, \
+                         float rscale, const int* slot_of, h16_t* kc, h16_t* vc, const int* slots, \
                          const int* seq_off, float scale, {o}* out"
                     ),
                     format!(

@@ -58,6 +58,9 @@ pub struct Program {
     pub constants: Vec<Vec<f32>>,
     /// The buffer that holds the logits (`[R, vocab]` f32).
     pub output: usize,
+    /// The 16-bit float of activations feeding linears, 16-bit weights and the KV cache
+    /// (`BF16`, or `F16` for an f16 plan): the source's `h16_t`.
+    pub half: ir::DType,
 }
 
 /// Generates the CUDA program of `plan` (one rank; a tensor-parallel plan already has per-rank
@@ -97,6 +100,8 @@ pub fn emit(plan: &Plan) -> Result<Program, CodegenError> {
         plan.tp,
         plan.vocab
     );
+    let half = schedule::half_dtype(plan)?;
+    let _ = writeln!(source, "#define H16_F16 {}\n", u8::from(half == ir::DType::F16));
     for part in [PRELUDE, BASIC, FAST, COMM, SAMPLE] {
         source += part;
         source += "\n";
@@ -105,5 +110,5 @@ pub fn emit(plan: &Plan) -> Result<Program, CodegenError> {
     for k in &kernels {
         source += &k.instance()?;
     }
-    Ok(Program { source, kernels, steps: s.steps, buffers: s.buffers, constants: s.constants, output: s.output })
+    Ok(Program { source, kernels, steps: s.steps, buffers: s.buffers, constants: s.constants, output: s.output, half })
 }

@@ -112,7 +112,7 @@ fn add(b: &mut Builder, i: usize) -> Result<(), CodegenError> {
 /// One linear of a group: weight, bias, output value, output features.
 type Group = (usize, Option<usize>, usize, usize);
 
-/// Launch variants of up to three fast linears sharing the bf16 input `x`, over `by` rows.
+/// Launch variants of up to three fast linears sharing the 16-bit input `x`, over `by` rows.
 fn grouped(x: usize, k: usize, groups: &[Group], by: Count) -> Step {
     let mut n = [0; 3];
     let mut args = vec![Arg::Buf(x)];
@@ -173,7 +173,7 @@ fn glu_of(b: &Builder, g: usize, candidates: &[usize]) -> Option<(usize, usize, 
 fn linear(b: &mut Builder, i: usize) -> Result<(), CodegenError> {
     let xn = b.plan.nodes[i].inputs[0];
     let k = b.cols(xn);
-    let x = b.bf16_input(xn)?;
+    let x = b.half_input(xn)?;
     if !b.fast_linear(i) {
         let n = &b.plan.nodes[i];
         let (w, bias) = (n.inputs[1], n.inputs.get(2).copied());
@@ -224,7 +224,7 @@ fn glu(b: &mut Builder, x: usize, k: usize, [g, u, s, m]: [usize; 4]) {
         b.done[d] = true;
     }
     let n = b.cols(g);
-    let out = b.out(m, DType::BF16);
+    let out = b.out(m, b.half);
     let (wg, wu) = (b.plan.nodes[g].inputs[1], b.plan.nodes[u].inputs[1]);
     let mut variants: Vec<(usize, Vec<Launch>)> = GEMV_ROWS
         .iter()
@@ -338,14 +338,14 @@ fn attention(b: &mut Builder, i: usize) -> Result<(), CodegenError> {
     Ok(())
 }
 
-/// The wanted rows gathered (as bf16), then the LM head over them.
+/// The wanted rows gathered (in 16 bits), then the LM head over them.
 fn logits(b: &mut Builder, i: usize) -> Result<(), CodegenError> {
     let n = &b.plan.nodes[i];
     let (xn, w) = (n.inputs[0], n.inputs[1]);
     let (h, vocab) = (b.cols(xn), b.cols(i));
     let x = b.val(xn)?;
-    let sel = b.new_val(h, DType::BF16, Count::Rows);
-    let key = KernelKey::Gather { h, x: b.vals_dtype(x), out: DType::BF16 };
+    let sel = b.new_val(h, b.half, Count::Rows);
+    let key = KernelKey::Gather { h, x: b.vals_dtype(x), out: b.half };
     let args = vec![Arg::Buf(x), Arg::Input(Input::Rows), Arg::Buf(sel)];
     b.steps.push(Step::Kernels {
         by: Count::Rows,
@@ -353,7 +353,7 @@ fn logits(b: &mut Builder, i: usize) -> Result<(), CodegenError> {
     });
     let out = b.new_val(vocab, DType::F32, Count::Rows);
     b.node_val[i] = Some(out);
-    if b.wdtype(w) == DType::BF16 && h % 32 == 0 {
+    if b.wdtype(w) == b.half && h % 32 == 0 {
         b.steps.push(grouped(sel, h, &[(w, None, out, vocab)], Count::Rows));
     } else {
         let key = KernelKey::Linear { k: h, n: vocab, w: b.wdtype(w), bias: false };

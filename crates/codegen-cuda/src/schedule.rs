@@ -46,9 +46,9 @@ pub enum Arg {
     Null,
     /// A constant array of [`Program::constants`] (f32).
     Const(usize),
-    /// The K cache of a layer (bf16).
+    /// The K cache of a layer (16-bit).
     KCache(usize),
-    /// The V cache of a layer (bf16).
+    /// The V cache of a layer (16-bit).
     VCache(usize),
     /// A step input.
     Input(Input),
@@ -141,17 +141,30 @@ pub(crate) struct Builder<'p> {
     pub done: Vec<bool>,
     vals: Vec<Val>,
     pub node_val: Vec<Option<usize>>,
-    bf16_of: Vec<Option<usize>>,
+    /// The program's 16-bit float ([`half_dtype`]).
+    pub half: DType,
+    half_of: Vec<Option<usize>>,
     pub steps: Vec<Step>,
     pub constants: Vec<Vec<f32>>,
 }
 
 fn bytes(d: DType) -> usize {
-    if d == DType::BF16 {
-        2
-    } else {
-        4
+    d.size()
+}
+
+/// The 16-bit float of `plan`'s program (activations that feed linears, 16-bit weights, the KV
+/// cache): f16 for an f16 plan, else bf16 (an f32 plan's fast paths also round to bf16). A plan
+/// holding weights of the other 16-bit type is rejected: one program has one `h16_t`.
+pub fn half_dtype(plan: &Plan) -> Result<DType, CodegenError> {
+    let half = if plan.act_dtype == DType::F16 { DType::F16 } else { DType::BF16 };
+    for (name, _, dtype) in plan.weights() {
+        if !matches!(dtype, DType::F32) && dtype != half {
+            return Err(CodegenError::Unsupported(format!(
+                "weight `{name}` is {dtype} in a plan whose 16-bit type is {half} (compile with one --dtype)"
+            )));
+        }
     }
+    Ok(half)
 }
 
 pub(crate) fn one(launch: Launch) -> Step {
@@ -204,12 +217,12 @@ impl<'p> Builder<'p> {
         })
     }
 
-    /// The f32 value of node `i` (an error where a fused kernel left it in bf16).
+    /// The f32 value of node `i` (an error where a fused kernel left it in 16 bits).
     pub(crate) fn f32_val(&self, node: usize) -> Result<usize, CodegenError> {
         let v = self.val(node)?;
         if self.vals[v].dtype != DType::F32 {
             return Err(CodegenError::Unsupported(format!(
-                "{} reads a bf16 value where f32 is needed",
+                "{} reads a 16-bit value where f32 is needed",
                 self.plan.nodes[node].label
             )));
         }
@@ -221,7 +234,7 @@ impl<'p> Builder<'p> {
         self.vals[v].dtype
     }
 
-    /// Whether every consumer of `node` reads it as the input of a linear (so bf16 serves).
+    /// Whether every consumer of `node` reads it as the input of a linear (so 16 bits serve).
     pub(crate) fn feeds_linears(&self, node: usize) -> bool {
         let c = &self.consumers[node];
         !c.is_empty()
@@ -233,26 +246,26 @@ impl<'p> Builder<'p> {
 
     pub(crate) fn act_dtype(&self, node: usize) -> DType {
         if self.feeds_linears(node) {
-            DType::BF16
+            self.half
         } else {
             DType::F32
         }
     }
 
-    /// Node `i`'s value as bf16, converting (once) when it is f32.
-    pub(crate) fn bf16_input(&mut self, node: usize) -> Result<usize, CodegenError> {
+    /// Node `i`'s value in the 16-bit float, converting (once) when it is f32.
+    pub(crate) fn half_input(&mut self, node: usize) -> Result<usize, CodegenError> {
         let v = self.val(node)?;
-        if self.vals[v].dtype == DType::BF16 {
+        if self.vals[v].dtype == self.half {
             return Ok(v);
         }
-        if let Some(b) = self.bf16_of[node] {
+        if let Some(b) = self.half_of[node] {
             return Ok(b);
         }
         let cols = self.cols(node);
-        let b = self.new_val(cols, DType::BF16, Count::Tokens);
-        self.bf16_of[node] = Some(b);
+        let b = self.new_val(cols, self.half, Count::Tokens);
+        self.half_of[node] = Some(b);
         self.steps.push(one(launch(
-            KernelKey::ToBf16,
+            KernelKey::ToH16,
             vec![Arg::Buf(v), Arg::Buf(b), Arg::Elems(Count::Tokens, cols)],
             [per_token(cols, 256), ONE],
             256,
@@ -264,7 +277,7 @@ impl<'p> Builder<'p> {
     pub(crate) fn fast_linear(&self, i: usize) -> bool {
         let n = &self.plan.nodes[i];
         let k = self.plan.nodes[n.inputs[0]].ty.last().unwrap_or(0);
-        n.inputs[1..].iter().all(|&w| self.wdtype(w) == DType::BF16) && k.is_multiple_of(32) && k > 0
+        n.inputs[1..].iter().all(|&w| self.wdtype(w) == self.half) && k.is_multiple_of(32) && k > 0
     }
 }
 
@@ -293,7 +306,8 @@ pub(crate) fn schedule(plan: &Plan) -> Result<Schedule, CodegenError> {
         done: vec![false; n],
         vals: vec![],
         node_val: vec![None; n],
-        bf16_of: vec![None; n],
+        half: half_dtype(plan)?,
+        half_of: vec![None; n],
         steps: vec![],
         constants: vec![],
     };

@@ -184,6 +184,7 @@ fn write_rank_weights(
                 // The plan's shape says whether this rank holds a slice (a replicated lm_head
                 // keeps its whole shape even where the model marks it column-parallel).
                 let data = if e.shape == bw.shape { data } else { shard::cut(bw, &data, tp, rank)? };
+                check_range(&e.name, e.dtype, &data)?;
                 Ok(e.dtype.from_f32(&data))
             });
         data.map_err(|err| {
@@ -195,6 +196,23 @@ fn write_rank_weights(
     match (result, failure) {
         (Err(_), Some(err)) => Err(err),
         (r, _) => Ok(r?),
+    }
+}
+
+/// The largest finite f16 value.
+const F16_MAX: f32 = 65504.0;
+
+/// A weight converted to f16 must fit its range (bf16 and f32 reach 3.4e38): a larger value
+/// would turn into infinity and every logit into NaN.
+fn check_range(name: &str, dtype: DType, data: &[f32]) -> Result<(), CompileError> {
+    if dtype != DType::F16 {
+        return Ok(());
+    }
+    match data.iter().copied().filter(|v| v.is_finite()).map(f32::abs).reduce(f32::max) {
+        Some(max) if max > F16_MAX => Err(CompileError::Usage(format!(
+            "weight `{name}` holds {max:e}, beyond f16's largest value ({F16_MAX}): compile with --dtype bf16"
+        ))),
+        _ => Ok(()),
     }
 }
 

@@ -60,6 +60,9 @@ enum Cmd {
         /// Tensor-parallel ranks (with --config).
         #[arg(long, default_value_t = 1)]
         tp: usize,
+        /// Weight and activation dtype (with --config): bf16, f16 or f32.
+        #[arg(long, value_parser = parse_dtype, default_value = "bf16")]
+        dtype: DType,
         /// Target virtual architecture.
         #[arg(long, default_value = "compute_90")]
         arch: String,
@@ -90,7 +93,9 @@ fn main() -> ExitCode {
             compile(&opts)
         }
         Cmd::Inspect { bundle, graph } => inspect(&bundle, graph),
-        Cmd::CudaCheck { bundle, model, config, tp, arch } => cuda_check(bundle, model, config, tp, arch),
+        Cmd::CudaCheck { bundle, model, config, tp, dtype, arch } => {
+            cuda_check(bundle, model, config, (tp, dtype), arch)
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -105,7 +110,7 @@ fn cuda_check(
     bundle: Option<PathBuf>,
     model: Option<PathBuf>,
     config: Option<PathBuf>,
-    tp: usize,
+    (tp, dtype): (usize, DType),
     arch: String,
 ) -> Result<(), String> {
     let source = match (bundle, model, config) {
@@ -117,7 +122,7 @@ fn cuda_check(
             let text = std::fs::read_to_string(&c).map_err(|e| format!("{}: {e}", c.display()))?;
             let cfg: serde_json::Value =
                 serde_json::from_str(&text).map_err(|e| format!("{}: invalid JSON: {e}", c.display()))?;
-            let plan = compiler::plan_for_config(&m, &cfg, tp, ir::DType::BF16).map_err(|e| e.to_string())?;
+            let plan = compiler::plan_for_config(&m, &cfg, tp, dtype).map_err(|e| e.to_string())?;
             codegen_cuda::emit(&plan).map_err(|e| e.to_string())?.source
         }
         _ => return Err("give a bundle, or --model and --config".into()),

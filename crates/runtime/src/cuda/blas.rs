@@ -35,6 +35,8 @@ pub(crate) struct Part {
 /// A cuBLASLt handle, its workspace and the best algorithm found per shape.
 pub(crate) struct Blas {
     handle: sys::cublasLtHandle_t,
+    /// The 16-bit type of x and the weights (the program's `half`).
+    half: sys::cudaDataType_t,
     workspace: CudaSlice<u8>,
     algos: RefCell<HashMap<(usize, usize, usize, bool), sys::cublasLtMatmulAlgo_t>>,
 }
@@ -52,15 +54,19 @@ impl Drop for Blas {
 
 impl Blas {
     /// A handle on `stream`'s device; `None` when the cuBLASLt library cannot be loaded.
-    pub(crate) fn new(stream: &Arc<CudaStream>) -> Result<Option<Blas>, RuntimeError> {
+    pub(crate) fn new(stream: &Arc<CudaStream>, half: ir::DType) -> Result<Option<Blas>, RuntimeError> {
         let Some(Ok(handle)) = without_panic(lt::create_handle) else {
             return Ok(None);
         };
         let workspace = stream.alloc_zeros::<u8>(WORKSPACE).map_err(driver("alloc"))?;
-        Ok(Some(Blas { handle, workspace, algos: RefCell::default() }))
+        let half = match half {
+            ir::DType::F16 => sys::cudaDataType_t::CUDA_R_16F,
+            _ => sys::cudaDataType_t::CUDA_R_16BF,
+        };
+        Ok(Some(Blas { handle, half, workspace, algos: RefCell::default() }))
     }
 
-    /// `out = x · wᵀ (+ bias)` for each part: x `[t, k]` bf16, row-major throughout.
+    /// `out = x · wᵀ (+ bias)` for each part: x `[t, k]` 16-bit, row-major throughout.
     pub(crate) fn gemm(&self, stream: &CudaStream, x: u64, k: usize, t: usize, parts: &[Part]) -> Result<(), String> {
         for p in parts {
             unsafe { self.one(stream, x, k, t, p) }.map_err(|e| format!("cuBLASLt matmul {t}x{}x{k}: {e:?}", p.n))?;
@@ -71,9 +77,9 @@ impl Blas {
     /// In cuBLASLt's column-major terms: D (n x t) = op(W) (n x k) · X (k x t), W stored as k x n.
     unsafe fn one(&self, stream: &CudaStream, x: u64, k: usize, t: usize, p: &Part) -> Result<(), lt::CublasError> {
         use sys::cublasLtMatmulDescAttributes_t as D;
-        let (bf16, f32t) = (sys::cudaDataType_t::CUDA_R_16BF, sys::cudaDataType_t::CUDA_R_32F);
-        let a = lt::create_matrix_layout(bf16, k as u64, p.n as u64, k as i64)?;
-        let b = lt::create_matrix_layout(bf16, k as u64, t as u64, k as i64)?;
+        let (h16, f32t) = (self.half, sys::cudaDataType_t::CUDA_R_32F);
+        let a = lt::create_matrix_layout(h16, k as u64, p.n as u64, k as i64)?;
+        let b = lt::create_matrix_layout(h16, k as u64, t as u64, k as i64)?;
         let c = lt::create_matrix_layout(f32t, p.n as u64, t as u64, p.n as i64)?;
         let desc = lt::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, f32t)?;
         let set = |attr: D, v: *const c_void, size: usize| lt::set_matmul_desc_attribute(desc, attr, v, size);
@@ -154,7 +160,7 @@ impl CudaBackend {
         if firsts.is_empty() || std::env::var("ENGINE_CUBLASLT").is_ok_and(|v| v == "0") {
             return Ok(());
         }
-        let Some(blas) = Blas::new(&self.stream)? else {
+        let Some(blas) = Blas::new(&self.stream, self.program.half)? else {
             eprintln!("cuBLASLt not found: every GEMM runs our kernel");
             return Ok(());
         };
@@ -205,10 +211,7 @@ impl CudaBackend {
             }
             let Some(w) = &self.weights[b] else { continue };
             let bytes = self.stream.clone_dtoh(w).map_err(driver("reading a bias"))?;
-            let f: Vec<f32> = bytes
-                .chunks_exact(2)
-                .map(|c| f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16))
-                .collect();
+            let f = self.program.half.to_f32(&bytes);
             let d = self.stream.clone_htod(&f).map_err(driver("uploading a bias"))?;
             self.bias_f32.insert(b, d);
         }

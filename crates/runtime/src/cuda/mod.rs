@@ -179,8 +179,10 @@ impl CudaBackend {
                     let (dtype, _, bytes) = file.raw(name)?;
                     let up = |b: &[u8]| stream.clone_htod(b).map_err(driver("uploading weights"));
                     total += bytes.len();
+                    // f32 and the program's 16-bit float go up as stored (the codegen rejects
+                    // the other 16-bit float).
                     Some(match dtype {
-                        DType::BF16 | DType::F32 => up(bytes)?,
+                        d if d == DType::F32 || d == program.half => up(bytes)?,
                         d => up(&d.to_f32(bytes).iter().flat_map(|f| f.to_le_bytes()).collect::<Vec<u8>>())?,
                     })
                 }
