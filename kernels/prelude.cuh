@@ -26,6 +26,17 @@ __device__ __forceinline__ float to_f32(h16_t v) {
 #endif
 }
 
+// Programmatic dependent launch (sm_90): the runtime launches the model's kernels with the
+// PDL attribute, so a kernel's blocks may be scheduled while the kernel before it still runs.
+// Each kernel first lets the next one launch, then waits until the previous grid has finished
+// and its writes are visible; launched without the attribute, both are no-ops.
+__device__ __forceinline__ void pdl_enter() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;");
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;

@@ -7,7 +7,7 @@
 # batch 1 (40 tokens prefilled, then 24 decode steps) and batch 16 of mixed lengths (24 tokens
 # prefilled each, then decode steps as one shrinking batch), and the GPU's sampling kernel
 # against the host's rule on the same logits. Then benchmarks (BENCH=0 skips):
-# batch-1 decode (with the default device: auto), a 4096-token prefill, batches of 16 and 64, and a second start with a warm
+# batch-1 decode (with the default device: auto; and without PDL), a 4096-token prefill, batches of 16 and 64, and a second start with a warm
 # kernel cache. TPS="1 2" repeats the checks and benchmarks with a --tp 2 bundle on two GPUs
 # (compared with HF and with tp=1; batch-1 decode also with NCCL-only collectives; batches 1 and
 # 64 also with a replicated lm_head). DTYPES="bf16 f16" repeats everything with bundles compiled
@@ -110,6 +110,8 @@ PY
   done
   if [ "${BENCH:-1}" = 1 ]; then
     bin-gpu/engrun bench $b --num-prompts 1 --input-len 128 --output-len 128 --json 2>&1 | tail -1 | tee "$out/$shape$sfx-bench-b1.json"
+    # Without programmatic dependent launches (each kernel starts after the previous one ends).
+    ENGINE_PDL=0 bin-gpu/engrun bench $b --num-prompts 1 --input-len 128 --output-len 128 --json 2>&1 | tail -1 | tee "$out/$shape$sfx-bench-b1-nopdl.json"
     [ "$tp" = 1 ] || ENGINE_ALLREDUCE=nccl bin-gpu/engrun bench $b --num-prompts 1 --input-len 128 --output-len 128 --json 2>&1 | tail -1 | tee "$out/$shape$sfx-bench-b1-nccl.json"
     bin-gpu/engrun bench $b --device cuda --num-prompts 1 --input-len 4096 --output-len 2 --json 2>&1 | tail -1 | tee "$out/$shape$sfx-bench-prefill4096.json"
     # Our GEMM kernel alone (no cuBLASLt where the start-up timing chose it).

@@ -244,6 +244,13 @@ impl KernelKey {
         }
     }
 
+    /// Whether the kernel starts with `pdl_enter` (`kernels/prelude.cuh`), so the runtime may
+    /// launch it as a programmatic dependent launch: every kernel of the forward step; not the
+    /// one-shot collectives (their blocks wait on other GPUs) nor sampling.
+    pub fn pdl(&self) -> bool {
+        !matches!(self, KernelKey::AllReduce { .. } | KernelKey::AllGather { .. } | KernelKey::Sample { .. })
+    }
+
     /// The `extern "C"` wrapper that instantiates the template.
     pub(crate) fn instance(&self) -> Result<String, CodegenError> {
         let name = self.name();
@@ -355,6 +362,7 @@ impl KernelKey {
                 format!("all_gather_oneshot<{ranks}>(x, out, rows, cols, table, rank, cap, counters)"),
             ),
         };
-        Ok(format!("extern \"C\" __global__ void {name}({params}) {{ {call}; }}\n"))
+        let enter = if self.pdl() { "pdl_enter(); " } else { "" };
+        Ok(format!("extern \"C\" __global__ void {name}({params}) {{ {enter}{call}; }}\n"))
     }
 }

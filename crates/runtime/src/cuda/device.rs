@@ -112,3 +112,42 @@ pub(crate) fn arch(ctx: &CudaContext) -> Result<String, RuntimeError> {
     }
     Ok(format!("sm_{major}{minor}"))
 }
+
+/// Whether kernels run as programmatic dependent launches: on sm_90 and newer, unless
+/// `ENGINE_PDL=0`.
+pub(crate) fn pdl_enabled(ctx: &CudaContext) -> bool {
+    use cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR;
+    let major = ctx.attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR).unwrap_or(0);
+    major >= 9 && std::env::var("ENGINE_PDL").map_or(true, |v| v != "0")
+}
+
+/// Launches `func` on `stream` as a programmatic dependent launch: its blocks may be scheduled
+/// while the previous kernel still runs (the kernel's `pdl_enter` waits for that one's results;
+/// captured into a graph, the edge stays programmatic). `params` points at each argument.
+///
+/// # Safety
+/// As for any kernel launch: `params` must match the kernel's parameters.
+pub(crate) unsafe fn launch_pdl(
+    stream: &cudarc::driver::CudaStream,
+    func: &cudarc::driver::CudaFunction,
+    cfg: cudarc::driver::LaunchConfig,
+    params: &mut [*mut std::ffi::c_void],
+) -> Result<(), cudarc::driver::DriverError> {
+    use cudarc::driver::sys;
+    let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
+    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attr.value.programmaticStreamSerializationAllowed = 1;
+    let config = sys::CUlaunchConfig {
+        gridDimX: cfg.grid_dim.0,
+        gridDimY: cfg.grid_dim.1,
+        gridDimZ: cfg.grid_dim.2,
+        blockDimX: cfg.block_dim.0,
+        blockDimY: cfg.block_dim.1,
+        blockDimZ: cfg.block_dim.2,
+        sharedMemBytes: cfg.shared_mem_bytes,
+        hStream: stream.cu_stream(),
+        attrs: &mut attr,
+        numAttrs: 1,
+    };
+    sys::cuLaunchKernelEx(&config, func.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()).result()
+}

@@ -63,6 +63,8 @@ pub struct CudaBackend {
     last_rows: usize,
     graphs: HashMap<usize, Graph>,
     use_graphs: bool,
+    /// Forward-step kernels launched as programmatic dependent launches (`device::pdl_enabled`).
+    pdl: bool,
     /// cuBLASLt, where it loads; the GEMM shapes it runs (per token bucket, `blas::BUCKETS`) and
     /// f32 copies of their biases.
     blas: Option<blas::Blas>,
@@ -228,6 +230,7 @@ impl CudaBackend {
             last_rows: 0,
             graphs: HashMap::new(),
             use_graphs,
+            pdl: device::pdl_enabled(&ctx),
             blas: None,
             blas_choice: HashMap::new(),
             bias_f32: HashMap::new(),
@@ -381,7 +384,22 @@ impl CudaBackend {
         if gx == 0 || gy == 0 {
             return Ok(());
         }
-        let mut b = self.stream.launch_builder(&self.funcs[&l.key]);
+        let cfg = LaunchConfig { grid_dim: (gx as u32, gy as u32, 1), block_dim: (l.block, 1, 1), shared_mem_bytes: 0 };
+        let func = &self.funcs[&l.key];
+        if self.pdl && self.profile.is_none() && l.key.pdl() {
+            let mut params: Vec<*mut std::ffi::c_void> = vals
+                .iter()
+                .map(|v| match v {
+                    V::P(p) => p as *const u64 as *mut _,
+                    V::I(i) => i as *const i32 as *mut _,
+                    V::L(x) => x as *const i64 as *mut _,
+                    V::F(f) => f as *const f32 as *mut _,
+                })
+                .collect();
+            return unsafe { device::launch_pdl(&self.stream, func, cfg, &mut params) }
+                .map_err(driver("launching a kernel"));
+        }
+        let mut b = self.stream.launch_builder(func);
         for v in &vals {
             match v {
                 V::P(p) => b.arg(p),
@@ -390,7 +408,6 @@ impl CudaBackend {
                 V::F(f) => b.arg(f),
             };
         }
-        let cfg = LaunchConfig { grid_dim: (gx as u32, gy as u32, 1), block_dim: (l.block, 1, 1), shared_mem_bytes: 0 };
         let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
         let start = match &self.profile {
             Some(_) => Some(self.stream.record_event(timing).map_err(driver("profiling"))?),
