@@ -71,7 +71,6 @@ __device__ void add_rms_norm(const float* a, const float* b, float* s, const W* 
 }
 
 // ---- decode linear: memory-bound GEMV over up to ROWS (<= 8) rows ----
-// The wrappers of gemv and gemv_glu call pdl_trigger only: gemv_rows waits (pdl_wait) itself.
 // Up to three linears sharing the input x (h16 [T, K]): group g has N_g outputs, weight
 // w_g [N_g, K] h16, optional bias b_g, output o_g f32 [T, N_g]. SPLIT warps share an output
 // feature, each over K / SPLIT (so a warp needs few memory round trips), and reduce through
@@ -86,12 +85,6 @@ __device__ __forceinline__ void gemv_rows(const h16_t* x, const h16_t* w, int T,
 #pragma unroll
   for (int r = 0; r < ROWS; r++) acc[r] = 0.0f;
   int c = part * PART + lane;
-  // The weights do not depend on the previous kernel: fetch the first ones into L2 while it
-  // finishes, then wait for its output (x).
-#pragma unroll
-  for (int u = 0; u < 4; u++)
-    if (c + 32 * u < end) asm volatile("prefetch.global.L2 [%0];" ::"l"(wr + c + 32 * u));
-  pdl_wait();
   for (; c + 96 < end; c += 128) {
     uint4 wv[4];
 #pragma unroll

@@ -244,8 +244,7 @@ impl KernelKey {
         }
     }
 
-    /// Whether the kernel starts with `pdl_enter` (or `pdl_trigger`, waiting inside: the
-    /// GEMVs; `kernels/prelude.cuh`), so the runtime may
+    /// Whether the kernel starts with `pdl_enter` (`kernels/prelude.cuh`), so the runtime may
     /// launch it as a programmatic dependent launch: every kernel of the forward step; not the
     /// one-shot collectives (their blocks wait on other GPUs) nor sampling.
     pub fn pdl(&self) -> bool {
@@ -363,12 +362,7 @@ impl KernelKey {
                 format!("all_gather_oneshot<{ranks}>(x, out, rows, cols, table, rank, cap, counters)"),
             ),
         };
-        // The GEMVs wait for the previous kernel inside (after prefetching their weights).
-        let enter = match self {
-            _ if !self.pdl() => "",
-            KernelKey::Gemv { .. } | KernelKey::GemvGlu { .. } => "pdl_trigger(); ",
-            _ => "pdl_enter(); ",
-        };
+        let enter = if self.pdl() { "pdl_enter(); " } else { "" };
         Ok(format!("extern \"C\" __global__ void {name}({params}) {{ {enter}{call}; }}\n"))
     }
 }
