@@ -100,8 +100,7 @@ pub fn emit(plan: &Plan) -> Result<Program, CodegenError> {
         plan.tp,
         plan.vocab
     );
-    let half = schedule::half_dtype(plan)?;
-    let _ = writeln!(source, "#define H16_F16 {}\n", u8::from(half == ir::DType::F16));
+    let _ = writeln!(source, "#define H16_F16 {}\n", u8::from(s.half == ir::DType::F16));
     for part in [PRELUDE, BASIC, FAST, COMM, SAMPLE] {
         source += part;
         source += "\n";
@@ -110,5 +109,13 @@ pub fn emit(plan: &Plan) -> Result<Program, CodegenError> {
     for k in &kernels {
         source += &k.instance()?;
     }
-    Ok(Program { source, kernels, steps: s.steps, buffers: s.buffers, constants: s.constants, output: s.output, half })
+    Ok(Program {
+        source,
+        kernels,
+        steps: s.steps,
+        buffers: s.buffers,
+        constants: s.constants,
+        output: s.output,
+        half: s.half,
+    })
 }

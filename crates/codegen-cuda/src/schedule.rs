@@ -148,14 +148,10 @@ pub(crate) struct Builder<'p> {
     pub constants: Vec<Vec<f32>>,
 }
 
-fn bytes(d: DType) -> usize {
-    d.size()
-}
-
 /// The 16-bit float of `plan`'s program (activations that feed linears, 16-bit weights, the KV
 /// cache): f16 for an f16 plan, else bf16 (an f32 plan's fast paths also round to bf16). A plan
 /// holding weights of the other 16-bit type is rejected: one program has one `h16_t`.
-pub fn half_dtype(plan: &Plan) -> Result<DType, CodegenError> {
+pub(crate) fn half_dtype(plan: &Plan) -> Result<DType, CodegenError> {
     let half = if plan.act_dtype == DType::F16 { DType::F16 } else { DType::BF16 };
     for (name, _, dtype) in plan.weights() {
         if !matches!(dtype, DType::F32) && dtype != half {
@@ -194,7 +190,7 @@ impl<'p> Builder<'p> {
     }
 
     pub(crate) fn new_val(&mut self, cols: usize, dtype: DType, per: Count) -> usize {
-        self.vals.push(Val { row_bytes: cols * bytes(dtype), per, dtype });
+        self.vals.push(Val { row_bytes: cols * dtype.size(), per, dtype });
         self.vals.len() - 1
     }
 
@@ -287,6 +283,8 @@ pub(crate) struct Schedule {
     pub buffers: Vec<Buffer>,
     pub constants: Vec<Vec<f32>>,
     pub output: usize,
+    /// The program's 16-bit float ([`half_dtype`]).
+    pub half: DType,
 }
 
 /// Lowers `plan` to fused launches with buffers assigned.
@@ -318,11 +316,11 @@ pub(crate) fn schedule(plan: &Plan) -> Result<Schedule, CodegenError> {
         }
     }
     let out = b.val(plan.output)?;
-    Ok(assign(b.steps, &b.vals, out, b.constants))
+    Ok(assign(b.steps, &b.vals, out, b.constants, b.half))
 }
 
 /// Gives every value a device buffer, reusing the buffers of values no longer live.
-fn assign(mut steps: Vec<Step>, vals: &[Val], output: usize, constants: Vec<Vec<f32>>) -> Schedule {
+fn assign(mut steps: Vec<Step>, vals: &[Val], output: usize, constants: Vec<Vec<f32>>, half: DType) -> Schedule {
     let mut first = vec![usize::MAX; vals.len()];
     let mut last = vec![0; vals.len()];
     for (s, step) in steps.iter().enumerate() {
@@ -359,7 +357,7 @@ fn assign(mut steps: Vec<Step>, vals: &[Val], output: usize, constants: Vec<Vec<
     for step in &mut steps {
         map_bufs(step, |v| phys[v]);
     }
-    Schedule { steps, buffers, constants, output: phys[output] }
+    Schedule { steps, buffers, constants, output: phys[output], half }
 }
 
 fn step_vals(step: &Step) -> Vec<usize> {

@@ -121,17 +121,19 @@ pub(crate) fn pdl_enabled(ctx: &CudaContext) -> bool {
     major >= 9 && std::env::var("ENGINE_PDL").map_or(true, |v| v != "0")
 }
 
-/// Launches `func` on `stream` as a programmatic dependent launch: its blocks may be scheduled
-/// while the previous kernel still runs (the kernel's `pdl_enter` waits for that one's results;
-/// captured into a graph, the edge stays programmatic). `params` points at each argument.
+/// Launches `func` on `stream`; `params` points at each argument. With `pdl`, as a
+/// programmatic dependent launch: its blocks may be scheduled while the previous kernel still
+/// runs (the kernel's `pdl_enter` waits for that one's results; captured into a graph, the edge
+/// stays programmatic).
 ///
 /// # Safety
 /// As for any kernel launch: `params` must match the kernel's parameters.
-pub(crate) unsafe fn launch_pdl(
+pub(crate) unsafe fn launch(
     stream: &cudarc::driver::CudaStream,
     func: &cudarc::driver::CudaFunction,
     cfg: cudarc::driver::LaunchConfig,
     params: &mut [*mut std::ffi::c_void],
+    pdl: bool,
 ) -> Result<(), cudarc::driver::DriverError> {
     use cudarc::driver::sys;
     let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
@@ -147,7 +149,7 @@ pub(crate) unsafe fn launch_pdl(
         sharedMemBytes: cfg.shared_mem_bytes,
         hStream: stream.cu_stream(),
         attrs: &mut attr,
-        numAttrs: 1,
+        numAttrs: u32::from(pdl),
     };
     sys::cuLaunchKernelEx(&config, func.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()).result()
 }

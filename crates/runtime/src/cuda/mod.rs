@@ -385,35 +385,23 @@ impl CudaBackend {
             return Ok(());
         }
         let cfg = LaunchConfig { grid_dim: (gx as u32, gy as u32, 1), block_dim: (l.block, 1, 1), shared_mem_bytes: 0 };
-        let func = &self.funcs[&l.key];
-        if self.pdl && self.profile.is_none() && l.key.pdl() {
-            let mut params: Vec<*mut std::ffi::c_void> = vals
-                .iter()
-                .map(|v| match v {
-                    V::P(p) => p as *const u64 as *mut _,
-                    V::I(i) => i as *const i32 as *mut _,
-                    V::L(x) => x as *const i64 as *mut _,
-                    V::F(f) => f as *const f32 as *mut _,
-                })
-                .collect();
-            return unsafe { device::launch_pdl(&self.stream, func, cfg, &mut params) }
-                .map_err(driver("launching a kernel"));
-        }
-        let mut b = self.stream.launch_builder(func);
-        for v in &vals {
-            match v {
-                V::P(p) => b.arg(p),
-                V::I(i) => b.arg(i),
-                V::L(x) => b.arg(x),
-                V::F(f) => b.arg(f),
-            };
-        }
+        let mut params: Vec<*mut std::ffi::c_void> = vals
+            .iter()
+            .map(|v| match v {
+                V::P(p) => p as *const u64 as *mut _,
+                V::I(i) => i as *const i32 as *mut _,
+                V::L(x) => x as *const i64 as *mut _,
+                V::F(f) => f as *const f32 as *mut _,
+            })
+            .collect();
+        let pdl = self.pdl && self.profile.is_none() && l.key.pdl();
         let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
         let start = match &self.profile {
             Some(_) => Some(self.stream.record_event(timing).map_err(driver("profiling"))?),
             None => None,
         };
-        unsafe { b.launch(cfg) }.map_err(driver("launching a kernel"))?;
+        unsafe { device::launch(&self.stream, &self.funcs[&l.key], cfg, &mut params, pdl) }
+            .map_err(driver("launching a kernel"))?;
         if let (Some(p), Some(start)) = (&self.profile, start) {
             let end = self.stream.record_event(timing).map_err(driver("profiling"))?;
             end.synchronize().map_err(driver("profiling"))?;
