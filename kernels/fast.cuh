@@ -33,6 +33,15 @@ __device__ __forceinline__ uint4 ld_stream(const void* p) {
   return r;
 }
 
+// The same load kept in program order with other volatile asm (the GEMVs issue their weight
+// loads before pdl_wait, and the compiler must not sink them below it).
+__device__ __forceinline__ uint4 ld_stream_first(const void* p) {
+  uint4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  return r;
+}
+
 __device__ __forceinline__ float dot8(uint4 w, uint4 x) {
   float a[8], b[8];
   unpack8(w, a);
@@ -44,12 +53,11 @@ __device__ __forceinline__ float dot8(uint4 w, uint4 x) {
 }
 
 // ---- residual add + RMS norm ----
-// s = a (+ b), written to s when ADD; out = s * rsqrt(mean(s^2) + eps) * w.
-// grid: T, block: 256.
-template <int H, typename W, bool ADD, typename O>
-__device__ void add_rms_norm(const float* a, const float* b, float* s, const W* w, O* out, float eps) {
+// One row: v = a (+ b), written to s when s is not null; out = v * rsqrt(mean(v^2) + eps) * w.
+// A block of 256 threads.
+template <int H, typename W, typename O>
+__device__ __forceinline__ void norm_row(const float* a, const float* b, float* s, const W* w, O* out, float eps) {
   constexpr int PER = (H + 255) / 256;
-  const long base = (long)blockIdx.x * H;
   float v[PER];
   float ss = 0.0f;
 #pragma unroll
@@ -57,8 +65,8 @@ __device__ void add_rms_norm(const float* a, const float* b, float* s, const W* 
     const int i = threadIdx.x + j * 256;
     v[j] = 0.0f;
     if (i < H) {
-      v[j] = ADD ? a[base + i] + b[base + i] : a[base + i];
-      if (ADD) s[base + i] = v[j];
+      v[j] = b ? a[i] + b[i] : a[i];
+      if (s) s[i] = v[j];
       ss += v[j] * v[j];
     }
   }
@@ -66,56 +74,99 @@ __device__ void add_rms_norm(const float* a, const float* b, float* s, const W* 
 #pragma unroll
   for (int j = 0; j < PER; j++) {
     const int i = threadIdx.x + j * 256;
-    if (i < H) store(out + base + i, v[j] * r * to_f32(w[i]));
+    if (i < H) store(out + i, v[j] * r * to_f32(w[i]));
   }
 }
 
+// s = a (+ b), written to s when ADD; out = s * rsqrt(mean(s^2) + eps) * w.
+// grid: T, block: 256.
+template <int H, typename W, bool ADD, typename O>
+__device__ void add_rms_norm(const float* a, const float* b, float* s, const W* w, O* out, float eps) {
+  const long base = (long)blockIdx.x * H;
+  norm_row<H>(a + base, ADD ? b + base : nullptr, ADD ? s + base : nullptr, w, out + base, eps);
+}
+
 // ---- decode linear: memory-bound GEMV over up to ROWS (<= 8) rows ----
-// Up to three linears sharing the input x (h16 [T, K]): group g has N_g outputs, weight
-// w_g [N_g, K] h16, optional bias b_g, output o_g f32 [T, N_g]. SPLIT warps share an output
-// feature, each over K / SPLIT (so a warp needs few memory round trips), and reduce through
-// shared memory; each lane streams 16-byte weight chunks, four in flight.
-// grid: ceil((N0 + N1 + N2) / (8 / SPLIT)), block: 256.
-template <int K, int ROWS, int SPLIT>
-__device__ __forceinline__ void gemv_rows(const h16_t* x, const h16_t* w, int T, float* acc) {
-  constexpr int C = K / 8, PART = (C + SPLIT - 1) / SPLIT;
-  const int lane = threadIdx.x & 31, part = (threadIdx.x >> 5) % SPLIT;
-  const uint4* wr = (const uint4*)w;
-  const int end = min(C, (part + 1) * PART);
-#pragma unroll
-  for (int r = 0; r < ROWS; r++) acc[r] = 0.0f;
-  int c = part * PART + lane;
-  for (; c + 96 < end; c += 128) {
-    uint4 wv[4];
-#pragma unroll
-    for (int u = 0; u < 4; u++) wv[u] = ld_stream(wr + c + 32 * u);
-#pragma unroll
-    for (int u = 0; u < 4; u++)
-#pragma unroll
-      for (int r = 0; r < ROWS; r++)
-        if (r < T) acc[r] += dot8(wv[u], ((const uint4*)(x + (long)r * K))[c + 32 * u]);
-  }
-  for (; c < end; c += 32) {
-    const uint4 wv = ld_stream(wr + c);
+// Where the GEMV's 16-bit input rows come from: X16, the linear's input as it is; XNorm, an RMS
+// norm (with its residual add when ADD) whose only readers are this launch's linears: every
+// block normalises the rows into shared memory itself (after issuing its weight loads, so the
+// two overlap), exactly as add_rms_norm would, and block 0 writes the residual sum s.
+struct X16 {
+  const h16_t* x;
+  template <int K, int ROWS>
+  __device__ __forceinline__ const h16_t* rows(int) const { return x; }
+};
+
+template <typename W, bool ADD>
+struct XNorm {
+  const float* a;
+  const float* b;
+  float* s;
+  const W* nw;
+  float eps;
+  template <int K, int ROWS>
+  __device__ __forceinline__ const h16_t* rows(int T) const {
+    __shared__ __align__(16) h16_t xs[ROWS * K];
 #pragma unroll
     for (int r = 0; r < ROWS; r++)
-      if (r < T) acc[r] += dot8(wv, ((const uint4*)(x + (long)r * K))[c]);
-  }
-#pragma unroll
-  for (int r = 0; r < ROWS; r++) acc[r] = warp_sum(acc[r]);
-  if (SPLIT > 1) {
-    __shared__ float part_sum[8][ROWS];
-    if (lane == 0)
-#pragma unroll
-      for (int r = 0; r < ROWS; r++) part_sum[threadIdx.x >> 5][r] = acc[r];
+      if (r < T) {
+        const long o = (long)r * K;
+        norm_row<K>(a + o, ADD ? b + o : nullptr, ADD && blockIdx.x == 0 ? s + o : nullptr, nw, xs + o, eps);
+      }
     __syncthreads();
-    const int first = (threadIdx.x >> 5) - part;
+    return xs;
+  }
+};
+
+// A warp's share of one weight row: the SPLIT warps of an output each take PART of the row's C
+// 16-byte chunks (so a warp's share is at most 2048 weights, gemv_split); lane l holds chunks
+// c0 + 32 j (j < L), all loaded before any is used, so a warp waits for one memory round trip.
+template <int K, int SPLIT>
+struct RowPart {
+  static constexpr int C = K / 8, PART = (C + SPLIT - 1) / SPLIT, L = (PART + 31) / 32;
+  int c0, end;
+  __device__ __forceinline__ RowPart() {
+    const int part = (threadIdx.x >> 5) % SPLIT;
+    c0 = part * PART + (threadIdx.x & 31);
+    end = min(C, (part + 1) * PART);
+  }
+  __device__ __forceinline__ void load(const h16_t* w, uint4* wv) const {
+    const uint4* wr = (const uint4*)w;
 #pragma unroll
-    for (int r = 0; r < ROWS; r++) {
-      float v = 0.0f;
+    for (int j = 0; j < L; j++) wv[j] = c0 + 32 * j < end ? ld_stream_first(wr + c0 + 32 * j) : make_uint4(0, 0, 0, 0);
+  }
+  // acc[r] = the lane's part of the dot of input row r (of x) with the loaded chunks.
+  template <int ROWS>
+  __device__ __forceinline__ void dot(const h16_t* x, const uint4* wv, int T, float* acc) const {
 #pragma unroll
-      for (int q = 0; q < SPLIT; q++) v += part_sum[first + q][r];
-      acc[r] = v;
+    for (int r = 0; r < ROWS; r++) acc[r] = 0.0f;
+#pragma unroll
+    for (int j = 0; j < L; j++)
+      if (c0 + 32 * j < end)
+#pragma unroll
+        for (int r = 0; r < ROWS; r++)
+          if (r < T) acc[r] += dot8(wv[j], ((const uint4*)(x + (long)r * K))[c0 + 32 * j]);
+  }
+};
+
+// Sums each of v[0..NV) over the warp, then over the SPLIT warps of its output (shared memory).
+template <int NV, int SPLIT>
+__device__ __forceinline__ void split_sum(float* v) {
+#pragma unroll
+  for (int i = 0; i < NV; i++) v[i] = warp_sum(v[i]);
+  if (SPLIT > 1) {
+    __shared__ float part[8][NV];
+    const int warp = threadIdx.x >> 5, first = warp - warp % SPLIT;
+    if ((threadIdx.x & 31) == 0)
+#pragma unroll
+      for (int i = 0; i < NV; i++) part[warp][i] = v[i];
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < NV; i++) {
+      float s = 0.0f;
+#pragma unroll
+      for (int p = 0; p < SPLIT; p++) s += part[first + p][i];
+      v[i] = s;
     }
   }
 }
@@ -136,9 +187,12 @@ __device__ __forceinline__ LinearOut pick_group(int& i, int c0, int c1, LinearOu
   return g0;
 }
 
-template <int K, int N0, int N1, int N2, int ROWS, int SPLIT>
-__device__ void gemv(const h16_t* x, const h16_t* w0, const h16_t* b0, float* o0, const h16_t* w1,
-                     const h16_t* b1, float* o1, const h16_t* w2, const h16_t* b2, float* o2, int T) {
+// Up to three linears sharing the input rows x (X16 or XNorm): group g has N_g outputs,
+// weight w_g [N_g, K] h16, optional bias b_g, output o_g f32 [T, N_g].
+// grid: ceil((N0 + N1 + N2) / (8 / SPLIT)), block: 256.
+template <int K, int N0, int N1, int N2, int ROWS, int SPLIT, typename X>
+__device__ void gemv(const X& x, const h16_t* w0, const h16_t* b0, float* o0, const h16_t* w1, const h16_t* b1,
+                     float* o1, const h16_t* w2, const h16_t* b2, float* o2, int T) {
   int n = blockIdx.x * (8 / SPLIT) + (threadIdx.x >> 5) / SPLIT;
   const bool live = n < N0 + N1 + N2;
   n = min(n, N0 + N1 + N2 - 1);
@@ -147,8 +201,13 @@ __device__ void gemv(const h16_t* x, const h16_t* w0, const h16_t* b0, float* o0
   const h16_t* b = g.b;
   float* o = g.o;
   const int N = g.n;
+  const RowPart<K, SPLIT> part;
+  uint4 wv[RowPart<K, SPLIT>::L];
+  part.load(w + (long)n * K, wv);
+  pdl_wait();
   float acc[ROWS];
-  gemv_rows<K, ROWS, SPLIT>(x, w + (long)n * K, T, acc);
+  part.template dot<ROWS>(x.template rows<K, ROWS>(T), wv, T, acc);
+  split_sum<ROWS, SPLIT>(acc);
   if (live && (threadIdx.x & 31) == 0 && ((threadIdx.x >> 5) % SPLIT) == 0) {
     const float bias = b ? to_f32(b[n]) : 0.0f;
 #pragma unroll
@@ -159,21 +218,27 @@ __device__ void gemv(const h16_t* x, const h16_t* w0, const h16_t* b0, float* o0
 
 __device__ __forceinline__ float silu_f(float g) { return g / (1.0f + __expf(-g)); }
 
-// Gate and up projections with silu(gate)·up fused: out h16 [T, N].
+// Gate and up projections with silu(gate)·up fused: input rows x (X16 or XNorm), out h16 [T, N].
 // grid: ceil(N / (8 / SPLIT)), block: 256.
-template <int K, int N, int ROWS, int SPLIT>
-__device__ void gemv_glu(const h16_t* x, const h16_t* wg, const h16_t* wu, h16_t* out, int T) {
+template <int K, int N, int ROWS, int SPLIT, typename X>
+__device__ void gemv_glu(const X& x, const h16_t* wg, const h16_t* wu, h16_t* out, int T) {
   int n = blockIdx.x * (8 / SPLIT) + (threadIdx.x >> 5) / SPLIT;
   const bool live = n < N;
   n = min(n, N - 1);
-  float g[ROWS], u[ROWS];
-  gemv_rows<K, ROWS, SPLIT>(x, wg + (long)n * K, T, g);
-  __syncthreads();
-  gemv_rows<K, ROWS, SPLIT>(x, wu + (long)n * K, T, u);
+  const RowPart<K, SPLIT> part;
+  uint4 wgv[RowPart<K, SPLIT>::L], wuv[RowPart<K, SPLIT>::L];
+  part.load(wg + (long)n * K, wgv);
+  part.load(wu + (long)n * K, wuv);
+  pdl_wait();
+  const h16_t* xr = x.template rows<K, ROWS>(T);
+  float acc[2 * ROWS];
+  part.template dot<ROWS>(xr, wgv, T, acc);
+  part.template dot<ROWS>(xr, wuv, T, acc + ROWS);
+  split_sum<2 * ROWS, SPLIT>(acc);
   if (live && (threadIdx.x & 31) == 0 && ((threadIdx.x >> 5) % SPLIT) == 0) {
 #pragma unroll
     for (int r = 0; r < ROWS; r++)
-      if (r < T) out[(long)r * N + n] = f32_to_h16(silu_f(g[r]) * u[r]);
+      if (r < T) out[(long)r * N + n] = f32_to_h16(silu_f(acc[r]) * acc[ROWS + r]);
   }
 }
 
@@ -427,37 +492,45 @@ __device__ __forceinline__ void kv16_add(float s, const float* vf, float& m, flo
 
 // The keys at positions 0..n-1 of a sequence (slots sl[p]) for kv head kvh, split over the
 // warps and lane groups of the block (see attention_kv16): each lane's online-softmax state.
+// U passes at a time: their slots, then their K and V rows, are loaded before any is used, so
+// a short sequence costs two memory round trips rather than two per pass.
 template <int KVH, int D>
 __device__ __forceinline__ void kv16_scan(const float* qv, const h16_t* kc, const h16_t* vc, const int* sl, int n,
                                          int kvh, float& m, float& l, float* acc) {
-  constexpr int G = D / 16, KPW = 32 / G, WARPS = 8, STATES = WARPS * KPW;
+  constexpr int G = D / 16, KPW = 32 / G, WARPS = 8, STATES = WARPS * KPW, U = 4;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = lane % G, grp = lane / G;
-  for (int p0 = warp * KPW; p0 < n; p0 += STATES) {
-    const int p = p0 + grp;
-    const bool valid = p < n;
-    float s = 0.0f;
-    uint4 k0 = make_uint4(0, 0, 0, 0), k1 = k0, v0 = k0, v1 = k0;
-    if (valid) {
-      const long row = (long)sl[p] * (KVH * D) + kvh * D + sub * 16;
-      const uint4* kr = (const uint4*)(kc + row);
-      const uint4* vr = (const uint4*)(vc + row);
-      k0 = kr[0];
-      k1 = kr[1];
-      v0 = vr[0];
-      v1 = vr[1];
-      float kf[16];
-      unpack8(k0, kf);
-      unpack8(k1, kf + 8);
+  for (int p0 = warp * KPW; p0 < n; p0 += U * STATES) {
+    long row[U];
 #pragma unroll
-      for (int i = 0; i < 16; i++) s = fmaf(qv[i], kf[i], s);
+    for (int u = 0; u < U; u++) {
+      const int p = p0 + u * STATES + grp;
+      row[u] = p < n ? (long)sl[p] * (KVH * D) + kvh * D + sub * 16 : -1;
+    }
+    uint4 kv[U][4];
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+      const uint4 z = make_uint4(0, 0, 0, 0);
+      const uint4* kr = (const uint4*)(kc + row[u]);
+      const uint4* vr = (const uint4*)(vc + row[u]);
+      kv[u][0] = row[u] >= 0 ? kr[0] : z;
+      kv[u][1] = row[u] >= 0 ? kr[1] : z;
+      kv[u][2] = row[u] >= 0 ? vr[0] : z;
+      kv[u][3] = row[u] >= 0 ? vr[1] : z;
     }
 #pragma unroll
-    for (int o = G / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-    if (valid) {
-      float vf[16];
-      unpack8(v0, vf);
-      unpack8(v1, vf + 8);
-      kv16_add(s, vf, m, l, acc);
+    for (int u = 0; u < U; u++) {
+      float f[16], s = 0.0f;
+      unpack8(kv[u][0], f);
+      unpack8(kv[u][1], f + 8);
+#pragma unroll
+      for (int i = 0; i < 16; i++) s = fmaf(qv[i], f[i], s);
+#pragma unroll
+      for (int o = G / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+      if (row[u] >= 0) {
+        unpack8(kv[u][2], f);
+        unpack8(kv[u][3], f + 8);
+        kv16_add(s, f, m, l, acc);
+      }
     }
   }
 }

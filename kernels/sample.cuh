@@ -309,3 +309,64 @@ __device__ void sample(const float* logits, const float* params, int* out) {
     }
   }
 }
+
+// ---- greedy sampling of every row: a split argmax ----
+// The argmax of each row of V logits (lowest index on ties), over B blocks per row (one block
+// would read the whole row alone): block b reduces its share to part_v/part_i [r][b]; the row's
+// last block to finish (counted in done[r], which it resets) reduces those into out[r].
+// grid: (R, B), block: 256.
+
+__device__ __forceinline__ void argmax_merge(float& bv, int& bi, float v, int i) {
+  if (v > bv || (v == bv && i < bi)) {
+    bv = v;
+    bi = i;
+  }
+}
+
+// The block's (value, index) argmax; thread 0 gets it.
+__device__ __forceinline__ void block_argmax(float& bv, int& bi) {
+  __shared__ float sv[32];
+  __shared__ int si[32];
+  for (int o = 16; o > 0; o >>= 1) argmax_merge(bv, bi, __shfl_xor_sync(0xffffffffu, bv, o), __shfl_xor_sync(0xffffffffu, bi, o));
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  __syncthreads();
+  if (lane == 0) {
+    sv[warp] = bv;
+    si[warp] = bi;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0)
+    for (int w = 1; w < (int)(blockDim.x >> 5); ++w) argmax_merge(bv, bi, sv[w], si[w]);
+}
+
+template <int V, int B>
+__device__ void argmax_rows(const float* logits, float* part_v, int* part_i, unsigned* done, int* out) {
+  constexpr int PER = (V + B - 1) / B;
+  const int r = blockIdx.x, b = blockIdx.y;
+  const float* row = logits + (long)r * V;
+  const int lo = b * PER, hi = min(V, lo + PER);
+  float bv = NEG_INF;
+  int bi = 0x7fffffff;
+#pragma unroll 4
+  for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) argmax_merge(bv, bi, row[i], i);
+  block_argmax(bv, bi);
+  __shared__ bool last;
+  if (threadIdx.x == 0) {
+    part_v[r * B + b] = bv;
+    part_i[r * B + b] = bi;
+    __threadfence();
+    last = atomicAdd(done + r, 1u) == B - 1;
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  bv = NEG_INF;
+  bi = 0x7fffffff;
+  for (int j = threadIdx.x; j < B; j += blockDim.x)
+    argmax_merge(bv, bi, ((volatile float*)part_v)[r * B + j], ((volatile int*)part_i)[r * B + j]);
+  block_argmax(bv, bi);
+  if (threadIdx.x == 0) {
+    out[r] = bi < V ? bi : 0;
+    done[r] = 0;
+  }
+}

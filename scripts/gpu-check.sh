@@ -103,8 +103,9 @@ for run, first, count, pre in (("b1", 0, 1, 40), ("b16", 1, 16, 24)):
         print(json.dumps({"shape": shape, "run": run + sfx, "vs": kind, "last_rel_err": last,
                           "all_rel_err": allp, "greedy_equal": same, "greedy_clear": clear}))
 PY
-  # The sampling kernel against the host's rule, on the same logits and numbers.
-  for spec in "--temperature 0.7 --top-p 0.9" "--temperature 0.3 --top-p 0.95" "--temperature 1.0 --top-k 50 --min-p 0.05" "--temperature 1.3"; do
+  # The sampling kernels against the host's rule, on the same logits and numbers (top-k 1:
+  # greedy, the split argmax).
+  for spec in "--temperature 1.0 --top-k 1" "--temperature 0.7 --top-p 0.9" "--temperature 0.3 --top-p 0.95" "--temperature 1.0 --top-k 50 --min-p 0.05" "--temperature 1.3"; do
     r=$(bin-gpu/engrun logits "$b" --device cuda --ids "$many" --prefill 24 $spec -o /tmp/sample-check.safetensors 2>/dev/null | tail -1)
     echo "$spec: $r" | tee -a "$out/$shape$sfx-sampling.txt"
   done

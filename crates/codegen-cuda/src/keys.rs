@@ -33,6 +33,8 @@ pub enum KernelKey {
         n: [usize; 3],
         /// Rows per launch (1, 2, 4 or 8).
         rows: usize,
+        /// The RMS norm it applies to its input rows itself, if any.
+        norm: Option<NormIn>,
     },
     /// Gate and up projections with silu(gate)·up, 16-bit out, for at most `rows` rows.
     GemvGlu {
@@ -42,6 +44,8 @@ pub enum KernelKey {
         n: usize,
         /// Rows per launch.
         rows: usize,
+        /// The RMS norm it applies to its input rows itself, if any.
+        norm: Option<NormIn>,
     },
     /// Up to three linears sharing a 16-bit input, for at most `8 * tiles` rows (tensor cores,
     /// split K; every `n` a multiple of 16).
@@ -154,6 +158,12 @@ pub enum KernelKey {
         /// Vocabulary size.
         vocab: usize,
     },
+    /// Greedy sampling of every row: the argmax of each row of `vocab` logits, split over
+    /// [`ARGMAX_BLOCKS`] blocks per row.
+    Argmax {
+        /// Vocabulary size.
+        vocab: usize,
+    },
     /// One-shot all-reduce of a small f32 message over peer memory between `ranks` GPUs
     /// (`kernels/comm.cuh`); the runtime launches it in place of NCCL where peers can reach
     /// each other.
@@ -169,6 +179,43 @@ pub enum KernelKey {
         ranks: usize,
     },
 }
+
+/// An RMS norm (optionally after a residual add) that a decode GEMV applies to its f32 input
+/// rows itself (`XNorm` in `kernels/fast.cuh`) instead of reading the norm's 16-bit output.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct NormIn {
+    /// Norm weight dtype.
+    pub w: DType,
+    /// With the residual add (the GEMV writes the sum too).
+    pub add: bool,
+}
+
+impl NormIn {
+    fn suffix(&self) -> String {
+        format!("_{}norm_{}", if self.add { "add" } else { "" }, self.w)
+    }
+
+    /// The parameters that replace the GEMV's `x`, and the `XNorm` value built from them.
+    fn input(&self) -> Result<(String, String), CodegenError> {
+        let t = ctype(self.w)?;
+        Ok((
+            format!("const float* a, const float* b, float* s, const {t}* nw, float eps"),
+            format!("XNorm<{t}, {}>{{a, b, s, nw, eps}}", self.add),
+        ))
+    }
+}
+
+/// A GEMV's input parameters and the policy value (`kernels/fast.cuh`) it reads them through.
+fn gemv_input(norm: Option<NormIn>) -> Result<(String, String), CodegenError> {
+    match norm {
+        Some(n) => n.input(),
+        None => Ok(("const h16_t* x".into(), "X16{x}".into())),
+    }
+}
+
+/// Blocks per row of the split argmax (`argmax_rows` in `kernels/sample.cuh`): the runtime
+/// gives it this many partial results per row.
+pub const ARGMAX_BLOCKS: usize = 128;
 
 /// The most blocks a one-shot all-reduce launches (`AR_MAXB` in `kernels/comm.cuh`).
 pub const ALL_REDUCE_MAX_BLOCKS: usize = 32;
@@ -191,9 +238,10 @@ fn attention_params(o: &str) -> String {
     )
 }
 
-const GROUP_PARAMS: &str = "const h16_t* x, const h16_t* w0, const h16_t* b0, float* o0, const h16_t* w1, \
-                            const h16_t* b1, float* o1, const h16_t* w2, const h16_t* b2, float* o2, int T";
-const GROUP_ARGS: &str = "x, w0, b0, o0, w1, b1, o1, w2, b2, o2, T";
+/// The weights, biases and outputs of up to three linears sharing an input.
+const OUT_PARAMS: &str = "const h16_t* w0, const h16_t* b0, float* o0, const h16_t* w1, const h16_t* b1, float* o1, \
+                          const h16_t* w2, const h16_t* b2, float* o2, int T";
+const OUT_ARGS: &str = "w0, b0, o0, w1, b1, o1, w2, b2, o2, T";
 
 /// Warps that share one output of the GEMV: enough that each streams at most 2048 weights of
 /// a row (a few memory round trips), at most 8.
@@ -214,8 +262,12 @@ impl KernelKey {
             KernelKey::AddRmsNorm { h, w, add, out } => {
                 format!("{}rms_norm_h{h}_{w}_to_{out}", if add { "add_" } else { "" })
             }
-            KernelKey::Gemv { k, n, rows } => format!("gemv_k{k}_n{}_r{rows}", n3(n)),
-            KernelKey::GemvGlu { k, n, rows } => format!("gemv_glu_k{k}_n{n}_r{rows}"),
+            KernelKey::Gemv { k, n, rows, norm } => {
+                format!("gemv_k{k}_n{}_r{rows}{}", n3(n), norm.map_or(String::new(), |m| m.suffix()))
+            }
+            KernelKey::GemvGlu { k, n, rows, norm } => {
+                format!("gemv_glu_k{k}_n{n}_r{rows}{}", norm.map_or(String::new(), |m| m.suffix()))
+            }
             KernelKey::Gemm { k, n } => format!("gemm_k{k}_n{}", n3(n)),
             KernelKey::GemmSkinny { k, n, tiles } => format!("gemm_skinny_k{k}_n{}_t{tiles}", n3(n)),
             KernelKey::Linear { k, n, w, bias } => format!("linear_k{k}_n{n}_{w}{}", if bias { "_bias" } else { "" }),
@@ -239,6 +291,7 @@ impl KernelKey {
             KernelKey::Silu => "silu_f32".into(),
             KernelKey::Gather { h, x, out } => format!("gather_h{h}_{x}_to_{out}"),
             KernelKey::Sample { vocab } => format!("sample_v{vocab}"),
+            KernelKey::Argmax { vocab } => format!("argmax_v{vocab}"),
             KernelKey::AllReduce { ranks } => format!("all_reduce_r{ranks}"),
             KernelKey::AllGather { ranks } => format!("all_gather_r{ranks}"),
         }
@@ -248,7 +301,13 @@ impl KernelKey {
     /// launch it as a programmatic dependent launch: every kernel of the forward step; not the
     /// one-shot collectives (their blocks wait on other GPUs) nor sampling.
     pub fn pdl(&self) -> bool {
-        !matches!(self, KernelKey::AllReduce { .. } | KernelKey::AllGather { .. } | KernelKey::Sample { .. })
+        !matches!(
+            self,
+            KernelKey::AllReduce { .. }
+                | KernelKey::AllGather { .. }
+                | KernelKey::Sample { .. }
+                | KernelKey::Argmax { .. }
+        )
     }
 
     /// The `extern "C"` wrapper that instantiates the template.
@@ -269,20 +328,28 @@ impl KernelKey {
                     format!("add_rms_norm<{h}, {t}, {add}, {o}>(a, b, s, w, out, eps)"),
                 )
             }
-            KernelKey::Gemv { k, n, rows } => (
-                GROUP_PARAMS.into(),
-                format!("gemv<{k}, {}, {}, {}, {rows}, {}>({GROUP_ARGS})", n[0], n[1], n[2], gemv_split(k)),
-            ),
-            KernelKey::GemvGlu { k, n, rows } => (
-                "const h16_t* x, const h16_t* wg, const h16_t* wu, h16_t* out, int T".into(),
-                format!("gemv_glu<{k}, {n}, {rows}, {}>(x, wg, wu, out, T)", gemv_split(k)),
-            ),
-            KernelKey::Gemm { k, n } => {
-                (GROUP_PARAMS.into(), format!("gemm<{k}, {}, {}, {}>({GROUP_ARGS})", n[0], n[1], n[2]))
+            KernelKey::Gemv { k, n, rows, norm } => {
+                let (input, x) = gemv_input(norm)?;
+                (
+                    format!("{input}, {OUT_PARAMS}"),
+                    format!("gemv<{k}, {}, {}, {}, {rows}, {}>({x}, {OUT_ARGS})", n[0], n[1], n[2], gemv_split(k)),
+                )
             }
-            KernelKey::GemmSkinny { k, n, tiles } => {
-                (GROUP_PARAMS.into(), format!("gemm_skinny<{k}, {}, {}, {}, {tiles}>({GROUP_ARGS})", n[0], n[1], n[2]))
+            KernelKey::GemvGlu { k, n, rows, norm } => {
+                let (input, x) = gemv_input(norm)?;
+                (
+                    format!("{input}, const h16_t* wg, const h16_t* wu, h16_t* out, int T"),
+                    format!("gemv_glu<{k}, {n}, {rows}, {}>({x}, wg, wu, out, T)", gemv_split(k)),
+                )
             }
+            KernelKey::Gemm { k, n } => (
+                format!("const h16_t* x, {OUT_PARAMS}"),
+                format!("gemm<{k}, {}, {}, {}>(x, {OUT_ARGS})", n[0], n[1], n[2]),
+            ),
+            KernelKey::GemmSkinny { k, n, tiles } => (
+                format!("const h16_t* x, {OUT_PARAMS}"),
+                format!("gemm_skinny<{k}, {}, {}, {}, {tiles}>(x, {OUT_ARGS})", n[0], n[1], n[2]),
+            ),
             KernelKey::Linear { k, n, w, bias } => {
                 let t = ctype(w)?;
                 (
@@ -347,6 +414,10 @@ impl KernelKey {
                 let (t, o) = (ctype(x)?, ctype(out)?);
                 (format!("const {t}* x, const int* rows, {o}* out"), format!("gather<{h}, {t}, {o}>(x, rows, out)"))
             }
+            KernelKey::Argmax { vocab } => (
+                "const float* logits, float* part_v, int* part_i, unsigned* done, int* out".into(),
+                format!("argmax_rows<{vocab}, {ARGMAX_BLOCKS}>(logits, part_v, part_i, done, out)"),
+            ),
             KernelKey::Sample { vocab } => (
                 "const float* logits, const float* params, int* out".into(),
                 format!("sample<{vocab}>(logits, params, out)"),
@@ -362,7 +433,12 @@ impl KernelKey {
                 format!("all_gather_oneshot<{ranks}>(x, out, rows, cols, table, rank, cap, counters)"),
             ),
         };
-        let enter = if self.pdl() { "pdl_enter(); " } else { "" };
+        // The GEMVs wait for the previous kernel themselves, after issuing their weight loads.
+        let enter = match self {
+            _ if !self.pdl() => "",
+            KernelKey::Gemv { .. } | KernelKey::GemvGlu { .. } => "pdl_trigger(); ",
+            _ => "pdl_enter(); ",
+        };
         Ok(format!("extern \"C\" __global__ void {name}({params}) {{ {enter}{call}; }}\n"))
     }
 }

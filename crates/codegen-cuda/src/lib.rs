@@ -12,8 +12,8 @@ mod lower;
 pub mod nvrtc;
 pub mod schedule;
 
-pub use keys::{KernelKey, ALL_REDUCE_MAX_BLOCKS};
-pub use schedule::{Arg, Buffer, Count, Dim, Input, Launch, Step, GEMV_ROWS, SKINNY_ROWS};
+pub use keys::{KernelKey, NormIn, ALL_REDUCE_MAX_BLOCKS, ARGMAX_BLOCKS};
+pub use schedule::{Arg, Buffer, Count, Dim, Input, Launch, Step, GEMV_ROWS, NORM_IN_GEMV_ROWS, SKINNY_ROWS};
 
 use ir::Plan;
 use std::fmt::Write;
@@ -75,7 +75,8 @@ pub fn emit(plan: &Plan) -> Result<Program, CodegenError> {
     let one_shot = (plan.tp > 1).then_some(KernelKey::AllReduce { ranks: plan.tp });
     let gather = s.steps.iter().any(|st| matches!(st, Step::AllGather { .. }));
     let gather = gather.then_some(KernelKey::AllGather { ranks: plan.tp });
-    for k in launched.chain([KernelKey::Sample { vocab: plan.vocab }]).chain(one_shot).chain(gather) {
+    let sampling = [KernelKey::Sample { vocab: plan.vocab }, KernelKey::Argmax { vocab: plan.vocab }];
+    for k in launched.chain(sampling).chain(one_shot).chain(gather) {
         if !kernels.contains(&k) {
             kernels.push(k);
         }

@@ -1,8 +1,9 @@
 //! Lowering of plan nodes to launches, with the fusions the schedule module describes.
 
-use crate::keys::KernelKey;
+use crate::keys::{KernelKey, NormIn};
 use crate::schedule::{
-    launch, one, per_token, Arg, Builder, Count, Dim, Input, Launch, Step, GEMV_ROWS, ONE, SKINNY_ROWS,
+    launch, one, per_token, Arg, Builder, Count, Dim, FusedNorm, Input, Launch, Step, GEMV_ROWS, NORM_IN_GEMV_ROWS,
+    ONE, SKINNY_ROWS,
 };
 use crate::CodegenError;
 use ir::{DType, Op};
@@ -35,12 +36,9 @@ pub(crate) fn node(b: &mut Builder, i: usize) -> Result<(), CodegenError> {
             b.steps.push(one(launch(key, args, [per_token(1, 1), ONE], 256)));
         }
         Op::Add => add(b, i)?,
-        Op::RmsNorm { eps } => {
-            let (x, w, eps) = (b.f32_val(n.inputs[0])?, n.inputs[1], *eps);
-            let out = b.out(i, b.act_dtype(i));
-            let key = KernelKey::AddRmsNorm { h: cols, w: b.wdtype(w), add: false, out: b.vals_dtype(out) };
-            let args = vec![Arg::Buf(x), Arg::Null, Arg::Null, Arg::Weight(w), Arg::Buf(out), Arg::F32(eps)];
-            b.steps.push(one(launch(key, args, [per_token(1, 1), ONE], 256)));
+        Op::RmsNorm { .. } => {
+            let x = b.f32_val(n.inputs[0])?;
+            rms_norm(b, i, x, None);
         }
         Op::Linear { .. } => linear(b, i)?,
         Op::Rope { head_dim, theta, scaling } => {
@@ -99,41 +97,93 @@ fn add(b: &mut Builder, i: usize) -> Result<(), CodegenError> {
         b.steps.push(one(launch(KernelKey::Add, args, [per_token(cols, 256), ONE], 256)));
         return Ok(());
     };
-    let Op::RmsNorm { eps } = b.plan.nodes[c].op else { unreachable!("found as a norm") };
+    rms_norm(b, c, x, Some((y, s)));
+    Ok(())
+}
+
+/// RMS norm node `c` of the f32 value `x` (plus `y`, the sum written to `s`, for a residual
+/// add): one launch, except in steps of at most [`NORM_IN_GEMV_ROWS`] tokens where the norm
+/// only feeds the GEMVs of one launch, which apply it themselves.
+fn rms_norm(b: &mut Builder, c: usize, x: usize, add: Option<(usize, usize)>) {
+    let Op::RmsNorm { eps } = b.plan.nodes[c].op else { unreachable!("an RMS norm") };
     let w = b.plan.nodes[c].inputs[1];
     let out = b.out(c, b.act_dtype(c));
     b.done[c] = true;
-    let key = KernelKey::AddRmsNorm { h: cols, w: b.wdtype(w), add: true, out: b.vals_dtype(out) };
-    let args = vec![Arg::Buf(x), Arg::Buf(y), Arg::Buf(s), Arg::Weight(w), Arg::Buf(out), Arg::F32(eps)];
-    b.steps.push(one(launch(key, args, [per_token(1, 1), ONE], 256)));
-    Ok(())
+    let (y, s) = add.map_or((Arg::Null, Arg::Null), |(y, s)| (Arg::Buf(y), Arg::Buf(s)));
+    let key = KernelKey::AddRmsNorm { h: b.cols(c), w: b.wdtype(w), add: add.is_some(), out: b.vals_dtype(out) };
+    let args = vec![Arg::Buf(x), y, s, Arg::Weight(w), Arg::Buf(out), Arg::F32(eps)];
+    let l = launch(key, args, [per_token(1, 1), ONE], 256);
+    if !norm_fuses(b, c) {
+        b.steps.push(one(l));
+        return;
+    }
+    let key = NormIn { w: b.wdtype(w), add: add.is_some() };
+    b.fused_norm[c] = Some(FusedNorm { args: [Arg::Buf(x), y, s, Arg::Weight(w), Arg::F32(eps)], key });
+    b.steps
+        .push(Step::Kernels { by: Count::Tokens, variants: vec![(NORM_IN_GEMV_ROWS, vec![]), (usize::MAX, vec![l])] });
+}
+
+/// Shared memory a GEMV may give its normalised rows (`XNorm` in `kernels/fast.cuh`).
+const NORM_SMEM: usize = 32 << 10;
+
+/// Whether norm node `c` only feeds fast linears that run as one launch (up to three grouped,
+/// or the gate and up of one GLU), reading its 16-bit output, and its rows fit in
+/// [`NORM_SMEM`].
+fn norm_fuses(b: &Builder, c: usize) -> bool {
+    let readers = &b.consumers[c];
+    let linears = readers.iter().all(|&j| {
+        let n = &b.plan.nodes[j];
+        matches!(n.op, Op::Linear { .. }) && n.inputs[0] == c && b.fast_linear(j)
+    });
+    let glu = readers.iter().any(|&g| glu_of(b, g, readers).is_some());
+    let bytes: usize = readers.iter().map(|&j| b.cols(j) * b.cols(c) * b.half.size()).sum();
+    let max_mb: usize = std::env::var("ENGINE_NORM_MAX_MB").ok().and_then(|v| v.parse().ok()).unwrap_or(usize::MAX);
+    b.fuse_norms
+        && bytes <= max_mb.saturating_mul(1 << 20)
+        && linears
+        && NORM_IN_GEMV_ROWS * b.cols(c) * b.half.size() <= NORM_SMEM
+        && b.node_val[c].is_some_and(|v| b.vals_dtype(v) == b.half)
+        && (1..=3).contains(&readers.len())
+        && (!glu || readers.len() == 2)
 }
 
 /// One linear of a group: weight, bias, output value, output features.
 type Group = (usize, Option<usize>, usize, usize);
 
-/// Launch variants of up to three fast linears sharing the 16-bit input `x`, over `by` rows.
-fn grouped(x: usize, k: usize, groups: &[Group], by: Count) -> Step {
+/// The GEMV variants' input at `rows` rows: the 16-bit `x`, or the norm they apply themselves.
+fn gemv_input(x: usize, norm: Option<&FusedNorm>, rows: usize) -> (Option<NormIn>, Vec<Arg>) {
+    match norm {
+        Some(f) if rows <= NORM_IN_GEMV_ROWS => (Some(f.key), f.args.to_vec()),
+        _ => (None, vec![Arg::Buf(x)]),
+    }
+}
+
+/// Launch variants of up to three fast linears sharing the 16-bit input `x` (the output of
+/// `norm` when the GEMVs apply it), over `by` rows.
+fn grouped(x: usize, k: usize, groups: &[Group], by: Count, norm: Option<&FusedNorm>) -> Step {
     let mut n = [0; 3];
-    let mut args = vec![Arg::Buf(x)];
+    let mut outs = vec![];
     for (g, slot) in n.iter_mut().enumerate() {
         match groups.get(g) {
             Some(&(w, bias, out, cols)) => {
                 *slot = cols;
-                args.extend([Arg::Weight(w), bias.map_or(Arg::Null, Arg::Weight), Arg::Buf(out)]);
+                outs.extend([Arg::Weight(w), bias.map_or(Arg::Null, Arg::Weight), Arg::Buf(out)]);
             }
-            None => args.extend([Arg::Null, Arg::Null, Arg::Null]),
+            None => outs.extend([Arg::Null, Arg::Null, Arg::Null]),
         }
     }
-    args.push(Arg::Count(by));
+    outs.push(Arg::Count(by));
+    let args = [&[Arg::Buf(x)], &outs[..]].concat();
     let total: usize = n.iter().sum();
     let tiles: usize = n.iter().map(|c| c.div_ceil(128)).sum();
     let mut variants: Vec<(usize, Vec<Launch>)> = GEMV_ROWS
         .iter()
         .map(|&rows| {
-            let key = KernelKey::Gemv { k, n, rows };
+            let (norm, input) = gemv_input(x, norm, rows);
+            let key = KernelKey::Gemv { k, n, rows, norm };
             let per_block = 8 / crate::keys::gemv_split(k);
-            (rows, vec![launch(key, args.clone(), [Dim::Fixed(total.div_ceil(per_block)), ONE], 256)])
+            let args = [input, outs.clone()].concat();
+            (rows, vec![launch(key, args, [Dim::Fixed(total.div_ceil(per_block)), ONE], 256)])
         })
         .collect();
     if n.iter().all(|c| c % 16 == 0) {
@@ -197,10 +247,11 @@ fn linear(b: &mut Builder, i: usize) -> Result<(), CodegenError> {
             matches!(n.op, Op::Linear { .. }) && n.inputs[0] == xn && !b.done[c] && b.fast_linear(c)
         })
         .collect();
+    let norm = b.fused_norm[xn].clone();
     for &g in &candidates {
         if let Some((u, s, m)) = glu_of(b, g, &candidates) {
             if !b.done[g] && !b.done[u] {
-                glu(b, x, k, [g, u, s, m]);
+                glu(b, x, k, [g, u, s, m], norm.as_ref());
             }
         }
     }
@@ -213,13 +264,14 @@ fn linear(b: &mut Builder, i: usize) -> Result<(), CodegenError> {
             let n = &b.plan.nodes[c];
             groups.push((n.inputs[1], n.inputs.get(2).copied(), out, b.cols(c)));
         }
-        b.steps.push(grouped(x, k, &groups, Count::Tokens));
+        b.steps.push(grouped(x, k, &groups, Count::Tokens, norm.as_ref()));
     }
     Ok(())
 }
 
-/// silu(x·gateᵀ) * (x·upᵀ) in one GEMV for few rows; GEMM + silu_mul above.
-fn glu(b: &mut Builder, x: usize, k: usize, [g, u, s, m]: [usize; 4]) {
+/// silu(x·gateᵀ) * (x·upᵀ) in one GEMV for few rows (applying `norm` where it is fused);
+/// GEMM + silu_mul above.
+fn glu(b: &mut Builder, x: usize, k: usize, [g, u, s, m]: [usize; 4], norm: Option<&FusedNorm>) {
     for d in [g, u, s, m] {
         b.done[d] = true;
     }
@@ -229,13 +281,24 @@ fn glu(b: &mut Builder, x: usize, k: usize, [g, u, s, m]: [usize; 4]) {
     let mut variants: Vec<(usize, Vec<Launch>)> = GEMV_ROWS
         .iter()
         .map(|&rows| {
-            let args = vec![Arg::Buf(x), Arg::Weight(wg), Arg::Weight(wu), Arg::Buf(out), Arg::Count(Count::Tokens)];
+            let (norm, input) = gemv_input(x, norm, rows);
+            let outs = [Arg::Weight(wg), Arg::Weight(wu), Arg::Buf(out), Arg::Count(Count::Tokens)];
+            let args = [input, outs.to_vec()].concat();
             let per_block = 8 / crate::keys::gemv_split(k);
-            (rows, vec![launch(KernelKey::GemvGlu { k, n, rows }, args, [Dim::Fixed(n.div_ceil(per_block)), ONE], 256)])
+            (
+                rows,
+                vec![launch(
+                    KernelKey::GemvGlu { k, n, rows, norm },
+                    args,
+                    [Dim::Fixed(n.div_ceil(per_block)), ONE],
+                    256,
+                )],
+            )
         })
         .collect();
     let (tg, tu) = (b.new_val(n, DType::F32, Count::Tokens), b.new_val(n, DType::F32, Count::Tokens));
-    let Step::Kernels { variants: big, .. } = grouped(x, k, &[(wg, None, tg, n), (wu, None, tu, n)], Count::Tokens)
+    let Step::Kernels { variants: big, .. } =
+        grouped(x, k, &[(wg, None, tg, n), (wu, None, tu, n)], Count::Tokens, None)
     else {
         unreachable!("grouped gives kernels")
     };
@@ -354,7 +417,7 @@ fn logits(b: &mut Builder, i: usize) -> Result<(), CodegenError> {
     let out = b.new_val(vocab, DType::F32, Count::Rows);
     b.node_val[i] = Some(out);
     if b.wdtype(w) == b.half && h % 32 == 0 {
-        b.steps.push(grouped(sel, h, &[(w, None, out, vocab)], Count::Rows));
+        b.steps.push(grouped(sel, h, &[(w, None, out, vocab)], Count::Rows, None));
     } else {
         let key = KernelKey::Linear { k: h, n: vocab, w: b.wdtype(w), bias: false };
         let args = vec![Arg::Buf(sel), Arg::Weight(w), Arg::Null, Arg::Buf(out), Arg::Count(Count::Rows)];

@@ -5,7 +5,7 @@
 //! tensor-core GEMM above). Values get device buffers by liveness, so buffers are reused across
 //! layers. The runtime only resolves arguments and launches; it knows no op.
 
-use crate::keys::KernelKey;
+use crate::keys::{KernelKey, NormIn};
 use crate::CodegenError;
 use ir::{DType, Op, Plan};
 
@@ -127,6 +127,20 @@ pub const GEMV_ROWS: [usize; 4] = [1, 2, 4, 8];
 /// GEMM runs.
 pub const SKINNY_ROWS: [usize; 3] = [16, 32, 64];
 
+/// Steps of at most this many tokens leave an RMS norm that only feeds the linears of one
+/// launch to those GEMVs ([`NormIn`]): one kernel less per norm, for every block normalising
+/// the rows again (reading them from L2 while its weight loads are in flight).
+pub const NORM_IN_GEMV_ROWS: usize = 1;
+
+/// A norm that the decode GEMVs reading it apply themselves.
+#[derive(Clone)]
+pub(crate) struct FusedNorm {
+    /// The arguments that replace the GEMV's input: a, b, s, the norm weight, eps.
+    pub args: [Arg; 5],
+    /// Its part of the GEMV's key.
+    pub key: NormIn,
+}
+
 /// A value before buffer assignment.
 #[derive(Clone, Copy)]
 struct Val {
@@ -144,6 +158,10 @@ pub(crate) struct Builder<'p> {
     /// The program's 16-bit float ([`half_dtype`]).
     pub half: DType,
     half_of: Vec<Option<usize>>,
+    /// Norm nodes the decode GEMVs apply themselves.
+    pub fused_norm: Vec<Option<FusedNorm>>,
+    /// Whether norms may fuse into GEMVs (`ENGINE_NORM_IN_GEMV=0`: never, for measurements).
+    pub fuse_norms: bool,
     pub steps: Vec<Step>,
     pub constants: Vec<Vec<f32>>,
 }
@@ -306,6 +324,8 @@ pub(crate) fn schedule(plan: &Plan) -> Result<Schedule, CodegenError> {
         node_val: vec![None; n],
         half: half_dtype(plan)?,
         half_of: vec![None; n],
+        fused_norm: vec![None; n],
+        fuse_norms: std::env::var("ENGINE_NORM_IN_GEMV").map_or(true, |v| v != "0"),
         steps: vec![],
         constants: vec![],
     };

@@ -122,6 +122,10 @@ enum Cmd {
         /// Seed of the random prompts (request i samples with seed + i).
         #[arg(long, default_value_t = 0)]
         seed: u64,
+        /// Untimed passes of the same workload (other prompts) before the timed one, so that
+        /// clocks, caches and allocations are warm.
+        #[arg(long, default_value_t = 1)]
+        warmup: usize,
         #[command(flatten)]
         sampling: SamplingArgs,
         /// Print one JSON object.
@@ -198,6 +202,7 @@ fn main() -> ExitCode {
             random_range_ratio,
             shared_prefix_len,
             seed,
+            warmup,
             sampling,
             json,
             engine,
@@ -209,6 +214,7 @@ fn main() -> ExitCode {
                 range_ratio: random_range_ratio,
                 shared_prefix_len,
                 seed,
+                warmup,
                 sampling: sampling.params(seed),
             };
             bench(&bundle, device, &engine, &opts, json)

@@ -22,6 +22,8 @@ pub struct BenchOptions {
     pub shared_prefix_len: usize,
     /// Seed of the prompts.
     pub seed: u64,
+    /// Untimed passes of the same workload, with other prompts, before the timed one.
+    pub warmup: usize,
     /// How every request samples (request i with seed `sampling.seed + i`).
     pub sampling: SamplingParams,
 }
@@ -130,9 +132,27 @@ pub struct ModelCost {
     pub bandwidth: Option<f64>,
 }
 
-/// Runs the benchmark on `engine`.
+/// Runs `opts.warmup` untimed passes of the workload, each with its own prompts (so the timed
+/// pass finds none of them in the prefix cache).
+fn warm_up(engine: &mut Engine, opts: &BenchOptions) -> Result<(), RuntimeError> {
+    for pass in 1..=opts.warmup as u64 {
+        let seed = opts.seed.wrapping_add(pass.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+        let reqs = requests(&BenchOptions { seed, ..opts.clone() }, engine.vocab())?;
+        let mut left = reqs.len();
+        for r in reqs {
+            engine.submit(r)?;
+        }
+        while left > 0 {
+            left -= engine.step()?.iter().filter(|(_, e)| matches!(e, Event::Finished(_))).count();
+        }
+    }
+    Ok(())
+}
+
+/// Runs the benchmark on `engine`: the warm-up passes, then the timed one.
 pub fn run(engine: &mut Engine, opts: &BenchOptions, cost: ModelCost) -> Result<BenchReport, RuntimeError> {
     let reqs = requests(opts, engine.vocab())?;
+    warm_up(engine, opts)?;
     let input_tokens = reqs.iter().map(|r| r.prompt.len()).sum();
     let weight_bytes = cost.weight_bytes;
     let bandwidth = cost.bandwidth.unwrap_or_else(copy_bandwidth);

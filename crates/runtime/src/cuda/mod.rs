@@ -22,7 +22,10 @@ use std::sync::Arc;
 
 mod blas;
 mod device;
+mod profile;
 pub mod tp;
+
+use profile::Profile;
 
 use device::{arch, context};
 pub use device::{gpu_present, placement, usable};
@@ -59,6 +62,8 @@ pub struct CudaBackend {
     /// The token chosen for each logits row, and each row's sampling parameters (5 floats).
     tokens: CudaSlice<i32>,
     sample_params: CudaSlice<f32>,
+    /// The split argmax's partial results and per-row counters (`KernelKey::Argmax`).
+    argmax: ArgmaxScratch,
     /// Logits rows of the last step.
     last_rows: usize,
     graphs: HashMap<usize, Graph>,
@@ -70,25 +75,14 @@ pub struct CudaBackend {
     blas: Option<blas::Blas>,
     blas_choice: HashMap<KernelKey, [bool; 3]>,
     bias_f32: HashMap<usize, CudaSlice<f32>>,
-    /// `ENGINE_CUDA_PROFILE=1`: every launch timed with events (graphs off), summary at exit.
-    profile: Option<std::cell::RefCell<HashMap<String, (f64, usize)>>>,
+    /// `ENGINE_CUDA_PROFILE` ([`profile`]).
+    profile: Option<Profile>,
 }
 
 impl Drop for CudaBackend {
     fn drop(&mut self) {
-        let Some(p) = &self.profile else { return };
-        let p = p.borrow();
-        let total: f64 = p.values().map(|v| v.0).sum();
-        let mut rows: Vec<_> = p.iter().collect();
-        rows.sort_by(|a, b| b.1 .0.total_cmp(&a.1 .0));
-        eprintln!("CUDA kernel time: {total:.2} ms in all");
-        for (name, (ms, n)) in rows.iter().take(30) {
-            eprintln!(
-                "{:>9.3} ms {:>5.1}% {n:>7} calls {:>8.2} us/call  {name}",
-                ms,
-                100.0 * ms / total,
-                1e3 * ms / *n as f64
-            );
+        if let Some(p) = &self.profile {
+            p.report();
         }
     }
 }
@@ -207,8 +201,10 @@ impl CudaBackend {
         let inputs = stream.alloc_zeros::<i32>(1 << 16).map_err(driver("alloc"))?;
         let tokens = stream.alloc_zeros::<i32>(1).map_err(driver("alloc"))?;
         let sample_params = stream.alloc_zeros::<f32>(5).map_err(driver("alloc"))?;
-        let profile = std::env::var("ENGINE_CUDA_PROFILE").is_ok_and(|v| v == "1");
-        let use_graphs = !profile && std::env::var("ENGINE_CUDA_GRAPHS").map_or(true, |v| v != "0");
+        let argmax = argmax_scratch(&stream, 1)?;
+        let profile = Profile::from_env();
+        let use_graphs =
+            !Profile::per_launch(&profile) && std::env::var("ENGINE_CUDA_GRAPHS").map_or(true, |v| v != "0");
         let mut be = CudaBackend {
             plan,
             program,
@@ -227,6 +223,7 @@ impl CudaBackend {
             inputs,
             tokens,
             sample_params,
+            argmax,
             last_rows: 0,
             graphs: HashMap::new(),
             use_graphs,
@@ -234,7 +231,7 @@ impl CudaBackend {
             blas: None,
             blas_choice: HashMap::new(),
             bias_f32: HashMap::new(),
-            profile: profile.then(Default::default),
+            profile,
         };
         be.ensure_cap(256, 256)?;
         be.choose_gemms()?;
@@ -253,6 +250,7 @@ impl CudaBackend {
         self.bufs.clear();
         self.tokens = self.stream.alloc_zeros::<i32>(cap.1).map_err(driver("alloc"))?;
         self.sample_params = self.stream.alloc_zeros::<f32>(5 * cap.1).map_err(driver("alloc"))?;
+        self.argmax = argmax_scratch(&self.stream, cap.1)?;
         for b in &self.program.buffers {
             let n = if b.per == Count::Tokens { cap.0 } else { cap.1 };
             let oom = |e| {
@@ -394,24 +392,16 @@ impl CudaBackend {
                 V::F(f) => f as *const f32 as *mut _,
             })
             .collect();
-        let pdl = self.pdl && self.profile.is_none() && l.key.pdl();
-        let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
-        let start = match &self.profile {
-            Some(_) => Some(self.stream.record_event(timing).map_err(driver("profiling"))?),
-            None => None,
-        };
-        unsafe { device::launch(&self.stream, &self.funcs[&l.key], cfg, &mut params, pdl) }
-            .map_err(driver("launching a kernel"))?;
-        if let (Some(p), Some(start)) = (&self.profile, start) {
-            let end = self.stream.record_event(timing).map_err(driver("profiling"))?;
-            end.synchronize().map_err(driver("profiling"))?;
-            let ms = start.elapsed_ms(&end).map_err(driver("profiling"))? as f64;
-            let mut p = p.borrow_mut();
-            let e = p.entry(l.key.name()).or_insert((0.0, 0));
-            e.0 += ms;
-            e.1 += 1;
-        }
-        Ok(())
+        let pdl = self.pdl && !Profile::per_launch(&self.profile) && l.key.pdl();
+        Profile::launch(
+            &self.profile,
+            &self.stream,
+            || l.key.name(),
+            || {
+                unsafe { device::launch(&self.stream, &self.funcs[&l.key], cfg, &mut params, pdl) }
+                    .map_err(driver("launching a kernel"))
+            },
+        )
     }
 
     /// The captured batch size a decode batch (one token and one logit row per sequence) is
@@ -479,16 +469,32 @@ impl Backend for CudaBackend {
     }
 
     fn forward_sample(&mut self, batch: &[StepSeq], rows: &[RowSampling]) -> Result<Vec<u32>, RuntimeError> {
+        Profile::step_start(&self.profile);
         let p = self.pack(batch)?;
         check_rows(p.wanted, rows)?;
         self.execute(&p)?;
-        self.sample(rows)
+        let ids = self.sample(rows);
+        Profile::step_end(&self.profile);
+        ids
     }
 
     fn resample(&mut self, rows: &[RowSampling]) -> Result<Option<Vec<u32>>, RuntimeError> {
         check_rows(self.last_rows, rows)?;
         self.sample(rows).map(Some)
     }
+}
+
+/// The split argmax's partial values and indices, and its per-row counters.
+type ArgmaxScratch = (CudaSlice<f32>, CudaSlice<i32>, CudaSlice<u32>);
+
+/// The split argmax's scratch for `rows` logit rows (counters zeroed).
+fn argmax_scratch(stream: &Arc<CudaStream>, rows: usize) -> Result<ArgmaxScratch, RuntimeError> {
+    let n = rows * codegen_cuda::ARGMAX_BLOCKS;
+    Ok((
+        stream.alloc_zeros::<f32>(n).map_err(driver("alloc"))?,
+        stream.alloc_zeros::<i32>(n).map_err(driver("alloc"))?,
+        stream.alloc_zeros::<u32>(rows).map_err(driver("alloc"))?,
+    ))
 }
 
 /// Checks that a step has one sampling row per logits row.
@@ -535,7 +541,7 @@ impl CudaBackend {
             return Ok(vec![]);
         }
         let vocab = self.plan.vocab;
-        // All greedy (the usual case): no parameters to copy, the kernel gets a null pointer.
+        // All greedy (the usual case): the split argmax, no parameters to copy.
         let greedy = rows.iter().all(RowSampling::is_greedy);
         if !greedy {
             let params: Vec<f32> = rows.iter().flat_map(|r| r.to_device(vocab)).collect();
@@ -543,19 +549,25 @@ impl CudaBackend {
                 .memcpy_htod(&params, &mut self.sample_params.slice_mut(0..params.len()))
                 .map_err(driver("copying sampling parameters"))?;
         }
-        let key = KernelKey::Sample { vocab };
         let out = self.bufs[self.program.output].slice(0..wanted * vocab);
-        let null = 0u64;
+        let (key, grid) = if greedy {
+            (KernelKey::Argmax { vocab }, (wanted as u32, codegen_cuda::ARGMAX_BLOCKS as u32, 1))
+        } else {
+            (KernelKey::Sample { vocab }, (wanted as u32, 1, 1))
+        };
         let mut b = self.stream.launch_builder(&self.funcs[&key]);
         b.arg(&out);
         if greedy {
-            b.arg(&null);
+            b.arg(&self.argmax.0).arg(&self.argmax.1).arg(&self.argmax.2);
         } else {
             b.arg(&self.sample_params);
         }
         b.arg(&mut self.tokens);
-        let cfg = LaunchConfig { grid_dim: (wanted as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
-        unsafe { b.launch(cfg) }.map_err(driver("launching the sampling kernel"))?;
+        let block = if greedy { 256 } else { 1024 };
+        let cfg = LaunchConfig { grid_dim: grid, block_dim: (block, 1, 1), shared_mem_bytes: 0 };
+        Profile::span(&self.profile, &self.stream, true, || {
+            unsafe { b.launch(cfg) }.map(|_| ()).map_err(driver("launching the sampling kernel"))
+        })?;
         let mut ids = vec![0i32; wanted];
         self.stream.memcpy_dtoh(&self.tokens.slice(0..wanted), &mut ids).map_err(driver("copying tokens"))?;
         self.stream.synchronize().map_err(driver("running a step"))?;
@@ -602,6 +614,7 @@ impl CudaBackend {
             }
             self.graphs.insert(t, Graph(graph));
         }
-        self.graphs[&t].0.launch().map_err(driver("replaying a graph"))
+        let graph = &self.graphs[&t].0;
+        Profile::span(&self.profile, &self.stream, false, || graph.launch().map_err(driver("replaying a graph")))
     }
 }

@@ -1,0 +1,149 @@
+//! `ENGINE_CUDA_PROFILE`: `1` times every launch with events (graphs off) and prints a
+//! per-kernel summary at exit; `steps` keeps graphs and PDL and times each decode step replayed
+//! from a graph: the replay and the sampling kernel on the GPU (events around each) against
+//! the step's wall time on the host (inputs, replay, sampling, the tokens' copy back), so the
+//! parts can be told apart.
+
+use crate::RuntimeError;
+use cudarc::driver::{CudaEvent, CudaStream};
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::time::Instant;
+
+/// What is being profiled.
+pub(super) enum Profile {
+    /// Per kernel name: total ms and calls.
+    Kernels(RefCell<HashMap<String, (f64, usize)>>),
+    /// Graph-replayed steps.
+    Steps(RefCell<Steps>),
+}
+
+/// Totals over graph-replayed steps, and the step under way.
+#[derive(Default)]
+pub(super) struct Steps {
+    steps: usize,
+    replay_ms: f64,
+    sample_ms: f64,
+    wall_ms: f64,
+    /// The step under way.
+    open: Option<OpenStep>,
+}
+
+/// A step's start on the host, and the events around its replay and its sampling.
+struct OpenStep {
+    start: Instant,
+    replay: Option<(CudaEvent, CudaEvent)>,
+    sample: Option<(CudaEvent, CudaEvent)>,
+}
+
+fn timing(stream: &CudaStream) -> Result<CudaEvent, RuntimeError> {
+    let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+    stream.record_event(flags).map_err(|e| RuntimeError::Unsupported(format!("CUDA profiling: {e:?}")))
+}
+
+impl Profile {
+    /// From `ENGINE_CUDA_PROFILE`.
+    pub(super) fn from_env() -> Option<Profile> {
+        match std::env::var("ENGINE_CUDA_PROFILE").as_deref() {
+            Ok("1") => Some(Profile::Kernels(Default::default())),
+            Ok("steps") => Some(Profile::Steps(Default::default())),
+            _ => None,
+        }
+    }
+
+    /// Whether launches are timed one by one (graphs and PDL off).
+    pub(super) fn per_launch(this: &Option<Profile>) -> bool {
+        matches!(this, Some(Profile::Kernels(_)))
+    }
+
+    /// Times `launch` (kernel mode).
+    pub(super) fn launch(
+        this: &Option<Profile>,
+        stream: &CudaStream,
+        name: impl FnOnce() -> String,
+        launch: impl FnOnce() -> Result<(), RuntimeError>,
+    ) -> Result<(), RuntimeError> {
+        let Some(Profile::Kernels(p)) = this else { return launch() };
+        let start = timing(stream)?;
+        launch()?;
+        let end = timing(stream)?;
+        end.synchronize().map_err(|e| RuntimeError::Unsupported(format!("CUDA profiling: {e:?}")))?;
+        let ms = start.elapsed_ms(&end).map_err(|e| RuntimeError::Unsupported(format!("CUDA profiling: {e:?}")))?;
+        let mut p = p.borrow_mut();
+        let e = p.entry(name()).or_insert((0.0, 0));
+        e.0 += f64::from(ms);
+        e.1 += 1;
+        Ok(())
+    }
+
+    /// A step starts on the host (steps mode).
+    pub(super) fn step_start(this: &Option<Profile>) {
+        if let Some(Profile::Steps(s)) = this {
+            s.borrow_mut().open = Some(OpenStep { start: Instant::now(), replay: None, sample: None });
+        }
+    }
+
+    /// Runs `work` (a graph replay, or with `sample` the sampling kernel) between events (steps
+    /// mode).
+    pub(super) fn span(
+        this: &Option<Profile>,
+        stream: &CudaStream,
+        sample: bool,
+        work: impl FnOnce() -> Result<(), RuntimeError>,
+    ) -> Result<(), RuntimeError> {
+        let Some(Profile::Steps(s)) = this else { return work() };
+        let start = timing(stream)?;
+        work()?;
+        let end = timing(stream)?;
+        if let Some(open) = s.borrow_mut().open.as_mut() {
+            *(if sample { &mut open.sample } else { &mut open.replay }) = Some((start, end));
+        }
+        Ok(())
+    }
+
+    /// A step's results are on the host (steps mode; its stream synchronized): counts it if
+    /// it was replayed from a graph.
+    pub(super) fn step_end(this: &Option<Profile>) {
+        let Some(Profile::Steps(s)) = this else { return };
+        let mut s = s.borrow_mut();
+        let Some(OpenStep { start, replay: Some(replay), sample }) = s.open.take() else { return };
+        let ms = |(a, b): &(CudaEvent, CudaEvent)| a.elapsed_ms(b).map(f64::from).unwrap_or(0.0);
+        s.steps += 1;
+        s.replay_ms += ms(&replay);
+        s.sample_ms += sample.as_ref().map_or(0.0, ms);
+        s.wall_ms += start.elapsed().as_secs_f64() * 1e3;
+    }
+
+    /// The summary, on stderr.
+    pub(super) fn report(&self) {
+        match self {
+            Profile::Kernels(p) => {
+                let p = p.borrow();
+                let total: f64 = p.values().map(|v| v.0).sum();
+                let mut rows: Vec<_> = p.iter().collect();
+                rows.sort_by(|a, b| b.1 .0.total_cmp(&a.1 .0));
+                eprintln!("CUDA kernel time: {total:.2} ms in all");
+                for (name, (ms, n)) in rows.iter().take(30) {
+                    eprintln!(
+                        "{:>9.3} ms {:>5.1}% {n:>7} calls {:>8.2} us/call  {name}",
+                        ms,
+                        100.0 * ms / total,
+                        1e3 * ms / *n as f64
+                    );
+                }
+            }
+            Profile::Steps(s) => {
+                let s = s.borrow();
+                let per = |ms: f64| if s.steps > 0 { 1e3 * ms / s.steps as f64 } else { 0.0 };
+                eprintln!(
+                    "CUDA graph steps: {} steps, replay {:.1} us/step on the GPU, sampling {:.1} us/step, {:.1} \
+                     us/step wall on the host (inputs, replay, sampling, copy back)",
+                    s.steps,
+                    per(s.replay_ms),
+                    per(s.sample_ms),
+                    per(s.wall_ms)
+                );
+            }
+        }
+    }
+}
