@@ -134,12 +134,19 @@ fn cuda_schedule_fuses_and_reuses_buffers() {
             let plan = plan(shape, tp);
             let p = codegen_cuda::emit(&plan).unwrap();
             let one = launches(&p, 1);
-            assert!(one.len() <= 5 * layers + 5, "{shape} tp{tp}: {} launches at batch 1", one.len());
-            // Up to NORM_IN_GEMV_ROWS tokens the GEMVs apply the layers' norms themselves (the
-            // final norm feeds the logits' gather); above, each norm is its own launch.
+            // Up to NORM_IN_GEMV_ROWS tokens, the GEMVs of launches streaming at most 24 MB
+            // apply the layers' norms themselves: all of the 0.5B shape's; of the 7B shape's,
+            // only a rank's QKV at tp=2 (the final norm feeds the logits' gather). Above, each
+            // norm is its own launch.
             let norms = |t| launches(&p, t).iter().filter(|l| l.key.name().contains("rms_norm")).count();
-            assert_eq!(norms(codegen_cuda::NORM_IN_GEMV_ROWS), 1, "{shape} tp{tp}");
+            let left = match (shape, tp) {
+                ("qwen2.5-0.5b", _) => 0,
+                (_, 1) => 2,
+                _ => 1,
+            };
+            assert_eq!(norms(codegen_cuda::NORM_IN_GEMV_ROWS), left * layers + 1, "{shape} tp{tp}");
             assert_eq!(norms(codegen_cuda::NORM_IN_GEMV_ROWS + 1), 2 * layers + 1, "{shape} tp{tp}");
+            assert!(one.len() <= (5 + left) * layers + 5, "{shape} tp{tp}: {} launches at batch 1", one.len());
             assert!(p.buffers.len() <= 16, "{shape} tp{tp}: {} buffers", p.buffers.len());
             let allreduces = p.steps.iter().filter(|s| matches!(s, codegen_cuda::Step::AllReduce { .. })).count();
             assert_eq!(allreduces, if tp > 1 { 2 * layers } else { 0 }, "{shape} tp{tp}");

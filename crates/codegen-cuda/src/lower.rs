@@ -126,9 +126,15 @@ fn rms_norm(b: &mut Builder, c: usize, x: usize, add: Option<(usize, usize)>) {
 /// Shared memory a GEMV may give its normalised rows (`XNorm` in `kernels/fast.cuh`).
 const NORM_SMEM: usize = 32 << 10;
 
+/// The most weight bytes of a launch that applies a norm itself. A launch streaming more runs
+/// several waves of blocks, and every wave pays the norm's prologue: on an H200, fusing the
+/// Qwen2.5-7B shape's QKV (33 MB) and gate/up (271 MB) cost 7% of a batch-1 step, while the
+/// 0.5B shape's (2 and 17 MB, one wave) saved 2% (docs/perf.md).
+const NORM_MAX_WEIGHT_BYTES: usize = 24 << 20;
+
 /// Whether norm node `c` only feeds fast linears that run as one launch (up to three grouped,
-/// or the gate and up of one GLU), reading its 16-bit output, and its rows fit in
-/// [`NORM_SMEM`].
+/// or the gate and up of one GLU) of at most [`NORM_MAX_WEIGHT_BYTES`], reading its 16-bit
+/// output, and its rows fit in [`NORM_SMEM`].
 fn norm_fuses(b: &Builder, c: usize) -> bool {
     let readers = &b.consumers[c];
     let linears = readers.iter().all(|&j| {
@@ -137,9 +143,8 @@ fn norm_fuses(b: &Builder, c: usize) -> bool {
     });
     let glu = readers.iter().any(|&g| glu_of(b, g, readers).is_some());
     let bytes: usize = readers.iter().map(|&j| b.cols(j) * b.cols(c) * b.half.size()).sum();
-    let max_mb: usize = std::env::var("ENGINE_NORM_MAX_MB").ok().and_then(|v| v.parse().ok()).unwrap_or(usize::MAX);
     b.fuse_norms
-        && bytes <= max_mb.saturating_mul(1 << 20)
+        && bytes <= NORM_MAX_WEIGHT_BYTES
         && linears
         && NORM_IN_GEMV_ROWS * b.cols(c) * b.half.size() <= NORM_SMEM
         && b.node_val[c].is_some_and(|v| b.vals_dtype(v) == b.half)
