@@ -264,14 +264,14 @@ __device__ int argmax_row(const float* row) {
   return best_i[0];
 }
 
-// grid: R rows, block: 1024. params: [R][5] (temperature, top_k, top_p, min_p, u), or null:
-// every row greedy.
+// grid: R rows, block: 1024. params: [R][5] (temperature, top_k, top_p, min_p, u). A step whose
+// rows are all greedy runs argmax_rows below instead.
 template <int V>
 __device__ void sample(const float* logits, const float* params, int* out) {
   const float* row = logits + (long)blockIdx.x * V;
   const float* pr = params + blockIdx.x * 5;
-  const int k = params ? (int)pr[1] : 1, top_k = k > 0 && k < V ? k : 0;
-  if (!params || pr[0] == 0.0f || k == 1) {
+  const int k = (int)pr[1], top_k = k > 0 && k < V ? k : 0;
+  if (pr[0] == 0.0f || k == 1) {
     const int best = argmax_row<V>(row);
     if (threadIdx.x == 0) out[blockIdx.x] = best;
     return;

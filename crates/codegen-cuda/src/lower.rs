@@ -156,7 +156,7 @@ fn norm_fuses(b: &Builder, c: usize) -> bool {
 type Group = (usize, Option<usize>, usize, usize);
 
 /// The GEMV variants' input at `rows` rows: the 16-bit `x`, or the norm they apply themselves.
-fn gemv_input(x: usize, norm: Option<&FusedNorm>, rows: usize) -> (Option<NormIn>, Vec<Arg>) {
+fn gemv_x(x: usize, norm: Option<&FusedNorm>, rows: usize) -> (Option<NormIn>, Vec<Arg>) {
     match norm {
         Some(f) if rows <= NORM_IN_GEMV_ROWS => (Some(f.key), f.args.to_vec()),
         _ => (None, vec![Arg::Buf(x)]),
@@ -184,7 +184,7 @@ fn grouped(x: usize, k: usize, groups: &[Group], by: Count, norm: Option<&FusedN
     let mut variants: Vec<(usize, Vec<Launch>)> = GEMV_ROWS
         .iter()
         .map(|&rows| {
-            let (norm, input) = gemv_input(x, norm, rows);
+            let (norm, input) = gemv_x(x, norm, rows);
             let key = KernelKey::Gemv { k, n, rows, norm };
             let per_block = 8 / crate::keys::gemv_split(k);
             let args = [input, outs.clone()].concat();
@@ -286,7 +286,7 @@ fn glu(b: &mut Builder, x: usize, k: usize, [g, u, s, m]: [usize; 4], norm: Opti
     let mut variants: Vec<(usize, Vec<Launch>)> = GEMV_ROWS
         .iter()
         .map(|&rows| {
-            let (norm, input) = gemv_input(x, norm, rows);
+            let (norm, input) = gemv_x(x, norm, rows);
             let outs = [Arg::Weight(wg), Arg::Weight(wu), Arg::Buf(out), Arg::Count(Count::Tokens)];
             let args = [input, outs.to_vec()].concat();
             let per_block = 8 / crate::keys::gemv_split(k);

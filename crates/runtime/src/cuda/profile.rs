@@ -36,9 +36,19 @@ struct OpenStep {
     sample: Option<(CudaEvent, CudaEvent)>,
 }
 
-fn timing(stream: &CudaStream) -> Result<CudaEvent, RuntimeError> {
+fn profiling(e: cudarc::driver::DriverError) -> RuntimeError {
+    RuntimeError::Unsupported(format!("CUDA profiling: {e:?}"))
+}
+
+/// Runs `work` between two timing events recorded on `stream`.
+fn between(
+    stream: &CudaStream,
+    work: impl FnOnce() -> Result<(), RuntimeError>,
+) -> Result<(CudaEvent, CudaEvent), RuntimeError> {
     let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
-    stream.record_event(flags).map_err(|e| RuntimeError::Unsupported(format!("CUDA profiling: {e:?}")))
+    let start = stream.record_event(flags).map_err(profiling)?;
+    work()?;
+    Ok((start, stream.record_event(flags).map_err(profiling)?))
 }
 
 impl Profile {
@@ -64,11 +74,9 @@ impl Profile {
         launch: impl FnOnce() -> Result<(), RuntimeError>,
     ) -> Result<(), RuntimeError> {
         let Some(Profile::Kernels(p)) = this else { return launch() };
-        let start = timing(stream)?;
-        launch()?;
-        let end = timing(stream)?;
-        end.synchronize().map_err(|e| RuntimeError::Unsupported(format!("CUDA profiling: {e:?}")))?;
-        let ms = start.elapsed_ms(&end).map_err(|e| RuntimeError::Unsupported(format!("CUDA profiling: {e:?}")))?;
+        let (start, end) = between(stream, launch)?;
+        end.synchronize().map_err(profiling)?;
+        let ms = start.elapsed_ms(&end).map_err(profiling)?;
         let mut p = p.borrow_mut();
         let e = p.entry(name()).or_insert((0.0, 0));
         e.0 += f64::from(ms);
@@ -92,11 +100,9 @@ impl Profile {
         work: impl FnOnce() -> Result<(), RuntimeError>,
     ) -> Result<(), RuntimeError> {
         let Some(Profile::Steps(s)) = this else { return work() };
-        let start = timing(stream)?;
-        work()?;
-        let end = timing(stream)?;
+        let events = between(stream, work)?;
         if let Some(open) = s.borrow_mut().open.as_mut() {
-            *(if sample { &mut open.sample } else { &mut open.replay }) = Some((start, end));
+            *(if sample { &mut open.sample } else { &mut open.replay }) = Some(events);
         }
         Ok(())
     }
