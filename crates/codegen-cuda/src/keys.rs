@@ -194,23 +194,17 @@ impl NormIn {
     fn suffix(&self) -> String {
         format!("_{}norm_{}", if self.add { "add" } else { "" }, self.w)
     }
-
-    /// The parameters that replace the GEMV's `x`, and the `XNorm` value built from them.
-    fn input(&self) -> Result<(String, String), CodegenError> {
-        let t = ctype(self.w)?;
-        Ok((
-            format!("const float* a, const float* b, float* s, const {t}* nw, float eps"),
-            format!("XNorm<{t}, {}>{{a, b, s, nw, eps}}", self.add),
-        ))
-    }
 }
 
-/// A GEMV's input parameters and the policy value (`kernels/fast.cuh`) it reads them through.
+/// A GEMV's input parameters and the value (`X16` or `XNorm` in `kernels/fast.cuh`) it reads
+/// them through.
 fn gemv_input(norm: Option<NormIn>) -> Result<(String, String), CodegenError> {
-    match norm {
-        Some(n) => n.input(),
-        None => Ok(("const h16_t* x".into(), "X16{x}".into())),
-    }
+    let Some(n) = norm else { return Ok(("const h16_t* x".into(), "X16{x}".into())) };
+    let t = ctype(n.w)?;
+    Ok((
+        format!("const float* a, const float* b, float* s, const {t}* nw, float eps"),
+        format!("XNorm<{t}, {}>{{a, b, s, nw, eps}}", n.add),
+    ))
 }
 
 /// Blocks per row of the split argmax (`argmax_rows` in `kernels/sample.cuh`): the runtime
@@ -297,9 +291,10 @@ impl KernelKey {
         }
     }
 
-    /// Whether the kernel starts with `pdl_enter` (`kernels/prelude.cuh`), so the runtime may
-    /// launch it as a programmatic dependent launch: every kernel of the forward step; not the
-    /// one-shot collectives (their blocks wait on other GPUs) nor sampling.
+    /// Whether the kernel waits for the previous one itself (`pdl_enter`, or `pdl_trigger` then
+    /// `pdl_wait` after a GEMV's weight loads: `kernels/prelude.cuh`), so the runtime may launch
+    /// it as a programmatic dependent launch: every kernel of the forward step; not the one-shot
+    /// collectives (their blocks wait on other GPUs) nor sampling.
     pub fn pdl(&self) -> bool {
         !matches!(
             self,
