@@ -104,3 +104,42 @@ fn cpu_runs_f16_bundles() {
     // The fixture's weights are bf16 values, which f16 holds exactly at their magnitudes.
     check_backend_against_hf("tiny-qwen2", &mut seqs(CpuBackend::new(&b).unwrap()), 1e-4);
 }
+
+/// `engrun bench --verify-alone` (what the GPU check runs on CUDA): the engine's greedy tokens
+/// over chunked prefills, shared prefixes and continuous batching equal each request run alone
+/// on the CPU; a sampled workload is refused (the check needs greedy tokens).
+#[test]
+fn bench_verify_alone_passes_on_the_cpu() {
+    let path = bundles()[0].0.to_str().unwrap();
+    let args = [
+        "bench",
+        path,
+        "--device",
+        "cpu",
+        "--num-prompts",
+        "6",
+        "--input-len",
+        "150",
+        "--output-len",
+        "12",
+        "--random-range-ratio",
+        "0.3",
+        "--shared-prefix-len",
+        "40",
+        "--chunked-prefill-size",
+        "64",
+        "--warmup",
+        "0",
+        "--json",
+    ];
+    let o = run("engrun", &[&args[..], &["--verify-alone", "0"]].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let r: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let a = &r["alone"];
+    assert_eq!((a["requests"].as_u64(), a["pass"].as_bool()), (Some(6), Some(true)), "{r}");
+    assert_eq!(a["equal"], a["tokens"], "the CPU backend is batch-invariant: {r}");
+    assert_eq!(a["tokens"].as_u64(), r["output_tokens"].as_u64(), "{r}");
+    assert!(r["cached_tokens"].as_u64().unwrap() > 0, "the shared prefix came from the cache: {r}");
+    let o = run("engrun", &[&args[..], &["--verify-alone", "0", "--temperature", "1"]].concat());
+    assert!(!o.status.success() && stderr(&o).contains("needs greedy requests"), "{}", stderr(&o));
+}

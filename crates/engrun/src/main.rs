@@ -131,6 +131,12 @@ enum Cmd {
         /// Print one JSON object.
         #[arg(long)]
         json: bool,
+        /// Then run every request again alone (a fresh backend, one sequence at a time, fed the
+        /// engine's tokens) and compare each greedy token with the lone run's argmax; a different
+        /// token is allowed only where the lone run's top two logits are within TOL of the row's
+        /// largest magnitude. Exits non-zero on any other difference.
+        #[arg(long, value_name = "TOL")]
+        verify_alone: Option<f32>,
         #[command(flatten)]
         engine: EngineArgs,
     },
@@ -205,6 +211,7 @@ fn main() -> ExitCode {
             warmup,
             sampling,
             json,
+            verify_alone,
             engine,
         } => {
             let opts = runtime::bench::BenchOptions {
@@ -217,7 +224,7 @@ fn main() -> ExitCode {
                 warmup,
                 sampling: sampling.params(seed),
             };
-            bench(&bundle, device, &engine, &opts, json)
+            bench(&bundle, device, &engine, &opts, json, verify_alone)
         }
     };
     match result {
@@ -488,6 +495,7 @@ fn bench(
     args: &EngineArgs,
     opts: &runtime::bench::BenchOptions,
     json: bool,
+    verify_alone: Option<f32>,
 ) -> Result<(), String> {
     let (b, mut backend) = open(path, &device)?;
     let weight_bytes: usize = b.plan.weights().map(|(_, s, d)| s.iter().product::<usize>() * d.size()).sum();
@@ -505,9 +513,13 @@ fn bench(
     let cost = runtime::bench::ModelCost { weight_bytes, matmul_params, bandwidth };
     let cfg = EngineConfig { eos_ids: vec![], ..args.config(&b)? };
     let mut engine = Engine::new(backend, cfg).map_err(|e| e.to_string())?;
-    let r = runtime::bench::run(&mut engine, opts, cost).map_err(|e| e.to_string())?;
+    let (r, outs) = runtime::bench::run(&mut engine, opts, cost).map_err(|e| e.to_string())?;
+    drop(engine);
+    let alone = verify_alone.map(|tol| verify(path, &device, opts, &outs, tol)).transpose()?;
     if json {
-        println!("{}", serde_json::to_string(&r).map_err(|e| e.to_string())?);
+        let mut v = serde_json::to_value(&r).map_err(|e| e.to_string())?;
+        v["alone"] = serde_json::to_value(&alone).map_err(|e| e.to_string())?;
+        println!("{v}");
     } else {
         println!(
             "requests {}  input tokens {} ({} cached, {:.0}%)  output tokens {}  in {:.2} s  ({} retractions)",
@@ -528,6 +540,30 @@ fn bench(
             r.decode_bandwidth_fraction * 100.0,
             weight_bytes as f64 / 1e6
         );
+        if let Some(a) = &alone {
+            println!(
+                "alone       {}/{} tokens equal to the lone runs, {} near ties, {} clear mismatches (tol {})",
+                a.equal, a.tokens, a.near_ties, a.clear_mismatches, a.tol
+            );
+        }
     }
-    Ok(())
+    match alone {
+        Some(a) if !a.pass => Err(format!("the engine's tokens differ from the lone runs: first at {:?}", a.first_clear)),
+        _ => Ok(()),
+    }
+}
+
+/// `bench --verify-alone`: the workload's requests run alone on a fresh backend.
+fn verify(
+    path: &Path,
+    device: &DeviceArgs,
+    opts: &runtime::bench::BenchOptions,
+    outs: &[Vec<u32>],
+    tol: f32,
+) -> Result<runtime::alone::AloneReport, String> {
+    let (_, backend) = open(path, device)?;
+    let reqs = runtime::bench::requests(opts, backend.vocab()).map_err(|e| e.to_string())?;
+    let longest = reqs.iter().zip(outs).map(|(r, o)| r.prompt.len() + o.len()).max().unwrap_or(0);
+    let mut seqs = runtime::Sequences::new(backend, longest + 16).map_err(|e| e.to_string())?;
+    runtime::alone::against_alone(&mut seqs, &reqs, outs, tol).map_err(|e| e.to_string())
 }

@@ -149,8 +149,13 @@ fn warm_up(engine: &mut Engine, opts: &BenchOptions) -> Result<(), RuntimeError>
     Ok(())
 }
 
-/// Runs the benchmark on `engine`: the warm-up passes, then the timed one.
-pub fn run(engine: &mut Engine, opts: &BenchOptions, cost: ModelCost) -> Result<BenchReport, RuntimeError> {
+/// Runs the benchmark on `engine`: the warm-up passes, then the timed one. Returns the report
+/// and the tokens each request generated, in the order of [`requests`].
+pub fn run(
+    engine: &mut Engine,
+    opts: &BenchOptions,
+    cost: ModelCost,
+) -> Result<(BenchReport, Vec<Vec<u32>>), RuntimeError> {
     let reqs = requests(opts, engine.vocab())?;
     warm_up(engine, opts)?;
     let input_tokens = reqs.iter().map(|r| r.prompt.len()).sum();
@@ -162,6 +167,7 @@ pub fn run(engine: &mut Engine, opts: &BenchOptions, cost: ModelCost) -> Result<
     let start = Instant::now();
     let ids = reqs.into_iter().map(|r| engine.submit(r)).collect::<Result<Vec<ReqId>, _>>()?;
     let mut times: HashMap<ReqId, (f64, f64, usize)> = HashMap::new();
+    let mut tokens: HashMap<ReqId, Vec<u32>> = HashMap::new();
     let mut finished = 0;
     let mut cached_tokens = 0;
     while finished < ids.len() {
@@ -169,7 +175,8 @@ pub fn run(engine: &mut Engine, opts: &BenchOptions, cost: ModelCost) -> Result<
         let now = start.elapsed().as_secs_f64();
         for (id, e) in events {
             match e {
-                Event::Token { .. } => {
+                Event::Token { id: token, .. } => {
+                    tokens.entry(id).or_default().push(token);
                     let t = times.entry(id).or_insert((now, now, 0));
                     t.1 = now;
                     t.2 += 1;
@@ -197,7 +204,7 @@ pub fn run(engine: &mut Engine, opts: &BenchOptions, cost: ModelCost) -> Result<
     }
     let output_tokens: usize = times.values().map(|t| t.2).sum();
     let rate = |n: f64, s: f64| if s > 0.0 { n / s } else { 0.0 };
-    Ok(BenchReport {
+    let report = BenchReport {
         requests: ids.len(),
         input_tokens,
         output_tokens,
@@ -213,5 +220,6 @@ pub fn run(engine: &mut Engine, opts: &BenchOptions, cost: ModelCost) -> Result<
         bandwidth_gb_s: bandwidth / 1e9,
         decode_bandwidth_fraction: rate(bytes, decode_s) / bandwidth,
         prefill_tflop_s: rate(2.0 * cost.matmul_params as f64 * extend as f64, prefill_s) / 1e12,
-    })
+    };
+    Ok((report, ids.iter().map(|id| tokens.remove(id).unwrap_or_default()).collect()))
 }

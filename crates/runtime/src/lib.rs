@@ -8,12 +8,14 @@
 //! by NVRTC), all behind the same [`Backend`] trait.
 
 mod backend;
+pub mod alone;
 pub mod bench;
 mod cpu;
 mod cuda;
 mod engine;
 mod handle;
 mod pool;
+pub mod probe;
 mod radix;
 mod request;
 mod sampler;

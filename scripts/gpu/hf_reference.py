@@ -1,0 +1,51 @@
+"""A random-weight Qwen2 checkpoint of a shape and HF transformers' logits over it (GPU machine).
+
+Usage: hf_reference.py SHAPE CHECKPOINT_DIR CONFIG_JSON
+
+Builds the model in f32 with weights rounded to bf16 values (so the f32 reference and the bf16
+model hold the very same weights), saves it to CHECKPOINT_DIR, and writes there `seqs.json` (the
+token sequences: one of 64 tokens, 16 of 40 + 2i tokens, one of 520 tokens) and
+`hf_logits.safetensors` with the logits of every position of every sequence, one after the
+other, from HF's f32, bf16 and f16 forwards.
+"""
+import json
+import sys
+
+import torch
+from safetensors.torch import save_file
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+shape, ck, cfg_path = sys.argv[1:4]
+cfg = json.load(open(cfg_path))
+torch.manual_seed(0)
+torch.backends.cuda.matmul.allow_tf32 = False
+config = Qwen2Config(**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type", "torch_dtype")})
+with torch.device("cuda"):
+    model = Qwen2ForCausalLM(config).float()
+with torch.no_grad():
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.copy_(1.0 + 0.1 * torch.randn_like(p))
+        else:
+            p.normal_(0, 0.02)
+        p.copy_(p.bfloat16().float())
+g = torch.Generator().manual_seed(1)
+seqs = [torch.randint(0, config.vocab_size, (64,), generator=g).tolist()]
+seqs += [torch.randint(0, config.vocab_size, (40 + 2 * i,), generator=g).tolist() for i in range(16)]
+# A prefill long enough for the extend GEMMs of a larger token bucket (cuBLASLt's or ours).
+seqs += [torch.randint(0, config.vocab_size, (520,), generator=g).tolist()]
+
+
+def run(m):
+    with torch.no_grad():
+        return torch.cat([m(torch.tensor([s]).cuda()).logits[0].float().cpu() for s in seqs])
+
+
+f32 = run(model)
+bf = run(model.to(torch.bfloat16))
+model.save_pretrained(ck)
+# HF's own f16 forward (the bf16 weights are exact in f16), for comparison with ours.
+f16 = run(model.to(torch.float16))
+json.dump(seqs, open(f"{ck}/seqs.json", "w"))
+save_file({"bf16": bf.contiguous(), "f32": f32.contiguous(), "f16": f16.contiguous()}, f"{ck}/hf_logits.safetensors")
+print(f"{shape}: saved a random checkpoint and HF logits of {len(seqs)} sequences")
