@@ -162,6 +162,36 @@ enum Cmd {
         #[command(flatten)]
         engine: EngineArgs,
     },
+    /// Measure the machine's limits that docs/perf.md divides by: host copy bandwidth (one
+    /// thread, and all cores) and, with --device cuda, each GPU's device-to-device copy bandwidth
+    /// and cuBLASLt bf16 and f16 matmul rate. Copies count bytes read + written; each figure is
+    /// the best of --reps runs.
+    Probe {
+        /// cpu (the host only) or cuda (also the GPUs of --devices).
+        #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
+        device: String,
+        /// The GPUs to probe with --device cuda (default: 0).
+        #[arg(long, value_delimiter = ',')]
+        devices: Vec<usize>,
+        /// MiB of the host copy's source (and destination) buffer.
+        #[arg(long, default_value_t = 1024)]
+        host_mib: usize,
+        /// MiB of the device copy's source (and destination) buffer.
+        #[arg(long, default_value_t = 1024)]
+        device_mib: usize,
+        /// m = n = k of the matmul.
+        #[arg(long, default_value_t = 8192)]
+        matmul_size: usize,
+        /// Timed runs of each measurement (the best is reported, the mean beside it).
+        #[arg(long, default_value_t = 10)]
+        reps: usize,
+        /// Untimed runs before the timed ones on a GPU (the host copies run one).
+        #[arg(long, default_value_t = 10)]
+        warmup: usize,
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
     /// Write the f32 logits of every position of `--ids` to a safetensors file (tensor
     /// `logits`, shape [n, vocab]; several sequences' rows one after the other).
     Logits {
@@ -225,6 +255,23 @@ fn main() -> ExitCode {
                 sampling: sampling.params(seed),
             };
             bench(&bundle, device, &engine, &opts, json, verify_alone)
+        }
+        Cmd::Probe { device, devices, host_mib, device_mib, matmul_size, reps, warmup, json } => {
+            let gpus = match (device.as_str(), devices.is_empty()) {
+                ("cuda", true) => vec![0],
+                ("cuda", false) => devices,
+                _ => vec![],
+            };
+            let mib =
+                |flag: &str, m: usize| m.checked_mul(1 << 20).ok_or_else(|| format!("{flag}: {m} MiB is too large"));
+            match (mib("--host-mib", host_mib), mib("--device-mib", device_mib)) {
+                (Ok(host_bytes), Ok(device_bytes)) => {
+                    let opts =
+                        runtime::probe::ProbeOptions { host_bytes, device_bytes, matmul_size, reps, warmup, gpus };
+                    probe(&opts, json)
+                }
+                (Err(e), _) | (_, Err(e)) => Err(e),
+            }
         }
     };
     match result {
@@ -548,7 +595,9 @@ fn bench(
         }
     }
     match alone {
-        Some(a) if !a.pass => Err(format!("the engine's tokens differ from the lone runs: first at {:?}", a.first_clear)),
+        Some(a) if !a.pass => {
+            Err(format!("the engine's tokens differ from the lone runs: first at {:?}", a.first_clear))
+        }
         _ => Ok(()),
     }
 }
@@ -566,4 +615,15 @@ fn verify(
     let longest = reqs.iter().zip(outs).map(|(r, o)| r.prompt.len() + o.len()).max().unwrap_or(0);
     let mut seqs = runtime::Sequences::new(backend, longest + 16).map_err(|e| e.to_string())?;
     runtime::alone::against_alone(&mut seqs, &reqs, outs, tol).map_err(|e| e.to_string())
+}
+
+/// `engrun probe`: the measurements, as text or one JSON object on stdout.
+fn probe(opts: &runtime::probe::ProbeOptions, json: bool) -> Result<(), String> {
+    let report = runtime::probe::run(opts).map_err(|e| e.to_string())?;
+    if json {
+        println!("{}", serde_json::to_string(&report).map_err(|e| e.to_string())?);
+    } else {
+        print!("{report}");
+    }
+    Ok(())
 }

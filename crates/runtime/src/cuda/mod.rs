@@ -22,6 +22,7 @@ use std::sync::Arc;
 
 mod blas;
 mod device;
+pub(crate) mod probe;
 mod profile;
 pub mod tp;
 
