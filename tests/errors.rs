@@ -203,21 +203,71 @@ fn engrun_fails(args: &[&str], needles: &[&str]) {
     }
 }
 
+/// Flips the bits of a bundle file's last byte.
+fn flip_last_byte(path: &Path) {
+    let mut bytes = std::fs::read(path).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0x55;
+    std::fs::write(path, bytes).unwrap();
+}
+
+/// `engrun logits` on bundle `b` with two ids.
+fn logits_fails(c: &Case, b: &Path, needles: &[&str]) {
+    let out = c.path("l.st");
+    engrun_fails(&["logits", b.to_str().unwrap(), "--ids", "1,2", "-o", out.to_str().unwrap()], needles);
+}
+
 #[test]
 fn bundle_with_bad_checksum_is_refused() {
     let c = Case::new();
     let b = good_bundle(&c);
-    let w = b.join("weights/rank0.safetensors");
-    let mut bytes = std::fs::read(&w).unwrap();
-    let last = bytes.len() - 1;
-    bytes[last] ^= 0x55;
-    std::fs::write(&w, bytes).unwrap();
+    flip_last_byte(&b.join("weights/rank0.safetensors"));
     let bs = b.to_str().unwrap();
     engrun_fails(
         &["generate", bs, "--prompt", "hi"],
         &["checksum mismatch", "weights/rank0.safetensors", "engc compile"],
     );
-    engrun_fails(&["logits", bs, "--ids", "1,2", "-o", c.path("l.st").to_str().unwrap()], &["checksum mismatch"]);
+    logits_fails(&c, &b, &["checksum mismatch"]);
+    // Every other kind of file is verified too (one bundle each: the first refusal stops `open`).
+    for file in ["plan.json", "kernels/model.cu", "tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json"] {
+        let c = Case::new();
+        let b = good_bundle(&c);
+        flip_last_byte(&b.join(file));
+        logits_fails(&c, &b, &["checksum mismatch", &format!("`{file}`"), "engc compile"]);
+    }
+}
+
+/// Issue 23: with its manifest entry removed, an altered weights file used to load.
+#[test]
+fn bundle_with_unlisted_altered_weights_is_refused() {
+    let c = Case::new();
+    let b = good_bundle(&c);
+    let m = b.join("manifest.json");
+    let mut manifest: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&m).unwrap()).unwrap();
+    let files = manifest["files"].as_object_mut().unwrap();
+    assert!(files.remove("weights/rank0.safetensors").is_some());
+    std::fs::write(&m, manifest.to_string()).unwrap();
+    flip_last_byte(&b.join("weights/rank0.safetensors"));
+    logits_fails(
+        &c,
+        &b,
+        &["`weights/rank0.safetensors` is in the bundle but not listed in manifest.json", "engc compile"],
+    );
+}
+
+#[test]
+fn bundle_with_added_or_deleted_files_is_refused() {
+    let c = Case::new();
+    let b = good_bundle(&c);
+    std::fs::write(b.join("tokenizer/extra.json"), "{}").unwrap();
+    logits_fails(&c, &b, &["`tokenizer/extra.json` is in the bundle but not listed", "engc compile"]);
+    let c = Case::new();
+    let b = good_bundle(&c);
+    std::fs::remove_file(b.join("kernels/model.cu")).unwrap();
+    engrun_fails(
+        &["generate", b.to_str().unwrap(), "--prompt", "hi"],
+        &["`kernels/model.cu` is listed in manifest.json but missing", "engc compile"],
+    );
 }
 
 #[test]

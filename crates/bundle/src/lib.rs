@@ -1,16 +1,21 @@
 //! `bundle`: the on-disk format that `engc` writes and `engrun` loads. A bundle is a directory:
 //!
 //! ```text
-//! manifest.json                 format and engine version, model params, tp, dtype, sha256 of every file
+//! manifest.json                 format and engine version, model params, tp, dtype, checksum of every other file
 //! plan.json                     the compiled plan (ir::Plan)
 //! weights/rank{N}.safetensors   per-rank weights, pre-sharded, in the bundle dtype
 //! kernels/*.cu                  generated kernels (CUDA backend)
 //! tokenizer/                    tokenizer.json, tokenizer_config.json, chat template, generation_config.json
 //! ```
 //!
-//! [`BundleWriter`] writes into a temporary sibling directory and renames it into place only
-//! when complete, so a failed compile leaves nothing half-written. [`Bundle::open`] refuses a
-//! bundle whose format is newer than this build or whose checksums do not match.
+//! Checksums are BLAKE3 (hex) from format version 2, sha256 in version 1 (still read).
+//! [`BundleWriter`] writes into a temporary sibling directory, records the checksum of every
+//! file it writes, and renames the directory into place only when complete, so a failed compile
+//! leaves nothing half-written. [`Bundle::open`] refuses a bundle whose format is newer than this
+//! build, and one whose files differ from its manifest in any way: a file under the directory
+//! that is not listed (`manifest.json` excepted), a listed file that is missing, a checksum that
+//! does not match, anything that is not a regular file or a directory (a symlink could point
+//! anywhere), or a manifest that does not list `plan.json` and every rank's weights.
 #![deny(missing_docs)]
 
 mod reader;
@@ -85,6 +90,17 @@ pub enum BundleError {
         path: String,
         /// The file.
         file: String,
+    },
+    /// The bundle's files do not match the manifest: a file is missing, not listed, required but
+    /// not listed, or not a regular file.
+    #[error("{path}: `{file}` {problem} (the bundle is incomplete or was modified); re-run `engc compile`")]
+    Integrity {
+        /// The bundle.
+        path: String,
+        /// The file, relative to the bundle root.
+        file: String,
+        /// What is wrong with it.
+        problem: String,
     },
     /// A file is malformed.
     #[error("{path}: {message}")]

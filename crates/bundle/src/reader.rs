@@ -4,6 +4,7 @@ use crate::writer::hex;
 use crate::{io_err, BundleError, Manifest, FORMAT_VERSION};
 use ir::{DType, Plan};
 use sha2::{Digest, Sha256};
+use std::collections::BTreeSet;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 
@@ -50,8 +51,74 @@ fn sha256_file(path: &Path) -> Result<String, BundleError> {
     Ok(hex(&h.finalize()))
 }
 
+/// Checks `root`'s files against the manifest (see [`Bundle::open`]).
+fn verify_files(root: &Path, shown: &str, manifest: &Manifest) -> Result<(), BundleError> {
+    let present = bundle_files(root, shown)?;
+    if let Some(file) = manifest.files.keys().find(|f| !present.contains(*f)) {
+        return Err(integrity(shown, file, "is listed in manifest.json but missing from the bundle"));
+    }
+    if let Some(file) = present.iter().find(|f| !manifest.files.contains_key(*f)) {
+        return Err(integrity(shown, file, "is in the bundle but not listed in manifest.json"));
+    }
+    check_required(shown, manifest)?;
+    for (file, want) in &manifest.files {
+        let path = root.join(file);
+        let got = if manifest.format_version >= 2 { blake3_file(&path)? } else { sha256_file(&path)? };
+        if &got != want {
+            return Err(BundleError::Checksum { path: shown.to_string(), file: file.clone() });
+        }
+    }
+    Ok(())
+}
+
+/// The manifest must list the files no bundle runs without: `plan.json` and the weights of
+/// every rank.
+fn check_required(shown: &str, manifest: &Manifest) -> Result<(), BundleError> {
+    if manifest.tp == 0 {
+        return Err(BundleError::Malformed {
+            path: format!("{shown}/manifest.json"),
+            message: "tp is 0, but a bundle has at least one rank; re-run `engc compile`".into(),
+        });
+    }
+    let ranks = (0..manifest.tp).map(|r| format!("weights/rank{r}.safetensors"));
+    match std::iter::once("plan.json".to_string()).chain(ranks).find(|f| !manifest.files.contains_key(f)) {
+        Some(file) => Err(integrity(shown, &file, "is required but not listed in manifest.json")),
+        None => Ok(()),
+    }
+}
+
+/// The regular files under `root` by `/`-joined relative path, `manifest.json` excepted.
+/// Directories are walked (empty ones are fine); anything else (a symlink, a socket) is refused,
+/// since a symlink could point anywhere.
+fn bundle_files(root: &Path, shown: &str) -> Result<BTreeSet<String>, BundleError> {
+    let mut files = BTreeSet::new();
+    let mut dirs = vec![(root.to_path_buf(), String::new())];
+    while let Some((dir, prefix)) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir).map_err(|e| io_err(&dir, e))? {
+            let entry = entry.map_err(|e| io_err(&dir, e))?;
+            let rel = format!("{prefix}{}", entry.file_name().to_string_lossy());
+            let kind = entry.file_type().map_err(|e| io_err(&entry.path(), e))?;
+            if kind.is_dir() {
+                dirs.push((entry.path(), format!("{rel}/")));
+            } else if !kind.is_file() {
+                return Err(integrity(shown, &rel, "is not a regular file (symlinks and special files are refused)"));
+            } else if rel != "manifest.json" {
+                files.insert(rel);
+            }
+        }
+    }
+    Ok(files)
+}
+
+fn integrity(shown: &str, file: &str, problem: &str) -> BundleError {
+    BundleError::Integrity { path: shown.to_string(), file: file.to_string(), problem: problem.to_string() }
+}
+
 impl Bundle {
-    /// Opens the bundle at `root`, checking its format version and every checksum.
+    /// Opens the bundle at `root`, checking its format version and its files: every file under
+    /// `root` (`manifest.json` excepted) must be a regular file listed in the manifest with a
+    /// matching checksum, every listed file must exist, and `plan.json` and each rank's weights
+    /// must be listed.
     pub fn open(root: &Path) -> Result<Bundle, BundleError> {
         let shown = root.display().to_string();
         if !root.is_dir() {
@@ -68,19 +135,7 @@ impl Bundle {
         }
         let manifest: Manifest = serde_json::from_value(raw)
             .map_err(|e| BundleError::Malformed { path: mpath.display().to_string(), message: e.to_string() })?;
-        for (file, want) in &manifest.files {
-            let path = root.join(file);
-            if !path.is_file() {
-                return Err(BundleError::Malformed {
-                    path: shown,
-                    message: format!("`{file}` listed in manifest.json is missing"),
-                });
-            }
-            let got = if manifest.format_version >= 2 { blake3_file(&path)? } else { sha256_file(&path)? };
-            if &got != want {
-                return Err(BundleError::Checksum { path: shown, file: file.clone() });
-            }
-        }
+        verify_files(root, &shown, &manifest)?;
         let ppath = root.join("plan.json");
         let ptext = std::fs::read_to_string(&ppath).map_err(|e| io_err(&ppath, e))?;
         let plan: Plan = serde_json::from_str(&ptext)

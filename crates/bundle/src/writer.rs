@@ -67,6 +67,7 @@ impl BundleWriter {
     }
 
     fn open(&self, rel: &str) -> Result<HashingFile, BundleError> {
+        check_rel(rel)?;
         let path = self.tmp.join(rel);
         if let Some(dir) = path.parent() {
             std::fs::create_dir_all(dir).map_err(|e| io_err(dir, e))?;
@@ -162,6 +163,19 @@ impl Drop for BundleWriter {
             let _ = std::fs::remove_dir_all(&self.tmp);
         }
     }
+}
+
+/// A file's path must be plain names joined by `/` (no `.`, `..`, empty or absolute parts) and
+/// not `manifest.json`, so that the manifest lists it under the name a reader finds it by.
+fn check_rel(rel: &str) -> Result<(), BundleError> {
+    let plain = rel.split('/').all(|c| !c.is_empty() && c != "." && c != ".." && !c.contains('\\'));
+    if plain && rel != "manifest.json" {
+        return Ok(());
+    }
+    Err(BundleError::Malformed {
+        path: rel.to_string(),
+        message: "a bundle file must be a plain relative path (names joined by `/`) other than manifest.json".into(),
+    })
 }
 
 pub(crate) fn hex(bytes: &[u8]) -> String {
