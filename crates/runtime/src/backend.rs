@@ -91,7 +91,7 @@ pub trait Backend: Send {
         None
     }
     /// The device's measured copy bandwidth (bytes read + written per second), for backends
-    /// whose memory is not the host's; `None`: the host's (see `bench::copy_bandwidth`).
+    /// whose memory is not the host's (`cuda::probe::copy`); `None`: the host's (see `bench::copy_bandwidth`).
     fn copy_bandwidth(&mut self) -> Option<f64> {
         None
     }

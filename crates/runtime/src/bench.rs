@@ -64,19 +64,10 @@ pub struct BenchReport {
     pub prefill_tflop_s: f64,
 }
 
-/// Best-of-5 memcpy bandwidth over 256 MiB, counting bytes read and written.
-pub fn copy_bandwidth() -> f64 {
-    let n = 256 << 20;
-    let src = vec![1u8; n];
-    let mut dst = vec![0u8; n];
-    let mut best = f64::MAX;
-    for _ in 0..5 {
-        let t = Instant::now();
-        dst.copy_from_slice(&src);
-        std::hint::black_box(&mut dst);
-        best = best.min(t.elapsed().as_secs_f64());
-    }
-    2.0 * n as f64 / best
+/// The host's copy bandwidth (one thread, 256 MiB, best of 5; bytes read and written): see
+/// [`crate::probe::host_copy_bandwidth`].
+pub fn copy_bandwidth() -> Result<f64, RuntimeError> {
+    crate::probe::host_copy_bandwidth(256 << 20, 5)
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -160,7 +151,10 @@ pub fn run(
     warm_up(engine, opts)?;
     let input_tokens = reqs.iter().map(|r| r.prompt.len()).sum();
     let weight_bytes = cost.weight_bytes;
-    let bandwidth = cost.bandwidth.unwrap_or_else(copy_bandwidth);
+    let bandwidth = match cost.bandwidth {
+        Some(b) => b,
+        None => copy_bandwidth()?,
+    };
     let before = engine.stats();
     engine.take_records();
     engine.record_steps();

@@ -172,6 +172,14 @@ fn host(opts: &ProbeOptions) -> Result<HostReport, RuntimeError> {
     Ok(HostReport { cpu: cpu_name(), threads: all.threads(), one_thread, all_cores })
 }
 
+/// The host's one-thread copy bandwidth over `bytes`-byte buffers (best of `reps`), in bytes read
+/// + written per second: what `engrun bench` divides a CPU decode's bytes by.
+pub fn host_copy_bandwidth(bytes: usize, reps: usize) -> Result<f64, RuntimeError> {
+    let src = filled(bytes, 1)?;
+    let mut dst = filled(bytes, 2)?;
+    Ok(host_copy(&Pool::new(1), &src, &mut dst, reps.max(1)).gb_s * 1e9)
+}
+
 /// A buffer of `bytes` bytes, every page written (so no copy reads the shared zero page or
 /// faults pages in).
 fn filled(bytes: usize, value: u8) -> Result<Vec<u8>, RuntimeError> {

@@ -449,18 +449,15 @@ impl Backend for CudaBackend {
 
     /// Best of five device-to-device copies of 1 GiB, counting bytes read and written.
     fn copy_bandwidth(&mut self) -> Option<f64> {
-        let n = 1 << 28;
-        let a = self.stream.alloc_zeros::<f32>(n).ok()?;
-        let mut b = self.stream.alloc_zeros::<f32>(n).ok()?;
-        let mut best = f64::MAX;
-        for _ in 0..5 {
-            self.stream.synchronize().ok()?;
-            let t = std::time::Instant::now();
-            self.stream.memcpy_dtod(&a, &mut b).ok()?;
-            self.stream.synchronize().ok()?;
-            best = best.min(t.elapsed().as_secs_f64());
-        }
-        Some(2.0 * 4.0 * n as f64 / best)
+        let opts = crate::probe::ProbeOptions {
+            host_bytes: 0,
+            device_bytes: 1 << 30,
+            matmul_size: 0,
+            reps: 5,
+            warmup: 2,
+            gpus: vec![],
+        };
+        probe::copy(&self.stream, &opts).ok().map(|r| r.gb_s * 1e9)
     }
 
     fn forward(&mut self, batch: &[StepSeq]) -> Result<Vec<f32>, RuntimeError> {

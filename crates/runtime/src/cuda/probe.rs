@@ -28,8 +28,9 @@ pub(crate) fn gpu(ordinal: usize, opts: &ProbeOptions) -> Result<GpuReport, Runt
     Ok(GpuReport { ordinal, name, copy, matmul })
 }
 
-/// The bandwidth of copying one buffer of `opts.device_bytes` into another.
-fn copy(stream: &Arc<CudaStream>, opts: &ProbeOptions) -> Result<CopyRate, RuntimeError> {
+/// The bandwidth of copying one buffer of `opts.device_bytes` into another (also what
+/// `engrun bench` divides a GPU decode's bytes by: `CudaBackend::copy_bandwidth`).
+pub(crate) fn copy(stream: &Arc<CudaStream>, opts: &ProbeOptions) -> Result<CopyRate, RuntimeError> {
     let bytes = opts.device_bytes;
     let src = stream.alloc_zeros::<u8>(bytes).map_err(driver("allocating the device copy's source"))?;
     let mut dst = stream.alloc_zeros::<u8>(bytes).map_err(driver("allocating the device copy's destination"))?;
