@@ -318,3 +318,31 @@ pub fn scratch(tmp: &str, name: &str) -> PathBuf {
     std::fs::create_dir_all(&dir).expect("create a scratch directory");
     dir
 }
+
+/// A fixture committed in the repository (`tests/fixtures/NAME`, made by
+/// scripts/make-references.py).
+pub fn repo_fixture(name: &str) -> PathBuf {
+    let p = repo().join("tests/fixtures").join(name);
+    assert!(p.is_dir(), "fixture {} is missing", p.display());
+    p
+}
+
+/// Compiles the Llama checkpoint in `checkpoint` (a directory with config.json and
+/// safetensors, no tokenizer) with `models/llama.yaml` at tp 1 into `dir`, named after the
+/// checkpoint's directory.
+pub fn compile_llama_checkpoint(checkpoint: &Path, dir: &Path, dtype: Option<ir::DType>) -> PathBuf {
+    let name = checkpoint.file_name().map_or_else(|| "model".into(), |n| n.to_string_lossy().into_owned());
+    let out = dir.join(format!("{name}.bundle"));
+    let opts = compiler::CompileOptions {
+        model: repo().join("models/llama.yaml"),
+        checkpoint: checkpoint.to_path_buf(),
+        tp: 1,
+        dtype,
+        tokenizer: None,
+        out: out.clone(),
+        dump_after: None,
+        lm_head: compiler::LmHead::default(),
+    };
+    compiler::compile(&opts).unwrap_or_else(|e| panic!("compiling {}: {e}", checkpoint.display()));
+    out
+}

@@ -178,11 +178,14 @@ impl Lowerer<'_> {
             "rms_norm" => Op::RmsNorm { eps: attrs.f64("eps")? as f32 },
             "rope" => {
                 let max_positions = attrs.opt("max_positions").and_then(|v| v.as_f64());
+                let head_dim = attrs.usize("head_dim")?;
                 let scaling = match attrs.opt("scaling") {
-                    Some(v) => RopeScaling::from_config(&v.to_json(), max_positions).map_err(|e| e.to_string())?,
+                    Some(v) => {
+                        RopeScaling::from_config(&v.to_json(), max_positions, head_dim).map_err(|e| e.to_string())?
+                    }
                     None => RopeScaling::Default,
                 };
-                Op::Rope { head_dim: attrs.usize("head_dim")?, theta: attrs.f64("theta")?, scaling }
+                Op::Rope { head_dim, theta: attrs.f64("theta")?, scaling }
             }
             "attention" => {
                 let head_dim = attrs.usize("head_dim")?;

@@ -71,11 +71,11 @@ fn rope_scaling_types_from_both_styles() {
     );
     let m = spec::bind(
         &spec("llama.yaml"),
-        &llama_config(json!({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}})),
+        &llama_config(json!({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}})),
     )
     .unwrap();
     let err = compiler::lower::lower(&m, DType::F32, DType::F32).unwrap_err().to_string();
-    assert!(err.contains("unsupported rope scaling type `longrope`") && err.contains("llama.yaml:"), "{err}");
+    assert!(err.contains("unsupported rope scaling type `dynamic`") && err.contains("llama.yaml:"), "{err}");
 }
 
 #[test]

@@ -38,10 +38,45 @@ pub enum RopeScaling {
         /// Multiplier applied to cos and sin.
         attention_factor: f64,
     },
+    /// LongRoPE (Phi-3's `longrope`, formerly `su`): frequency `i` divided by `factors[i]`, cos
+    /// and sin multiplied by `attention_factor`.
+    ///
+    /// The config carries two lists, `short_factor` and `long_factor`. HF transformers picks
+    /// per forward call: the long list when the call's highest position + 1 exceeds
+    /// `original_max_position_embeddings`, the short one otherwise, so one sequence's cached keys
+    /// can mix both. vLLM and SGLang keep both tables and pick per batch (the long one for every
+    /// token when any position of the batch exceeds the original length). A paged KV cache that
+    /// outlives steps needs one table for every position, so this holds one list, chosen when
+    /// the config is read: the long factors when `max_position_embeddings` exceeds
+    /// `original_max_position_embeddings` (the long-context releases, which are meant to be
+    /// served past the original length), else the short ones. Outputs equal HF's for sequences
+    /// longer than the original length in the first case and no longer than it in the second;
+    /// a long-context model given only short prompts differs from HF (which then uses the short
+    /// factors).
+    #[serde(rename = "longrope")]
+    LongRope {
+        /// Per-frequency divisors (`head_dim / 2` of them).
+        factors: Vec<f64>,
+        /// Multiplier applied to cos and sin.
+        attention_factor: f64,
+    },
 }
 
 fn field(cfg: &serde_json::Value, key: &str) -> Option<f64> {
     cfg.get(key).and_then(serde_json::Value::as_f64)
+}
+
+fn number_list(cfg: &serde_json::Value, key: &str) -> Option<Vec<f64>> {
+    cfg.get(key)?.as_array()?.iter().map(serde_json::Value::as_f64).collect()
+}
+
+/// LongRoPE's default attention factor: `sqrt(1 + ln(factor) / ln(original_max_positions))`.
+fn longrope_mscale(factor: f64, original_max_positions: f64) -> f64 {
+    if factor <= 1.0 {
+        1.0
+    } else {
+        (1.0 + factor.ln() / original_max_positions.ln()).sqrt()
+    }
 }
 
 fn yarn_mscale(scale: f64, mscale: f64) -> f64 {
@@ -55,23 +90,24 @@ fn yarn_mscale(scale: f64, mscale: f64) -> f64 {
 impl RopeScaling {
     /// Reads the scaling from a config object (`rope_scaling` or `rope_parameters`); null means
     /// [`RopeScaling::Default`]. `max_positions` is `max_position_embeddings`, used where the
-    /// config omits the original context length.
-    pub fn from_config(cfg: &serde_json::Value, max_positions: Option<f64>) -> Result<RopeScaling, IrError> {
+    /// config omits the original context length (and by `longrope` to pick its factors);
+    /// `head_dim` is the size of a rotated head (a `longrope` list has `head_dim / 2` entries).
+    pub fn from_config(
+        cfg: &serde_json::Value,
+        max_positions: Option<f64>,
+        head_dim: usize,
+    ) -> Result<RopeScaling, IrError> {
         if cfg.is_null() {
             return Ok(RopeScaling::Default);
         }
         let kind = cfg.get("rope_type").or_else(|| cfg.get("type")).and_then(|v| v.as_str()).unwrap_or("default");
-        let need = |key: &str| {
-            field(cfg, key).ok_or_else(|| IrError::Attr {
-                op: "rope".into(),
-                message: format!("rope scaling `{kind}` needs `{key}` in {cfg}"),
-            })
-        };
+        let bad = |message: String| IrError::Attr { op: "rope".into(), message };
+        let need =
+            |key: &str| field(cfg, key).ok_or_else(|| bad(format!("rope scaling `{kind}` needs `{key}` in {cfg}")));
         let orig = || {
-            field(cfg, "original_max_position_embeddings").or(max_positions).ok_or_else(|| IrError::Attr {
-                op: "rope".into(),
-                message: format!("rope scaling `{kind}` needs original_max_position_embeddings"),
-            })
+            field(cfg, "original_max_position_embeddings")
+                .or(max_positions)
+                .ok_or_else(|| bad(format!("rope scaling `{kind}` needs original_max_position_embeddings")))
         };
         Ok(match kind {
             "default" => RopeScaling::Default,
@@ -99,13 +135,26 @@ impl RopeScaling {
                     attention_factor,
                 }
             }
+            "longrope" | "su" => {
+                let orig = orig()?;
+                let max = max_positions.unwrap_or(orig);
+                let key = if max > orig { "long_factor" } else { "short_factor" };
+                let factors = number_list(cfg, key)
+                    .ok_or_else(|| bad(format!("rope scaling `{kind}` needs `{key}` (a list of numbers) in {cfg}")))?;
+                if factors.len() != head_dim / 2 || factors.iter().any(|&f| f <= 0.0 || !f.is_finite()) {
+                    return Err(bad(format!(
+                        "rope scaling `{kind}`: `{key}` must be {} positive numbers (head_dim {head_dim} / 2), got {factors:?}",
+                        head_dim / 2
+                    )));
+                }
+                let factor = field(cfg, "factor").unwrap_or(max / orig);
+                let attention_factor = field(cfg, "attention_factor").unwrap_or_else(|| longrope_mscale(factor, orig));
+                RopeScaling::LongRope { factors, attention_factor }
+            }
             other => {
-                return Err(IrError::Attr {
-                    op: "rope".into(),
-                    message: format!(
-                        "unsupported rope scaling type `{other}` (supported: default, linear, llama3, yarn)"
-                    ),
-                })
+                return Err(bad(format!(
+                    "unsupported rope scaling type `{other}` (supported: default, linear, llama3, yarn, longrope)"
+                )))
             }
         })
     }
@@ -158,6 +207,12 @@ impl RopeScaling {
                     .collect();
                 (out, attention_factor)
             }
+            RopeScaling::LongRope { ref factors, attention_factor } => {
+                // from_config checked the length; a missing factor (a hand-made plan) leaves the
+                // frequency as it is.
+                let out = base.iter().enumerate().map(|(i, &f)| f / factors.get(i).copied().unwrap_or(1.0)).collect();
+                (out, attention_factor)
+            }
         }
     }
 }
@@ -170,13 +225,14 @@ mod tests {
     #[test]
     fn parses_both_config_styles() {
         let v4 = json!({"type": "linear", "factor": 2.0});
-        assert_eq!(RopeScaling::from_config(&v4, None).unwrap(), RopeScaling::Linear { factor: 2.0 });
+        assert_eq!(RopeScaling::from_config(&v4, None, 128).unwrap(), RopeScaling::Linear { factor: 2.0 });
         let v5 = json!({"rope_type": "default", "rope_theta": 100000.0});
-        assert_eq!(RopeScaling::from_config(&v5, None).unwrap(), RopeScaling::Default);
+        assert_eq!(RopeScaling::from_config(&v5, None, 128).unwrap(), RopeScaling::Default);
         let bad = json!({"rope_type": "dynamic-ish", "factor": 2.0});
-        assert!(RopeScaling::from_config(&bad, None).unwrap_err().to_string().contains("unsupported rope scaling"));
+        let err = RopeScaling::from_config(&bad, None, 128).unwrap_err().to_string();
+        assert!(err.contains("unsupported rope scaling"), "{err}");
         let missing = json!({"rope_type": "llama3", "factor": 8.0});
-        assert!(RopeScaling::from_config(&missing, None).unwrap_err().to_string().contains("low_freq_factor"));
+        assert!(RopeScaling::from_config(&missing, None, 128).unwrap_err().to_string().contains("low_freq_factor"));
     }
 
     #[test]
@@ -184,6 +240,7 @@ mod tests {
         let s = RopeScaling::from_config(
             &json!({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
             None,
+            128,
         )
         .unwrap();
         let (base, _) = RopeScaling::Default.inv_freq(128, 500000.0);
@@ -195,10 +252,45 @@ mod tests {
     }
 
     #[test]
+    fn longrope_picks_its_factors_by_context_length() {
+        let cfg = json!({"rope_type": "longrope", "short_factor": [1.0, 2.0], "long_factor": [4.0, 8.0], "original_max_position_embeddings": 1024});
+        let (base, _) = RopeScaling::Default.inv_freq(4, 1e4);
+        // A long-context release (max 4096 > original 1024): long factors, factor 4.
+        let long = RopeScaling::from_config(&cfg, Some(4096.0), 4).unwrap();
+        let (f, att) = long.inv_freq(4, 1e4);
+        assert_eq!(f, vec![base[0] / 4.0, base[1] / 8.0]);
+        assert!((att - (1.0 + 4f64.ln() / 1024f64.ln()).sqrt()).abs() < 1e-15, "{att}");
+        // max == original: short factors, no attention scaling.
+        let (f, att) = RopeScaling::from_config(&cfg, Some(1024.0), 4).unwrap().inv_freq(4, 1e4);
+        assert_eq!((f, att), (vec![base[0], base[1] / 2.0], 1.0));
+        // `factor` and `attention_factor` win over the ratio of the context lengths; `su` is
+        // the old name.
+        let mut given = cfg.clone();
+        given["type"] = json!("su");
+        given.as_object_mut().unwrap().remove("rope_type");
+        given["factor"] = json!(16.0);
+        let (_, att) = RopeScaling::from_config(&given, Some(4096.0), 4).unwrap().inv_freq(4, 1e4);
+        assert!((att - (1.0 + 16f64.ln() / 1024f64.ln()).sqrt()).abs() < 1e-15, "{att}");
+        given["attention_factor"] = json!(1.5);
+        assert_eq!(RopeScaling::from_config(&given, Some(4096.0), 4).unwrap().inv_freq(4, 1e4).1, 1.5);
+        // Lists of the wrong length or with non-positive entries are errors naming the key.
+        let err = RopeScaling::from_config(&cfg, Some(4096.0), 8).unwrap_err().to_string();
+        assert!(err.contains("`long_factor` must be 4 positive numbers"), "{err}");
+        let mut zero = cfg.clone();
+        zero["short_factor"] = json!([1.0, 0.0]);
+        let err = RopeScaling::from_config(&zero, Some(1024.0), 4).unwrap_err().to_string();
+        assert!(err.contains("`short_factor` must be 2 positive numbers"), "{err}");
+        zero.as_object_mut().unwrap().remove("short_factor");
+        let err = RopeScaling::from_config(&zero, Some(1024.0), 4).unwrap_err().to_string();
+        assert!(err.contains("needs `short_factor`"), "{err}");
+    }
+
+    #[test]
     fn yarn_ramps_between_extrapolation_and_interpolation() {
         let s = RopeScaling::from_config(
             &json!({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}),
             None,
+            128,
         )
         .unwrap();
         let (base, _) = RopeScaling::Default.inv_freq(128, 1e6);
