@@ -177,6 +177,28 @@ fn architecture_mismatch() {
     c.compile_fails(&qwen(), &fixture("tiny-llama"), &[], &["LlamaForCausalLM", "qwen2.yaml"]);
 }
 
+/// Without a YAML, `engc compile` takes the model whose `architectures` names the checkpoint's,
+/// and a checkpoint of an unknown architecture gets an error listing the known ones.
+#[test]
+fn model_chosen_by_architecture() {
+    let c = Case::new();
+    for (name, model) in [("tiny-llama", "llama"), ("tiny-qwen2", "qwen2")] {
+        let out = c.path(&format!("{name}.bundle"));
+        let (ck, o) = (fixture(name), out.to_str().unwrap());
+        let r = run("engc", &["compile", "--checkpoint", ck.to_str().unwrap(), "-o", o]);
+        assert!(r.status.success(), "{}", stderr(&r));
+        assert!(stderr(&r).contains(&format!("{model}.yaml")), "{}", stderr(&r));
+        assert_eq!(bundle::Bundle::open(&out).unwrap().manifest.model, model);
+    }
+    let ck = c.checkpoint(|cfg| cfg["architectures"] = serde_json::json!(["MambaForCausalLM"]));
+    let r = run("engc", &["compile", "--checkpoint", ck.to_str().unwrap(), "-o", c.path("m.bundle").to_str().unwrap()]);
+    let err = stderr(&r);
+    assert!(!r.status.success(), "{err}");
+    for needle in ["MambaForCausalLM", "known architectures", "LlamaForCausalLM (", "Qwen2ForCausalLM ("] {
+        assert!(err.contains(needle), "message lacks `{needle}`: {err}");
+    }
+}
+
 fn good_bundle(c: &Case) -> PathBuf {
     let out = c.path("good.bundle");
     let o = run(

@@ -10,10 +10,12 @@ pub mod driver;
 pub mod gguf;
 pub mod lower;
 pub mod passes;
+pub mod select;
 pub mod shard;
 
 pub use driver::{compile, plan_for_config, CompileOptions, CompileReport};
 pub use passes::LmHead;
+pub use select::{find_model, model_dirs};
 
 /// Errors of compilation. Each names the file, tensor or pass it concerns.
 #[derive(Debug, thiserror::Error)]

@@ -20,9 +20,10 @@ struct Cli {
 enum Cmd {
     /// Compile MODEL.yaml with a checkpoint into a bundle directory.
     Compile {
-        /// The model architecture (models/*.yaml).
-        model: PathBuf,
-        /// Checkpoint directory (config.json + safetensors).
+        /// The model architecture (models/*.yaml). Default: the YAML whose `architectures` names
+        /// the checkpoint's, from $ENGINE_MODELS_DIR, ./models or the source tree's models/.
+        model: Option<PathBuf>,
+        /// Checkpoint directory (config.json + safetensors) or GGUF file.
         #[arg(long)]
         checkpoint: PathBuf,
         /// Tensor-parallel ranks to shard the weights for.
@@ -89,8 +90,13 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.cmd {
         Cmd::Compile { model, checkpoint, tp, dtype, tokenizer, out, dump_after, lm_head } => {
-            let opts = CompileOptions { model, checkpoint, tp, dtype, tokenizer, out, dump_after, lm_head };
-            compile(&opts)
+            match model.map_or_else(|| pick_model(&checkpoint), Ok) {
+                Ok(model) => {
+                    let opts = CompileOptions { model, checkpoint, tp, dtype, tokenizer, out, dump_after, lm_head };
+                    compile(&opts)
+                }
+                Err(e) => Err(e),
+            }
         }
         Cmd::Inspect { bundle, graph } => inspect(&bundle, graph),
         Cmd::CudaCheck { bundle, model, config, tp, dtype, arch } => {
@@ -104,6 +110,13 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// The model YAML for a checkpoint compiled without one.
+fn pick_model(checkpoint: &std::path::Path) -> Result<PathBuf, String> {
+    let model = compiler::find_model(&compiler::model_dirs(), checkpoint).map_err(|e| e.to_string())?;
+    eprintln!("model: {} (its architectures name the checkpoint's)", model.display());
+    Ok(model)
 }
 
 fn cuda_check(
