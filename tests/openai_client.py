@@ -2,6 +2,9 @@
 
 usage: openai_client.py BASE_URL MODEL smollm2 QUESTION ANSWER
        openai_client.py BASE_URL MODEL unicode
+
+Both modes end with the error cases, read through the package's exception classes (status,
+and OpenAI's `type`, `param` and `code`).
 """
 import sys
 
@@ -29,13 +32,26 @@ def streamed_chat(**kw):
     return pieces, finish, usage
 
 
-def expect_error(kind, status, **kw):
+def expect_error(kind, status, param, code=None, key="test-key", **kw):
     try:
-        chat(**kw)
+        OpenAI(base_url=base, api_key=key, max_retries=0).chat.completions.create(**kw)
     except kind as e:
         assert e.status_code == status, (e.status_code, e)
+        assert (e.type, e.param, e.code) == ("invalid_request_error", param, code), (e.type, e.param, e.code, e)
         return
     raise AssertionError(f"no {kind.__name__} for {kw}")
+
+
+def check_errors(msgs):
+    expect_error(openai.NotFoundError, 404, "model", "model_not_found", model="no-such-model", messages=msgs)
+    expect_error(openai.BadRequestError, 400, "messages", model=model, messages=[])
+    expect_error(openai.BadRequestError, 400, "temperature", model=model, messages=msgs, temperature=-1)
+    expect_error(openai.BadRequestError, 400, "top_p", model=model, messages=msgs, top_p=1.5)
+    expect_error(openai.BadRequestError, 400, "max_tokens", model=model, messages=msgs, max_tokens=-1)
+    expect_error(openai.BadRequestError, 400, "max_tokens", model=model, messages=msgs, max_tokens=10**6)
+    expect_error(openai.BadRequestError, 400, "n", model=model, messages=msgs, n=100)
+    expect_error(openai.AuthenticationError, 401, None, "invalid_api_key", key="wrong", model=model, messages=msgs)
+    assert [m.id for m in client.models.list().data] == [model]
 
 
 if mode == "smollm2":
@@ -84,25 +100,7 @@ if mode == "smollm2":
     assert "".join(ch.choices[0].text for ch in s if ch.choices) == text
     c = client.completions.create(model=model, prompt="The capital of France is", temperature=0, max_tokens=3, logprobs=2)
     assert len(c.choices[0].logprobs.tokens) == 3 and len(c.choices[0].logprobs.top_logprobs[0]) == 2
-    # Errors.
-    try:
-        client.chat.completions.create(model="no-such-model", messages=msgs)
-        raise AssertionError("unknown model accepted")
-    except openai.NotFoundError as e:
-        assert e.status_code == 404
-    expect_error(openai.BadRequestError, 400, messages=[])
-    expect_error(openai.BadRequestError, 400, messages=msgs, temperature=-1)
-    expect_error(openai.BadRequestError, 400, messages=msgs, top_p=1.5)
-    expect_error(openai.BadRequestError, 400, messages=msgs, max_tokens=-1)
-    expect_error(openai.BadRequestError, 400, messages=msgs, max_tokens=10**6)
-    expect_error(openai.BadRequestError, 400, messages=msgs, n=100)
-    bad = OpenAI(base_url=base, api_key="wrong", max_retries=0)
-    try:
-        bad.chat.completions.create(model=model, messages=msgs)
-        raise AssertionError("wrong key accepted")
-    except openai.AuthenticationError as e:
-        assert e.status_code == 401
-    assert [m.id for m in client.models.list().data] == [model]
+    check_errors(msgs)
 elif mode == "unicode":
     for prompt in ["你好，世界！请介绍一下长城。", "Emoji: 😀🎉👍🏽 and 🇫🇷, 日本語も", "한국어 텍스트와 中文混合"]:
         msgs = [{"role": "user", "content": prompt}]
@@ -112,6 +110,7 @@ elif mode == "unicode":
         assert "".join(pieces) == text, (pieces, text)
         # No piece carries a broken character that the whole text does not.
         assert sum(p.count("\ufffd") for p in pieces) == text.count("\ufffd"), pieces
+    check_errors([{"role": "user", "content": "hi"}])
 else:
     raise SystemExit(f"unknown mode {mode}")
 print("ok")

@@ -116,12 +116,14 @@ impl Params {
     }
 
     /// The engine requests for `prompts`, `n` choices each. `top_logprobs`: the number of top
-    /// logprobs asked for, if any. `max_context`: the model's context length.
+    /// logprobs asked for, if any. `max_context`: the model's context length. `prompt_field`:
+    /// the request field the prompts came from (named by errors).
     pub fn job(
         &self,
         prompts: Vec<Vec<u32>>,
         top_logprobs: Option<usize>,
         max_context: usize,
+        prompt_field: &'static str,
     ) -> Result<Job, ApiError> {
         let n = int(self.n, "n", 1, MAX_N as i64)?.unwrap_or(1);
         let p = &self.sampling;
@@ -159,7 +161,7 @@ impl Params {
             if left == 0 {
                 return Err(ApiError::bad(
                     format!("the prompt ({} tokens) fills the context length {max_context}", prompt.len()),
-                    Some("messages"),
+                    Some(prompt_field),
                 ));
             }
             for i in 0..n {
@@ -270,7 +272,10 @@ impl CompletionRequest {
     pub fn top_logprobs(&self) -> Result<Option<usize>, ApiError> {
         match &self.params.logprobs {
             None | Some(Value::Null) => Ok(None),
-            Some(v) => int(v.as_i64().or(Some(-1)), "logprobs", 0, 20),
+            Some(v) => match v.as_i64() {
+                Some(n) => int(Some(n), "logprobs", 0, 20),
+                None => Err(ApiError::bad(format!("logprobs must be an integer, got {v}"), Some("logprobs"))),
+            },
         }
     }
 }
@@ -302,12 +307,13 @@ pub struct GenerateSampling {
 
 impl GenerateSampling {
     /// As the OpenAI parameters.
-    pub fn params(&self, stream: bool) -> Params {
-        Params {
+    pub fn params(&self, stream: bool) -> Result<Params, ApiError> {
+        int(self.max_new_tokens, "max_new_tokens", 1, i64::MAX)?;
+        Ok(Params {
             max_tokens: Some(self.max_new_tokens.unwrap_or(128)),
             sampling: self.sampling.clone(),
             stream,
             ..Params::default()
-        }
+        })
     }
 }

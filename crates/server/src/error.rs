@@ -1,6 +1,7 @@
 //! Errors in OpenAI's JSON shape: `{"error": {"message", "type", "param", "code"}}`.
 
-use axum::http::StatusCode;
+use axum::extract::rejection::BytesRejection;
+use axum::http::{Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 
 /// An error answered to the client.
@@ -52,6 +53,13 @@ impl ApiError {
         }
     }
 
+    /// 404 for a path no route serves, 405 for a method its route does not take: OpenAI's
+    /// `Invalid URL (METHOD PATH)`.
+    pub fn no_route(status: StatusCode, method: &Method, uri: &Uri) -> ApiError {
+        let why = if status == StatusCode::METHOD_NOT_ALLOWED { "; this route takes another method" } else { "" };
+        ApiError { status, ..ApiError::bad(format!("Invalid URL ({method} {}){why}", uri.path()), None) }
+    }
+
     /// 500: the server failed.
     pub fn internal(message: impl Into<String>) -> ApiError {
         ApiError {
@@ -88,14 +96,33 @@ impl IntoResponse for ApiError {
     }
 }
 
+/// The request fields the engine's validation messages name, the first one a message
+/// contains being the field at fault.
+const PARAMS: [&str; 10] = [
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "logprobs",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+    "prompt",
+];
+
+/// A body that could not be read (too large, or the connection failed), with axum's status.
+impl From<BytesRejection> for ApiError {
+    fn from(e: BytesRejection) -> ApiError {
+        ApiError { status: e.status(), ..ApiError::bad(format!("reading the request body: {}", e.body_text()), None) }
+    }
+}
+
 impl From<runtime::RuntimeError> for ApiError {
     fn from(e: runtime::RuntimeError) -> ApiError {
         match e {
             runtime::RuntimeError::Invalid(m) => {
-                let param = ["max_tokens", "temperature", "top_p", "top_k", "min_p", "logprobs", "penalty", "prompt"]
-                    .into_iter()
-                    .find(|p| m.contains(p));
-                let param = param.map(|p| if p == "penalty" { "frequency_penalty" } else { p });
+                let param = PARAMS.into_iter().find(|p| m.contains(p));
                 ApiError::bad(m, param)
             }
             other => ApiError::internal(other.to_string()),

@@ -6,6 +6,7 @@
 
 pub mod api;
 pub mod detok;
+pub mod drain;
 pub mod error;
 pub mod metrics;
 pub mod routes;
@@ -30,8 +31,9 @@ pub struct ServeOptions {
     pub max_context: usize,
 }
 
-/// Serves `engine` until SIGTERM or Ctrl-C: then it stops accepting connections, lets the
-/// requests in flight finish, aborts what is left, and returns.
+/// Serves `engine` until SIGTERM or Ctrl-C: then it answers new requests with 503 while the
+/// requests in flight finish ([`drain::Drain`]), closes the listener, aborts what is left, and
+/// returns.
 pub fn serve(engine: Engine, tok: Tokenizer, opts: ServeOptions) -> Result<(), String> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -44,6 +46,7 @@ pub fn serve(engine: Engine, tok: Tokenizer, opts: ServeOptions) -> Result<(), S
             tokio::net::TcpListener::bind(&addr).await.map_err(|e| format!("cannot listen on {addr}: {e}"))?;
         let local = listener.local_addr().map_err(|e| e.to_string())?;
         let tok = Arc::new(tok);
+        let drain = Arc::new(drain::Drain::default());
         let created = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
         let state = Arc::new(routes::AppState {
             engine: Arc::new(EngineHandle::spawn(engine)),
@@ -55,10 +58,11 @@ pub fn serve(engine: Engine, tok: Tokenizer, opts: ServeOptions) -> Result<(), S
             metrics: metrics::Metrics::default(),
             created,
             next_id: AtomicU64::new(0),
+            drain: drain.clone(),
         });
         eprintln!("serving {} on http://{local}", opts.model);
         axum::serve(listener, routes::router(state))
-            .with_graceful_shutdown(shutdown())
+            .with_graceful_shutdown(shutdown(drain))
             .await
             .map_err(|e| format!("server: {e}"))?;
         eprintln!("shut down");
@@ -66,7 +70,8 @@ pub fn serve(engine: Engine, tok: Tokenizer, opts: ServeOptions) -> Result<(), S
     })
 }
 
-async fn shutdown() {
+/// Resolves once a signal came and the requests in flight have finished.
+async fn shutdown(drain: Arc<drain::Drain>) {
     let term = async {
         match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
             Ok(mut s) => {
@@ -79,5 +84,7 @@ async fn shutdown() {
         _ = term => {},
         _ = tokio::signal::ctrl_c() => {},
     }
-    eprintln!("shutting down: no new connections; finishing the requests in flight");
+    eprintln!("shutting down: new requests get 503; finishing the {} requests in flight", drain.in_flight());
+    drain.finish().await;
+    eprintln!("shutting down: no request in flight; closing the listener");
 }

@@ -4,11 +4,13 @@
 
 use crate::api::{ChatRequest, CompletionRequest, GenerateRequest, Job, Prompt};
 use crate::detok::{Delta, Detokenizer, TokenLogprob};
+use crate::drain::{Drain, Ticket};
 use crate::error::ApiError;
 use crate::metrics::Metrics;
 use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
-use axum::http::{header, HeaderMap, StatusCode};
+use axum::http::{header, HeaderMap, Method, StatusCode, Uri};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -41,6 +43,8 @@ pub struct AppState {
     pub created: u64,
     /// Response ids.
     pub next_id: AtomicU64,
+    /// Shutdown: requests in flight, 503 for new ones.
+    pub drain: Arc<Drain>,
 }
 
 type St = State<Arc<AppState>>;
@@ -52,9 +56,12 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/generate", post(generate))
         .route("/v1/models", get(models))
-        .route("/health", get(|| async { "ok" }))
+        .route("/health", get(health))
         .route("/metrics", get(metrics))
-        .fallback(|| async { ApiError { status: StatusCode::NOT_FOUND, ..ApiError::bad("no such route", None) } })
+        .fallback(|method: Method, uri: Uri| async move { ApiError::no_route(StatusCode::NOT_FOUND, &method, &uri) })
+        .method_not_allowed_fallback(|method: Method, uri: Uri| async move {
+            ApiError::no_route(StatusCode::METHOD_NOT_ALLOWED, &method, &uri)
+        })
         .with_state(state)
 }
 
@@ -69,8 +76,9 @@ fn auth(st: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
     }
 }
 
-fn parse<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
-    serde_json::from_slice(body).map_err(|e| ApiError::bad(format!("invalid request body: {e}"), None))
+/// The body as JSON; a body that could not be read keeps axum's status in OpenAI's shape.
+fn parse<T: serde::de::DeserializeOwned>(body: Result<Bytes, BytesRejection>) -> Result<T, ApiError> {
+    serde_json::from_slice(&body?).map_err(|e| ApiError::bad(format!("invalid request body: {e}"), None))
 }
 
 /// Runs `f` on the blocking pool (tokenization, chat templates).
@@ -89,6 +97,14 @@ async fn models(State(st): St, headers: HeaderMap) -> Response {
     .into_response()
 }
 
+/// 200 `ok`, or 503 while the server shuts down.
+async fn health(State(st): St) -> Response {
+    match st.drain.check() {
+        Ok(()) => "ok".into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
 async fn metrics(State(st): St) -> Response {
     let text = st.metrics.render(&st.engine.snapshot());
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
@@ -103,10 +119,11 @@ fn answer(st: &AppState, r: Result<Response, ApiError>) -> Response {
     })
 }
 
-async fn chat(State(st): St, headers: HeaderMap, body: Bytes) -> Response {
+async fn chat(State(st): St, headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> Response {
     let r = async {
+        let ticket = st.drain.enter()?;
         auth(&st, &headers)?;
-        let req: ChatRequest = parse(&body)?;
+        let req: ChatRequest = parse(body)?;
         req.params.check_model(&st.model)?;
         let messages = req.template_messages()?;
         let top = req.top_logprobs()?;
@@ -114,39 +131,41 @@ async fn chat(State(st): St, headers: HeaderMap, body: Bytes) -> Response {
         let ids = blocking(move || tok.encode_chat(&messages, true))
             .await?
             .map_err(|e| ApiError::bad(format!("chat template: {e}"), Some("messages")))?;
-        let job = req.params.job(vec![ids], top, st.max_context)?;
-        run(&st, job, Kind::Chat).await
+        let job = req.params.job(vec![ids], top, st.max_context, "messages")?;
+        run(&st, job, Kind::Chat, ticket).await
     }
     .await;
     answer(&st, r)
 }
 
-async fn completions(State(st): St, headers: HeaderMap, body: Bytes) -> Response {
+async fn completions(State(st): St, headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> Response {
     let r = async {
+        let ticket = st.drain.enter()?;
         auth(&st, &headers)?;
-        let req: CompletionRequest = parse(&body)?;
+        let req: CompletionRequest = parse(body)?;
         req.params.check_model(&st.model)?;
         let top = req.top_logprobs()?;
         let prompts = tokenize(&st, req.prompt).await?;
-        let job = req.params.job(prompts, top, st.max_context)?;
-        run(&st, job, Kind::Completion).await
+        let job = req.params.job(prompts, top, st.max_context, "prompt")?;
+        run(&st, job, Kind::Completion, ticket).await
     }
     .await;
     answer(&st, r)
 }
 
-async fn generate(State(st): St, headers: HeaderMap, body: Bytes) -> Response {
+async fn generate(State(st): St, headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> Response {
     let r = async {
+        let ticket = st.drain.enter()?;
         auth(&st, &headers)?;
-        let req: GenerateRequest = parse(&body)?;
-        let prompt = match (req.text, req.input_ids) {
-            (Some(t), None) => Prompt::Text(t),
-            (None, Some(ids)) => Prompt::Ids(ids),
+        let req: GenerateRequest = parse(body)?;
+        let (prompt, field) = match (req.text, req.input_ids) {
+            (Some(t), None) => (Prompt::Text(t), "text"),
+            (None, Some(ids)) => (Prompt::Ids(ids), "input_ids"),
             _ => return Err(ApiError::bad("give exactly one of `text` and `input_ids`", Some("text"))),
         };
         let prompts = tokenize(&st, prompt).await?;
-        let job = req.sampling_params.params(req.stream).job(prompts, None, st.max_context)?;
-        run(&st, job, Kind::Generate).await
+        let job = req.sampling_params.params(req.stream)?.job(prompts, None, st.max_context, field)?;
+        run(&st, job, Kind::Generate, ticket).await
     }
     .await;
     answer(&st, r)
@@ -226,9 +245,11 @@ struct Answer {
     created: u64,
     start: Instant,
     st: Arc<AppState>,
+    /// Counts the request as in flight until the response (or its stream) is dropped.
+    _ticket: Ticket,
 }
 
-async fn run(st: &Arc<AppState>, job: Job, kind: Kind) -> Result<Response, ApiError> {
+async fn run(st: &Arc<AppState>, job: Job, kind: Kind, ticket: Ticket) -> Result<Response, ApiError> {
     let start = Instant::now();
     let (tx, rx) = unbounded_channel();
     let mut guard = Guard { engine: st.engine.clone(), ids: vec![], open: vec![] };
@@ -252,6 +273,7 @@ async fn run(st: &Arc<AppState>, job: Job, kind: Kind) -> Result<Response, ApiEr
         created: st.created,
         start,
         st: st.clone(),
+        _ticket: ticket,
     };
     if job.stream {
         return Ok(stream(a, job.include_usage));
