@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
-"""Writes the long-context and RoPE-scaling fixtures under tests/fixtures/.
+"""Writes the long-context, RoPE-scaling and Qwen3 fixtures under tests/fixtures/.
 
-Each fixture is a tiny random-weight Llama checkpoint (vocabulary 512, 2 layers, hidden 64,
-4 query / 2 KV heads of 32, bf16 weights) and Hugging Face transformers' float32 outputs on one
-long random prompt:
+Each fixture is a tiny random-weight Llama (or Qwen3) checkpoint (vocabulary 512, 2 layers,
+hidden 64, 4 query / 2 KV heads of 32, bf16 weights) and Hugging Face transformers' float32
+outputs on one long random prompt:
 
   long-plain/          no scaling, a 700-token prompt (past 512 tokens)
   rope-linear/         linear, factor 4
@@ -11,6 +11,10 @@ long random prompt:
   rope-yarn/           yarn, factor 4, original context 512
   rope-longrope/       longrope, original context 512 < max_position_embeddings 2048: long factors
   rope-longrope-short/ longrope, original context == max_position_embeddings: short factors
+  tiny-qwen3/          Qwen3ForCausalLM (models/qwen3.yaml), the same sizes (head_dim 32, not
+                       hidden / heads = 16), no q/k/v biases, RMS norms over each head of q and k
+                       (`q_norm`, `k_norm`: weights 1 +- 0.3, so that they matter), RoPE base
+                       1e6, a 300-token prompt
 
 Files of a fixture: config.json and model.safetensors (as `save_pretrained` writes them), and
   reference.json         prompt ids, the logit positions, the greedy continuation, versions
@@ -38,7 +42,7 @@ from pathlib import Path
 import safetensors.torch
 import torch
 import transformers
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 VOCAB = 512
 HEAD_DIM = 32
@@ -117,25 +121,36 @@ FIXTURES = {
             "original_max_position_embeddings": 2048,
         },
     ),
+    "tiny-qwen3": dict(arch="qwen3", prompt=300, rope_theta=1000000.0, max_position_embeddings=1024, rope_scaling=None),
 }
+
+# The Qwen3 fixture's config: BASE's sizes (head_dim 32 while hidden / heads is 16) without the
+# Llama-only `mlp_bias`.
+QWEN3 = {k: v for k, v in BASE.items() if k != "mlp_bias"}
 
 
 def make_config(spec):
     params = {"rope_type": "default", "rope_theta": spec["rope_theta"]}
     if spec["rope_scaling"]:
         params.update(spec["rope_scaling"])
+    if spec.get("arch") == "qwen3":
+        return Qwen3Config(**QWEN3, max_position_embeddings=spec["max_position_embeddings"], rope_parameters=params)
     return LlamaConfig(**BASE, max_position_embeddings=spec["max_position_embeddings"], rope_parameters=params)
 
 
 def make_model(config, seed):
     """Random weights, rounded to bf16 and held in float32. q and k are larger than the rest so
-    that attention scores (and with them the rotary positions) move the logits clearly."""
+    that attention scores (and with them the rotary positions) move the logits clearly. Per-head
+    q/k norm weights (Qwen3) spread wider than the other norms', so that they matter."""
     torch.manual_seed(seed)
-    model = LlamaForCausalLM._from_config(config, attn_implementation="eager", dtype=torch.float32)
+    cls = Qwen3ForCausalLM if isinstance(config, Qwen3Config) else LlamaForCausalLM
+    model = cls._from_config(config, attn_implementation="eager", dtype=torch.float32)
     model.eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
+            elif name.endswith("norm.weight"):
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             elif "q_proj" in name or "k_proj" in name:
                 p.copy_(0.15 * torch.randn_like(p))

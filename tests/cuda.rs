@@ -1,6 +1,7 @@
-//! The generated CUDA: every kernel of tiny-qwen2, tiny-llama and the Qwen2.5-0.5B / 7B shapes
-//! (tp 1 and 2) compiles with NVRTC to PTX for sm_90 (the NVRTC library comes from PyPI through
-//! scripts/nvrtc.sh; no GPU and no CUDA toolkit needed), and the source is a text golden.
+//! The generated CUDA: every kernel of tiny-qwen2, tiny-llama, the Qwen2.5-0.5B / 7B shapes and
+//! the Qwen3-8B and tiny-qwen3 shapes (per-head q/k norms) (tp 1 and 2) compiles with NVRTC to
+//! PTX for sm_90 (the NVRTC library comes from PyPI through scripts/nvrtc.sh; no GPU and no
+//! CUDA toolkit needed), and the source is a text golden.
 
 use e2e::*;
 use std::process::Command;
@@ -33,10 +34,17 @@ fn generated_kernels_compile_with_nvrtc_for_sm90() {
     let source = std::fs::read_to_string(f16.join("kernels/model.cu")).unwrap();
     assert!(source.contains("#define H16_F16 1"), "the f16 bundle's source does not select f16");
     runs.push(vec![f16.display().to_string()]);
-    for (shape, dtype) in [("qwen2.5-0.5b", "bf16"), ("qwen2.5-7b", "bf16"), ("qwen2.5-7b", "f16")] {
+    let shapes = [
+        ("qwen2", "tests/configs/qwen2.5-0.5b.json", "bf16"),
+        ("qwen2", "tests/configs/qwen2.5-7b.json", "bf16"),
+        ("qwen2", "tests/configs/qwen2.5-7b.json", "f16"),
+        ("qwen3", "tests/configs/qwen3-8b.json", "bf16"),
+        ("qwen3", "tests/fixtures/tiny-qwen3/config.json", "bf16"),
+    ];
+    for (model, config, dtype) in shapes {
         for tp in ["1", "2"] {
-            let config = repo().join(format!("tests/configs/{shape}.json")).display().to_string();
-            let model = repo().join("models/qwen2.yaml").display().to_string();
+            let config = repo().join(config).display().to_string();
+            let model = repo().join(format!("models/{model}.yaml")).display().to_string();
             let dtype = dtype.to_string();
             runs.push(vec![
                 "--model".into(),

@@ -1,8 +1,9 @@
 //! Prompts past 512 tokens and every RoPE scaling type (linear, llama3, yarn, longrope with its
-//! long and its short factors) against HF transformers, on the fixtures of `tests/fixtures/`
-//! (scripts/make-references.py made them): the reference interpreter and the CPU backend at
-//! the recorded positions and along HF's greedy continuation, and the engine (chunked prefill
-//! of 128 tokens over the paged KV cache) by the log-probabilities and greedy tokens it returns.
+//! long and its short factors), and Qwen3 (per-head q/k norms, `models/qwen3.yaml`), against HF
+//! transformers, on the fixtures of `tests/fixtures/` (scripts/make-references.py made them):
+//! the reference interpreter and the CPU backend at the recorded positions and along HF's
+//! greedy continuation, and the engine (chunked prefill of 128 tokens over the paged KV cache)
+//! by the log-probabilities and greedy tokens it returns.
 
 use e2e::*;
 use runtime::{CpuBackend, Engine, EngineConfig, RefBackend, Request};
@@ -56,15 +57,25 @@ fn clear(row: &[f32]) -> bool {
     top2(row).1 > 10.0 * TOL * scale
 }
 
-const FIXTURES: [&str; 6] =
-    ["long-plain", "rope-linear", "rope-llama3", "rope-yarn", "rope-longrope", "rope-longrope-short"];
+const FIXTURES: [&str; 7] =
+    ["long-plain", "rope-linear", "rope-llama3", "rope-yarn", "rope-longrope", "rope-longrope-short", "tiny-qwen3"];
+
+/// The model YAML of a fixture.
+fn model(name: &str) -> &'static str {
+    if name == "tiny-qwen3" {
+        "qwen3"
+    } else {
+        "llama"
+    }
+}
 
 /// The fixture bundles (f32), compiled once per test binary.
 fn bundle_path(name: &str) -> PathBuf {
     static B: OnceLock<Vec<PathBuf>> = OnceLock::new();
     let all = B.get_or_init(|| {
         let dir = scratch(env!("CARGO_TARGET_TMPDIR"), "long-reference");
-        FIXTURES.iter().map(|n| compile_llama_checkpoint(&repo_fixture(n), &dir, Some(ir::DType::F32))).collect()
+        let f32 = Some(ir::DType::F32);
+        FIXTURES.iter().map(|n| compile_checkpoint(model(n), &repo_fixture(n), &dir, 1, f32)).collect()
     });
     all[FIXTURES.iter().position(|n| *n == name).expect("a known fixture")].clone()
 }

@@ -327,16 +327,17 @@ pub fn repo_fixture(name: &str) -> PathBuf {
     p
 }
 
-/// Compiles the Llama checkpoint in `checkpoint` (a directory with config.json and
-/// safetensors, no tokenizer) with `models/llama.yaml` at tp 1 into `dir`, named after the
-/// checkpoint's directory.
-pub fn compile_llama_checkpoint(checkpoint: &Path, dir: &Path, dtype: Option<ir::DType>) -> PathBuf {
+/// Compiles the checkpoint in `checkpoint` (config.json and safetensors, no tokenizer) with
+/// `models/{model}.yaml` at `tp` ranks into `dir`, named after the checkpoint's directory
+/// (with `-tpN` above one rank).
+pub fn compile_checkpoint(model: &str, checkpoint: &Path, dir: &Path, tp: usize, dtype: Option<ir::DType>) -> PathBuf {
     let name = checkpoint.file_name().map_or_else(|| "model".into(), |n| n.to_string_lossy().into_owned());
-    let out = dir.join(format!("{name}.bundle"));
+    let ranks = if tp == 1 { String::new() } else { format!("-tp{tp}") };
+    let out = dir.join(format!("{name}{ranks}.bundle"));
     let opts = compiler::CompileOptions {
-        model: repo().join("models/llama.yaml"),
+        model: repo().join(format!("models/{model}.yaml")),
         checkpoint: checkpoint.to_path_buf(),
-        tp: 1,
+        tp,
         dtype,
         tokenizer: None,
         out: out.clone(),

@@ -213,7 +213,8 @@ impl BinaryKernel {
     }
 }
 
-/// `fn(x, w, out, rows)`: rms_norm over rows of `n` floats with f32 weights.
+/// `fn(x, w, out, rows)`: rms_norm over rows of `n` floats with f32 weights. A norm over groups
+/// of `n` features (per head) runs it over the groups as rows.
 pub struct RmsNormKernel {
     c: Compiled,
     n: usize,

@@ -14,9 +14,10 @@ pub enum KernelKey {
         /// Table dtype.
         w: DType,
     },
-    /// Optional residual add, then RMS norm over rows of `h`.
+    /// Optional residual add, then RMS norm over rows of `h` (one block each; a norm over
+    /// groups of a wider row, per head, runs over the groups as rows).
     AddRmsNorm {
-        /// Row width.
+        /// Row (or group) width.
         h: usize,
         /// Weight dtype.
         w: DType,

@@ -102,17 +102,19 @@ fn add(b: &mut Builder, i: usize) -> Result<(), CodegenError> {
 }
 
 /// RMS norm node `c` of the f32 value `x` (plus `y`, the sum written to `s`, for a residual
-/// add): one launch, except in steps of at most [`NORM_IN_GEMV_ROWS`] tokens where the norm
-/// only feeds the GEMVs of one launch, which apply it themselves.
+/// add): one launch, over rows or, for a norm in groups of its weight's size (per head), over
+/// the groups as rows; except in steps of at most [`NORM_IN_GEMV_ROWS`] tokens where a norm of
+/// whole rows only feeds the GEMVs of one launch, which apply it themselves.
 fn rms_norm(b: &mut Builder, c: usize, x: usize, add: Option<(usize, usize)>) {
     let Op::RmsNorm { eps } = b.plan.nodes[c].op else { unreachable!("an RMS norm") };
     let w = b.plan.nodes[c].inputs[1];
     let out = b.out(c, b.act_dtype(c));
     b.done[c] = true;
     let (y, s) = add.map_or((Arg::Null, Arg::Null), |(y, s)| (Arg::Buf(y), Arg::Buf(s)));
-    let key = KernelKey::AddRmsNorm { h: b.cols(c), w: b.wdtype(w), add: add.is_some(), out: b.vals_dtype(out) };
+    let group = b.cols(w);
+    let key = KernelKey::AddRmsNorm { h: group, w: b.wdtype(w), add: add.is_some(), out: b.vals_dtype(out) };
     let args = vec![Arg::Buf(x), y, s, Arg::Weight(w), Arg::Buf(out), Arg::F32(eps)];
-    let l = launch(key, args, [per_token(1, 1), ONE], 256);
+    let l = launch(key, args, [per_token(b.cols(c) / group, 1), ONE], 256);
     if !norm_fuses(b, c) {
         b.steps.push(one(l));
         return;
@@ -132,9 +134,10 @@ const NORM_SMEM: usize = 32 << 10;
 /// 0.5B shape's (2 and 17 MB, one wave) saved 2% (docs/perf.md).
 const NORM_MAX_WEIGHT_BYTES: usize = 24 << 20;
 
-/// Whether norm node `c` only feeds fast linears that run as one launch (up to three grouped,
-/// or the gate and up of one GLU) of at most [`NORM_MAX_WEIGHT_BYTES`], reading its 16-bit
-/// output, and its rows fit in [`NORM_SMEM`].
+/// Whether norm node `c` normalises whole rows (not groups of them: the GEMVs' `XNorm` takes
+/// whole rows), only feeds fast linears that run as one launch (up to three grouped, or the
+/// gate and up of one GLU) of at most [`NORM_MAX_WEIGHT_BYTES`], reading its 16-bit output,
+/// and its rows fit in [`NORM_SMEM`].
 fn norm_fuses(b: &Builder, c: usize) -> bool {
     let readers = &b.consumers[c];
     let linears = readers.iter().all(|&j| {
@@ -144,6 +147,7 @@ fn norm_fuses(b: &Builder, c: usize) -> bool {
     let glu = readers.iter().any(|&g| glu_of(b, g, readers).is_some());
     let bytes: usize = readers.iter().map(|&j| b.cols(j) * b.cols(c) * b.half.size()).sum();
     b.fuse_norms
+        && b.cols(b.plan.nodes[c].inputs[1]) == b.cols(c)
         && bytes <= NORM_MAX_WEIGHT_BYTES
         && linears
         && NORM_IN_GEMV_ROWS * b.cols(c) * b.half.size() <= NORM_SMEM
@@ -430,4 +434,53 @@ fn logits(b: &mut Builder, i: usize) -> Result<(), CodegenError> {
         b.steps.push(Step::Kernels { by: Count::Rows, variants: vec![(usize::MAX, vec![l])] });
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::{Count, Dim, KernelKey, Step};
+    use ir::{DType, Graph, Op};
+
+    /// embedding → rms_norm with a `[norm]` weight → linear → logits, all 64 wide, bf16.
+    fn plan(norm: usize) -> ir::Plan {
+        let mut g = Graph::new(DType::BF16);
+        let w = |g: &mut Graph, name: &str, shape: Vec<usize>| {
+            g.add(Op::Weight { name: name.into(), shape, dtype: DType::BF16 }, &[], name).unwrap()
+        };
+        let (table, nw, lw) =
+            (w(&mut g, "table", vec![64, 64]), w(&mut g, "norm", vec![norm]), w(&mut g, "lin", vec![64, 64]));
+        let t = g.add(Op::Tokens, &[], "tokens").unwrap();
+        let x = g.add(Op::Embedding, &[t, table], "x").unwrap();
+        let h = g.add(Op::RmsNorm { eps: 1e-6 }, &[x, nw], "h").unwrap();
+        let y = g.add(Op::Linear { bias: false }, &[h, lw], "y").unwrap();
+        g.output = Some(g.add(Op::Logits, &[y, table], "logits").unwrap());
+        g.to_plan().unwrap()
+    }
+
+    /// A norm over groups of 32 of a 64-wide row runs as the row kernel over 2 groups per token
+    /// at every batch size; a whole-row norm is one block per token, and the batch-1 GEMV
+    /// reading it applies it itself (`XNorm` takes whole rows only).
+    #[test]
+    fn a_grouped_norm_runs_per_group_and_never_in_a_gemv() {
+        for (norm, blocks, fused) in [(32, 2, false), (64, 1, true)] {
+            let program = crate::emit(&plan(norm)).unwrap();
+            let launches: Vec<_> = program
+                .steps
+                .iter()
+                .flat_map(|s| match s {
+                    Step::Kernels { variants, .. } => variants.iter().flat_map(|(_, ls)| ls.clone()).collect(),
+                    _ => vec![],
+                })
+                .collect();
+            let norms: Vec<_> = launches
+                .iter()
+                .filter(|l| matches!(l.key, KernelKey::AddRmsNorm { .. }))
+                .map(|l| (l.key, l.grid[0]))
+                .collect();
+            let key = KernelKey::AddRmsNorm { h: norm, w: DType::BF16, add: false, out: DType::BF16 };
+            assert_eq!(norms, [(key, Dim::Per(Count::Tokens, blocks, 1))], "norm [{norm}]");
+            let in_gemv = launches.iter().any(|l| matches!(l.key, KernelKey::Gemv { norm: Some(_), .. }));
+            assert_eq!(in_gemv, fused, "norm [{norm}] applied by a GEMV");
+        }
+    }
 }

@@ -195,6 +195,7 @@ fn linear(x: &[f32], w: &[f32], b: Option<&[f32]>, n: usize) -> Vec<f32> {
     out
 }
 
+/// RMS norm of every group of `w.len()` consecutive values of `x` (a row, or a head of one).
 fn rms_norm(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
     let n = w.len();
     let mut out = Vec::with_capacity(x.len());

@@ -36,7 +36,10 @@ pub enum Op {
         /// Whether a bias input follows the weight.
         bias: bool,
     },
-    /// `out = x / sqrt(mean(x²) + eps) * w` over the last dim. Inputs: x `[T, N]`, w `[N]`.
+    /// `out = x / sqrt(mean(x²) + eps) * w` over each group of `D` consecutive features of a
+    /// row, where `D` is the weight's size: the whole row when `D = N` (a layer norm), each
+    /// head when `D` is the head size (Qwen3's q/k norms). Inputs: x `[T, N]`, w `[D]` with `N`
+    /// a multiple of `D` → `[T, N]`.
     RmsNorm {
         /// Added to the mean square.
         eps: f32,
@@ -204,8 +207,16 @@ impl Op {
                 act2(n)
             }
             Op::RmsNorm { .. } => {
-                let n = rows(inputs[0], "x")?;
-                vec(inputs[1], n, "weight")?;
+                let (n, w) = (rows(inputs[0], "x")?, inputs[1]);
+                let d = match w.shape.as_slice() {
+                    [Dim::N(d)] if w.dtype.is_float() => *d,
+                    _ => 0,
+                };
+                if d == 0 || n % d != 0 {
+                    return Err(
+                        self.err(format!("weight must be a float [d] vector with {n} a multiple of d, got {w}"))
+                    );
+                }
                 act2(n)
             }
             Op::Rope { head_dim, .. } => {
@@ -277,5 +288,25 @@ mod tests {
         let v = TensorType::fixed(&[100], DType::F32);
         let e = Op::AllGather { ranks: 2 }.infer(&[&v], DType::F32).unwrap_err().to_string();
         assert!(e.contains("must be [d, n] over 2 ranks"), "{e}");
+    }
+
+    #[test]
+    fn rms_norm_takes_whole_rows_or_groups_that_divide_them() {
+        let x = TensorType::new(vec![Dim::T, Dim::N(128)], DType::F32);
+        let norm = Op::RmsNorm { eps: 1e-6 };
+        for d in [128, 32, 1] {
+            let w = TensorType::fixed(&[d], DType::BF16);
+            assert_eq!(norm.infer(&[&x, &w], DType::F32).unwrap(), x, "weight [{d}]");
+        }
+        for bad in [
+            TensorType::fixed(&[48], DType::F32),
+            TensorType::fixed(&[256], DType::F32),
+            TensorType::fixed(&[0], DType::F32),
+            TensorType::fixed(&[4, 32], DType::F32),
+            TensorType::fixed(&[32], DType::I32),
+        ] {
+            let e = norm.infer(&[&x, &bad], DType::F32).unwrap_err().to_string();
+            assert!(e.contains("with 128 a multiple of d"), "{bad}: {e}");
+        }
     }
 }

@@ -153,7 +153,10 @@ impl CpuBackend {
                     Step::Logits(cached!(kc.linear, key, LinearKernel::compile(key.0, key.1, key.2)))
                 }
                 Op::RmsNorm { eps } => {
-                    Step::RmsNorm(cached!(kc.norm, (cols, eps.to_bits()), RmsNormKernel::compile(cols, *eps)))
+                    // A norm in groups of the weight's size (per head) is the kernel over rows of
+                    // that size: the `[T, N]` activation read as `[T·N/D, D]`.
+                    let d = in_cols(1);
+                    Step::RmsNorm(cached!(kc.norm, (d, eps.to_bits()), RmsNormKernel::compile(d, *eps)))
                 }
                 Op::Rope { head_dim, theta, scaling } => {
                     let k = cached!(kc.rope, (cols, *head_dim), RopeKernel::compile(cols, *head_dim));
