@@ -4,8 +4,9 @@
 # `cargo build --release --bins` and copy engc and engrun there). Exits 0 only when every check
 # passes (scripts/gpu/verdict.py prints the table and writes verdict.json).
 #
-# For each shape in SHAPES (default qwen2.5-0.5b; FULL=1: qwen2.5-7b too) it builds a
-# random-weight Qwen2 checkpoint with HF transformers and HF's logits (scripts/gpu/hf_reference.py),
+# For each shape in SHAPES (a config in tests/configs/; default qwen2.5-0.5b; FULL=1: qwen2.5-7b
+# too) it builds a random-weight checkpoint with HF transformers (the model YAML is the one whose
+# architectures name the config's) and HF's logits (scripts/gpu/hf_reference.py),
 # then for each dtype in DTYPES (default "bf16 f16") and tp in TPS (default 1, and 2 when the
 # machine has two GPUs) compiles a bundle and checks (scripts/gpu/compare.py says the limits):
 #   - our CUDA logits against HF's f32 forward, max and rms error and greedy tokens where clear:
@@ -62,7 +63,7 @@ for shape in $shapes; do
       b="$ck$dsfx.bundle" sfx="$dsfx"
       [ "$tp" = 1 ] || { b="$ck$dsfx.tp$tp.bundle"; sfx="$dsfx-tp$tp"; }
       [ -d "$b" ] || must compile "$work/$shape$sfx-compile.txt" \
-        "$bin/engc" compile models/qwen2.yaml --checkpoint "$ck" --dtype "$dtype" --tp "$tp" -o "$b" || continue
+        "$bin/engc" compile --checkpoint "$ck" --dtype "$dtype" --tp "$tp" -o "$b" || continue
       expected=$((expected + 18))
       rm -rf /tmp/engine-cache
       logits() { # RUN FILE-SUFFIX IDS PREFILL [ENV...]

@@ -1,6 +1,7 @@
 //! The engine (scheduler, paged KV pool, radix cache, worker) on the CPU backend: outputs
-//! under continuous batching, chunked prefill, prefix reuse, eviction, retraction, aborts and
-//! overlap equal each request run alone; the pool's integrity holds after every step.
+//! under continuous batching, chunked prefill, prefix reuse, eviction, retraction, aborts,
+//! overlap, `max_running_requests` and a `--tp 2` bundle equal each request run alone; the
+//! pool's integrity holds after every step; each penalty follows its documented formula.
 
 use e2e::*;
 use proptest::prelude::*;
@@ -141,8 +142,11 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: std::env::var("ENGINE_TEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(32), ..ProptestConfig::default() })]
 
     /// Random streams of requests with shared prefixes, random lengths and aborts, through a
-    /// small pool that forces eviction and retraction: every request's greedy output equals
-    /// running it alone; the pool is whole at the end.
+    /// pool of the biggest request plus 0-3 pages: every request's greedy output equals
+    /// running it alone, the pool passes its integrity check after every step and is whole at
+    /// the end. Eviction and retraction happen in some cases only (`ENGINE_TEST_STATS=1`
+    /// prints the counters); `eviction_keeps_outputs` and `retraction_keeps_outputs` make sure
+    /// of each.
     #[test]
     fn random_streams_equal_running_alone(
         seed in any::<u64>(),
@@ -268,25 +272,250 @@ fn retraction_keeps_outputs() {
     assert_whole(&e);
 }
 
-/// Penalties, stop ids and logprobs per request in one batch.
+/// A pool that holds about one request: each new prompt evicts the cached pages of earlier
+/// ones, a prompt whose shared prefix was evicted computes it
+/// again, and one whose prefix is still cached reuses it; every output equals running alone.
+#[test]
+fn eviction_keeps_outputs() {
+    let mut rng = Rng(17);
+    let (a, b) = (rng.tokens(30), rng.tokens(30));
+    let sharing = |base: &[u32], rng: &mut Rng| [&base[..20], &rng.tokens(10)].concat();
+    // a, then b (evicts a's pages), then a prompt sharing b's first 20 tokens (cached), then one
+    // sharing a's (evicted: computed again).
+    let reqs: Vec<Request> = [a.clone(), b.clone(), sharing(&b, &mut rng), sharing(&a, &mut rng)]
+        .into_iter()
+        .map(|p| Request { ignore_eos: true, ..Request::greedy(p, 10) })
+        .collect();
+    let run = |slots: usize| {
+        let mut e = engine(EngineConfig { page_size: 4, kv_slots: Some(slots), ..config() });
+        let outs: Vec<_> = reqs.iter().map(|r| e.generate(vec![r.clone()]).unwrap().remove(0)).collect();
+        assert_whole(&e);
+        (outs, e.stats())
+    };
+    let (outs, stats) = run(64);
+    let (roomy, roomy_stats) = run(4096);
+    assert_eq!(roomy_stats.evicted_pages, 0);
+    assert!(stats.evicted_pages > 0, "nothing was evicted: {stats:?}");
+    let cached: Vec<usize> = outs.iter().map(|o| o.finish.cached_tokens).collect();
+    let roomy_cached: Vec<usize> = roomy.iter().map(|o| o.finish.cached_tokens).collect();
+    assert_eq!(roomy_cached, [0, 0, 20, 20], "a roomy pool keeps both prefixes");
+    assert_eq!(cached, [0, 0, 20, 0], "b's prefix is cached, a's was evicted: {stats:?}");
+    let mut s = seqs(CpuBackend::new(&bundle()).unwrap());
+    for (i, (r, o)) in reqs.iter().zip(&outs).enumerate() {
+        assert_eq!(o.tokens, alone(&mut s, r, &[]).0, "request {i}");
+    }
+}
+
+/// A request aborted between the chunks of its prompt's prefill (its first chunk computed and
+/// cached, the rest not, with and without a step in flight): it finishes with Abort and no
+/// token, the pool is whole at once, the other requests' outputs equal running alone, and the
+/// cached first chunk serves the same prompt again.
+#[test]
+fn abort_in_the_middle_of_a_chunked_prefill() {
+    let mut rng = Rng(19);
+    let long = Request { ignore_eos: true, ..Request::greedy(rng.tokens(120), 6) };
+    let others: Vec<Request> =
+        (0..3).map(|i| Request { ignore_eos: true, ..Request::greedy(rng.tokens(6 + 5 * i), 8) }).collect();
+    let mut s = seqs(CpuBackend::new(&bundle()).unwrap());
+    for overlap in [false, true] {
+        let chunk = 32;
+        let mut e = engine(EngineConfig { page_size: 4, chunked_prefill_size: chunk, overlap, ..config() });
+        let id = e.submit(long.clone()).unwrap();
+        let ids: Vec<ReqId> = others.iter().map(|r| e.submit(r.clone()).unwrap()).collect();
+        let mut events = Vec::new();
+        // Without overlap a step is done when step() returns; with it, one more is in flight.
+        for _ in 0..1 + overlap as usize {
+            events.extend(e.step().unwrap());
+        }
+        let planned = e.stats().extend_tokens;
+        assert!(planned >= chunk && planned < long.prompt.len(), "overlap {overlap}: {:?}", e.stats());
+        assert_eq!(e.usage().locked, chunk / 4, "overlap {overlap}: the first chunk is cached and held");
+        let Some(Event::Finished(f)) = e.abort(id) else { panic!("overlap {overlap}: no Finished event") };
+        assert_eq!((f.reason, f.completion_tokens), (FinishReason::Abort, 0), "overlap {overlap}");
+        e.check().unwrap();
+        assert_whole(&e);
+        while !e.is_idle() {
+            events.extend(e.step().unwrap());
+        }
+        assert!(events.iter().all(|(r, _)| *r != id), "overlap {overlap}: an event after the abort");
+        for (r, rid) in others.iter().zip(&ids) {
+            let got: Vec<u32> = events
+                .iter()
+                .filter_map(|(i, ev)| match ev {
+                    Event::Token { id, .. } if i == rid => Some(*id),
+                    _ => None,
+                })
+                .collect();
+            assert_eq!(got, alone(&mut s, r, &[]).0, "overlap {overlap}: request {rid}");
+        }
+        assert_whole(&e);
+        let again = e.generate(vec![long.clone()]).unwrap().remove(0);
+        assert_eq!(again.finish.cached_tokens, chunk, "overlap {overlap}: the computed chunk is cached");
+        assert_eq!(again.tokens, alone(&mut s, &long, &[]).0, "overlap {overlap}");
+    }
+}
+
+/// `max_running_requests` caps every step's batch; all requests still finish with the outputs
+/// of running alone. Without the cap the same workload runs all at once.
+#[test]
+fn max_running_requests_caps_every_step() {
+    let mut rng = Rng(23);
+    let reqs: Vec<Request> =
+        (0..6).map(|i| Request { ignore_eos: true, ..Request::greedy(rng.tokens(5 + i), 4 + 3 * i) }).collect();
+    let run = |max_running_requests: usize| {
+        let mut e = engine(EngineConfig { max_running_requests, ..config() });
+        e.record_steps();
+        let outs = e.generate(reqs.clone()).unwrap();
+        let widest = e.take_records().iter().map(|r| r.seqs).max().unwrap();
+        (outs, widest)
+    };
+    let (outs, widest) = run(2);
+    assert_eq!(widest, 2, "2 running at most, and 2 at some step");
+    assert_eq!(run(256).1, reqs.len(), "without the cap all run at once");
+    let mut s = seqs(CpuBackend::new(&bundle()).unwrap());
+    for (i, (r, o)) in reqs.iter().zip(&outs).enumerate() {
+        assert_eq!(o.finish.reason, FinishReason::Length, "request {i}");
+        assert_eq!(o.tokens, alone(&mut s, r, &[]).0, "request {i}");
+    }
+}
+
+/// A `--tp 2` bundle on the CPU (one rank per thread) serves through the engine with the radix
+/// cache: prompts sharing prefixes reuse the cached pages, and every output equals the request
+/// run alone on the same bundle.
+#[test]
+fn tp2_with_the_radix_cache_equals_running_alone() {
+    let dir = scratch(env!("CARGO_TARGET_TMPDIR"), "engine-tp2");
+    let b = bundle::Bundle::open(&compile_fixture("tiny-llama", &dir, 2, None)).unwrap();
+    let backend = || runtime::load(&b, runtime::Device::Cpu, &[]).unwrap();
+    let mut rng = Rng(29);
+    let base = rng.tokens(40);
+    let reqs: Vec<Request> = (0..4)
+        .map(|i| {
+            let prompt = [&base[..16 + 8 * i], &rng.tokens(3 + i)].concat();
+            Request { ignore_eos: true, ..Request::greedy(prompt, 8) }
+        })
+        .collect();
+    let cfg = EngineConfig { page_size: 4, kv_slots: Some(1024), ..EngineConfig::for_bundle(&b).unwrap() };
+    let mut e = Engine::new(backend(), cfg).unwrap();
+    // The first request alone fills the cache; the rest run together on its prefix.
+    let mut outs = e.generate(vec![reqs[0].clone()]).unwrap();
+    outs.extend(e.generate(reqs[1..].to_vec()).unwrap());
+    let cached: Vec<usize> = outs.iter().map(|o| o.finish.cached_tokens).collect();
+    assert_eq!(cached, [0, 16, 16, 16], "{:?}", e.stats());
+    assert_whole(&e);
+    let mut s = runtime::Sequences::new(backend(), 1024).unwrap();
+    for (i, (r, o)) in reqs.iter().zip(&outs).enumerate() {
+        assert_eq!(o.tokens, alone(&mut s, r, &[]).0, "request {i}");
+    }
+}
+
+/// The raw logits before each token of `tokens` (the engine's output for `prompt`), from the
+/// request run alone, teacher-forced: row k is what the engine's sampler saw before choosing
+/// `tokens[k]`.
+fn raw_steps(s: &mut Sequences, prompt: &[u32], tokens: &[u32]) -> Vec<Vec<f32>> {
+    let mut rows = vec![s.forward(0, prompt, &[prompt.len() - 1]).unwrap()];
+    for &t in &tokens[..tokens.len().saturating_sub(1)] {
+        rows.push(s.forward(0, &[t], &[0]).unwrap());
+    }
+    s.release(0);
+    rows
+}
+
+/// The documented penalties applied to `raw` after `prompt` and `output`: HF's repetition
+/// penalty (a positive logit of a token seen in prompt or output divided by it, a negative one
+/// multiplied), then OpenAI's frequency penalty (times the token's count in the output) and
+/// presence penalty (once per token present in the output).
+fn penalised(raw: &[f32], p: &SamplingParams, prompt: &[u32], output: &[u32]) -> Vec<f32> {
+    let mut l = raw.to_vec();
+    let seen: std::collections::HashSet<u32> = prompt.iter().chain(output).copied().collect();
+    for t in seen {
+        let x = &mut l[t as usize];
+        *x = if *x > 0.0 { *x / p.repetition_penalty } else { *x * p.repetition_penalty };
+    }
+    let mut counts: HashMap<u32, u32> = HashMap::new();
+    for &t in output {
+        *counts.entry(t).or_default() += 1;
+    }
+    for (t, c) in counts {
+        l[t as usize] -= p.frequency_penalty * c as f32 + p.presence_penalty;
+    }
+    l
+}
+
+/// Checks a greedy penalised output against [`penalised`] raw logits: every token where the
+/// penalised top-2 margin is clear is the penalised argmax. Returns how many of those steps
+/// the penalty changed the choice (the raw argmax differs).
+fn check_penalised(s: &mut Sequences, req: &Request, tokens: &[u32], what: &str) -> usize {
+    assert_eq!(tokens.len(), req.max_tokens, "{what}: ignore_eos runs to max_tokens");
+    let (mut compared, mut changed) = (0, 0);
+    for (k, raw) in raw_steps(s, &req.prompt, tokens).iter().enumerate() {
+        let l = penalised(raw, &req.sampling, &req.prompt, &tokens[..k]);
+        let (want, margin) = top2(&l);
+        let scale = l.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        if margin <= 1e-4 * scale {
+            continue;
+        }
+        compared += 1;
+        assert_eq!(tokens[k], want, "{what}: step {k} is not the penalised argmax (margin {margin}): {tokens:?}");
+        changed += (top2(raw).0 != want) as usize;
+    }
+    assert!(compared + 2 >= tokens.len(), "{what}: only {compared} of {} steps had a clear margin", tokens.len());
+    changed
+}
+
+/// Penalties, stop ids and logprobs per request in one batch: each penalty alone gives the
+/// argmax of the logits penalised by its documented formula at every step, and changes the
+/// choice at some; the greedy request's logprobs are the log-softmax of its raw logits.
 #[test]
 fn per_request_sampling_options() {
-    let prompt = Rng(9).tokens(12);
-    let greedy = Request { ignore_eos: true, logprobs: Some(3), ..Request::greedy(prompt.clone(), 12) };
-    let penalised = Request {
-        sampling: SamplingParams { frequency_penalty: 2.0, presence_penalty: 2.0, ..Default::default() },
-        ..greedy.clone()
-    };
-    let out = engine(config()).generate(vec![greedy.clone(), penalised]).unwrap();
-    let (g, p) = (&out[0], &out[1]);
-    assert_eq!(g.logprobs.len(), 12);
-    for (t, lp) in g.tokens.iter().zip(&g.logprobs) {
+    // The prompt ends with its own greedy continuation, so the tokens the model goes on to
+    // prefer are in the prompt: the repetition penalty's prompt part matters too.
+    let mut s = seqs(CpuBackend::new(&bundle()).unwrap());
+    let mut prompt = Rng(9).tokens(12);
+    prompt.extend(alone(&mut s, &Request { ignore_eos: true, ..Request::greedy(prompt.clone(), 12) }, &[]).0);
+    let greedy = Request { ignore_eos: true, logprobs: Some(3), ..Request::greedy(prompt.clone(), 24) };
+    let with =
+        |name: &'static str, sampling: SamplingParams| (name, Request { sampling, logprobs: None, ..greedy.clone() });
+    // Penalties of the order of the logits' top-2 margins (~0.02-0.2), so a token may still
+    // repeat and the count matters.
+    let penalties = [
+        with("frequency", SamplingParams { frequency_penalty: 0.06, ..Default::default() }),
+        with("presence", SamplingParams { presence_penalty: 0.06, ..Default::default() }),
+        with("repetition", SamplingParams { repetition_penalty: 1.05, ..Default::default() }),
+        with(
+            "all three",
+            SamplingParams {
+                frequency_penalty: 0.05,
+                presence_penalty: -0.03,
+                repetition_penalty: 1.03,
+                ..Default::default()
+            },
+        ),
+    ];
+    let batch: Vec<Request> = std::iter::once(greedy.clone()).chain(penalties.iter().map(|p| p.1.clone())).collect();
+    let out = engine(config()).generate(batch).unwrap();
+    let g = &out[0];
+    let raw = raw_steps(&mut s, &prompt, &g.tokens);
+    assert_eq!(g.logprobs.len(), 24);
+    for ((t, lp), raw) in g.tokens.iter().zip(&g.logprobs).zip(&raw) {
         assert_eq!(lp.top.len(), 3);
         assert_eq!(lp.top[0].0, *t, "greedy picks the most likely token");
-        assert!(lp.token <= 0.0 && (lp.token - lp.top[0].1).abs() < 1e-6);
+        assert_eq!(*t, Sampler::argmax(raw), "greedy output equals running alone");
+        let max = raw.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let lse = max + raw.iter().map(|&l| (l - max).exp()).sum::<f32>().ln();
+        assert!(
+            (lp.token - (raw[*t as usize] - lse)).abs() < 1e-4,
+            "logprob {} vs {}",
+            lp.token,
+            raw[*t as usize] - lse
+        );
+        assert_eq!(lp.token, lp.top[0].1);
     }
-    let distinct = |v: &[u32]| v.iter().collect::<std::collections::HashSet<_>>().len();
-    assert!(distinct(&p.tokens) >= distinct(&g.tokens), "penalties repeat less: {:?} vs {:?}", p.tokens, g.tokens);
+    for ((name, req), o) in penalties.iter().zip(&out[1..]) {
+        let changed = check_penalised(&mut s, req, &o.tokens, name);
+        eprintln!("{name}: changed {changed} of {} choices: {:?}", o.tokens.len(), o.tokens);
+        assert!(changed > 0, "{name}: the penalty never changed the greedy choice: {:?}", o.tokens);
+    }
     // A stop id ends the request before it is emitted.
     let stop = Request { stop_ids: vec![g.tokens[3]], ..greedy };
     let s = engine(config()).generate(vec![stop]).unwrap();

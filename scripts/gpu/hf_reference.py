@@ -1,4 +1,4 @@
-"""A random-weight Qwen2 checkpoint of a shape and HF transformers' logits over it (GPU machine).
+"""A random-weight checkpoint of a model shape (any causal LM transformers knows by `model_type`) and HF transformers' logits over it (GPU machine).
 
 Usage: hf_reference.py SHAPE CHECKPOINT_DIR CONFIG_JSON
 
@@ -13,15 +13,17 @@ import sys
 
 import torch
 from safetensors.torch import save_file
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 shape, ck, cfg_path = sys.argv[1:4]
 cfg = json.load(open(cfg_path))
 torch.manual_seed(0)
 torch.backends.cuda.matmul.allow_tf32 = False
-config = Qwen2Config(**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type", "torch_dtype")})
+extra = {k: v for k, v in cfg.items() if k not in ("architectures", "model_type", "torch_dtype")}
+config = AutoConfig.for_model(cfg["model_type"], **extra)
+config.architectures = cfg["architectures"]
 with torch.device("cuda"):
-    model = Qwen2ForCausalLM(config).float()
+    model = AutoModelForCausalLM.from_config(config).float()
 with torch.no_grad():
     for name, p in model.named_parameters():
         if "norm" in name:

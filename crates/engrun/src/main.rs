@@ -498,39 +498,49 @@ fn logits(
     Ok(())
 }
 
-/// `engrun logits` with a temperature: every logits row's token chosen on the device and on the
-/// host from the same logits and numbers.
+/// `engrun logits` with a temperature: every logits row's token chosen on the host and, where
+/// the backend samples on its device, on the device too, from the same logits and numbers.
 struct SampleCheck {
     sampler: Option<runtime::Sampler>,
-    rows: usize,
+    /// The host's choice of every row so far.
+    host: Vec<u32>,
+    /// Rows where the device's choice equals the host's.
     equal: usize,
+    /// The backend sampled on its device (it does in every step or in none).
     on_device: bool,
 }
 
 impl SampleCheck {
     fn new(params: &SamplingParams) -> Result<SampleCheck, String> {
         let sampler = (params.temperature > 0.0).then(|| runtime::Sampler::new(params.clone())).transpose();
-        Ok(SampleCheck { sampler: sampler.map_err(|e| e.to_string())?, rows: 0, equal: 0, on_device: false })
+        Ok(SampleCheck { sampler: sampler.map_err(|e| e.to_string())?, host: vec![], equal: 0, on_device: false })
     }
 
     fn step(&mut self, runner: &mut runtime::Sequences, logits: &[f32]) -> Result<(), String> {
         let Some(s) = &mut self.sampler else { return Ok(()) };
         let vocab = runner.vocab();
         let rows: Vec<runtime::RowSampling> = (0..logits.len() / vocab).map(|_| s.row()).collect();
-        let host = logits.chunks_exact(vocab).zip(&rows).map(|(l, r)| runtime::pick(l, r));
-        let device = runner.resample(&rows).map_err(|e| e.to_string())?;
-        self.on_device |= device.is_some();
-        let device = device.unwrap_or_else(|| host.clone().collect());
-        self.rows += rows.len();
-        self.equal += host.zip(device).filter(|(h, d)| h == d).count();
+        let host: Vec<u32> = logits.chunks_exact(vocab).zip(&rows).map(|(l, r)| runtime::pick(l, r)).collect();
+        if let Some(device) = runner.resample(&rows).map_err(|e| e.to_string())? {
+            self.on_device = true;
+            self.equal += host.iter().zip(&device).filter(|(h, d)| h == d).count();
+        }
+        self.host.extend(host);
         Ok(())
     }
 
+    /// Prints `{"sampled_rows", "on_device", "device_equal_host", "host_tokens"}`;
+    /// `device_equal_host` is null where no device sampled (nothing was compared).
     fn report(&self) {
         if self.sampler.is_some() {
             println!(
                 "{}",
-                serde_json::json!({"sampled_rows": self.rows, "device_equal_host": self.equal, "on_device": self.on_device})
+                serde_json::json!({
+                    "sampled_rows": self.host.len(),
+                    "on_device": self.on_device,
+                    "device_equal_host": self.on_device.then_some(self.equal),
+                    "host_tokens": self.host,
+                })
             );
         }
     }
