@@ -7,8 +7,8 @@
 //! `--device cpu`), and CUDA ([`CudaBackend`], `--device cuda`: the generated kernels compiled
 //! by NVRTC), all behind the same [`Backend`] trait.
 
-mod backend;
 pub mod alone;
+mod backend;
 pub mod bench;
 mod cpu;
 mod cuda;
