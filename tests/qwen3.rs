@@ -7,21 +7,10 @@
 use codegen_cuda::{Count, Dim, KernelKey, Step};
 use e2e::*;
 use ir::{DType, Op, Plan};
-use std::path::Path;
-
-fn loaded(path: &Path) -> runtime::Sequences {
-    let b = bundle::Bundle::open(path).unwrap();
-    runtime::Sequences::new(runtime::load(&b, runtime::Device::Cpu, &[]).unwrap(), 1024).unwrap()
-}
 
 /// Prefill of a prompt (every position), then four decode steps, as logits.
 fn run(s: &mut runtime::Sequences, prompt: &[u32]) -> Vec<Vec<f32>> {
-    let rows: Vec<usize> = (0..prompt.len()).collect();
-    let mut out = vec![s.forward(0, prompt, &rows).unwrap()];
-    for t in [11, 400, 7, 123] {
-        out.push(s.forward(0, &[t], &[0]).unwrap());
-    }
-    out
+    prefill_then_decode(s, prompt, &[11, 400, 7, 123])
 }
 
 /// The q and k norms of `plan`: (features normalised per token, group size), by weight name.
@@ -48,7 +37,7 @@ fn tp_bundles_match_tp1_on_the_cpu() {
     let meta: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(ckpt.join("reference.json")).unwrap()).unwrap();
     let prompt = ids(&meta["prompt"])[..48].to_vec();
-    let want = run(&mut loaded(&compile_checkpoint("qwen3", &ckpt, &dir, 1, None)), &prompt);
+    let want = run(&mut cpu_sequences(&compile_checkpoint("qwen3", &ckpt, &dir, 1, None)), &prompt);
     for (tp, q, k) in [(2, 64, 32), (4, 32, 32)] {
         let path = compile_checkpoint("qwen3", &ckpt, &dir, tp, None);
         let norms = head_norms(&bundle::Bundle::open(&path).unwrap().plan);
@@ -57,7 +46,7 @@ fn tp_bundles_match_tp1_on_the_cpu() {
             let per_rank = if name.contains("q_norm") { q } else { k };
             assert_eq!((*cols, *group), (per_rank, 32), "tp={tp} {name}");
         }
-        let got = run(&mut loaded(&path), &prompt);
+        let got = run(&mut cpu_sequences(&path), &prompt);
         for (step, (g, w)) in got.iter().zip(&want).enumerate() {
             let err = rel_err(g, w);
             assert!(err < 1e-4, "tp={tp} step {step}: rel err {err}");

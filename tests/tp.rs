@@ -4,21 +4,10 @@
 
 use compiler::LmHead;
 use e2e::*;
-use std::path::Path;
-
-fn loaded(path: &Path) -> runtime::Sequences {
-    let b = bundle::Bundle::open(path).unwrap();
-    runtime::Sequences::new(runtime::load(&b, runtime::Device::Cpu, &[]).unwrap(), 1024).unwrap()
-}
 
 /// Prefill of a prompt (every position), then four decode steps, as logits.
 fn run(s: &mut runtime::Sequences, prompt: &[u32]) -> Vec<Vec<f32>> {
-    let rows: Vec<usize> = (0..prompt.len()).collect();
-    let mut out = vec![s.forward(0, prompt, &rows).unwrap()];
-    for t in [11, 4000, 7, 123] {
-        out.push(s.forward(0, &[t], &[0]).unwrap());
-    }
-    out
+    prefill_then_decode(s, prompt, &[11, 4000, 7, 123])
 }
 
 #[test]
@@ -26,7 +15,7 @@ fn tp_bundles_match_tp1_on_the_cpu() {
     let dir = scratch(env!("CARGO_TARGET_TMPDIR"), "tp-cpu");
     for (name, tps) in [("tiny-qwen2", &[2][..]), ("tiny-llama", &[2, 4][..])] {
         let prompt = ids(&goldens(name)["prompts"][2]["ids"]);
-        let want = run(&mut loaded(&compile_fixture(name, &dir, 1, None)), &prompt);
+        let want = run(&mut cpu_sequences(&compile_fixture(name, &dir, 1, None)), &prompt);
         for &tp in tps {
             for lm_head in [LmHead::Vocab, LmHead::Replicated] {
                 let path = compile_fixture_with(name, &dir, tp, None, lm_head);
@@ -35,7 +24,7 @@ fn tp_bundles_match_tp1_on_the_cpu() {
                 let plan = bundle::Bundle::open(&path).unwrap().plan;
                 let gathered = plan.nodes.iter().any(|n| matches!(n.op, ir::Op::AllGather { .. }));
                 assert_eq!(gathered, name == "tiny-llama" && lm_head == LmHead::Vocab, "{name} tp={tp} {lm_head:?}");
-                let got = run(&mut loaded(&path), &prompt);
+                let got = run(&mut cpu_sequences(&path), &prompt);
                 for (step, (g, w)) in got.iter().zip(&want).enumerate() {
                     let err = rel_err(g, w);
                     assert!(err < 1e-4, "{name} tp={tp} {lm_head:?} step {step}: rel err {err}");

@@ -128,6 +128,23 @@ pub fn seqs(backend: impl runtime::Backend + 'static) -> runtime::Sequences {
     runtime::Sequences::new(Box::new(backend), 4096).expect("KV pool")
 }
 
+/// The bundle at `path` loaded on the CPU backend (every rank of a `--tp N` bundle).
+pub fn cpu_sequences(path: &Path) -> runtime::Sequences {
+    let b = bundle::Bundle::open(path).unwrap();
+    runtime::Sequences::new(runtime::load(&b, runtime::Device::Cpu, &[]).unwrap(), 1024).unwrap()
+}
+
+/// The logits of a prefill of `prompt` (every position), then of one decode step per token of
+/// `decode`.
+pub fn prefill_then_decode(s: &mut runtime::Sequences, prompt: &[u32], decode: &[u32]) -> Vec<Vec<f32>> {
+    let rows: Vec<usize> = (0..prompt.len()).collect();
+    let mut out = vec![s.forward(0, prompt, &rows).unwrap()];
+    for &t in decode {
+        out.push(s.forward(0, &[t], &[0]).unwrap());
+    }
+    out
+}
+
 /// Checks a backend against a fixture's HF reference: logits of the last position of every
 /// prompt and of every position of the 5-token prompt within `tol` relative; argmax per
 /// position and the greedy continuation where the top-2 margin is clear.
