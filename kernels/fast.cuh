@@ -490,16 +490,25 @@ __device__ __forceinline__ void kv16_add(float s, const float* vf, float& m, flo
   m = m2;
 }
 
-// The keys at positions 0..n-1 of a sequence (slots sl[p]) for kv head kvh, split over the
+// A score soft-capped to cap * tanh(s / cap), cap being the f32 whose bits are CAP (no cap
+// when 0): ir::scalar::softcap.
+template <unsigned CAP>
+__device__ __forceinline__ float softcap(float s) {
+  if (CAP == 0) return s;
+  const float c = __uint_as_float(CAP);
+  return c * tanhf(s / c);
+}
+
+// The keys at positions first..n-1 of a sequence (slots sl[p]) for kv head kvh, split over the
 // warps and lane groups of the block (see attention_kv16): each lane's online-softmax state.
 // U passes at a time: their slots, then their K and V rows, are loaded before any is used, so
 // a short sequence costs two memory round trips rather than two per pass.
-template <int KVH, int D>
-__device__ __forceinline__ void kv16_scan(const float* qv, const h16_t* kc, const h16_t* vc, const int* sl, int n,
-                                         int kvh, float& m, float& l, float* acc) {
+template <int KVH, int D, unsigned CAP>
+__device__ __forceinline__ void kv16_scan(const float* qv, const h16_t* kc, const h16_t* vc, const int* sl, int first,
+                                         int n, int kvh, float& m, float& l, float* acc) {
   constexpr int G = D / 16, KPW = 32 / G, WARPS = 8, STATES = WARPS * KPW, U = 4;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = lane % G, grp = lane / G;
-  for (int p0 = warp * KPW; p0 < n; p0 += U * STATES) {
+  for (int p0 = first + warp * KPW; p0 < n; p0 += U * STATES) {
     long row[U];
 #pragma unroll
     for (int u = 0; u < U; u++) {
@@ -526,6 +535,7 @@ __device__ __forceinline__ void kv16_scan(const float* qv, const h16_t* kc, cons
       for (int i = 0; i < 16; i++) s = fmaf(qv[i], f[i], s);
 #pragma unroll
       for (int o = G / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+      s = softcap<CAP>(s);
       if (row[u] >= 0) {
         unpack8(kv[u][2], f);
         unpack8(kv[u][3], f + 8);
@@ -570,7 +580,8 @@ __device__ __forceinline__ void kv16_merge(float m, float l, const float* acc, O
 // 32 / (D / 16) keys at once (K and V rows loaded together); eight warps split the keys and
 // merge their online softmax states through shared memory. grid: (T, H), block: 256.
 // With MIXED_ONLY, only rows whose group of 16 (see attention_fa) spans two sequences run.
-template <int H, int KVH, int D, typename O, bool MIXED_ONLY>
+// A sliding window WIN (0: none) keeps the last WIN positions; scores are soft-capped by CAP.
+template <int H, int KVH, int D, typename O, bool MIXED_ONLY, int WIN, unsigned CAP>
 __device__ void attention_kv16(const float* q, const h16_t* kc, const h16_t* vc, const int* slots,
                                const int* seq_off, const int* pos, float scale, O* out, int T) {
   constexpr int G = D / 16;
@@ -584,7 +595,8 @@ __device__ void attention_kv16(const float* q, const h16_t* kc, const h16_t* vc,
     acc[i] = 0.0f;
   }
   float m = NEG_INF, l = 0.0f;
-  kv16_scan<KVH, D>(qv, kc, vc, slots + seq_off[t], pos[t] + 1, h / (H / KVH), m, l, acc);
+  const int n = pos[t] + 1;
+  kv16_scan<KVH, D, CAP>(qv, kc, vc, slots + seq_off[t], WIN ? max(0, n - WIN) : 0, n, h / (H / KVH), m, l, acc);
   kv16_merge<D>(m, l, acc, out + ((long)t * H + h) * D);
 }
 
@@ -605,8 +617,9 @@ __device__ __forceinline__ float rope_at(const float* x, int d, float p, const f
 // A step of one token (decode at batch 1): RoPE, the KV-cache write and attention in one
 // kernel. Every block rotates its head of q and the token's own k (its kv head), takes the own
 // key from registers (the cache write of another block may not be visible yet), and the first
-// block of each kv head writes k and v (h16) to the cache. grid: (1, H), block: 256.
-template <int H, int KVH, int D, typename O, bool RQ, bool RK>
+// block of each kv head writes k and v (h16) to the cache. Window and cap as attention_kv16's.
+// grid: (1, H), block: 256.
+template <int H, int KVH, int D, typename O, bool RQ, bool RK, int WIN, unsigned CAP>
 __device__ void attention_rope1(const float* q, const float* k, const float* v, const int* pos, const float* inv_freq,
                                 float rscale, const int* slot_of, h16_t* kc, h16_t* vc, const int* slots,
                                 const int* seq_off, float scale, O* out) {
@@ -637,13 +650,14 @@ __device__ void attention_rope1(const float* q, const float* k, const float* v, 
     acc[i] = 0.0f;
   }
   float m = NEG_INF, l = 0.0f;
-  kv16_scan<KVH, D>(qv, kc, vc, slots + seq_off[0], n - 1, kvh, m, l, acc);
+  kv16_scan<KVH, D, CAP>(qv, kc, vc, slots + seq_off[0], WIN ? max(0, n - WIN) : 0, n - 1, kvh, m, l, acc);
   if (warp == 0) {
     float s = 0.0f;
 #pragma unroll
     for (int i = 0; i < 16; i++) s = fmaf(qv[i], kf[i], s);
 #pragma unroll
     for (int o = G / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    s = softcap<CAP>(s);
     if (grp == 0) kv16_add(s, vf, m, l, acc);
   }
   kv16_merge<D>(m, l, acc, out + (long)h * D);
@@ -664,8 +678,9 @@ __device__ __forceinline__ unsigned pack_h16x2(float lo, float hi) {
 // consecutive, at consecutive positions), it walks that sequence's keys in tiles of 16 staged
 // through shared memory (cp.async from the paged cache), S = Q·Kᵀ and O += P·V with mma.sync
 // m16n8k16, online softmax in f32 with a causal mask. Groups that span two sequences are left
-// to attention_kv16<MIXED_ONLY>. grid: (ceil(T / 64), H), block: 128. D <= 128.
-template <int H, int KVH, int D, typename O>
+// to attention_kv16<MIXED_ONLY>. Window and cap as attention_kv16's (tiles wholly before the
+// window are skipped). grid: (ceil(T / 64), H), block: 128. D <= 128.
+template <int H, int KVH, int D, typename O, int WIN, unsigned CAP>
 __device__ void attention_fa(const float* q, const h16_t* kc, const h16_t* vc, const int* slots,
                              const int* seq_off, const int* pos, float scale, O* out, int T) {
   constexpr int S = D + 8, KS = D / 16, DT = D / 8;
@@ -701,7 +716,8 @@ __device__ void attention_fa(const float* q, const h16_t* kc, const h16_t* vc, c
   float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
   h16_t* k_s = sk[warp];
   h16_t* v_s = sv[warp];
-  for (int p0 = 0; p0 < n_keys; p0 += 16) {
+  const int p_lo = WIN ? max(0, p_first - WIN + 1) & ~15 : 0;
+  for (int p0 = p_lo; p0 < n_keys; p0 += 16) {
     for (int i = lane; i < 16 * DT; i += 32) {
       const int key = i / DT, ch = i % DT, p = p0 + key;
       const bool valid = p < n_keys;
@@ -734,7 +750,9 @@ __device__ void attention_fa(const float* q, const h16_t* kc, const h16_t* vc, c
         for (int e = 0; e < 2; e++) {
           const int p = p0 + nt * 8 + 2 * c + e;
           float& v = s[nt][hr * 2 + e];
-          if (p > row_pos || p >= n_keys) v = NEG_INF;
+          // scores are in log2 units here (q was scaled by log2 e)
+          if (CAP) v = softcap<CAP>(v * 0.6931471805599453f) * 1.4426950408889634f;
+          if (p > row_pos || p >= n_keys || (WIN && p <= row_pos - WIN)) v = NEG_INF;
           mx = fmaxf(mx, v);
         }
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));

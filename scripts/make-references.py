@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
-"""Writes the long-context, RoPE-scaling and Qwen3 fixtures under tests/fixtures/.
+"""Writes the long-context, RoPE-scaling and per-architecture fixtures under tests/fixtures/.
 
-Each fixture is a tiny random-weight Llama (or Qwen3) checkpoint (vocabulary 512, 2 layers,
-hidden 64, 4 query / 2 KV heads of 32, bf16 weights) and Hugging Face transformers' float32
-outputs on one long random prompt:
+Each fixture is a tiny random-weight checkpoint (vocabulary 512, bf16 weights) and Hugging Face
+transformers' float32 outputs on one long random prompt. The Llama ones (and tiny-qwen3) have
+2 layers, hidden 64, 4 query / 2 KV heads of 32:
 
   long-plain/          no scaling, a 700-token prompt (past 512 tokens)
   rope-linear/         linear, factor 4
@@ -15,34 +15,71 @@ outputs on one long random prompt:
                        hidden / heads = 16), no q/k/v biases, RMS norms over each head of q and k
                        (`q_norm`, `k_norm`: weights 1 +- 0.3, so that they matter), RoPE base
                        1e6, a 300-token prompt
+  tiny-gemma2/         Gemma2ForCausalLM: hidden 64, 4 layers (sliding, full, sliding, full: the
+                       config's default `layer_types`), 4 / 2 heads of 32, scores scaled by
+                       query_pre_attn_scalar 24 ** -0.5, a 48-token window, attention and final
+                       logit softcapping 5 and 8, gelu (tanh) MLP, the four (1 + w) norms of a
+                       layer (stored w ~ 0.1 N(0, 1)), embeddings times sqrt(64) and tied to the
+                       lm_head, RoPE base 1e4, a 300-token prompt
+  tiny-gemma3/         Gemma3ForCausalLM (Gemma3TextConfig): the same sizes, layer_types
+                       3 x sliding then full, window 48, per-head q/k norms (1 + w, stored
+                       w ~ 0.3 N(0, 1)), RoPE per layer type (sliding: base 1e4; full: base 1e6,
+                       linear factor 2), no softcapping, a 300-token prompt
+  tiny-mistral/        MistralForCausalLM: hidden 64, 2 layers, 4 / 2 heads of 32 (not 64 / 4),
+                       a 48-token window on every layer, untied, RoPE base 1e4, 300 tokens
+  tiny-phi3/           Phi3ForCausalLM: hidden 128, 2 layers, 4 / 2 heads of 32 (hidden / heads),
+                       fused qkv_proj and gate_up_proj, partial_rotary_factor 0.5 (RoPE on the
+                       first 16 of each head's 32), longrope (8 short / 8 long factors, original
+                       context 512 < max 2048), untied, a 600-token prompt (the long factors)
 
 Files of a fixture: config.json and model.safetensors (as `save_pretrained` writes them), and
-  reference.json         prompt ids, the logit positions, the greedy continuation, versions
+  reference.json         prompt ids, the logit positions, the greedy continuation, versions;
+                         for the last four also `features_move_logits_by`: how far, relative,
+                         the logits at the positions move with one feature turned off (the
+                         fixture's `features`: the same weights, one config field changed)
   reference.safetensors  float32 `logits` [positions, vocab] at `positions` of the prompt, and
                          `greedy_logits` [steps, vocab]: the logits each greedy token was picked
                          from (row 0 is the prompt's last position)
 
-Seeded and deterministic (CPU, eager attention, float32 compute on the bf16 weights). To
-regenerate (creates the virtual environment once; torch comes from PyPI):
+Seeded and deterministic (CPU, eager attention, float32 compute on the bf16 weights). A
+fixture's seed is SEED + 100 * its index in FIXTURES: add new ones at the end. To regenerate
+(creates the virtual environment once; torch comes from PyPI):
 
   python3 -m venv ~/.cache/engine/refenv
   ~/.cache/engine/refenv/bin/pip install torch 'transformers==5.*' safetensors
-  ~/.cache/engine/refenv/bin/python scripts/make-references.py [OUT_DIR]
+  ~/.cache/engine/refenv/bin/python scripts/make-references.py [--out DIR] [NAME...]
 
-OUT_DIR defaults to tests/fixtures next to this script's parent.
+NAMEs are folder names (default: all of them); DIR defaults to tests/fixtures next to this
+script's parent. The fixtures were made with transformers 5.23.0 and torch 2.15.0 (each
+reference.json records its versions): write only the ones you add or change, so that the
+others stay as they were.
 """
 
+import argparse
+import copy
 import json
 import math
 import platform
 import shutil
-import sys
 from pathlib import Path
 
 import safetensors.torch
 import torch
 import transformers
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 VOCAB = 512
 HEAD_DIM = 32
@@ -75,6 +112,89 @@ def ramp(lo, hi, n):
 # about the extension factor at the low frequencies (the shape of Phi-3's lists).
 SHORT = [round(1.0 + 0.05 * math.sin(i), 4) for i in range(HEAD_DIM // 2)]
 LONG = ramp(1.0, 6.0, HEAD_DIM // 2)
+
+# Phi-3's longrope factors for its rotary dimension of 16 (partial_rotary_factor 0.5 of head_dim
+# 32): 8 of each, the same shapes as SHORT and LONG.
+SHORT8 = [round(1.0 + 0.05 * math.sin(i), 4) for i in range(8)]
+LONG8 = ramp(1.0, 6.0, 8)
+
+# The fields the Gemma-2, Gemma-3, Mistral and Phi-3 fixtures share.
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=HEAD_DIM,
+    max_position_embeddings=1024,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=None,
+)
+
+# Gemma-2 and -3: 4 layers, scores scaled by query_pre_attn_scalar ** -0.5 (24, not head_dim 32),
+# a 48-token window on the sliding layers, gelu (tanh) MLP, tied embeddings.
+GEMMA = dict(
+    COMMON,
+    num_hidden_layers=4,
+    query_pre_attn_scalar=24,
+    sliding_window=48,
+    hidden_activation="gelu_pytorch_tanh",
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    attention_bias=False,
+)
+
+GEMMA2 = dict(
+    GEMMA,
+    attn_logit_softcapping=5.0,
+    final_logit_softcapping=8.0,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+)
+
+GEMMA3_SLIDING_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+GEMMA3 = dict(
+    GEMMA,
+    layer_types=["sliding_attention"] * 3 + ["full_attention"],
+    rope_parameters={
+        "sliding_attention": GEMMA3_SLIDING_ROPE,
+        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+    },
+)
+
+MISTRAL = dict(
+    COMMON,
+    num_hidden_layers=2,
+    sliding_window=48,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+)
+
+
+def phi3_rope(partial, short, long):
+    return {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": partial,
+        "short_factor": short,
+        "long_factor": long,
+        "original_max_position_embeddings": 512,
+    }
+
+
+# Phi-3: head_dim is hidden / heads (128 / 4 = 32), fused qkv_proj and gate_up_proj.
+PHI3 = dict(
+    {k: v for k, v in COMMON.items() if k != "head_dim"},
+    hidden_size=128,
+    num_hidden_layers=2,
+    max_position_embeddings=2048,
+    original_max_position_embeddings=512,
+    sliding_window=None,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    rope_parameters=phi3_rope(0.5, SHORT8, LONG8),
+)
 
 FIXTURES = {
     "long-plain": dict(prompt=700, rope_theta=10000.0, max_position_embeddings=1024, rope_scaling=None),
@@ -122,6 +242,62 @@ FIXTURES = {
         },
     ),
     "tiny-qwen3": dict(arch="qwen3", prompt=300, rope_theta=1000000.0, max_position_embeddings=1024, rope_scaling=None),
+    # The fixtures below give their config's fields (`config`) and `features`: config changes that
+    # each turn one feature off, to measure how far it moves the logits; `scaling` names the one
+    # whose number is also `scaling_moves_logits_by`.
+    "tiny-gemma2": dict(
+        arch="gemma2",
+        prompt=300,
+        config=GEMMA2,
+        features={
+            "attn_logit_softcapping": dict(attn_logit_softcapping=None),
+            "final_logit_softcapping": dict(final_logit_softcapping=None),
+            # None breaks HF's cache for the sliding layers: a window past every sequence instead.
+            "sliding_window": dict(sliding_window=1024),
+            "query_pre_attn_scalar": dict(query_pre_attn_scalar=HEAD_DIM),
+        },
+        scaling=None,
+    ),
+    "tiny-gemma3": dict(
+        arch="gemma3",
+        prompt=300,
+        config=GEMMA3,
+        features={
+            "sliding_window": dict(sliding_window=1024),
+            "per_layer_type_rope": dict(
+                rope_parameters={"sliding_attention": GEMMA3_SLIDING_ROPE, "full_attention": GEMMA3_SLIDING_ROPE}
+            ),
+            "full_attention_linear_scaling": dict(
+                rope_parameters={
+                    "sliding_attention": GEMMA3_SLIDING_ROPE,
+                    "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                }
+            ),
+        },
+        scaling="full_attention_linear_scaling",
+    ),
+    "tiny-mistral": dict(
+        arch="mistral", prompt=300, config=MISTRAL, features={"sliding_window": dict(sliding_window=None)}, scaling=None
+    ),
+    "tiny-phi3": dict(
+        arch="phi3",
+        prompt=600,
+        config=PHI3,
+        features={
+            "partial_rotary_factor": dict(rope_parameters=phi3_rope(1.0, SHORT, LONG)),
+            "longrope": dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+        },
+        scaling="longrope",
+    ),
+}
+
+ARCHS = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    "gemma2": (Gemma2Config, Gemma2ForCausalLM),
+    "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+    "phi3": (Phi3Config, Phi3ForCausalLM),
 }
 
 # The Qwen3 fixture's config: BASE's sizes (head_dim 32 while hidden / heads is 16) without the
@@ -129,7 +305,14 @@ FIXTURES = {
 QWEN3 = {k: v for k, v in BASE.items() if k != "mlp_bias"}
 
 
-def make_config(spec):
+def make_config(spec, change=None):
+    """The fixture's config, with `change` applied: config fields for a fixture with `config`, spec
+    fields (`rope_scaling`) for the others."""
+    if "config" in spec:
+        # A deep copy: the config classes fill in and rewrite the rope_parameters dicts they get.
+        fields = copy.deepcopy({**spec["config"], **(change or {})})
+        return ARCHS[spec["arch"]][0](**fields)
+    spec = {**spec, **(change or {})}
     params = {"rope_type": "default", "rope_theta": spec["rope_theta"]}
     if spec["rope_scaling"]:
         params.update(spec["rope_scaling"])
@@ -140,20 +323,29 @@ def make_config(spec):
 
 def make_model(config, seed):
     """Random weights, rounded to bf16 and held in float32. q and k are larger than the rest so
-    that attention scores (and with them the rotary positions) move the logits clearly. Per-head
-    q/k norm weights (Qwen3) spread wider than the other norms', so that they matter."""
+    that attention scores (and with them the rotary positions) move the logits clearly (Phi-3's
+    fused qkv_proj: its q and k rows). Per-head q/k norm weights (Qwen3, Gemma-3) spread wider
+    than the other norms', so that they matter. Gemma's norms multiply by (1 + weight): their
+    weights are stored around 0, the others' around 1."""
     torch.manual_seed(seed)
-    cls = Qwen3ForCausalLM if isinstance(config, Qwen3Config) else LlamaForCausalLM
+    cls = next(m for c, m in ARCHS.values() if type(config) is c)
     model = cls._from_config(config, attn_implementation="eager", dtype=torch.float32)
     model.eval()
+    one = 0.0 if isinstance(config, (Gemma2Config, Gemma3TextConfig)) else 1.0
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(("q_norm.weight", "k_norm.weight")):
-                p.copy_(1.0 + 0.3 * torch.randn_like(p))
+                p.copy_(one + 0.3 * torch.randn_like(p))
             elif name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+                p.copy_(one + 0.1 * torch.randn_like(p))
             elif "q_proj" in name or "k_proj" in name:
                 p.copy_(0.15 * torch.randn_like(p))
+            elif name.endswith("qkv_proj.weight"):
+                # Phi-3's rows: the q heads, the k heads, the v heads (head_dim is hidden / heads).
+                head_dim = config.hidden_size // config.num_attention_heads
+                scale = torch.full((p.shape[0], 1), 0.08)
+                scale[: (config.num_attention_heads + config.num_key_value_heads) * head_dim] = 0.15
+                p.copy_(scale * torch.randn_like(p))
             else:
                 p.copy_(0.08 * torch.randn_like(p))
             p.copy_(p.to(torch.bfloat16).to(torch.float32))
@@ -198,12 +390,23 @@ def write_fixture(out, name, spec, seed):
         {"logits": all_logits[positions].contiguous(), "greedy_logits": greedy_logits.contiguous()},
         d / "reference.safetensors",
     )
+
+    def moved_by(change):
+        """How far, relative, the logits at `positions` move with the config changed and the same
+        weights."""
+        other = make_model(make_config(spec, change), seed)
+        assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), other.state_dict().values()))
+        diff = (logits_of(other, prompt)[positions] - all_logits[positions]).abs().max()
+        return float(diff / all_logits[positions].abs().max())
+
     # How much the scaling moves the logits: the test tolerance (1e-4 relative) is far below it.
     moved = None
-    if spec["rope_scaling"]:
-        plain = make_model(make_config({**spec, "rope_scaling": None}), seed)
-        diff = (logits_of(plain, prompt)[positions] - all_logits[positions]).abs().max()
-        moved = float(diff / all_logits[positions].abs().max())
+    features = None
+    if "features" in spec:
+        features = {f: moved_by(change) for f, change in spec["features"].items()}
+        moved = features[spec["scaling"]] if spec["scaling"] else None
+    elif spec["rope_scaling"]:
+        moved = moved_by({"rope_scaling": None})
     meta = {
         "made_by": "scripts/make-references.py",
         "versions": {
@@ -217,17 +420,35 @@ def write_fixture(out, name, spec, seed):
         "greedy": tokens,
         "scaling_moves_logits_by": moved,
     }
+    if features is not None:
+        meta["features_move_logits_by"] = features
     lines = [f" {json.dumps(k)}: {json.dumps(v)}" for k, v in meta.items()]
     (d / "reference.json").write_text("{\n" + ",\n".join(lines) + "\n}\n")
-    print(f"{name}: {n} tokens, {len(positions)} logit rows, greedy {tokens}, scaling moves logits by {moved}")
+    top2 = greedy_logits.topk(2, dim=-1).values
+    margin = top2[:, 0] - top2[:, 1]
+    relative = margin / greedy_logits.abs().amax(dim=-1)
+    print(
+        f"{name}: {n} tokens, {len(positions)} logit rows, greedy {tokens} (top-2 margin min {float(margin.min()):.4g},"
+        f" relative {float(relative.min()):.4g}), scaling moves logits by {moved}"
+        + (f", features {features}" if features is not None else "")
+    )
 
 
 def main():
-    out = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).resolve().parent.parent / "tests/fixtures"
+    default_out = Path(__file__).resolve().parent.parent / "tests/fixtures"
+    parser = argparse.ArgumentParser(description="Writes the HF reference fixtures (see the docstring).")
+    parser.add_argument("--out", type=Path, default=default_out, help=f"output folder (default {default_out})")
+    parser.add_argument("names", nargs="*", metavar="NAME", help=f"fixtures to write (default all): {', '.join(FIXTURES)}")
+    args = parser.parse_args()
+    unknown = [n for n in args.names if n not in FIXTURES]
+    if unknown:
+        parser.error(f"unknown fixture(s) {', '.join(unknown)}; known: {', '.join(FIXTURES)}")
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(1)
+    # Each fixture's seed follows from its place in FIXTURES, whichever are written.
     for i, (name, spec) in enumerate(FIXTURES.items()):
-        write_fixture(out, name, spec, SEED + 100 * i)
+        if not args.names or name in args.names:
+            write_fixture(args.out, name, spec, SEED + 100 * i)
 
 
 if __name__ == "__main__":

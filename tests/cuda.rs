@@ -40,6 +40,12 @@ fn generated_kernels_compile_with_nvrtc_for_sm90() {
         ("qwen2", "tests/configs/qwen2.5-7b.json", "f16"),
         ("qwen3", "tests/configs/qwen3-8b.json", "bf16"),
         ("qwen3", "tests/fixtures/tiny-qwen3/config.json", "bf16"),
+        // Maps (embedding scale, GeLU, final soft-capping), soft-capped and windowed attention
+        // at head_dim 256 (no tensor-core extend kernel) and 32.
+        ("gemma2", "tests/configs/gemma-2-9b.json", "bf16"),
+        ("gemma2", "tests/fixtures/tiny-gemma2/config.json", "bf16"),
+        ("mistral", "tests/configs/mistral-7b.json", "bf16"),
+        ("mistral", "tests/fixtures/tiny-mistral/config.json", "f16"),
     ];
     for (model, config, dtype) in shapes {
         for tp in ["1", "2"] {

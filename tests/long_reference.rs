@@ -1,5 +1,8 @@
 //! Prompts past 512 tokens and every RoPE scaling type (linear, llama3, yarn, longrope with its
-//! long and its short factors), and Qwen3 (per-head q/k norms, `models/qwen3.yaml`), against HF
+//! long and its short factors), Qwen3 (per-head q/k norms, `models/qwen3.yaml`), Gemma 2
+//! (elementwise maps, `(1 + w)` norms, soft-capping, alternating sliding windows), Gemma 3
+//! (per-head `(1 + w)` q/k norms, a RoPE per layer type) and Mistral (a sliding window on every
+//! layer), against HF
 //! transformers, on the fixtures of `tests/fixtures/` (scripts/make-references.py made them):
 //! the reference interpreter and the CPU backend at the recorded positions and along HF's
 //! greedy continuation, and the engine (chunked prefill of 128 tokens over the paged KV cache)
@@ -57,16 +60,22 @@ fn clear(row: &[f32]) -> bool {
     top2(row).1 > 10.0 * TOL * scale
 }
 
-const FIXTURES: [&str; 7] =
-    ["long-plain", "rope-linear", "rope-llama3", "rope-yarn", "rope-longrope", "rope-longrope-short", "tiny-qwen3"];
+const FIXTURES: [&str; 10] = [
+    "long-plain",
+    "rope-linear",
+    "rope-llama3",
+    "rope-yarn",
+    "rope-longrope",
+    "rope-longrope-short",
+    "tiny-qwen3",
+    "tiny-gemma2",
+    "tiny-gemma3",
+    "tiny-mistral",
+];
 
-/// The model YAML of a fixture.
-fn model(name: &str) -> &'static str {
-    if name == "tiny-qwen3" {
-        "qwen3"
-    } else {
-        "llama"
-    }
+/// The model YAML of a fixture: `tiny-NAME` is `models/NAME.yaml`, the rest Llama.
+fn model(name: &str) -> &str {
+    name.strip_prefix("tiny-").unwrap_or("llama")
 }
 
 /// The fixture bundles (f32), compiled once per test binary.

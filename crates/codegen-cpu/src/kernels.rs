@@ -330,7 +330,7 @@ impl RopeKernel {
 }
 
 /// `fn(q, k, v, out, scores, n)`: one query head against `n` cached positions: scores
-/// `q · k[s] · scale`, softmax (f32, max-subtracted), `out = Σ p[s] v[s]`. `k` and `v` point at
+/// `q · k[s] · scale` (soft-capped when asked: `ir::scalar::softcap`), softmax (f32, max-subtracted), `out = Σ p[s] v[s]`. `k` and `v` point at
 /// the KV head's slice of position 0; positions are `stride` floats apart.
 pub struct AttentionKernel {
     c: Compiled,
@@ -338,8 +338,10 @@ pub struct AttentionKernel {
 }
 
 impl AttentionKernel {
-    /// Compiles the kernel for heads of `d`, KV rows of `stride` floats and this scale.
-    pub fn compile(d: usize, stride: usize, scale: f32) -> Result<AttentionKernel, JitError> {
+    /// Compiles the kernel for heads of `d`, KV rows of `stride` floats, this scale and score
+    /// soft-capping.
+    pub fn compile(d: usize, stride: usize, scale: f32, softcap: Option<f32>) -> Result<AttentionKernel, JitError> {
+        let cap = softcap.map(ir::scalar::softcap);
         let c = compile(&format!("attention_{d}_{stride}"), 6, 1, |b, env| {
             let (pq, pk, pv, po, psc, pslots, n) = (
                 env.params[0],
@@ -365,6 +367,10 @@ impl AttentionKernel {
                 let dt = dot(b, pq, k, d);
                 let sc = b.ins().f32const(scale);
                 let v = b.ins().fmul(dt, sc);
+                let v = match &cap {
+                    Some(e) => crate::map::render(b, e, &[v]),
+                    None => v,
+                };
                 let p = at(b, psc, s, 4);
                 b.ins().store(mf(), v, p, 0);
                 let m = b.use_var(mx);
@@ -589,11 +595,11 @@ mod tests {
 
     #[test]
     fn attention_row() {
-        for (d, stride, n) in [(16, 32, 5), (6, 12, 3), (64, 64, 40)] {
+        for (d, stride, n, cap) in [(16, 32, 5, None), (6, 12, 3, None), (64, 64, 40, None), (16, 32, 9, Some(0.05))] {
             let q = vals(d, 8);
             let (k, v) = (vals(n * stride, 9), vals(n * stride, 10));
             let scale = 1.0 / (d as f32).sqrt();
-            let kern = AttentionKernel::compile(d, stride, scale).unwrap();
+            let kern = AttentionKernel::compile(d, stride, scale, cap).unwrap();
             let mut scores = vec![0.0; n];
             let mut out = vec![0.0; d];
             // Positions in reverse row order, as a paged pool may hold them.
@@ -602,6 +608,7 @@ mod tests {
             unsafe { kern.run(&q, (k.as_ptr(), v.as_ptr()), &slots, &mut scores, &mut out) };
             let s: Vec<f32> = (0..n)
                 .map(|p| q.iter().zip(&k[(n - 1 - p) * stride..]).map(|(a, b)| a * b).sum::<f32>() * scale)
+                .map(|x| cap.map_or(x, |c: f32| (x / c).tanh() * c))
                 .collect();
             let m = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             let e: Vec<f32> = s.iter().map(|x| (x - m).exp()).collect();

@@ -9,10 +9,12 @@
 
 mod kernels;
 mod linear;
+mod map;
 mod pool;
 
 pub use kernels::{AttentionKernel, BinaryKernel, BinaryOp, EmbeddingKernel, RmsNormKernel, RopeKernel};
 pub use linear::LinearKernel;
+pub use map::MapKernel;
 pub use pool::Pool;
 
 use cranelift_codegen::settings::{self, Configurable};

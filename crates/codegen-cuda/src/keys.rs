@@ -112,6 +112,8 @@ pub enum KernelKey {
         out: DType,
         /// Only the rows [`KernelKey::AttentionFa`] leaves (groups of 16 spanning sequences).
         mixed_only: bool,
+        /// Sliding window and score soft-capping.
+        mask: Mask,
     },
     /// A step of one token: RoPE, the KV-cache write and attention in one kernel.
     AttentionRope1 {
@@ -127,6 +129,8 @@ pub enum KernelKey {
         rope_q: bool,
         /// Whether k is rotated.
         rope_k: bool,
+        /// Sliding window and score soft-capping.
+        mask: Mask,
     },
     /// Causal GQA attention on tensor cores for groups of 16 rows of one sequence.
     AttentionFa {
@@ -138,6 +142,8 @@ pub enum KernelKey {
         d: usize,
         /// Output dtype.
         out: DType,
+        /// Sliding window and score soft-capping.
+        mask: Mask,
     },
     /// `a + b` (f32).
     Add,
@@ -145,6 +151,20 @@ pub enum KernelKey {
     Mul,
     /// `silu(a)` (f32).
     Silu,
+    /// An elementwise map (`ir::Op::Map`), rendered from `templates/map.cu`: f32 out, up to
+    /// [`MAP_INPUTS`] inputs.
+    Map {
+        /// The expression as CUDA C over `x0, x1, ...` (interned: one copy per expression).
+        expr: &'static str,
+        /// The inputs' dtypes (f32 activations, or a weight's dtype).
+        ins: [DType; MAP_INPUTS],
+        /// How many inputs.
+        arity: usize,
+        /// Bit `j` set: input `j` is a `[cols]` vector applied to every row.
+        bcast: u8,
+        /// Row width (0 when nothing broadcasts).
+        cols: usize,
+    },
     /// The rows whose logits are wanted.
     Gather {
         /// Row width.
@@ -218,6 +238,69 @@ pub const ALL_REDUCE_MAX_BLOCKS: usize = 32;
 /// The C type of a dtype the kernels take. Both 16-bit floats are `h16_t`: a program has one
 /// of them (`Program::half`, the source's `H16_F16`), and the schedule rejects a plan that mixes
 /// them.
+/// The most inputs of a [`KernelKey::Map`].
+pub const MAP_INPUTS: usize = 4;
+
+/// The template of a map kernel's body.
+const MAP_TEMPLATE: &str = include_str!("../../../templates/map.cu");
+
+impl KernelKey {
+    /// The body of a [`KernelKey::Map`] kernel: `templates/map.cu` with its loads and
+    /// expression (empty for other keys).
+    fn map_body(&self) -> String {
+        let KernelKey::Map { expr, arity, bcast, cols, .. } = *self else { return String::new() };
+        let loads: String = (0..arity)
+            .map(|j| {
+                let at = if bcast & (1 << j) != 0 { format!("i % {cols}") } else { "i".into() };
+                format!("  const float x{j} = to_f32(a{j}[{at}]);\n")
+            })
+            .collect();
+        let body: String = MAP_TEMPLATE.lines().filter(|l| !l.starts_with("//")).collect::<Vec<_>>().join("\n");
+        body.replace("{loads}", &loads).replace("{expr}", expr)
+    }
+}
+
+/// One shared copy of a map's CUDA expression (keys are `Copy`).
+pub(crate) fn intern(s: String) -> &'static str {
+    static SEEN: std::sync::Mutex<Vec<&'static str>> = std::sync::Mutex::new(Vec::new());
+    let mut seen = SEEN.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(&e) = seen.iter().find(|&&e| e == s) {
+        return e;
+    }
+    let e: &'static str = Box::leak(s.into_boxed_str());
+    seen.push(e);
+    e
+}
+
+/// FNV-1a, for names of generated kernels.
+fn fnv(s: &str) -> u64 {
+    s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3))
+}
+
+/// How an attention masks and caps its scores (`ir::Op::Attention`'s `window` and `softcap`),
+/// template arguments of the attention kernels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct Mask {
+    /// Sliding window in positions (0: none).
+    pub window: usize,
+    /// The soft-capping constant's f32 bits (0: none).
+    pub cap: u32,
+}
+
+impl Mask {
+    /// Suffix of kernel names (empty without a mask).
+    fn suffix(self) -> String {
+        let w = if self.window > 0 { format!("_w{}", self.window) } else { String::new() };
+        let c = if self.cap != 0 { format!("_c{:08x}", self.cap) } else { String::new() };
+        w + &c
+    }
+
+    /// The template arguments `WIN, CAP`.
+    fn args(self) -> String {
+        format!("{}, {}u", self.window, self.cap)
+    }
+}
+
 pub(crate) fn ctype(d: DType) -> Result<&'static str, CodegenError> {
     match d {
         DType::F32 => Ok("float"),
@@ -272,18 +355,26 @@ impl KernelKey {
             KernelKey::RopeKv { heads, kv_heads, d, rope_q, rope_k } => {
                 format!("rope_kv_h{heads}_kv{kv_heads}_d{d}_{}{}", u8::from(rope_q), u8::from(rope_k))
             }
-            KernelKey::Attention { heads, kv_heads, d, out, mixed_only } => {
-                format!("attention_h{heads}_kv{kv_heads}_d{d}_to_{out}{}", if mixed_only { "_mixed" } else { "" })
+            KernelKey::Attention { heads, kv_heads, d, out, mixed_only, mask } => format!(
+                "attention_h{heads}_kv{kv_heads}_d{d}_to_{out}{}{}",
+                if mixed_only { "_mixed" } else { "" },
+                mask.suffix()
+            ),
+            KernelKey::AttentionFa { heads, kv_heads, d, out, mask } => {
+                format!("attention_fa_h{heads}_kv{kv_heads}_d{d}_to_{out}{}", mask.suffix())
             }
-            KernelKey::AttentionFa { heads, kv_heads, d, out } => {
-                format!("attention_fa_h{heads}_kv{kv_heads}_d{d}_to_{out}")
-            }
-            KernelKey::AttentionRope1 { heads, kv_heads, d, out, rope_q, rope_k } => {
-                format!("attention_rope1_h{heads}_kv{kv_heads}_d{d}_to_{out}_{}{}", u8::from(rope_q), u8::from(rope_k))
-            }
+            KernelKey::AttentionRope1 { heads, kv_heads, d, out, rope_q, rope_k, mask } => format!(
+                "attention_rope1_h{heads}_kv{kv_heads}_d{d}_to_{out}_{}{}{}",
+                u8::from(rope_q),
+                u8::from(rope_k),
+                mask.suffix()
+            ),
             KernelKey::Add => "add_f32".into(),
             KernelKey::Mul => "mul_f32".into(),
             KernelKey::Silu => "silu_f32".into(),
+            KernelKey::Map { ins, arity, .. } => {
+                format!("map_{:016x}", fnv(&format!("{:?}{}", &ins[..arity], self.map_body())))
+            }
             KernelKey::Gather { h, x, out } => format!("gather_h{h}_{x}_to_{out}"),
             KernelKey::Sample { vocab } => format!("sample_v{vocab}"),
             KernelKey::Argmax { vocab } => format!("argmax_v{vocab}"),
@@ -370,17 +461,18 @@ impl KernelKey {
                      kc, vc)"
                 ),
             ),
-            KernelKey::Attention { heads, kv_heads, d, out, mixed_only } => {
+            KernelKey::Attention { heads, kv_heads, d, out, mixed_only, mask } => {
                 let o = ctype(out)?;
                 (
                     attention_params(o),
                     format!(
-                        "attention_kv16<{heads}, {kv_heads}, {d}, {o}, {mixed_only}>(q, kc, vc, slots, seq_off, pos, \
-                         scale, out, T)"
+                        "attention_kv16<{heads}, {kv_heads}, {d}, {o}, {mixed_only}, {}>(q, kc, vc, slots, seq_off, \
+                         pos, scale, out, T)",
+                        mask.args()
                     ),
                 )
             }
-            KernelKey::AttentionRope1 { heads, kv_heads, d, out, rope_q, rope_k } => {
+            KernelKey::AttentionRope1 { heads, kv_heads, d, out, rope_q, rope_k, mask } => {
                 let o = ctype(out)?;
                 (
                     format!(
@@ -389,23 +481,33 @@ impl KernelKey {
                          const int* seq_off, float scale, {o}* out"
                     ),
                     format!(
-                        "attention_rope1<{heads}, {kv_heads}, {d}, {o}, {rope_q}, {rope_k}>(q, k, v, pos, inv_freq, \
-                         rscale, slot_of, kc, vc, slots, seq_off, scale, out)"
+                        "attention_rope1<{heads}, {kv_heads}, {d}, {o}, {rope_q}, {rope_k}, {}>(q, k, v, pos, \
+                         inv_freq, rscale, slot_of, kc, vc, slots, seq_off, scale, out)",
+                        mask.args()
                     ),
                 )
             }
-            KernelKey::AttentionFa { heads, kv_heads, d, out } => {
+            KernelKey::AttentionFa { heads, kv_heads, d, out, mask } => {
                 let o = ctype(out)?;
                 (
                     attention_params(o),
                     format!(
-                        "attention_fa<{heads}, {kv_heads}, {d}, {o}>(q, kc, vc, slots, seq_off, pos, scale, out, T)"
+                        "attention_fa<{heads}, {kv_heads}, {d}, {o}, {}>(q, kc, vc, slots, seq_off, pos, scale, out, T)",
+                        mask.args()
                     ),
                 )
             }
             KernelKey::Add => ("const float* a, const float* b, float* out, long n".into(), "add(a, b, out, n)".into()),
             KernelKey::Mul => ("const float* a, const float* b, float* out, long n".into(), "mul(a, b, out, n)".into()),
             KernelKey::Silu => ("const float* a, float* out, long n".into(), "silu(a, out, n)".into()),
+            KernelKey::Map { ins, arity, .. } => {
+                let params = ins[..arity]
+                    .iter()
+                    .enumerate()
+                    .map(|(j, &d)| Ok(format!("const {}* a{j}", ctype(d)?)))
+                    .collect::<Result<Vec<_>, CodegenError>>()?;
+                (format!("{}, float* out, long n", params.join(", ")), self.map_body())
+            }
             KernelKey::Gather { h, x, out } => {
                 let (t, o) = (ctype(x)?, ctype(out)?);
                 (format!("const {t}* x, const int* rows, {o}* out"), format!("gather<{h}, {t}, {o}>(x, rows, out)"))

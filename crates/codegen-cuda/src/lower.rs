@@ -1,6 +1,6 @@
 //! Lowering of plan nodes to launches, with the fusions the schedule module describes.
 
-use crate::keys::{KernelKey, NormIn};
+use crate::keys::{intern, KernelKey, Mask, NormIn, MAP_INPUTS};
 use crate::schedule::{
     launch, one, per_token, Arg, Builder, Count, Dim, FusedNorm, Input, Launch, Step, GEMV_ROWS, NORM_IN_GEMV_ROWS,
     ONE, SKINNY_ROWS,
@@ -57,6 +57,7 @@ pub(crate) fn node(b: &mut Builder, i: usize) -> Result<(), CodegenError> {
             b.steps
                 .push(elementwise(KernelKey::Silu, vec![Arg::Buf(a), Arg::Buf(out), Arg::Elems(Count::Tokens, cols)]));
         }
+        Op::Map { expr } => map(b, i, expr)?,
         Op::Mul => {
             let (x, y) = (b.f32_val(n.inputs[0])?, b.f32_val(n.inputs[1])?);
             let out = b.out(i, DType::F32);
@@ -326,7 +327,10 @@ const FA_ABOVE: usize = 32;
 /// RoPE + KV write, then attention.
 fn attention(b: &mut Builder, i: usize) -> Result<(), CodegenError> {
     let n = &b.plan.nodes[i];
-    let Op::Attention { heads, kv_heads, head_dim: d, scale, layer } = n.op else { unreachable!("an attention") };
+    let Op::Attention { heads, kv_heads, head_dim: d, scale, layer, window, softcap } = n.op else {
+        unreachable!("an attention")
+    };
+    let mask = Mask { window: window.unwrap_or(0), cap: softcap.map_or(0, f32::to_bits) };
     let g = d / 16;
     if d % 16 != 0 || !g.is_power_of_two() || g > 32 || heads % kv_heads != 0 {
         return Err(CodegenError::Unsupported(format!(
@@ -381,10 +385,10 @@ fn attention(b: &mut Builder, i: usize) -> Result<(), CodegenError> {
         Arg::Count(Count::Tokens),
     ];
     let rows = |mixed_only| {
-        let key = KernelKey::Attention { heads, kv_heads, d, out: o, mixed_only };
+        let key = KernelKey::Attention { heads, kv_heads, d, out: o, mixed_only, mask };
         launch(key, args.clone(), [per_token(1, 1), Dim::Fixed(heads)], 256)
     };
-    let one = KernelKey::AttentionRope1 { heads, kv_heads, d, out: o, rope_q, rope_k };
+    let one = KernelKey::AttentionRope1 { heads, kv_heads, d, out: o, rope_q, rope_k, mask };
     let one_args = [
         &head[..],
         &[
@@ -400,7 +404,7 @@ fn attention(b: &mut Builder, i: usize) -> Result<(), CodegenError> {
     let one = launch(one, one_args, [ONE, Dim::Fixed(heads)], 256);
     let mut variants = vec![(1, vec![one]), (FA_ABOVE, vec![rope.clone(), rows(false)])];
     if d <= 128 {
-        let fa = KernelKey::AttentionFa { heads, kv_heads, d, out: o };
+        let fa = KernelKey::AttentionFa { heads, kv_heads, d, out: o, mask };
         let fa = launch(fa, args.clone(), [per_token(1, 64), Dim::Fixed(heads)], 128);
         variants.push((usize::MAX, vec![rope, fa, rows(true)]));
     } else {
@@ -411,6 +415,45 @@ fn attention(b: &mut Builder, i: usize) -> Result<(), CodegenError> {
 }
 
 /// The wanted rows gathered (in 16 bits), then the LM head over them.
+/// An elementwise map: one launch of its rendered kernel over the node's activations or logit
+/// rows; weight inputs are read where they are.
+fn map(b: &mut Builder, i: usize, expr: &ir::Scalar) -> Result<(), CodegenError> {
+    let n = &b.plan.nodes[i];
+    if n.inputs.len() > MAP_INPUTS {
+        return Err(CodegenError::Unsupported(format!("`{}`: a map of more than {MAP_INPUTS} inputs", n.label)));
+    }
+    let per = if n.ty.shape.first() == Some(&ir::Dim::R) { Count::Rows } else { Count::Tokens };
+    let cols = b.cols(i);
+    let (mut args, mut ins, mut bcast) = (Vec::new(), [DType::F32; MAP_INPUTS], 0u8);
+    for (j, &x) in n.inputs.iter().enumerate() {
+        let x_node = &b.plan.nodes[x];
+        if x_node.ty.shape.len() == 1 {
+            bcast |= 1 << j;
+        }
+        if matches!(x_node.op, Op::Weight { .. }) {
+            ins[j] = b.wdtype(x);
+            args.push(Arg::Weight(x));
+        } else {
+            args.push(Arg::Buf(b.f32_val(x)?));
+        }
+    }
+    let key = KernelKey::Map {
+        expr: intern(expr.to_cuda()),
+        ins,
+        arity: n.inputs.len(),
+        bcast,
+        cols: if bcast == 0 { 0 } else { cols },
+    };
+    let out = b.new_val(cols, DType::F32, per);
+    b.node_val[i] = Some(out);
+    args.extend([Arg::Buf(out), Arg::Elems(per, cols)]);
+    b.steps.push(Step::Kernels {
+        by: per,
+        variants: vec![(usize::MAX, vec![launch(key, args, [Dim::Per(per, cols, 256), ONE], 256)])],
+    });
+    Ok(())
+}
+
 fn logits(b: &mut Builder, i: usize) -> Result<(), CodegenError> {
     let n = &b.plan.nodes[i];
     let (xn, w) = (n.inputs[0], n.inputs[1]);
@@ -445,7 +488,7 @@ mod tests {
     fn plan(norm: usize) -> ir::Plan {
         let mut g = Graph::new(DType::BF16);
         let w = |g: &mut Graph, name: &str, shape: Vec<usize>| {
-            g.add(Op::Weight { name: name.into(), shape, dtype: DType::BF16 }, &[], name).unwrap()
+            g.add(Op::Weight { name: name.into(), shape, dtype: DType::BF16, derived: None }, &[], name).unwrap()
         };
         let (table, nw, lw) =
             (w(&mut g, "table", vec![64, 64]), w(&mut g, "norm", vec![norm]), w(&mut g, "lin", vec![64, 64]));

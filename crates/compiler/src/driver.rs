@@ -167,30 +167,45 @@ fn write_rank_weights(
     rank: usize,
     tp: usize,
 ) -> Result<(), CompileError> {
-    let entries: Vec<TensorEntry> = plan
-        .weights()
-        .map(|(name, shape, dtype)| TensorEntry { name: name.to_string(), dtype, shape: shape.to_vec() })
+    let weights: Vec<(&str, &[usize], DType, Option<&ir::Derived>)> = plan
+        .nodes
+        .iter()
+        .filter_map(|n| match &n.op {
+            ir::Op::Weight { name, shape, dtype, derived } => {
+                Some((name.as_str(), shape.as_slice(), *dtype, derived.as_ref()))
+            }
+            _ => None,
+        })
+        .collect();
+    let entries: Vec<TensorEntry> = weights
+        .iter()
+        .map(|(name, shape, dtype, _)| TensorEntry { name: name.to_string(), dtype: *dtype, shape: shape.to_vec() })
         .collect();
     let mut failure = None;
     let result = w.write_safetensors(&format!("weights/rank{rank}.safetensors"), &entries, |i| {
-        let e = &entries[i];
+        let (name, shape, dtype, derived) = weights[i];
+        let source = derived.map_or(name, |d| d.source.as_str());
         let data = model
             .weights
             .iter()
-            .find(|bw| bw.name == e.name)
-            .ok_or_else(|| CompileError::Usage(format!("plan weight `{}` is not in the model", e.name)))
+            .find(|bw| bw.name == source)
+            .ok_or_else(|| CompileError::Usage(format!("plan weight `{source}` is not in the model")))
             .and_then(|bw| {
-                let data = ckpt.read_f32(&e.name)?;
+                let data = ckpt.read_f32(source)?;
                 // The plan's shape says whether this rank holds a slice (a replicated lm_head
                 // keeps its whole shape even where the model marks it column-parallel).
-                let data = if e.shape == bw.shape { data } else { shard::cut(bw, &data, tp, rank)? };
-                check_range(&e.name, e.dtype, &data)?;
-                Ok(e.dtype.from_f32(&data))
+                let data = if shape == bw.shape { data } else { shard::cut(bw, &data, tp, rank)? };
+                let data = match derived {
+                    Some(d) => data.iter().map(|&x| d.expr.eval(&[x])).collect(),
+                    None => data,
+                };
+                check_range(name, dtype, &data)?;
+                Ok(dtype.from_f32(&data))
             });
         data.map_err(|err| {
             let msg = err.to_string();
             failure = Some(err);
-            bundle::BundleError::Malformed { path: e.name.clone(), message: msg }
+            bundle::BundleError::Malformed { path: name.to_string(), message: msg }
         })
     });
     match (result, failure) {

@@ -7,6 +7,7 @@
 
 pub mod checkpoint;
 pub mod driver;
+pub mod fuse;
 pub mod gguf;
 pub mod lower;
 pub mod passes;

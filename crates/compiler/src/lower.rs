@@ -5,7 +5,8 @@
 
 use crate::CompileError;
 use ir::{DType, Graph, NodeIndex, Op, RopeScaling};
-use spec::expr::BinOp;
+use ir::{Fun, Scalar};
+use spec::expr::{BinOp, UnOp};
 use spec::{BoundModel, Expr, GraphItem, Located, Statement, Value};
 use std::collections::HashMap;
 
@@ -98,15 +99,106 @@ impl Lowerer<'_> {
 
     fn expr(&mut self, e: &Expr, label: &str) -> Result<Term, String> {
         match e {
-            Expr::Ident(name) => self.resolve(name),
-            Expr::Binary(op @ (BinOp::Add | BinOp::Mul), a, b) => {
-                let (a, b) = (self.node(a, label)?, self.node(b, label)?);
-                let op = if *op == BinOp::Add { Op::Add } else { Op::Mul };
-                self.add(op, &[a, b], label)
+            Expr::Ident(name) if self.is_tensor(name) || self.model.param(name).is_none() => self.resolve(name),
+            Expr::Call { name, args, kwargs } if Op::CALLABLE.contains(&name.as_str()) => {
+                self.call(name, args, kwargs, label)
             }
-            Expr::Call { name, args, kwargs } => self.call(name, args, kwargs, label),
-            other => Err(format!("`{other}` is not a tensor expression (use calls, names, `+` and `*`)")),
+            _ => self.elementwise(e, label).map(Term::Node),
         }
+    }
+
+    /// Whether `name` names a tensor (a variable, a declared weight or a step input) rather
+    /// than a param.
+    fn is_tensor(&self, name: &str) -> bool {
+        self.vars.contains_key(name) || self.model.declares_weight(name) || matches!(name, "tokens" | "positions")
+    }
+
+    /// Whether `e` computes a tensor (reads one, or calls an op).
+    fn has_tensor(&self, e: &Expr) -> bool {
+        match e {
+            Expr::Ident(name) => self.is_tensor(name),
+            Expr::Unary(_, a) => self.has_tensor(a),
+            Expr::Binary(_, a, b) => self.has_tensor(a) || self.has_tensor(b),
+            Expr::Call { name, args, .. } => {
+                Op::CALLABLE.contains(&name.as_str()) || args.iter().any(|a| self.has_tensor(a))
+            }
+            _ => false,
+        }
+    }
+
+    /// One elementwise operation (an operator or a function of `ir::scalar`) over tensors and
+    /// constants: an `add`, `mul` or `silu` node where it is one of those over same-shaped
+    /// activations, else a `map` (chains of maps are fused by the `fuse_elementwise` pass).
+    fn elementwise(&mut self, e: &Expr, label: &str) -> Result<NodeIndex, String> {
+        if !self.has_tensor(e) {
+            return Err(format!("`{e}` is a constant, not a tensor expression"));
+        }
+        let (fun, operands): (Fun, Vec<&Expr>) = match e {
+            Expr::Binary(op, a, b) => (binary_fun(*op).ok_or_else(|| not_tensor(e))?, vec![a, b]),
+            Expr::Unary(UnOp::Neg, a) => (fun("neg")?, vec![a]),
+            Expr::Call { name, args, kwargs } => {
+                let f = Fun::named(name).filter(|f| f.def().name == name).ok_or_else(|| unknown_call(name))?;
+                if let Some((k, _)) = kwargs.first() {
+                    return Err(format!("`{name}` takes no keyword arguments (got `{k}`)"));
+                }
+                if args.len() != f.def().arity {
+                    return Err(format!("`{name}` takes {} argument(s), got {}", f.def().arity, args.len()));
+                }
+                (f, args.iter().collect())
+            }
+            _ => return Err(not_tensor(e)),
+        };
+        let mut nodes: Vec<NodeIndex> = Vec::new();
+        let mut args = Vec::new();
+        for o in operands {
+            if !self.has_tensor(o) {
+                args.push(Scalar::Const(self.constant(o)?));
+                continue;
+            }
+            let n = self.node(o, label)?;
+            let i = nodes.iter().position(|&m| m == n).unwrap_or_else(|| {
+                nodes.push(n);
+                nodes.len() - 1
+            });
+            args.push(Scalar::Arg(i));
+        }
+        let expr = Scalar::call(fun, args);
+        let acts = nodes.iter().all(|&n| self.g.node(n).ty.shape.first() == Some(&ir::Dim::T));
+        let same = nodes.windows(2).all(|w| self.g.node(w[0]).ty == self.g.node(w[1]).ty);
+        let op = match (fun.def().name, &expr, nodes.len()) {
+            ("+", Scalar::Call(_, a), 2) if acts && same && a == &[Scalar::Arg(0), Scalar::Arg(1)] => Op::Add,
+            ("*", Scalar::Call(_, a), 2) if acts && same && a == &[Scalar::Arg(0), Scalar::Arg(1)] => Op::Mul,
+            ("silu", Scalar::Call(..), 1) if acts => Op::Silu,
+            _ => Op::Map { expr },
+        };
+        self.g.add(op, &nodes, label).map_err(|e| e.to_string())
+    }
+
+    /// The value of an expression without tensors: params, numbers, operators and
+    /// elementwise functions, in f32.
+    fn constant(&self, e: &Expr) -> Result<f32, String> {
+        let lookup = |n: &str| self.model.param(n).cloned();
+        let v = match e {
+            Expr::Call { name, args, .. } => {
+                let f = Fun::named(name).ok_or_else(|| unknown_call(name))?;
+                let vals =
+                    args.iter().map(|a| Ok(Scalar::Const(self.constant(a)?))).collect::<Result<Vec<_>, String>>()?;
+                Scalar::call(f, vals).eval(&[])
+            }
+            Expr::Unary(UnOp::Neg, a) => -self.constant(a)?,
+            Expr::Binary(op, a, b) if has_call(e) => {
+                let f = binary_fun(*op).ok_or_else(|| format!("`{e}`: only + - * / combine function calls"))?;
+                Scalar::call(f, vec![Scalar::Const(self.constant(a)?), Scalar::Const(self.constant(b)?)]).eval(&[])
+            }
+            _ => {
+                let v = spec::value::eval(e, &lookup)?;
+                v.as_f64().ok_or_else(|| format!("`{e}` is {v}, not a number"))? as f32
+            }
+        };
+        if !v.is_finite() {
+            return Err(format!("`{e}` is {v}"));
+        }
+        Ok(v)
     }
 
     fn add(&mut self, op: Op, inputs: &[NodeIndex], label: &str) -> Result<Term, String> {
@@ -121,7 +213,8 @@ impl Lowerer<'_> {
             if let Some(&n) = self.weights.get(&w.name) {
                 return Ok(Term::Node(n));
             }
-            let op = Op::Weight { name: w.name.clone(), shape: w.shape.clone(), dtype: self.weight_dtype };
+            let op =
+                Op::Weight { name: w.name.clone(), shape: w.shape.clone(), dtype: self.weight_dtype, derived: None };
             let n = self.g.add(op, &[], w.name.clone()).map_err(|e| e.to_string())?;
             self.weights.insert(w.name.clone(), n);
             return Ok(Term::Node(n));
@@ -145,13 +238,13 @@ impl Lowerer<'_> {
 
     fn call(&mut self, name: &str, args: &[Expr], kwargs: &[(String, Expr)], label: &str) -> Result<Term, String> {
         let allowed: &[&str] = match name {
-            "embedding" | "silu" | "all_reduce" | "logits" | "linear" => &[],
+            "embedding" | "all_reduce" | "logits" | "linear" => &[],
             "rms_norm" => &["eps"],
             "rope" => &["head_dim", "theta", "scaling", "max_positions"],
-            "attention" => &["heads", "kv_heads", "head_dim", "scale"],
-            _ => return Err(format!("unknown op `{name}`; the ops are: {}", Op::CALLABLE.join(", "))),
+            "attention" => &["heads", "kv_heads", "head_dim", "scale", "window", "softcap"],
+            _ => return Err(unknown_call(name)),
         };
-        let attrs = Attrs::new(name, kwargs, self.model)?;
+        let attrs = Attrs::new(name, kwargs, self.model, self.layer)?;
         attrs.check(allowed)?;
         let arity = |lo: usize, hi: usize| -> Result<(), String> {
             if args.len() < lo || args.len() > hi {
@@ -162,7 +255,6 @@ impl Lowerer<'_> {
         };
         let op = match name {
             "embedding" => Op::Embedding,
-            "silu" => Op::Silu,
             "all_reduce" => Op::AllReduce,
             "logits" => Op::Logits,
             "linear" => {
@@ -199,6 +291,8 @@ impl Lowerer<'_> {
                     head_dim,
                     scale: scale as f32,
                     layer: self.next_kv_layer,
+                    window: attrs.opt_usize("window")?,
+                    softcap: attrs.opt_f64("softcap")?.map(|c| c as f32),
                 };
                 self.next_kv_layer += 1;
                 op
@@ -218,8 +312,17 @@ struct Attrs<'a> {
 }
 
 impl<'a> Attrs<'a> {
-    fn new(op: &'a str, kwargs: &[(String, Expr)], model: &BoundModel) -> Result<Attrs<'a>, String> {
-        let lookup = |n: &str| model.param(n).cloned();
+    /// Evaluates the keyword arguments; in a per-layer statement `i` is the layer's index.
+    fn new(
+        op: &'a str,
+        kwargs: &[(String, Expr)],
+        model: &BoundModel,
+        layer: Option<usize>,
+    ) -> Result<Attrs<'a>, String> {
+        let lookup = |n: &str| match (n, layer) {
+            ("i", Some(i)) => Some(Value::Int(i as i64)),
+            _ => model.param(n).cloned(),
+        };
         let values = kwargs
             .iter()
             .map(|(k, e)| {
@@ -255,8 +358,57 @@ impl<'a> Attrs<'a> {
         v.as_usize().ok_or_else(|| format!("`{}` attribute `{key}` is {v}, not a count", self.op))
     }
 
+    fn opt_usize(&self, key: &str) -> Result<Option<usize>, String> {
+        self.opt(key)
+            .map(|v| v.as_usize().ok_or_else(|| format!("`{}` attribute `{key}` is {v}, not a count", self.op)))
+            .transpose()
+    }
+
+    fn opt_f64(&self, key: &str) -> Result<Option<f64>, String> {
+        self.opt(key)
+            .map(|v| v.as_f64().ok_or_else(|| format!("`{}` attribute `{key}` is {v}, not a number", self.op)))
+            .transpose()
+    }
+
     fn f64(&self, key: &str) -> Result<f64, String> {
         let v = self.get(key)?;
         v.as_f64().ok_or_else(|| format!("`{}` attribute `{key}` is {v}, not a number", self.op))
     }
+}
+
+/// The function of an arithmetic operator.
+fn binary_fun(op: BinOp) -> Option<Fun> {
+    let name = match op {
+        BinOp::Add => "+",
+        BinOp::Sub => "-",
+        BinOp::Mul => "*",
+        BinOp::Div => "/",
+        _ => return None,
+    };
+    Fun::named(name)
+}
+
+fn fun(name: &str) -> Result<Fun, String> {
+    Fun::named(name).ok_or_else(|| unknown_call(name))
+}
+
+fn has_call(e: &Expr) -> bool {
+    match e {
+        Expr::Call { .. } => true,
+        Expr::Unary(_, a) => has_call(a),
+        Expr::Binary(_, a, b) => has_call(a) || has_call(b),
+        _ => false,
+    }
+}
+
+fn not_tensor(e: &Expr) -> String {
+    format!("`{e}` is not a tensor expression (use op calls, names, elementwise functions and + - * /)")
+}
+
+fn unknown_call(name: &str) -> String {
+    format!(
+        "unknown op or function `{name}`; the ops are: {}; the elementwise functions: {}",
+        Op::CALLABLE.join(", "),
+        Fun::callable().join(", ")
+    )
 }

@@ -1,7 +1,7 @@
 //! The pass pipeline: named `Graph -> Result<Graph>` functions run top to bottom, the verifier
 //! after each.
 
-use crate::{shard, CompileError};
+use crate::{fuse, shard, CompileError};
 use ir::{Graph, Op};
 use spec::{BoundModel, ShardKind};
 
@@ -42,7 +42,11 @@ impl LmHead {
 pub type Pass = fn(Graph, &PassCtx) -> Result<Graph, CompileError>;
 
 /// The pipeline, in order.
-pub const PIPELINE: &[(&str, Pass)] = &[("tensor_parallel", tensor_parallel)];
+pub const PIPELINE: &[(&str, Pass)] = &[
+    ("tensor_parallel", tensor_parallel),
+    ("fuse_elementwise", fuse::fuse_elementwise),
+    ("fold_weights", fuse::fold_weights),
+];
 
 /// Runs every pass of [`PIPELINE`], verifying after each; `observe(name, graph)` sees the graph
 /// after each pass (for `--dump-after` and tests).

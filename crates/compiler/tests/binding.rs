@@ -106,7 +106,7 @@ fn statement_errors_name_the_line() {
     let err = lower(&src.replace("rms_norm(x, attn_norm, eps=eps)", "rms_norm(x, attn_norm, epsilon=eps)"));
     assert!(err.contains("bad.yaml:") && err.contains("no attribute `epsilon`"), "{err}");
     let err = lower(&src.replace("silu(linear(h, gate_proj, gate_bias))", "silu(linear(h, gate_proj, gate_bias), h)"));
-    assert!(err.contains("`silu` takes 1 tensor arguments, got 2"), "{err}");
+    assert!(err.contains("`silu` takes 1 argument(s), got 2"), "{err}");
     let err = lower(&src.replace("x = x + linear(a, o_proj, o_bias)", "x = x + linear(a, o_projection, o_bias)"));
     assert!(err.contains("unknown name `o_projection`"), "{err}");
 }

@@ -3,7 +3,7 @@
 
 use crate::op::Op;
 use crate::plan::{KvLayout, Plan, PlanNode};
-use crate::types::{DType, TensorType};
+use crate::types::{DType, Dim, TensorType};
 use crate::IrError;
 use petgraph::stable_graph::{NodeIndex, StableDiGraph};
 use petgraph::visit::EdgeRef;
@@ -72,6 +72,16 @@ impl Graph {
     /// All node indices, in insertion order.
     pub fn nodes(&self) -> Vec<NodeIndex> {
         self.g.node_indices().collect()
+    }
+
+    /// Removes node `n` and its edges (a node a pass made dead).
+    pub fn remove(&mut self, n: NodeIndex) {
+        self.g.remove_node(n);
+    }
+
+    /// The nodes that read `n`, once per input slot.
+    pub fn users(&self, n: NodeIndex) -> Vec<NodeIndex> {
+        self.g.edges_directed(n, Direction::Outgoing).map(|e| e.target()).collect()
     }
 
     /// Points every use of `old` (except by `except`) at `new`.
@@ -171,14 +181,11 @@ impl Graph {
             return Err(IrError::Verify("attention layers have different KV layouts".into()));
         }
         let out = self.output.ok_or_else(|| IrError::Verify("the graph has no output (assign `logits`)".into()))?;
-        let logits = match self.g[out].op {
-            Op::AllGather { .. } => self.inputs(out).first().copied().unwrap_or(out),
-            _ => out,
-        };
-        if !matches!(self.g[logits].op, Op::Logits) {
+        let o = &self.g[out];
+        if o.ty.shape.first() != Some(&Dim::R) || o.ty.dtype != DType::F32 {
             return Err(IrError::Verify(format!(
-                "the output `{}` is a {}, not logits",
-                self.g[out].label, self.g[out].op
+                "the output `{}` is a {} of {}, not logit rows ([R, vocab] f32)",
+                o.label, o.op, o.ty
             )));
         }
         let n_logits = order.iter().filter(|&&n| matches!(self.g[n].op, Op::Logits)).count();

@@ -145,7 +145,7 @@ impl Interpreter {
                     let (inv, scale) = scaling.inv_freq(*head_dim, *theta);
                     Some(Val::F(rope(f(0), pos, *head_dim, &inv, scale)))
                 }
-                Op::Attention { heads, kv_heads, head_dim, scale, layer } => {
+                Op::Attention { heads, kv_heads, head_dim, scale, layer, window, softcap } => {
                     let (k, v) = kv.append(*layer, f(1), f(2))?;
                     if k.len() != (start + t_len) * kv_heads * head_dim || v.len() != k.len() {
                         return Err(IrError::Input(format!(
@@ -154,9 +154,13 @@ impl Interpreter {
                             start + t_len
                         )));
                     }
-                    Some(Val::F(attention(f(0), &k, &v, start, *heads, *kv_heads, *head_dim, *scale)))
+                    let shape = Heads { heads: *heads, kv_heads: *kv_heads, d: *head_dim };
+                    let scores =
+                        Scores { scale: *scale, window: *window, softcap: softcap.map(crate::scalar::softcap) };
+                    Some(Val::F(attention(f(0), &k, &v, start, shape, &scores)))
                 }
                 Op::Silu => Some(Val::F(f(0).iter().map(|&x| x / (1.0 + (-x).exp())).collect())),
+                Op::Map { expr } => Some(Val::F(map(expr, &(0..n.inputs.len()).map(f).collect::<Vec<_>>()))),
                 Op::Mul => Some(Val::F(f(0).iter().zip(f(1)).map(|(a, b)| a * b).collect())),
                 Op::Add => Some(Val::F(f(0).iter().zip(f(1)).map(|(a, b)| a + b).collect())),
                 Op::AllReduce | Op::AllGather { .. } => Some(Val::F(f(0).to_vec())),
@@ -176,6 +180,20 @@ impl Interpreter {
             _ => Err(IrError::Verify("the output is not a float tensor".into())),
         }
     }
+}
+
+/// `expr` at every element of the largest input; a smaller input (a `[n]` vector) repeats.
+fn map(expr: &crate::Scalar, ins: &[&[f32]]) -> Vec<f32> {
+    let len = ins.iter().map(|v| v.len()).max().unwrap_or(0);
+    let mut x = vec![0.0; ins.len()];
+    (0..len)
+        .map(|i| {
+            for (xj, v) in x.iter_mut().zip(ins) {
+                *xj = v[i % v.len()];
+            }
+            expr.eval(&x)
+        })
+        .collect()
 }
 
 fn embedding(ids: &[i32], table: &[f32], h: usize) -> Vec<f32> {
@@ -226,37 +244,44 @@ fn rope(x: &[f32], pos: &[i32], d: usize, inv_freq: &[f64], scale: f64) -> Vec<f
     out
 }
 
-#[allow(clippy::too_many_arguments)]
-fn attention(
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    start: usize,
+/// Head counts and size of an attention.
+struct Heads {
     heads: usize,
     kv_heads: usize,
     d: usize,
+}
+
+/// How an attention scores and masks.
+struct Scores {
     scale: f32,
-) -> Vec<f32> {
+    window: Option<usize>,
+    softcap: Option<crate::Scalar>,
+}
+
+fn attention(q: &[f32], k: &[f32], v: &[f32], start: usize, shape: Heads, sc: &Scores) -> Vec<f32> {
+    let Heads { heads, kv_heads, d } = shape;
     let t_len = q.len() / (heads * d);
     let kv_row = kv_heads * d;
     let group = heads / kv_heads;
     let mut out = vec![0.0f32; q.len()];
     for t in 0..t_len {
         let visible = start + t + 1;
+        let first = sc.window.map_or(0, |w| visible.saturating_sub(w));
         for h in 0..heads {
             let kvh = h / group;
             let qv = &q[(t * heads + h) * d..(t * heads + h + 1) * d];
-            let scores: Vec<f32> = (0..visible)
+            let scores: Vec<f32> = (first..visible)
                 .map(|s| {
                     let kv = &k[s * kv_row + kvh * d..s * kv_row + (kvh + 1) * d];
-                    qv.iter().zip(kv).map(|(a, b)| a * b).sum::<f32>() * scale
+                    let x = qv.iter().zip(kv).map(|(a, b)| a * b).sum::<f32>() * sc.scale;
+                    sc.softcap.as_ref().map_or(x, |c| c.eval(&[x]))
                 })
                 .collect();
             let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             let exps: Vec<f32> = scores.iter().map(|s| (s - max).exp()).collect();
             let sum: f32 = exps.iter().sum();
             let o = &mut out[(t * heads + h) * d..(t * heads + h + 1) * d];
-            for (s, e) in exps.iter().enumerate() {
+            for (s, e) in (first..visible).zip(&exps) {
                 let vv = &v[s * kv_row + kvh * d..s * kv_row + (kvh + 1) * d];
                 for (oi, vi) in o.iter_mut().zip(vv) {
                     *oi += e / sum * vi;

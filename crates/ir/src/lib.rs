@@ -9,14 +9,16 @@ pub mod interp;
 pub mod op;
 pub mod plan;
 pub mod rope;
+pub mod scalar;
 pub mod types;
 
 pub use graph::{Graph, Node};
 pub use interp::{Interpreter, KvCache, KvStore};
-pub use op::Op;
+pub use op::{Derived, Op};
 pub use petgraph::stable_graph::NodeIndex;
 pub use plan::{KvLayout, Plan, PlanNode};
 pub use rope::RopeScaling;
+pub use scalar::{Fun, Scalar};
 pub use types::{DType, Dim, TensorType};
 
 /// Errors of graph construction, verification and interpretation.

@@ -7,10 +7,21 @@
 //! Activations are `[T, features]`, heads laid out head-major (`[T, heads * head_dim]`).
 
 use crate::rope::RopeScaling;
+use crate::scalar::Scalar;
 use crate::types::{DType, Dim, TensorType};
 use crate::IrError;
 use serde::{Deserialize, Serialize};
 use std::fmt;
+
+/// A weight computed at compile time: `expr` (over `x0`) applied to each value of the
+/// checkpoint tensor `source` (this rank's slice of it).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Derived {
+    /// The checkpoint tensor.
+    pub source: String,
+    /// The elementwise expression.
+    pub expr: Scalar,
+}
 
 /// One operation of the graph.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -20,7 +31,9 @@ pub enum Op {
     Tokens,
     /// The step's absolute positions: `[T] i32`. No inputs.
     Positions,
-    /// A weight tensor of the bundle, stored in `dtype`. No inputs.
+    /// A weight tensor of the bundle, stored in `dtype`. No inputs. With `derived`, the
+    /// compiler computed it (`SOURCE @ EXPR`: a map over one checkpoint tensor, folded by the
+    /// `fold_weights` pass); the runtimes load it by `name` like any other.
     Weight {
         /// Tensor name in the bundle's weight files.
         name: String,
@@ -28,6 +41,9 @@ pub enum Op {
         shape: Vec<usize>,
         /// Storage type.
         dtype: DType,
+        /// How the compiler made it, when it is not a checkpoint tensor.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        derived: Option<Derived>,
     },
     /// `out[t] = table[tokens[t]]`. Inputs: tokens `[T]`, table `[V, H]` → `[T, H]`.
     Embedding,
@@ -57,10 +73,12 @@ pub enum Op {
         scaling: RopeScaling,
     },
     /// Causal grouped-query attention over the KV cache of `layer`. The step's k and v rows
-    /// are appended to the cache of the sequence at its positions; query row `t` attends to
-    /// every cached position `≤` its own. Query head `h` reads KV head `h / (heads /
-    /// kv_heads)`; scores are scaled by `scale` and soft-maxed in f32. Inputs: q `[T, heads·d]`,
-    /// k `[T, kv_heads·d]`, v `[T, kv_heads·d]` → `[T, heads·d]`.
+    /// are appended to the cache of the sequence at its positions; query row `t` at position
+    /// `p` attends to every cached position `s ≤ p` (with a `window` W, only those with
+    /// `p − s < W`: the last W positions). Query head `h` reads KV head `h / (heads /
+    /// kv_heads)`; scores are `q·k · scale`, soft-capped to `tanh(score / c) · c` with a
+    /// `softcap` c ([`crate::scalar::softcap`]), and soft-maxed in f32. Inputs: q
+    /// `[T, heads·d]`, k `[T, kv_heads·d]`, v `[T, kv_heads·d]` → `[T, heads·d]`.
     Attention {
         /// Query heads (on this rank).
         heads: usize,
@@ -72,9 +90,25 @@ pub enum Op {
         scale: f32,
         /// Index of the KV cache layer this op owns.
         layer: usize,
+        /// Sliding window: how many positions (the query's own included) a query sees.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        window: Option<usize>,
+        /// Score soft-capping constant.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        softcap: Option<f32>,
     },
     /// `x · sigmoid(x)`, elementwise.
     Silu,
+    /// Elementwise `expr` (see [`crate::scalar`]) over the inputs, input `i` being `x{i}`,
+    /// computed in f32. Inputs all have the first input's shape, except that a `[n]` vector
+    /// applies to every row of a `[d, n]` input. Output: that shape; activations (`[T, n]`) in
+    /// the graph's activation dtype, logit rows (`[R, n]`) and weights in f32. Elementwise
+    /// sums, products and SiLU of two same-shaped activations are written as [`Op::Add`],
+    /// [`Op::Mul`] and [`Op::Silu`], the forms the backends' fusions recognise.
+    Map {
+        /// The expression.
+        expr: Scalar,
+    },
     /// Elementwise product of two same-shaped inputs.
     Mul,
     /// Elementwise sum of two same-shaped inputs.
@@ -107,6 +141,7 @@ impl Op {
             Op::Rope { .. } => "rope",
             Op::Attention { .. } => "attention",
             Op::Silu => "silu",
+            Op::Map { .. } => "map",
             Op::Mul => "mul",
             Op::Add => "add",
             Op::AllReduce => "all_reduce",
@@ -115,9 +150,10 @@ impl Op {
         }
     }
 
-    /// Names of the ops a model YAML may call, for error messages.
-    pub const CALLABLE: [&'static str; 8] =
-        ["embedding", "linear", "rms_norm", "rope", "attention", "silu", "logits", "all_reduce"];
+    /// Names of the ops a model YAML may call (besides the elementwise functions of
+    /// [`crate::scalar::FUNCTIONS`], which become `add`, `mul`, `silu` or `map`).
+    pub const CALLABLE: [&'static str; 7] =
+        ["embedding", "linear", "rms_norm", "rope", "attention", "logits", "all_reduce"];
 
     /// The number of inputs the op takes.
     pub fn arity(&self) -> usize {
@@ -127,6 +163,7 @@ impl Op {
             Op::Embedding | Op::RmsNorm { .. } | Op::Rope { .. } | Op::Mul | Op::Add | Op::Logits => 2,
             Op::Linear { bias } => 2 + usize::from(*bias),
             Op::Attention { .. } => 3,
+            Op::Map { expr } => expr.arity(),
         }
     }
 
@@ -138,10 +175,19 @@ impl Op {
                 "head_dim={head_dim}, theta={theta}, scaling={}",
                 serde_json::to_string(scaling).unwrap_or_default()
             ),
-            Op::Attention { heads, kv_heads, head_dim, scale, layer } => {
-                format!("heads={heads}, kv_heads={kv_heads}, head_dim={head_dim}, scale={scale}, layer={layer}")
+            Op::Attention { heads, kv_heads, head_dim, scale, layer, window, softcap } => {
+                let mut s =
+                    format!("heads={heads}, kv_heads={kv_heads}, head_dim={head_dim}, scale={scale}, layer={layer}");
+                if let Some(w) = window {
+                    s += &format!(", window={w}");
+                }
+                if let Some(c) = softcap {
+                    s += &format!(", softcap={c}");
+                }
+                s
             }
             Op::AllGather { ranks } => format!("ranks={ranks}"),
+            Op::Map { expr } => format!("expr={expr}"),
             Op::Tokens
             | Op::Positions
             | Op::Weight { .. }
@@ -227,7 +273,10 @@ impl Op {
                 }
                 act2(n)
             }
-            Op::Attention { heads, kv_heads, head_dim, .. } => {
+            Op::Attention { heads, kv_heads, head_dim, window, softcap, .. } => {
+                if *window == Some(0) || softcap.is_some_and(|c| !(c > 0.0 && c.is_finite())) {
+                    return Err(self.err(format!("window {window:?} and softcap {softcap:?} must be positive")));
+                }
                 let (q, k, v) = (rows(inputs[0], "q")?, rows(inputs[1], "k")?, rows(inputs[2], "v")?);
                 if *kv_heads == 0 || heads % kv_heads != 0 {
                     return Err(self.err(format!("{heads} query heads are not a multiple of {kv_heads} kv heads")));
@@ -247,6 +296,22 @@ impl Op {
                 [d, Dim::N(n)] if *ranks > 0 => TensorType::new(vec![*d, Dim::N(n * ranks)], inputs[0].dtype),
                 _ => return Err(self.err(format!("x must be [d, n] over {ranks} ranks, got {}", inputs[0]))),
             },
+            Op::Map { expr } => {
+                expr.check().map_err(|m| self.err(m))?;
+                let main = inputs
+                    .iter()
+                    .max_by_key(|t| t.shape.len())
+                    .copied()
+                    .ok_or_else(|| self.err("has no inputs".into()))?;
+                let n = main.last().unwrap_or(0);
+                for (i, t) in inputs.iter().enumerate() {
+                    if !t.dtype.is_float() || (t.shape != main.shape && t.shape != [Dim::N(n)]) {
+                        return Err(self.err(format!("x{i} is {t}: not a float of the shape {main} or a [{n}] vector")));
+                    }
+                }
+                let dtype = if main.shape.first() == Some(&Dim::T) { act } else { DType::F32 };
+                TensorType::new(main.shape.clone(), dtype)
+            }
             Op::Mul | Op::Add => {
                 let (a, b) = (rows(inputs[0], "lhs")?, rows(inputs[1], "rhs")?);
                 if a != b {

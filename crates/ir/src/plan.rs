@@ -75,7 +75,7 @@ impl Plan {
     /// The weights the plan reads: (name, shape, dtype).
     pub fn weights(&self) -> impl Iterator<Item = (&str, &[usize], DType)> {
         self.nodes.iter().filter_map(|n| match &n.op {
-            Op::Weight { name, shape, dtype } => Some((name.as_str(), shape.as_slice(), *dtype)),
+            Op::Weight { name, shape, dtype, .. } => Some((name.as_str(), shape.as_slice(), *dtype)),
             _ => None,
         })
     }

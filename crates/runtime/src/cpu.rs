@@ -6,7 +6,7 @@ use crate::backend::{check_batch, Backend, HostKv, StepSeq};
 use crate::RuntimeError;
 use bundle::Bundle;
 use codegen_cpu::{
-    AttentionKernel, BinaryKernel, BinaryOp, EmbeddingKernel, LinearKernel, Pool, RmsNormKernel, RopeKernel,
+    AttentionKernel, BinaryKernel, BinaryOp, EmbeddingKernel, LinearKernel, MapKernel, Pool, RmsNormKernel, RopeKernel,
 };
 use ir::{DType, Op, Plan};
 use std::collections::HashMap;
@@ -30,6 +30,7 @@ enum Step {
     Rope(Arc<RopeKernel>, usize),
     Attention(Arc<AttentionKernel>),
     Binary(Arc<BinaryKernel>),
+    Map(Arc<MapKernel>),
     Logits(Arc<LinearKernel>),
 }
 
@@ -40,8 +41,10 @@ struct KernelCache {
     binary: HashMap<BinaryOp, Arc<BinaryKernel>>,
     norm: HashMap<(usize, u32), Arc<RmsNormKernel>>,
     rope: HashMap<(usize, usize), Arc<RopeKernel>>,
-    attention: HashMap<(usize, usize, u32), Arc<AttentionKernel>>,
+    attention: HashMap<(usize, usize, u32, Option<u32>), Arc<AttentionKernel>>,
     embedding: HashMap<(usize, DType), Arc<EmbeddingKernel>>,
+    /// By expression (as JSON), row width and broadcast inputs.
+    map: HashMap<(String, usize, Vec<bool>), Arc<MapKernel>>,
 }
 
 fn jit<T>(r: Result<T, codegen_cpu::JitError>) -> Result<Arc<T>, RuntimeError> {
@@ -168,11 +171,20 @@ impl CpuBackend {
                     });
                     Step::Rope(k, idx)
                 }
-                Op::Attention { kv_heads, head_dim, scale, .. } => {
-                    let key = (*head_dim, kv_heads * head_dim, scale.to_bits());
-                    Step::Attention(cached!(kc.attention, key, AttentionKernel::compile(key.0, key.1, *scale)))
+                Op::Attention { kv_heads, head_dim, scale, softcap, .. } => {
+                    let key = (*head_dim, kv_heads * head_dim, scale.to_bits(), softcap.map(f32::to_bits));
+                    Step::Attention(cached!(
+                        kc.attention,
+                        key,
+                        AttentionKernel::compile(key.0, key.1, *scale, *softcap)
+                    ))
                 }
                 Op::Silu => Step::Binary(cached!(kc.binary, BinaryOp::Silu, BinaryKernel::compile(BinaryOp::Silu))),
+                Op::Map { expr } => {
+                    let bcast: Vec<bool> = n.inputs.iter().map(|&j| plan.nodes[j].ty.shape.len() == 1).collect();
+                    let key = (serde_json::to_string(expr).unwrap_or_default(), cols, bcast);
+                    Step::Map(cached!(kc.map, key, MapKernel::compile(expr, key.1, &key.2)))
+                }
                 Op::Mul => Step::Binary(cached!(kc.binary, BinaryOp::Mul, BinaryKernel::compile(BinaryOp::Mul))),
                 Op::Add => Step::Binary(cached!(kc.binary, BinaryOp::Add, BinaryKernel::compile(BinaryOp::Add))),
             };
@@ -316,7 +328,7 @@ impl CpuBackend {
                     k.run(input(0), &tables[*idx], &mut o);
                     o
                 }
-                (Step::Attention(k), Op::Attention { heads, kv_heads, head_dim, layer, .. }) => {
+                (Step::Attention(k), Op::Attention { heads, kv_heads, head_dim, layer, window, .. }) => {
                     let dims = (*heads, *kv_heads, *head_dim);
                     let (q_row, kv_row) = (heads * head_dim, kv_heads * head_dim);
                     let mut o = Vec::with_capacity(t_len * q_row);
@@ -327,7 +339,7 @@ impl CpuBackend {
                             kv.v[*layer][dst..dst + kv_row].copy_from_slice(&input(2)[src..src + kv_row]);
                         }
                         let q = &input(0)[off * q_row..(off + c.tokens.len()) * q_row];
-                        o.extend(self.attention(k, q, (&kv.k[*layer], &kv.v[*layer]), c.slots, dims));
+                        o.extend(self.attention(k, q, (&kv.k[*layer], &kv.v[*layer]), c.slots, dims, *window));
                     }
                     o
                 }
@@ -336,6 +348,17 @@ impl CpuBackend {
                     let b = if n.inputs.len() > 1 { input(1) } else { a };
                     let mut o = vec![0.0; a.len()];
                     k.run(a, b, &mut o);
+                    o
+                }
+                (Step::Map(k), _) => {
+                    let ins: Vec<&[f32]> = n
+                        .inputs
+                        .iter()
+                        .map(|&j| if self.weights[j].is_some() { self.vector(j) } else { vals[j].as_slice() })
+                        .collect();
+                    let rows = ins.iter().map(|x| x.len()).max().unwrap_or(0) / cols.max(1);
+                    let mut o = vec![0.0; rows * cols];
+                    k.run(&ins, &mut o);
                     o
                 }
                 (Step::None, Op::AllReduce) => {
@@ -356,8 +379,8 @@ impl CpuBackend {
         Ok(vals.swap_remove(self.plan.output))
     }
 
-    /// Causal GQA attention of one sequence's queries over its slots of the pool, heads split
-    /// across cores.
+    /// Causal GQA attention of one sequence's queries over its slots of the pool (the last
+    /// `window` of them where there is one), heads split across cores.
     fn attention(
         &self,
         k: &AttentionKernel,
@@ -365,6 +388,7 @@ impl CpuBackend {
         (kc, vc): (&[f32], &[f32]),
         slots: &[u32],
         (heads, kv_heads, d): (usize, usize, usize),
+        window: Option<usize>,
     ) -> Vec<f32> {
         let t_len = q.len() / (heads * d);
         let start = slots.len() - t_len;
@@ -384,7 +408,9 @@ impl CpuBackend {
                 unsafe {
                     let o = std::slice::from_raw_parts_mut((out_ptr as *mut f32).add((t * heads + h) * d), d);
                     let kv = (kc.as_ptr().add(kvh * d), vc.as_ptr().add(kvh * d));
-                    k.run(qrow, kv, &slots[..start + t + 1], &mut scores, o);
+                    let end = start + t + 1;
+                    let first = window.map_or(0, |w| end.saturating_sub(w));
+                    k.run(qrow, kv, &slots[first..end], &mut scores, o);
                 }
             }
         });

@@ -101,7 +101,9 @@ impl Value {
     }
 }
 
-/// Evaluates `e`, resolving identifiers through `lookup`. Calls are not values here.
+/// Evaluates `e`, resolving identifiers through `lookup`. The calls are the value functions:
+/// `where(cond, a, b)` (`a` if `cond` else `b`; only the branch taken is evaluated),
+/// `at(list, i)` (element `i` of a JSON array, such as a config's `layer_types`), `sqrt(x)`.
 pub fn eval(e: &Expr, lookup: &dyn Fn(&str) -> Option<Value>) -> Result<Value, String> {
     Ok(match e {
         Expr::Int(i) => Value::Int(*i),
@@ -120,8 +122,45 @@ pub fn eval(e: &Expr, lookup: &dyn Fn(&str) -> Option<Value>) -> Result<Value, S
             Value::Bool(!v.as_bool().ok_or_else(|| format!("`not` needs a bool, got {v}"))?)
         }
         Expr::Binary(op, a, b) => binary(*op, eval(a, lookup)?, eval(b, lookup)?)?,
-        Expr::Call { name, .. } => return Err(format!("`{name}(...)` is not allowed in a value expression")),
+        Expr::Call { name, args, kwargs } if kwargs.is_empty() => call(name, args, lookup)?,
+        Expr::Call { name, .. } => return Err(format!("`{name}(...)` takes no keyword arguments here")),
     })
+}
+
+/// The value functions of [`eval`].
+fn call(name: &str, args: &[Expr], lookup: &dyn Fn(&str) -> Option<Value>) -> Result<Value, String> {
+    let want = |n: usize| -> Result<(), String> {
+        match args.len() == n {
+            true => Ok(()),
+            false => Err(format!("`{name}` takes {n} arguments, got {}", args.len())),
+        }
+    };
+    match name {
+        "where" => {
+            want(3)?;
+            let c = eval(&args[0], lookup)?;
+            let c = c.as_bool().ok_or_else(|| format!("`where` needs a bool condition, got {c}"))?;
+            eval(&args[if c { 1 } else { 2 }], lookup)
+        }
+        "at" => {
+            want(2)?;
+            let (list, i) = (eval(&args[0], lookup)?, eval(&args[1], lookup)?);
+            let idx = i.as_usize().ok_or_else(|| format!("`at` needs an index, got {i}"))?;
+            match &list {
+                Value::Json(serde_json::Value::Array(a)) => a
+                    .get(idx)
+                    .map(Value::from_json)
+                    .ok_or_else(|| format!("`at`: index {idx} is past the {} entries of {list}", a.len())),
+                _ => Err(format!("`at` needs a list, got {list}")),
+            }
+        }
+        "sqrt" => {
+            want(1)?;
+            let x = eval(&args[0], lookup)?;
+            Ok(Value::Float(x.as_f64().ok_or_else(|| format!("`sqrt` needs a number, got {x}"))?.sqrt()))
+        }
+        _ => Err(format!("`{name}(...)` is not a value function (where, at, sqrt)")),
+    }
 }
 
 fn binary(op: BinOp, a: Value, b: Value) -> Result<Value, String> {
