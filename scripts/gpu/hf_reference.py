@@ -24,10 +24,14 @@ config = AutoConfig.for_model(cfg["model_type"], **extra)
 config.architectures = cfg["architectures"]
 with torch.device("cuda"):
     model = AutoModelForCausalLM.from_config(config).float()
+# Gemma's norms multiply by (1 + w): their stored weights sit near 0, not 1 (a stored 1 would
+# double every norm's output, sharpen attention to near one-hot and make the bf16 forward
+# chaotic).
+center = 0.0 if cfg["model_type"].startswith("gemma") else 1.0
 with torch.no_grad():
     for name, p in model.named_parameters():
         if "norm" in name:
-            p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            p.copy_(center + 0.1 * torch.randn_like(p))
         else:
             p.normal_(0, 0.02)
         p.copy_(p.bfloat16().float())
