@@ -36,15 +36,22 @@ __device__ void linear(const X* x, const W* w, const W* bias, float* out, int T)
   }
 }
 
-// Rotate-half RoPE over heads of D within rows of COLS, at positions pos[t]; angles in f32
-// as HF computes them, scaled by the attention factor. grid: T, block: 128.
-template <int COLS, int D>
+// Rotate-half RoPE over the leading ROT features of heads of D within rows of COLS (the rest
+// copied), at positions pos[t]; angles in f32 as HF computes them, scaled by the attention
+// factor. grid: T, block: 128.
+template <int COLS, int D, int ROT>
 __device__ void rope(const float* x, const int* pos, const float* inv_freq, float scale, float* out) {
   const int t = blockIdx.x;
   const float p = (float)pos[t];
   for (int i = threadIdx.x; i < COLS / 2; i += blockDim.x) {
     const int head = i / (D / 2), j = i % (D / 2);
-    const long a = (long)t * COLS + head * D + j, b = a + D / 2;
+    if (j >= ROT / 2) {  // a pair of features past the rotated ones
+      const long a = (long)t * COLS + head * D + ROT + 2 * (j - ROT / 2);
+      out[a] = x[a];
+      out[a + 1] = x[a + 1];
+      continue;
+    }
+    const long a = (long)t * COLS + head * D + j, b = a + ROT / 2;
     float s, c;
     sincosf(p * inv_freq[j], &s, &c);
     s *= scale;

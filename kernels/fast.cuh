@@ -445,9 +445,10 @@ __device__ void gemm_skinny(const h16_t* x, const h16_t* w0, const h16_t* b0, fl
 }
 
 // ---- attention ----
-// RoPE on q (RQ) and k (RK) at positions pos[t], q written to qo (f32), k and v written as h16
-// into the paged cache at slot slot_of[t]. grid: T, block: 128.
-template <int H, int KVH, int D, bool RQ, bool RK>
+// RoPE on the leading ROT features of each head of q (RQ) and k (RK) at positions pos[t], q
+// written to qo (f32), k and v written as h16 into the paged cache at slot slot_of[t].
+// grid: T, block: 128.
+template <int H, int KVH, int D, int ROT, bool RQ, bool RK>
 __device__ void rope_kv(const float* q, const float* k, const float* v, const int* pos, const float* inv_freq,
                         float scale, const int* slot_of, float* qo, h16_t* kc, h16_t* vc) {
   const int t = blockIdx.x;
@@ -459,8 +460,11 @@ __device__ void rope_kv(const float* q, const float* k, const float* v, const in
     const int head = ii / (D / 2), j = ii % (D / 2);
     const int cols = isq ? H * D : KVH * D;
     const float* src = (isq ? q : k) + (long)t * cols + head * D;
-    float xa = src[j], xb = src[j + D / 2];
-    if (isq ? RQ : RK) {
+    // a rotated pair (j, j + ROT / 2), or two features past the rotated ones
+    const bool rot = j < ROT / 2;
+    const int ja = rot ? j : ROT + 2 * (j - ROT / 2), jb = rot ? j + ROT / 2 : ja + 1;
+    float xa = src[ja], xb = src[jb];
+    if (rot && (isq ? RQ : RK)) {
       float s, c;
       sincosf(p * inv_freq[j], &s, &c);
       s *= scale;
@@ -470,11 +474,11 @@ __device__ void rope_kv(const float* q, const float* k, const float* v, const in
       xb = rb;
     }
     if (isq) {
-      qo[(long)t * cols + head * D + j] = xa;
-      qo[(long)t * cols + head * D + j + D / 2] = xb;
+      qo[(long)t * cols + head * D + ja] = xa;
+      qo[(long)t * cols + head * D + jb] = xb;
     } else {
-      kc[dst + head * D + j] = f32_to_h16(xa);
-      kc[dst + head * D + j + D / 2] = f32_to_h16(xb);
+      kc[dst + head * D + ja] = f32_to_h16(xa);
+      kc[dst + head * D + jb] = f32_to_h16(xb);
     }
   }
   for (int i = threadIdx.x; i < KVH * D; i += blockDim.x) vc[dst + i] = f32_to_h16(v[(long)t * KVH * D + i]);
@@ -499,6 +503,15 @@ __device__ __forceinline__ float softcap(float s) {
   return c * tanhf(s / c);
 }
 
+// Lanes that share one key in the kv16 kernels: a lane per 16 dims of the head (D / 16 of
+// them), rounded up to a power of two so that groups tile the warp; the lanes past D / 16 hold
+// zeros (head sizes such as 80 or 96).
+__device__ constexpr int kv16_lanes(int d) {
+  int p = 1;
+  while (p < d / 16) p <<= 1;
+  return p;
+}
+
 // The keys at positions first..n-1 of a sequence (slots sl[p]) for kv head kvh, split over the
 // warps and lane groups of the block (see attention_kv16): each lane's online-softmax state.
 // U passes at a time: their slots, then their K and V rows, are loaded before any is used, so
@@ -506,8 +519,9 @@ __device__ __forceinline__ float softcap(float s) {
 template <int KVH, int D, unsigned CAP>
 __device__ __forceinline__ void kv16_scan(const float* qv, const h16_t* kc, const h16_t* vc, const int* sl, int first,
                                          int n, int kvh, float& m, float& l, float* acc) {
-  constexpr int G = D / 16, KPW = 32 / G, WARPS = 8, STATES = WARPS * KPW, U = 4;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = lane % G, grp = lane / G;
+  constexpr int G = D / 16, GP = kv16_lanes(D), KPW = 32 / GP, WARPS = 8, STATES = WARPS * KPW, U = 4;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = lane % GP, grp = lane / GP;
+  const bool on = sub < G;
   for (int p0 = first + warp * KPW; p0 < n; p0 += U * STATES) {
     long row[U];
 #pragma unroll
@@ -521,10 +535,11 @@ __device__ __forceinline__ void kv16_scan(const float* qv, const h16_t* kc, cons
       const uint4 z = make_uint4(0, 0, 0, 0);
       const uint4* kr = (const uint4*)(kc + row[u]);
       const uint4* vr = (const uint4*)(vc + row[u]);
-      kv[u][0] = row[u] >= 0 ? kr[0] : z;
-      kv[u][1] = row[u] >= 0 ? kr[1] : z;
-      kv[u][2] = row[u] >= 0 ? vr[0] : z;
-      kv[u][3] = row[u] >= 0 ? vr[1] : z;
+      const bool ld = row[u] >= 0 && on;
+      kv[u][0] = ld ? kr[0] : z;
+      kv[u][1] = ld ? kr[1] : z;
+      kv[u][2] = ld ? vr[0] : z;
+      kv[u][3] = ld ? vr[1] : z;
     }
 #pragma unroll
     for (int u = 0; u < U; u++) {
@@ -534,7 +549,7 @@ __device__ __forceinline__ void kv16_scan(const float* qv, const h16_t* kc, cons
 #pragma unroll
       for (int i = 0; i < 16; i++) s = fmaf(qv[i], f[i], s);
 #pragma unroll
-      for (int o = G / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+      for (int o = GP / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
       s = softcap<CAP>(s);
       if (row[u] >= 0) {
         unpack8(kv[u][2], f);
@@ -548,13 +563,15 @@ __device__ __forceinline__ void kv16_scan(const float* qv, const h16_t* kc, cons
 // Merges the lanes' states through shared memory and writes the head's output row `o`.
 template <int D, typename O>
 __device__ __forceinline__ void kv16_merge(float m, float l, const float* acc, O* o) {
-  constexpr int G = D / 16, KPW = 32 / G, WARPS = 8, STATES = WARPS * KPW;
+  constexpr int G = D / 16, GP = kv16_lanes(D), KPW = 32 / GP, WARPS = 8, STATES = WARPS * KPW;
   __shared__ float sm_acc[STATES][D];
   __shared__ float sm_m[STATES], sm_l[STATES];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = lane % G, grp = lane / G;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = lane % GP, grp = lane / GP;
   const int state = warp * KPW + grp;
+  if (sub < G) {
 #pragma unroll
-  for (int i = 0; i < 16; i++) sm_acc[state][sub * 16 + i] = acc[i];
+    for (int i = 0; i < 16; i++) sm_acc[state][sub * 16 + i] = acc[i];
+  }
   if (sub == 0) {
     sm_m[state] = m;
     sm_l[state] = l;
@@ -576,22 +593,23 @@ __device__ __forceinline__ void kv16_merge(float m, float l, const float* acc, O
 }
 
 // Causal GQA attention of query row t, head h over the h16 paged cache (positions 0..pos[t],
-// slots slots[seq_off[t] + p]). D / 16 lanes share a key (16 dims each), so a warp scores
-// 32 / (D / 16) keys at once (K and V rows loaded together); eight warps split the keys and
+// slots slots[seq_off[t] + p]). kv16_lanes(D) lanes share a key (16 dims each; D / 16 rounded
+// up to a power of two), so a warp scores 32 / kv16_lanes(D) keys at once (K and V rows loaded
+// together); eight warps split the keys and
 // merge their online softmax states through shared memory. grid: (T, H), block: 256.
 // With MIXED_ONLY, only rows whose group of 16 (see attention_fa) spans two sequences run.
 // A sliding window WIN (0: none) keeps the last WIN positions; scores are soft-capped by CAP.
 template <int H, int KVH, int D, typename O, bool MIXED_ONLY, int WIN, unsigned CAP>
 __device__ void attention_kv16(const float* q, const h16_t* kc, const h16_t* vc, const int* slots,
                                const int* seq_off, const int* pos, float scale, O* out, int T) {
-  constexpr int G = D / 16;
-  const int t = blockIdx.x, h = blockIdx.y, sub = (threadIdx.x & 31) % G;
+  constexpr int G = D / 16, GP = kv16_lanes(D);
+  const int t = blockIdx.x, h = blockIdx.y, sub = (threadIdx.x & 31) % GP;
   if (MIXED_ONLY && seq_off[t & ~15] == seq_off[min((t & ~15) + 15, T - 1)]) return;
   float qv[16], acc[16];
-  const float* qr = q + ((long)t * H + h) * D + sub * 16;
+  const float* qr = q + ((long)t * H + h) * D + min(sub, G - 1) * 16;
 #pragma unroll
   for (int i = 0; i < 16; i++) {
-    qv[i] = qr[i] * scale;
+    qv[i] = sub < G ? qr[i] * scale : 0.0f;
     acc[i] = 0.0f;
   }
   float m = NEG_INF, l = 0.0f;
@@ -600,18 +618,18 @@ __device__ void attention_kv16(const float* q, const h16_t* kc, const h16_t* vc,
   kv16_merge<D>(m, l, acc, out + ((long)t * H + h) * D);
 }
 
-// Dim d of one head row x (f32, D wide), rotated as rope_kv does (rotate-half at position p; cos
-// and sin times rscale) when R.
-template <int D, bool R>
+// Dim d of one head row x (f32), rotated as rope_kv does (rotate-half of the leading ROT
+// features at position p; cos and sin times rscale) when R.
+template <int ROT, bool R>
 __device__ __forceinline__ float rope_at(const float* x, int d, float p, const float* inv_freq, float rscale) {
   const float v = x[d];
-  if (!R) return v;
-  const float other = x[d < D / 2 ? d + D / 2 : d - D / 2];
+  if (!R || d >= ROT) return v;
+  const float other = x[d < ROT / 2 ? d + ROT / 2 : d - ROT / 2];
   float sn, c;
-  sincosf(p * inv_freq[d % (D / 2)], &sn, &c);
+  sincosf(p * inv_freq[d % (ROT / 2)], &sn, &c);
   sn *= rscale;
   c *= rscale;
-  return d < D / 2 ? v * c - other * sn : v * c + other * sn;
+  return d < ROT / 2 ? v * c - other * sn : v * c + other * sn;
 }
 
 // A step of one token (decode at batch 1): RoPE, the KV-cache write and attention in one
@@ -619,20 +637,20 @@ __device__ __forceinline__ float rope_at(const float* x, int d, float p, const f
 // key from registers (the cache write of another block may not be visible yet), and the first
 // block of each kv head writes k and v (h16) to the cache. Window and cap as attention_kv16's.
 // grid: (1, H), block: 256.
-template <int H, int KVH, int D, typename O, bool RQ, bool RK, int WIN, unsigned CAP>
+template <int H, int KVH, int D, int ROT, typename O, bool RQ, bool RK, int WIN, unsigned CAP>
 __device__ void attention_rope1(const float* q, const float* k, const float* v, const int* pos, const float* inv_freq,
                                 float rscale, const int* slot_of, h16_t* kc, h16_t* vc, const int* slots,
                                 const int* seq_off, float scale, O* out) {
-  constexpr int G = D / 16;
-  const int h = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = lane % G, grp = lane / G;
+  constexpr int G = D / 16, GP = kv16_lanes(D);
+  const int h = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = lane % GP, grp = lane / GP;
   const int kvh = h / (H / KVH), n = pos[0] + 1;
   // The head's rotated q and the token's k and v (h16 values, as the cache holds them), once
   // per block through shared memory.
   __shared__ float sq[D], sk[D], sv[D];
   const float p = (float)pos[0];
   for (int d = threadIdx.x; d < D; d += blockDim.x) {
-    sq[d] = rope_at<D, RQ>(q + h * D, d, p, inv_freq, rscale) * scale;
-    sk[d] = to_f32(f32_to_h16(rope_at<D, RK>(k + kvh * D, d, p, inv_freq, rscale)));
+    sq[d] = rope_at<ROT, RQ>(q + h * D, d, p, inv_freq, rscale) * scale;
+    sk[d] = to_f32(f32_to_h16(rope_at<ROT, RK>(k + kvh * D, d, p, inv_freq, rscale)));
     sv[d] = to_f32(f32_to_h16(v[kvh * D + d]));
     if (h % (H / KVH) == 0) {
       const long dst = (long)slot_of[0] * (KVH * D) + kvh * D + d;
@@ -644,9 +662,10 @@ __device__ void attention_rope1(const float* q, const float* k, const float* v, 
   float qv[16], kf[16], vf[16], acc[16];
 #pragma unroll
   for (int i = 0; i < 16; i++) {
-    qv[i] = sq[sub * 16 + i];
-    kf[i] = sk[sub * 16 + i];
-    vf[i] = sv[sub * 16 + i];
+    const int d = min(sub, G - 1) * 16 + i;
+    qv[i] = sub < G ? sq[d] : 0.0f;
+    kf[i] = sub < G ? sk[d] : 0.0f;
+    vf[i] = sub < G ? sv[d] : 0.0f;
     acc[i] = 0.0f;
   }
   float m = NEG_INF, l = 0.0f;
@@ -656,7 +675,7 @@ __device__ void attention_rope1(const float* q, const float* k, const float* v, 
 #pragma unroll
     for (int i = 0; i < 16; i++) s = fmaf(qv[i], kf[i], s);
 #pragma unroll
-    for (int o = G / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    for (int o = GP / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
     s = softcap<CAP>(s);
     if (grp == 0) kv16_add(s, vf, m, l, acc);
   }

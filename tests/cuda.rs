@@ -1,5 +1,6 @@
-//! The generated CUDA: every kernel of tiny-qwen2, tiny-llama, the Qwen2.5-0.5B / 7B shapes and
-//! the Qwen3-8B and tiny-qwen3 shapes (per-head q/k norms) (tp 1 and 2) compiles with NVRTC to
+//! The generated CUDA: every kernel of tiny-qwen2, tiny-llama, the Qwen2.5-0.5B / 7B shapes,
+//! the Qwen3-8B and tiny-qwen3 shapes (per-head q/k norms), Gemma-2-9B, Mistral-7B and the tiny
+//! Gemma 2 / 3, Mistral and Phi-3 fixtures (tp 1 and 2) compiles with NVRTC to
 //! PTX for sm_90 (the NVRTC library comes from PyPI through scripts/nvrtc.sh; no GPU and no
 //! CUDA toolkit needed), and the source is a text golden.
 
@@ -46,6 +47,12 @@ fn generated_kernels_compile_with_nvrtc_for_sm90() {
         ("gemma2", "tests/fixtures/tiny-gemma2/config.json", "bf16"),
         ("mistral", "tests/configs/mistral-7b.json", "bf16"),
         ("mistral", "tests/fixtures/tiny-mistral/config.json", "f16"),
+        // Per-head (1 + w) norms and a RoPE per layer type; RoPE on half of each head.
+        ("gemma3", "tests/fixtures/tiny-gemma3/config.json", "bf16"),
+        ("phi3", "tests/fixtures/tiny-phi3/config.json", "bf16"),
+        // Head sizes that are not powers of two: 96 (Phi-3-mini), 80 with 32 of them rotated.
+        ("phi3", "tests/configs/phi-3-mini.json", "bf16"),
+        ("phi3", "tests/configs/phi3-head80.json", "bf16"),
     ];
     for (model, config, dtype) in shapes {
         for tp in ["1", "2"] {
@@ -223,13 +230,13 @@ fn cuda_schedule_fuses_and_reuses_buffers() {
 #[test]
 fn unsupported_head_dim_is_a_clear_error() {
     let config: serde_json::Value = serde_json::json!({
-        "architectures": ["Qwen2ForCausalLM"], "hidden_size": 240, "intermediate_size": 512,
+        "architectures": ["Qwen2ForCausalLM"], "hidden_size": 216, "intermediate_size": 512,
         "num_attention_heads": 3, "num_key_value_heads": 1, "num_hidden_layers": 1, "vocab_size": 1000,
         "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": true
     });
     let plan = compiler::plan_for_config(&repo().join("models/qwen2.yaml"), &config, 1, ir::DType::BF16).unwrap();
     let e = codegen_cuda::emit(&plan).unwrap_err().to_string();
-    assert!(e.contains("head_dim 80"), "{e}");
+    assert!(e.contains("head_dim 72") && e.contains("multiples of 16"), "{e}");
 }
 
 /// Without `--device`, a bundle runs on the GPU when one is usable and on the CPU otherwise;
@@ -267,4 +274,21 @@ fn tp_bundle_placement_errors() {
     cuda_logits_or_clear_error(&o, &b, &out, &clear);
     let o = args(&["--device", "cpu"]);
     assert!(o.status.success(), "{}", stderr(&o));
+}
+
+/// What runs is what the bundle carries: the CUDA generated at load must be the bundle's
+/// `kernels/model.cu` byte for byte, and a bundle whose source another `engc` wrote (here: one
+/// line changed) is refused, naming the line and the remedy.
+#[test]
+fn the_bundle_carries_the_cuda_that_runs() {
+    let dir = scratch(env!("CARGO_TARGET_TMPDIR"), "cuda-carried");
+    let b = bundle::Bundle::open(&compile_fixture("tiny-qwen2", &dir, 1, None)).unwrap();
+    let carried = b.kernel_source().unwrap().expect("engc writes kernels/model.cu");
+    let program = codegen_cuda::emit_for_bundle(&b.plan, Some(&carried)).unwrap();
+    assert_eq!(program.source, carried);
+    let mut lines: Vec<&str> = carried.lines().collect();
+    lines[3] = "// written by another engc";
+    let other = lines.join("\n");
+    let e = codegen_cuda::emit_for_bundle(&b.plan, Some(&other)).unwrap_err().to_string();
+    assert!(e.contains("line 4") && e.contains("engc compile"), "{e}");
 }

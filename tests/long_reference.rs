@@ -1,8 +1,8 @@
 //! Prompts past 512 tokens and every RoPE scaling type (linear, llama3, yarn, longrope with its
 //! long and its short factors), Qwen3 (per-head q/k norms, `models/qwen3.yaml`), Gemma 2
 //! (elementwise maps, `(1 + w)` norms, soft-capping, alternating sliding windows), Gemma 3
-//! (per-head `(1 + w)` q/k norms, a RoPE per layer type) and Mistral (a sliding window on every
-//! layer), against HF
+//! (per-head `(1 + w)` q/k norms, a RoPE per layer type), Mistral (a sliding window on every
+//! layer) and Phi-3 (fused qkv / gate-up tensors, RoPE on half of each head, longrope), against HF
 //! transformers, on the fixtures of `tests/fixtures/` (scripts/make-references.py made them):
 //! the reference interpreter and the CPU backend at the recorded positions and along HF's
 //! greedy continuation, and the engine (chunked prefill of 128 tokens over the paged KV cache)
@@ -60,7 +60,7 @@ fn clear(row: &[f32]) -> bool {
     top2(row).1 > 10.0 * TOL * scale
 }
 
-const FIXTURES: [&str; 10] = [
+const FIXTURES: [&str; 11] = [
     "long-plain",
     "rope-linear",
     "rope-llama3",
@@ -71,6 +71,7 @@ const FIXTURES: [&str; 10] = [
     "tiny-gemma2",
     "tiny-gemma3",
     "tiny-mistral",
+    "tiny-phi3",
 ];
 
 /// The model YAML of a fixture: `tiny-NAME` is `models/NAME.yaml`, the rest Llama.

@@ -148,6 +148,15 @@ impl Bundle {
         WeightFile::open(&self.root.join(format!("weights/rank{rank}.safetensors")))
     }
 
+    /// The CUDA source `engc compile` wrote (`kernels/model.cu`), when the bundle has one.
+    pub fn kernel_source(&self) -> Result<Option<String>, BundleError> {
+        let path = self.root.join("kernels/model.cu");
+        if !self.manifest.files.contains_key("kernels/model.cu") {
+            return Ok(None);
+        }
+        std::fs::read_to_string(&path).map(Some).map_err(|e| io_err(&path, e))
+    }
+
     /// The tokenizer directory, when the bundle has a tokenizer.
     pub fn tokenizer_dir(&self) -> Option<PathBuf> {
         let d = self.root.join("tokenizer");

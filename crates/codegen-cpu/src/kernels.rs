@@ -277,15 +277,16 @@ pub struct RopeKernel {
 }
 
 impl RopeKernel {
-    /// Compiles the kernel for rows of `cols` and heads of `head_dim`.
-    pub fn compile(cols: usize, head_dim: usize) -> Result<RopeKernel, JitError> {
-        let half = head_dim / 2;
-        if !head_dim.is_multiple_of(2) || !cols.is_multiple_of(head_dim) {
+    /// Compiles the kernel for rows of `cols` and heads of `head_dim` whose leading `rot`
+    /// features rotate (the rest are copied).
+    pub fn compile(cols: usize, head_dim: usize, rot: usize) -> Result<RopeKernel, JitError> {
+        let half = rot / 2;
+        if !head_dim.is_multiple_of(2) || !cols.is_multiple_of(head_dim) || !rot.is_multiple_of(2) || rot > head_dim {
             return Err(JitError::Unsupported(format!(
-                "rope: {cols} features are not whole heads of even size {head_dim}"
+                "rope: {cols} features are not whole heads of even size {head_dim} with {rot} rotated"
             )));
         }
-        let c = compile(&format!("rope_{cols}_{head_dim}"), 3, 1, |b, env| {
+        let c = compile(&format!("rope_{cols}_{head_dim}_{rot}"), 3, 1, |b, env| {
             let (px, pcs, po, rows) = (env.params[0], env.params[1], env.params[2], env.params[3]);
             let zero = b.ins().iconst(types::I64, 0);
             let heads = b.ins().iconst(types::I64, (cols / head_dim) as i64);
@@ -310,6 +311,10 @@ impl RopeKernel {
                         let hi = b.ins().fadd(bc, as_);
                         b.ins().store(mf(), lo, oh, (i * 4) as i32);
                         b.ins().store(mf(), hi, oh, ((i + half) * 4) as i32);
+                    }
+                    for i in rot..head_dim {
+                        let v = b.ins().load(types::F32, mf(), xh, (i * 4) as i32);
+                        b.ins().store(mf(), v, oh, (i * 4) as i32);
                     }
                 });
             });
@@ -562,20 +567,22 @@ mod tests {
                 .collect();
             close(&out, &want);
         }
-        for d in [8, 6] {
+        // (head, rotated): whole heads, and the leading half of a head (Phi-3's partial rotary;
+        // the rest of the head is copied: `want` starts as `x`).
+        for (d, rot) in [(8, 8), (6, 6), (16, 8)] {
             let cols = 3 * d;
             let x = vals(2 * cols, 5);
-            let cs = vals(2 * d, 6);
+            let cs = vals(2 * rot, 6);
             let mut out = vec![0.0; 2 * cols];
-            RopeKernel::compile(cols, d).unwrap().run(&x, &cs, &mut out);
-            let half = d / 2;
+            RopeKernel::compile(cols, d, rot).unwrap().run(&x, &cs, &mut out);
+            let half = rot / 2;
             let mut want = x.clone();
             for t in 0..2 {
                 for h in 0..3 {
                     for i in 0..half {
                         let base = t * cols + h * d;
                         let (a, b) = (x[base + i], x[base + i + half]);
-                        let (c, s) = (cs[t * d + i], cs[t * d + half + i]);
+                        let (c, s) = (cs[t * rot + i], cs[t * rot + half + i]);
                         want[base + i] = a * c - b * s;
                         want[base + i + half] = b * c + a * s;
                     }

@@ -86,6 +86,8 @@ pub enum KernelKey {
         cols: usize,
         /// Head size.
         d: usize,
+        /// Features rotated at the start of each head.
+        rot: usize,
     },
     /// RoPE on q and k, k and v written into the 16-bit paged cache.
     RopeKv {
@@ -95,6 +97,8 @@ pub enum KernelKey {
         kv_heads: usize,
         /// Head size.
         d: usize,
+        /// Features rotated at the start of each head.
+        rot: usize,
         /// Whether q is rotated.
         rope_q: bool,
         /// Whether k is rotated.
@@ -123,6 +127,8 @@ pub enum KernelKey {
         kv_heads: usize,
         /// Head size.
         d: usize,
+        /// Features rotated at the start of each head.
+        rot: usize,
         /// Output dtype.
         out: DType,
         /// Whether q is rotated.
@@ -238,6 +244,15 @@ pub const ALL_REDUCE_MAX_BLOCKS: usize = 32;
 /// The C type of a dtype the kernels take. Both 16-bit floats are `h16_t`: a program has one
 /// of them (`Program::half`, the source's `H16_F16`), and the schedule rejects a plan that mixes
 /// them.
+/// Kernel-name suffix of a RoPE over the leading `rot` of `d` features (none for whole heads).
+fn rot_suffix(d: usize, rot: usize) -> String {
+    if rot == d {
+        String::new()
+    } else {
+        format!("_r{rot}")
+    }
+}
+
 /// The most inputs of a [`KernelKey::Map`].
 pub const MAP_INPUTS: usize = 4;
 
@@ -351,10 +366,13 @@ impl KernelKey {
             KernelKey::Linear { k, n, w, bias } => format!("linear_k{k}_n{n}_{w}{}", if bias { "_bias" } else { "" }),
             KernelKey::SiluMul => "silu_mul_to_h16".into(),
             KernelKey::ToH16 => "f32_to_h16_rows".into(),
-            KernelKey::Rope { cols, d } => format!("rope_c{cols}_d{d}"),
-            KernelKey::RopeKv { heads, kv_heads, d, rope_q, rope_k } => {
-                format!("rope_kv_h{heads}_kv{kv_heads}_d{d}_{}{}", u8::from(rope_q), u8::from(rope_k))
-            }
+            KernelKey::Rope { cols, d, rot } => format!("rope_c{cols}_d{d}{}", rot_suffix(d, rot)),
+            KernelKey::RopeKv { heads, kv_heads, d, rot, rope_q, rope_k } => format!(
+                "rope_kv_h{heads}_kv{kv_heads}_d{d}{}_{}{}",
+                rot_suffix(d, rot),
+                u8::from(rope_q),
+                u8::from(rope_k)
+            ),
             KernelKey::Attention { heads, kv_heads, d, out, mixed_only, mask } => format!(
                 "attention_h{heads}_kv{kv_heads}_d{d}_to_{out}{}{}",
                 if mixed_only { "_mixed" } else { "" },
@@ -363,8 +381,9 @@ impl KernelKey {
             KernelKey::AttentionFa { heads, kv_heads, d, out, mask } => {
                 format!("attention_fa_h{heads}_kv{kv_heads}_d{d}_to_{out}{}", mask.suffix())
             }
-            KernelKey::AttentionRope1 { heads, kv_heads, d, out, rope_q, rope_k, mask } => format!(
-                "attention_rope1_h{heads}_kv{kv_heads}_d{d}_to_{out}_{}{}{}",
+            KernelKey::AttentionRope1 { heads, kv_heads, d, rot, out, rope_q, rope_k, mask } => format!(
+                "attention_rope1_h{heads}_kv{kv_heads}_d{d}{}_to_{out}_{}{}{}",
+                rot_suffix(d, rot),
                 u8::from(rope_q),
                 u8::from(rope_k),
                 mask.suffix()
@@ -448,17 +467,17 @@ impl KernelKey {
                 ("const float* a, const float* b, h16_t* out, long n".into(), "silu_mul(a, b, out, n)".into())
             }
             KernelKey::ToH16 => ("const float* a, h16_t* out, long n".into(), "to_h16(a, out, n)".into()),
-            KernelKey::Rope { cols, d } => (
+            KernelKey::Rope { cols, d, rot } => (
                 "const float* x, const int* pos, const float* inv_freq, float scale, float* out".into(),
-                format!("rope<{cols}, {d}>(x, pos, inv_freq, scale, out)"),
+                format!("rope<{cols}, {d}, {rot}>(x, pos, inv_freq, scale, out)"),
             ),
-            KernelKey::RopeKv { heads, kv_heads, d, rope_q, rope_k } => (
+            KernelKey::RopeKv { heads, kv_heads, d, rot, rope_q, rope_k } => (
                 "const float* q, const float* k, const float* v, const int* pos, const float* inv_freq, float scale, \
                  const int* slot_of, float* qo, h16_t* kc, h16_t* vc"
                     .into(),
                 format!(
-                    "rope_kv<{heads}, {kv_heads}, {d}, {rope_q}, {rope_k}>(q, k, v, pos, inv_freq, scale, slot_of, qo, \
-                     kc, vc)"
+                    "rope_kv<{heads}, {kv_heads}, {d}, {rot}, {rope_q}, {rope_k}>(q, k, v, pos, inv_freq, scale, \
+                     slot_of, qo, kc, vc)"
                 ),
             ),
             KernelKey::Attention { heads, kv_heads, d, out, mixed_only, mask } => {
@@ -472,7 +491,7 @@ impl KernelKey {
                     ),
                 )
             }
-            KernelKey::AttentionRope1 { heads, kv_heads, d, out, rope_q, rope_k, mask } => {
+            KernelKey::AttentionRope1 { heads, kv_heads, d, rot, out, rope_q, rope_k, mask } => {
                 let o = ctype(out)?;
                 (
                     format!(
@@ -481,7 +500,7 @@ impl KernelKey {
                          const int* seq_off, float scale, {o}* out"
                     ),
                     format!(
-                        "attention_rope1<{heads}, {kv_heads}, {d}, {o}, {rope_q}, {rope_k}, {}>(q, k, v, pos, \
+                        "attention_rope1<{heads}, {kv_heads}, {d}, {rot}, {o}, {rope_q}, {rope_k}, {}>(q, k, v, pos, \
                          inv_freq, rscale, slot_of, kc, vc, slots, seq_off, scale, out)",
                         mask.args()
                     ),

@@ -41,6 +41,15 @@ pub enum CodegenError {
     /// The plan needs something the CUDA kernels do not support.
     #[error("CUDA codegen: {0}")]
     Unsupported(String),
+    /// The CUDA a bundle carries is not what this build generates for its plan.
+    #[error(
+        "the bundle's kernels/model.cu differs from the CUDA this build generates for its plan (first at line \
+         {line}): it was compiled by another engc; compile it again with this one (engc compile ...)"
+    )]
+    Stale {
+        /// The first line that differs (1-based).
+        line: usize,
+    },
 }
 
 /// A plan's CUDA program: the source and the schedule that runs it.
@@ -61,6 +70,20 @@ pub struct Program {
     /// The 16-bit float of activations feeding linears, 16-bit weights and the KV cache
     /// (`BF16`, or `F16` for an f16 plan): the source's `h16_t`.
     pub half: ir::DType,
+}
+
+/// The program a bundle runs: [`emit`]'s, which must be the very source the bundle carries
+/// (`kernels/model.cu`, written by `engc compile`) when it carries one, so that what runs is
+/// what the bundle holds.
+pub fn emit_for_bundle(plan: &Plan, carried: Option<&str>) -> Result<Program, CodegenError> {
+    let program = emit(plan)?;
+    if let Some(src) = carried {
+        if src != program.source {
+            let line = src.lines().zip(program.source.lines()).take_while(|(a, b)| a == b).count() + 1;
+            return Err(CodegenError::Stale { line });
+        }
+    }
+    Ok(program)
 }
 
 /// Generates the CUDA program of `plan` (one rank; a tensor-parallel plan already has per-rank

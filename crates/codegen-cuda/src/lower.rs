@@ -41,13 +41,14 @@ pub(crate) fn node(b: &mut Builder, i: usize) -> Result<(), CodegenError> {
             rms_norm(b, i, x, None);
         }
         Op::Linear { .. } => linear(b, i)?,
-        Op::Rope { head_dim, theta, scaling } => {
-            let (inv, scale) = scaling.inv_freq(*head_dim, *theta);
+        Op::Rope { head_dim, theta, scaling, .. } => {
+            let rot = n.op.rotary_dim();
+            let (inv, scale) = scaling.inv_freq(rot, *theta);
             b.constants.push(inv.iter().map(|&f| f as f32).collect());
             let c = Arg::Const(b.constants.len() - 1);
             let x = b.f32_val(n.inputs[0])?;
             let out = b.out(i, DType::F32);
-            let key = KernelKey::Rope { cols, d: *head_dim };
+            let key = KernelKey::Rope { cols, d: *head_dim, rot };
             let args = vec![Arg::Buf(x), Arg::Input(Input::Pos), c, Arg::F32(scale as f32), Arg::Buf(out)];
             b.steps.push(one(launch(key, args, [per_token(1, 1), ONE], 128)));
         }
@@ -331,10 +332,9 @@ fn attention(b: &mut Builder, i: usize) -> Result<(), CodegenError> {
         unreachable!("an attention")
     };
     let mask = Mask { window: window.unwrap_or(0), cap: softcap.map_or(0, f32::to_bits) };
-    let g = d / 16;
-    if d % 16 != 0 || !g.is_power_of_two() || g > 32 || heads % kv_heads != 0 {
+    if d % 16 != 0 || d == 0 || d > 512 || heads % kv_heads != 0 {
         return Err(CodegenError::Unsupported(format!(
-            "{}: head_dim {d} (the CUDA attention takes 16, 32, 64, 128, 256 or 512)",
+            "{}: head_dim {d} (the CUDA attention takes multiples of 16 up to 512)",
             n.label
         )));
     }
@@ -346,19 +346,19 @@ fn attention(b: &mut Builder, i: usize) -> Result<(), CodegenError> {
             return Err(CodegenError::Unsupported(format!("{}: q and k with different RoPE", n.label)));
         }
     }
-    let (freq, rscale) = match ropes.first().map(|&r| &b.plan.nodes[r].op) {
-        Some(Op::Rope { head_dim, theta, scaling }) => {
-            let (inv, s) = scaling.inv_freq(*head_dim, *theta);
+    let (freq, rscale, rot) = match ropes.first().map(|&r| &b.plan.nodes[r].op) {
+        Some(op @ Op::Rope { theta, scaling, .. }) => {
+            let (inv, s) = scaling.inv_freq(op.rotary_dim(), *theta);
             b.constants.push(inv.iter().map(|&f| f as f32).collect());
-            (Arg::Const(b.constants.len() - 1), s as f32)
+            (Arg::Const(b.constants.len() - 1), s as f32, op.rotary_dim())
         }
-        _ => (Arg::Null, 1.0),
+        _ => (Arg::Null, 1.0, d),
     };
     let (rope_q, rope_k) = (absorbed(qn), absorbed(kn));
     let src = |j: usize, roped: bool| if roped { b.plan.nodes[j].inputs[0] } else { j };
     let (q, k, v) = (b.f32_val(src(qn, rope_q))?, b.f32_val(src(kn, rope_k))?, b.f32_val(vn)?);
     let qo = b.new_val(heads * d, DType::F32, Count::Tokens);
-    let key = KernelKey::RopeKv { heads, kv_heads, d, rope_q, rope_k };
+    let key = KernelKey::RopeKv { heads, kv_heads, d, rot, rope_q, rope_k };
     // q, k, v, where the token goes, how it rotates: what rope_kv and the one-token kernel read.
     let head = [
         Arg::Buf(q),
@@ -388,7 +388,7 @@ fn attention(b: &mut Builder, i: usize) -> Result<(), CodegenError> {
         let key = KernelKey::Attention { heads, kv_heads, d, out: o, mixed_only, mask };
         launch(key, args.clone(), [per_token(1, 1), Dim::Fixed(heads)], 256)
     };
-    let one = KernelKey::AttentionRope1 { heads, kv_heads, d, out: o, rope_q, rope_k, mask };
+    let one = KernelKey::AttentionRope1 { heads, kv_heads, d, rot, out: o, rope_q, rope_k, mask };
     let one_args = [
         &head[..],
         &[

@@ -124,25 +124,29 @@ pub fn plan_for_config(
 fn validate_checkpoint(model: &BoundModel, ckpt: &Checkpoint) -> Result<Vec<String>, CompileError> {
     for w in &model.weights {
         let at = model.spec.locate(&format!("{}:", w.key));
-        let info = ckpt.info(&w.name).ok_or_else(|| CompileError::MissingTensor {
-            name: w.name.clone(),
+        let info = ckpt.info(&w.tensor).ok_or_else(|| CompileError::MissingTensor {
+            name: w.tensor.clone(),
             key: w.key.clone(),
             at: at.clone(),
             checkpoint: ckpt.path.display().to_string(),
         })?;
-        if info.shape != w.shape {
-            return Err(CompileError::ShapeMismatch {
-                name: w.name.clone(),
-                at,
-                expected: w.shape.clone(),
-                found: info.shape.clone(),
-            });
+        // Rows of a fused tensor: the tensor has at least `end` rows, and the part's columns.
+        let fits = match w.rows {
+            None => info.shape == w.shape,
+            Some((_, end)) => info.shape.first().is_some_and(|&r| r >= end) && info.shape[1..] == w.shape[1..],
+        };
+        if !fits {
+            let mut expected = w.shape.clone();
+            if let (Some((_, end)), Some(r)) = (w.rows, expected.first_mut()) {
+                *r = end;
+            }
+            return Err(CompileError::ShapeMismatch { name: w.name.clone(), at, expected, found: info.shape.clone() });
         }
         if !info.readable {
-            return Err(CompileError::UnsupportedDtype { name: w.name.clone(), dtype: info.dtype_name.clone() });
+            return Err(CompileError::UnsupportedDtype { name: w.tensor.clone(), dtype: info.dtype_name.clone() });
         }
     }
-    let used: std::collections::HashSet<&str> = model.weights.iter().map(|w| w.name.as_str()).collect();
+    let used: std::collections::HashSet<&str> = model.weights.iter().map(|w| w.tensor.as_str()).collect();
     let unused: Vec<&str> = ckpt.names().filter(|n| !used.contains(n)).collect();
     Ok(match unused.len() {
         0 => vec![],
@@ -191,7 +195,7 @@ fn write_rank_weights(
             .find(|bw| bw.name == source)
             .ok_or_else(|| CompileError::Usage(format!("plan weight `{source}` is not in the model")))
             .and_then(|bw| {
-                let data = ckpt.read_f32(source)?;
+                let data = read_weight(ckpt, bw)?;
                 // The plan's shape says whether this rank holds a slice (a replicated lm_head
                 // keeps its whole shape even where the model marks it column-parallel).
                 let data = if shape == bw.shape { data } else { shard::cut(bw, &data, tp, rank)? };
@@ -212,6 +216,18 @@ fn write_rank_weights(
         (Err(_), Some(err)) => Err(err),
         (r, _) => Ok(r?),
     }
+}
+
+/// A weight's values from the checkpoint: the whole tensor, or its rows of a fused one.
+fn read_weight(ckpt: &Checkpoint, bw: &spec::BoundWeight) -> Result<Vec<f32>, CompileError> {
+    let data = ckpt.read_f32(&bw.tensor)?;
+    Ok(match bw.rows {
+        None => data,
+        Some((start, end)) => {
+            let cols: usize = bw.shape[1..].iter().product();
+            data[start * cols..end * cols].to_vec()
+        }
+    })
 }
 
 /// The largest finite f16 value.

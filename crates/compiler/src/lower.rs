@@ -240,7 +240,7 @@ impl Lowerer<'_> {
         let allowed: &[&str] = match name {
             "embedding" | "all_reduce" | "logits" | "linear" => &[],
             "rms_norm" => &["eps"],
-            "rope" => &["head_dim", "theta", "scaling", "max_positions"],
+            "rope" => &["head_dim", "rotary_dim", "theta", "scaling", "max_positions", "original_max_positions"],
             "attention" => &["heads", "kv_heads", "head_dim", "scale", "window", "softcap"],
             _ => return Err(unknown_call(name)),
         };
@@ -271,13 +271,21 @@ impl Lowerer<'_> {
             "rope" => {
                 let max_positions = attrs.opt("max_positions").and_then(|v| v.as_f64());
                 let head_dim = attrs.usize("head_dim")?;
+                let rotary_dim = attrs.opt_usize("rotary_dim")?.filter(|&r| r != head_dim);
                 let scaling = match attrs.opt("scaling") {
                     Some(v) => {
-                        RopeScaling::from_config(&v.to_json(), max_positions, head_dim).map_err(|e| e.to_string())?
+                        // A config may give the original context beside the scaling (Phi-3's
+                        // 4.x configs) rather than in it.
+                        let mut cfg = v.to_json();
+                        if let (Some(o), Some(map)) = (attrs.opt("original_max_positions"), cfg.as_object_mut()) {
+                            map.entry("original_max_position_embeddings").or_insert(o.to_json());
+                        }
+                        let dim = rotary_dim.unwrap_or(head_dim);
+                        RopeScaling::from_config(&cfg, max_positions, dim).map_err(|e| e.to_string())?
                     }
                     None => RopeScaling::Default,
                 };
-                Op::Rope { head_dim, theta: attrs.f64("theta")?, scaling }
+                Op::Rope { head_dim, theta: attrs.f64("theta")?, scaling, rotary_dim }
             }
             "attention" => {
                 let head_dim = attrs.usize("head_dim")?;

@@ -87,7 +87,16 @@ mod tests {
     use super::*;
 
     fn w(shape: Vec<usize>, shard: ShardKind, heads: Option<usize>) -> BoundWeight {
-        BoundWeight { key: "w".into(), layer: None, name: "w".into(), shape, shard, shard_heads: heads }
+        BoundWeight {
+            key: "w".into(),
+            layer: None,
+            name: "w".into(),
+            tensor: "w".into(),
+            rows: None,
+            shape,
+            shard,
+            shard_heads: heads,
+        }
     }
 
     #[test]

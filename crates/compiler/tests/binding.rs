@@ -26,7 +26,7 @@ fn ropes(cfg: serde_json::Value) -> Vec<(f64, RopeScaling, usize)> {
     g.nodes()
         .into_iter()
         .filter_map(|n| match &g.node(n).op {
-            Op::Rope { theta, scaling, head_dim } => Some((*theta, scaling.clone(), *head_dim)),
+            Op::Rope { theta, scaling, head_dim, .. } => Some((*theta, scaling.clone(), *head_dim)),
             _ => None,
         })
         .collect()

@@ -140,9 +140,9 @@ impl Interpreter {
                     Some(Val::F(linear(f(0), f(1), b, cols)))
                 }
                 Op::RmsNorm { eps } => Some(Val::F(rms_norm(f(0), f(1), *eps))),
-                Op::Rope { head_dim, theta, scaling } => {
+                Op::Rope { head_dim, theta, scaling, .. } => {
                     let Some(Val::Ids(pos)) = &vals[n.inputs[1]] else { unreachable!("verified: positions") };
-                    let (inv, scale) = scaling.inv_freq(*head_dim, *theta);
+                    let (inv, scale) = scaling.inv_freq(n.op.rotary_dim(), *theta);
                     Some(Val::F(rope(f(0), pos, *head_dim, &inv, scale)))
                 }
                 Op::Attention { heads, kv_heads, head_dim, scale, layer, window, softcap } => {
@@ -225,10 +225,11 @@ fn rms_norm(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
     out
 }
 
+/// Rotates the leading `2 · inv_freq.len()` features of each head of `d` (the rest pass through).
 fn rope(x: &[f32], pos: &[i32], d: usize, inv_freq: &[f64], scale: f64) -> Vec<f32> {
     let mut out = x.to_vec();
     let cols = x.len() / pos.len();
-    let half = d / 2;
+    let half = inv_freq.len();
     for (t, &p) in pos.iter().enumerate() {
         for head in out[t * cols..(t + 1) * cols].chunks_exact_mut(d) {
             for i in 0..half {

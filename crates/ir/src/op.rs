@@ -60,10 +60,11 @@ pub enum Op {
         /// Added to the mean square.
         eps: f32,
     },
-    /// Rotary embedding, rotate-half (GPT-NeoX) layout, on every head of x: for pair
-    /// `(i, i + d/2)` with angle `pos · inv_freq[i]`, `(a, b) → (a cos − b sin, b cos + a sin)`,
-    /// cos and sin scaled by the scaling's attention factor. Inputs: x `[T, h·d]`, positions
-    /// `[T]` → `[T, h·d]`.
+    /// Rotary embedding, rotate-half (GPT-NeoX) layout, on the leading `r` features of every
+    /// head of x (`r` = `rotary_dim`, the whole head by default; the rest pass through): for
+    /// pair `(i, i + r/2)` with angle `pos · inv_freq[i]` (the `r/2` frequencies of a rotary
+    /// dimension `r`), `(a, b) → (a cos − b sin, b cos + a sin)`, cos and sin scaled by the
+    /// scaling's attention factor. Inputs: x `[T, h·d]`, positions `[T]` → `[T, h·d]`.
     Rope {
         /// Size of one head.
         head_dim: usize,
@@ -71,6 +72,10 @@ pub enum Op {
         theta: f64,
         /// Frequency scaling.
         scaling: RopeScaling,
+        /// Features rotated at the start of each head (Phi-3's `partial_rotary_factor`); all
+        /// when `None`.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        rotary_dim: Option<usize>,
     },
     /// Causal grouped-query attention over the KV cache of `layer`. The step's k and v rows
     /// are appended to the cache of the sequence at its positions; query row `t` at position
@@ -129,6 +134,15 @@ pub enum Op {
 }
 
 impl Op {
+    /// The features of each head a RoPE rotates (`rotary_dim`, or the whole head); 0 for
+    /// other ops.
+    pub fn rotary_dim(&self) -> usize {
+        match self {
+            Op::Rope { head_dim, rotary_dim, .. } => rotary_dim.unwrap_or(*head_dim),
+            _ => 0,
+        }
+    }
+
     /// The op's name as written in model YAML and in printed graphs.
     pub fn name(&self) -> &'static str {
         match self {
@@ -171,9 +185,10 @@ impl Op {
     pub fn attrs(&self) -> String {
         match self {
             Op::RmsNorm { eps } => format!("eps={eps:e}"),
-            Op::Rope { head_dim, theta, scaling } => format!(
-                "head_dim={head_dim}, theta={theta}, scaling={}",
-                serde_json::to_string(scaling).unwrap_or_default()
+            Op::Rope { head_dim, theta, scaling, rotary_dim } => format!(
+                "head_dim={head_dim}, theta={theta}, scaling={}{}",
+                serde_json::to_string(scaling).unwrap_or_default(),
+                rotary_dim.map_or(String::new(), |r| format!(", rotary_dim={r}"))
             ),
             Op::Attention { heads, kv_heads, head_dim, scale, layer, window, softcap } => {
                 let mut s =
@@ -265,11 +280,14 @@ impl Op {
                 }
                 act2(n)
             }
-            Op::Rope { head_dim, .. } => {
+            Op::Rope { head_dim, rotary_dim, .. } => {
                 let n = rows(inputs[0], "x")?;
                 ids(inputs[1], "positions")?;
                 if *head_dim == 0 || head_dim % 2 != 0 || n % head_dim != 0 {
                     return Err(self.err(format!("{n} features are not whole heads of even size {head_dim}")));
+                }
+                if let Some(r) = rotary_dim.filter(|&r| r == 0 || r % 2 != 0 || r > *head_dim) {
+                    return Err(self.err(format!("rotary_dim {r} is not an even size within the head of {head_dim}")));
                 }
                 act2(n)
             }

@@ -40,7 +40,7 @@ struct KernelCache {
     linear: HashMap<(usize, usize, DType), Arc<LinearKernel>>,
     binary: HashMap<BinaryOp, Arc<BinaryKernel>>,
     norm: HashMap<(usize, u32), Arc<RmsNormKernel>>,
-    rope: HashMap<(usize, usize), Arc<RopeKernel>>,
+    rope: HashMap<(usize, usize, usize), Arc<RopeKernel>>,
     attention: HashMap<(usize, usize, u32, Option<u32>), Arc<AttentionKernel>>,
     embedding: HashMap<(usize, DType), Arc<EmbeddingKernel>>,
     /// By expression (as JSON), row width and broadcast inputs.
@@ -161,9 +161,10 @@ impl CpuBackend {
                     let d = in_cols(1);
                     Step::RmsNorm(cached!(kc.norm, (d, eps.to_bits()), RmsNormKernel::compile(d, *eps)))
                 }
-                Op::Rope { head_dim, theta, scaling } => {
-                    let k = cached!(kc.rope, (cols, *head_dim), RopeKernel::compile(cols, *head_dim));
-                    let (inv, scale) = scaling.inv_freq(*head_dim, *theta);
+                Op::Rope { head_dim, theta, scaling, .. } => {
+                    let rot = n.op.rotary_dim();
+                    let k = cached!(kc.rope, (cols, *head_dim, rot), RopeKernel::compile(cols, *head_dim, rot));
+                    let (inv, scale) = scaling.inv_freq(rot, *theta);
                     let freqs = (inv.iter().map(|&f| f as f32).collect::<Vec<_>>(), scale as f32);
                     let idx = rope_freqs.iter().position(|f| *f == freqs).unwrap_or_else(|| {
                         rope_freqs.push(freqs);

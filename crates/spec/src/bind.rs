@@ -28,8 +28,13 @@ pub struct BoundWeight {
     pub key: String,
     /// Layer index for per-layer weights.
     pub layer: Option<usize>,
-    /// Tensor name in the checkpoint.
+    /// The weight's name in the plan and the bundle: the checkpoint tensor's, or for rows of a
+    /// fused tensor `TENSOR[start:end]`.
     pub name: String,
+    /// The checkpoint tensor it is read from.
+    pub tensor: String,
+    /// Rows `start..end` of `tensor` (a part of a fused tensor), when not all of it.
+    pub rows: Option<(usize, usize)>,
     /// Full (unsharded) shape.
     pub shape: Vec<usize>,
     /// Tensor-parallel split.
@@ -179,9 +184,33 @@ fn bind_weight(
             Some(v.as_usize().ok_or_else(|| werr(format!("shard_heads `{text}` is {v}, not a count")))?)
         }
     };
-    let name = match layer {
+    let tensor = match layer {
         Some(i) => w.name.replace("{i}", &i.to_string()),
         None => w.name.clone(),
     };
-    Ok(Some(BoundWeight { key: key.to_string(), layer, name, shape, shard: w.shard, shard_heads }))
+    let rows = match &w.rows {
+        None => None,
+        Some(r) => {
+            let bound = |d: &serde_yaml::Value| -> Result<usize, SpecError> {
+                let text = scalar_text(d).ok_or_else(|| werr(format!("rows entry {d:?} is not an expression")))?;
+                let v = eval_text(&text)?;
+                v.as_usize().ok_or_else(|| werr(format!("rows entry `{text}` is {v}, not a row index")))
+            };
+            match r.as_slice() {
+                [a, b] => {
+                    let (a, b) = (bound(a)?, bound(b)?);
+                    if shape.first() != Some(&(b.saturating_sub(a))) || b <= a {
+                        return Err(werr(format!("rows [{a}, {b}] do not give the shape's {shape:?} rows")));
+                    }
+                    Some((a, b))
+                }
+                _ => return Err(werr("rows must be [start, end]".into())),
+            }
+        }
+    };
+    let name = match rows {
+        Some((a, b)) => format!("{tensor}[{a}:{b}]"),
+        None => tensor.clone(),
+    };
+    Ok(Some(BoundWeight { key: key.to_string(), layer, name, tensor, rows, shape, shard: w.shard, shard_heads }))
 }

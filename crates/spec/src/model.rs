@@ -74,6 +74,11 @@ pub struct WeightSpec {
     /// When the weight does not exist (`when` is false), uses of it refer to this weight.
     #[serde(default)]
     pub tied_to: Option<String>,
+    /// `[start, end]` (expressions): the weight is rows `start..end` of the checkpoint tensor,
+    /// one part of a fused tensor (Phi-3's `qkv_proj`, `gate_up_proj`). Its `shape` is the
+    /// part's, and `shard` splits the part.
+    #[serde(default)]
+    pub rows: Option<Vec<serde_yaml::Value>>,
 }
 
 /// One entry of the `graph:` list.

@@ -65,7 +65,17 @@ pub fn usable(bundle: &Bundle, gpus: &[usize]) -> Result<(), String> {
     if bundle.plan.tp > 1 && !tp::nccl_present() {
         return Err("NCCL (libnccl.so) was not found".into());
     }
-    codegen_cuda::emit(&bundle.plan).map(|_| ()).map_err(|e| e.to_string())
+    program(bundle).map(|_| ()).map_err(|e| e.to_string())
+}
+
+/// The CUDA program `bundle` runs: generated from its plan, and the very source the bundle
+/// carries (a bundle from another `engc` whose source differs is refused).
+pub fn program(bundle: &Bundle) -> Result<codegen_cuda::Program, RuntimeError> {
+    let carried = bundle.kernel_source()?;
+    codegen_cuda::emit_for_bundle(&bundle.plan, carried.as_deref()).map_err(|e| match e {
+        codegen_cuda::CodegenError::Stale { .. } => RuntimeError::Invalid(e.to_string()),
+        other => RuntimeError::Unsupported(other.to_string()),
+    })
 }
 
 /// The GPU of each of `tp` ranks: `gpus` (`--devices`) or `0..tp`, checked against the GPUs

@@ -106,9 +106,10 @@ pub(crate) struct Compiled {
 }
 
 impl Compiled {
-    /// Emits the schedule of `plan` and compiles its kernels for the arch of `ctx`'s GPU.
-    pub(crate) fn new(plan: &Plan, ctx: &CudaContext) -> Result<Compiled, RuntimeError> {
-        let program = codegen_cuda::emit(plan).map_err(|e| RuntimeError::Unsupported(e.to_string()))?;
+    /// The schedule of `bundle`'s plan (the CUDA it carries) with its kernels compiled for the
+    /// arch of `ctx`'s GPU.
+    pub(crate) fn new(bundle: &Bundle, ctx: &CudaContext) -> Result<Compiled, RuntimeError> {
+        let program = device::program(bundle)?;
         let arch = arch(ctx)?;
         let t = std::time::Instant::now();
         let (bins, report) = codegen_cuda::nvrtc::compile_kernels(&program, &arch)
@@ -133,7 +134,7 @@ impl CudaBackend {
             )));
         }
         let ctx = context(gpu)?;
-        let compiled = Compiled::new(&bundle.plan, &ctx)?;
+        let compiled = Compiled::new(bundle, &ctx)?;
         CudaBackend::rank(bundle, 0, ctx, None, &compiled)
     }
 

@@ -125,7 +125,7 @@ impl TpCudaBackend {
     pub fn new(bundle: &Bundle, gpus: &[usize], boot: &dyn Bootstrap) -> Result<TpCudaBackend, RuntimeError> {
         let tp = bundle.plan.tp;
         let ctxs = gpus.iter().map(|&g| context(g)).collect::<Result<Vec<_>, _>>()?;
-        let compiled = Compiled::new(&bundle.plan, &ctxs[0])?;
+        let compiled = Compiled::new(bundle, &ctxs[0])?;
         let ids = (0..tp).map(|r| boot.unique_id(r)).collect::<Result<Vec<_>, _>>()?;
         let loaded: Vec<Result<CudaBackend, RuntimeError>> = std::thread::scope(|s| {
             let handles: Vec<_> = ctxs
