@@ -42,6 +42,68 @@ def expect_error(kind, status, param, code=None, key="test-key", **kw):
     raise AssertionError(f"no {kind.__name__} for {kw}")
 
 
+def expect_error_completion(param, **kw):
+    try:
+        client.completions.create(model=model, prompt="hi", **kw)
+    except openai.BadRequestError as e:
+        assert (e.status_code, e.type, e.param) == (400, "invalid_request_error", param), (e.param, e)
+        return
+    raise AssertionError(f"no 400 for {kw}")
+
+
+def check_api(msgs):
+    """What clients send works or is refused: sampling seeds, defaults, validation of every
+    field the server does not implement, the model, tokenize and detokenize endpoints."""
+    # Unseeded sampling differs from request to request; seeded sampling repeats.
+    story = [{"role": "user", "content": "Tell me a story about a dragon."}]
+    texts = {chat(messages=story, temperature=1.0, max_tokens=16).choices[0].message.content for _ in range(5)}
+    assert len(texts) > 1, texts
+    seeded = {chat(messages=story, temperature=1.0, max_tokens=16, seed=3).choices[0].message.content for _ in range(3)}
+    assert len(seeded) == 1, seeded
+    # OpenAI's default max_tokens of /v1/completions is 16.
+    c = client.completions.create(model=model, prompt="Once upon a time", temperature=0, extra_body={"ignore_eos": True})
+    assert c.usage.completion_tokens == 16 and c.choices[0].finish_reason == "length", c.usage
+    assert c.created >= client.models.retrieve(model).created
+    # Harmless fields are accepted, and so are the neutral values of unimplemented ones.
+    r = chat(messages=msgs, temperature=0, max_tokens=3, user="u1", metadata={"k": "v"}, store=False,
+             service_tier="auto", logit_bias={}, response_format={"type": "text"}, tool_choice="none")
+    assert r.choices[0].finish_reason == "length"
+    # Everything else that would change the answer is a 400 naming the field.
+    expect_error(openai.BadRequestError, 400, "messages", model=model, messages=[{"role": "wizard", "content": "hi"}])
+    expect_error(openai.BadRequestError, 400, "messages", model=model, messages=[{"role": "user", "content": None}])
+    expect_error(openai.BadRequestError, 400, "messages", model=model,
+                 messages=msgs + [{"role": "tool", "content": "42", "tool_call_id": "c1"}])
+    expect_error(openai.BadRequestError, 400, "logit_bias", model=model, messages=msgs, logit_bias={"5": -100})
+    expect_error(openai.BadRequestError, 400, "response_format", model=model, messages=msgs,
+                 response_format={"type": "bogus"})
+    expect_error(openai.BadRequestError, 400, "response_format", model=model, messages=msgs,
+                 response_format={"type": "json_object"})
+    expect_error(openai.BadRequestError, 400, "tool_choice", model=model, messages=msgs, tool_choice="required")
+    expect_error(openai.BadRequestError, 400, "top_logprobs", model=model, messages=msgs, top_logprobs=2)
+    expect_error(openai.BadRequestError, 400, "stop_token_ids", model=model, messages=msgs,
+                 extra_body={"stop_token_ids": [10**8]})
+    expect_error(openai.BadRequestError, 400, "frobnicate", model=model, messages=msgs, extra_body={"frobnicate": 1})
+    expect_error(openai.BadRequestError, 400, "presence_penalty", model=model, messages=msgs, presence_penalty=5)
+    expect_error(openai.BadRequestError, 400, "temperature", model=model, messages=msgs,
+                 extra_body={"temperature": "hot"})
+    expect_error_completion("echo", echo=True)
+    expect_error_completion("suffix", suffix=" the end")
+    expect_error_completion("best_of", best_of=2)
+    # The model by id; tokenize and detokenize (SGLang's endpoints) round-trip.
+    assert client.models.retrieve(model).id == model
+    try:
+        client.models.retrieve("no-such-model")
+        raise AssertionError("retrieve of an unknown model succeeded")
+    except openai.NotFoundError as e:
+        assert e.param == "model", e
+    root = base.rsplit("/v1", 1)[0]
+    http, auth = client._client, {"Authorization": f"Bearer {client.api_key}"}
+    ids = http.post(root + "/tokenize", json={"prompt": "The capital of France"}, headers=auth).json()
+    assert ids["count"] == len(ids["tokens"]) > 0, ids
+    text = http.post(root + "/detokenize", json={"tokens": ids["tokens"]}, headers=auth).json()["text"]
+    assert text.endswith("The capital of France"), text
+
+
 def check_errors(msgs):
     expect_error(openai.NotFoundError, 404, "model", "model_not_found", model="no-such-model", messages=msgs)
     expect_error(openai.BadRequestError, 400, "messages", model=model, messages=[])
@@ -100,6 +162,7 @@ if mode == "smollm2":
     assert "".join(ch.choices[0].text for ch in s if ch.choices) == text
     c = client.completions.create(model=model, prompt="The capital of France is", temperature=0, max_tokens=3, logprobs=2)
     assert len(c.choices[0].logprobs.tokens) == 3 and len(c.choices[0].logprobs.top_logprobs[0]) == 2
+    check_api(msgs)
     check_errors(msgs)
 elif mode == "unicode":
     for prompt in ["你好，世界！请介绍一下长城。", "Emoji: 😀🎉👍🏽 and 🇫🇷, 日本語も", "한국어 텍스트와 中文混合"]:

@@ -9,6 +9,22 @@ use serde_json::Value;
 /// Most choices one request may ask for.
 pub const MAX_N: usize = 16;
 
+/// Most prompts one completions request may carry (OpenAI's limit is 2048; each becomes an
+/// engine request per choice).
+pub const MAX_PROMPTS: usize = 256;
+
+/// OpenAI's default `max_tokens` of `/v1/completions`.
+pub const COMPLETIONS_MAX_TOKENS: usize = 16;
+
+/// A seed for a request that gives none: from the process's random hash keys (fresh per call)
+/// and the clock, so that unseeded sampling differs from request to request.
+pub fn random_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos()));
+    h.finish()
+}
+
 /// A string or a list of them (`stop`).
 #[derive(Debug, Clone, Deserialize)]
 #[serde(untagged)]
@@ -81,6 +97,15 @@ pub struct Params {
     pub top_logprobs: Option<i64>,
 }
 
+/// What a request is checked against: the served model's context length and vocabulary.
+#[derive(Debug, Clone, Copy)]
+pub struct ModelLimits {
+    /// Context length in tokens.
+    pub max_context: usize,
+    /// Vocabulary size.
+    pub vocab: usize,
+}
+
 /// What the endpoints turn into engine requests.
 #[derive(Debug, Clone)]
 pub struct Job {
@@ -116,16 +141,34 @@ impl Params {
     }
 
     /// The engine requests for `prompts`, `n` choices each. `top_logprobs`: the number of top
-    /// logprobs asked for, if any. `max_context`: the model's context length. `prompt_field`:
-    /// the request field the prompts came from (named by errors).
+    /// logprobs asked for, if any. `model`: its context length and vocabulary. `prompt_field`:
+    /// the request field the prompts came from (named by errors). `default_max`: `max_tokens`
+    /// when the request gives none (`None`: up to the context length, at most 4096).
+    ///
+    /// Sampling is seeded: by `seed` plus the choice's index when the request gives one (the
+    /// same request gives the same answer), else by a fresh random seed per request.
     pub fn job(
         &self,
         prompts: Vec<Vec<u32>>,
         top_logprobs: Option<usize>,
-        max_context: usize,
+        model: ModelLimits,
         prompt_field: &'static str,
+        default_max: Option<usize>,
     ) -> Result<Job, ApiError> {
+        let ModelLimits { max_context, vocab } = model;
         let n = int(self.n, "n", 1, MAX_N as i64)?.unwrap_or(1);
+        if prompts.len() > MAX_PROMPTS {
+            return Err(ApiError::bad(
+                format!("at most {MAX_PROMPTS} prompts per request, got {}", prompts.len()),
+                Some(prompt_field),
+            ));
+        }
+        if let Some(t) = self.sampling.stop_token_ids.iter().flatten().find(|&&t| t as usize >= vocab) {
+            return Err(ApiError::bad(
+                format!("stop token id {t} is outside the vocabulary (size {vocab})"),
+                Some("stop_token_ids"),
+            ));
+        }
         let p = &self.sampling;
         let top_k = match p.top_k {
             Some(k) if k < -1 => {
@@ -155,6 +198,7 @@ impl Params {
         if stops.len() > 16 || stops.iter().any(String::is_empty) {
             return Err(ApiError::bad("stop takes at most 16 non-empty strings", Some("stop")));
         }
+        let base_seed = p.seed.unwrap_or_else(random_seed);
         let mut requests = Vec::with_capacity(prompts.len() * n);
         for prompt in prompts {
             let left = max_context.saturating_sub(prompt.len());
@@ -165,11 +209,11 @@ impl Params {
                 ));
             }
             for i in 0..n {
-                let seed = p.seed.map_or(i as u64 * 0x9E37_79B9, |s| s.wrapping_add(i as u64));
+                let seed = base_seed.wrapping_add(i as u64);
                 requests.push(Request {
                     prompt: prompt.clone(),
                     sampling: SamplingParams { seed, ..sampling.clone() },
-                    max_tokens: max_tokens.unwrap_or(left.min(4096)),
+                    max_tokens: max_tokens.unwrap_or_else(|| default_max.unwrap_or(4096).min(left)),
                     stop_ids: p.stop_token_ids.clone().unwrap_or_default(),
                     ignore_eos: p.ignore_eos,
                     logprobs: top_logprobs,
@@ -204,8 +248,32 @@ impl ChatRequest {
                 .get("role")
                 .and_then(Value::as_str)
                 .ok_or_else(|| ApiError::bad(format!("messages[{i}] has no `role` string"), Some("messages")))?;
+            match role {
+                "system" | "developer" | "user" | "assistant" => {}
+                "tool" | "function" => {
+                    return Err(ApiError::bad(
+                        format!("messages[{i}]: `{role}` messages need tool calling, which is not supported yet"),
+                        Some("messages"),
+                    ))
+                }
+                other => {
+                    return Err(ApiError::bad(
+                        format!("messages[{i}].role must be system, developer, user or assistant, got `{other}`"),
+                        Some("messages"),
+                    ))
+                }
+            }
+            if m.get("tool_calls").is_some_and(|t| !t.is_null()) || m.get("function_call").is_some_and(|t| !t.is_null())
+            {
+                return Err(ApiError::bad(
+                    format!("messages[{i}]: assistant tool calls need tool calling, which is not supported yet"),
+                    Some("messages"),
+                ));
+            }
             let content = match m.get("content") {
-                None | Some(Value::Null) => String::new(),
+                None | Some(Value::Null) => {
+                    return Err(ApiError::bad(format!("messages[{i}] ({role}) has no content"), Some("messages")))
+                }
                 Some(Value::String(s)) => s.clone(),
                 Some(Value::Array(parts)) => parts
                     .iter()
@@ -316,4 +384,26 @@ impl GenerateSampling {
             ..Params::default()
         })
     }
+}
+
+/// SGLang's `POST /tokenize`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TokenizeRequest {
+    /// The text.
+    pub prompt: String,
+    /// Add the tokenizer's special tokens (BOS), as prompts get them (default true).
+    pub add_special_tokens: Option<bool>,
+    /// The model name (not checked: one model is served).
+    pub model: Option<String>,
+}
+
+/// SGLang's `POST /detokenize`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DetokenizeRequest {
+    /// The token ids.
+    pub tokens: Vec<u32>,
+    /// The model name (not checked: one model is served).
+    pub model: Option<String>,
 }

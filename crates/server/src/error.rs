@@ -3,6 +3,7 @@
 use axum::extract::rejection::BytesRejection;
 use axum::http::{Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
+use std::borrow::Cow;
 
 /// An error answered to the client.
 #[derive(Debug, Clone)]
@@ -14,7 +15,7 @@ pub struct ApiError {
     /// OpenAI's error type.
     pub kind: &'static str,
     /// The request field at fault.
-    pub param: Option<&'static str>,
+    pub param: Option<Cow<'static, str>>,
     /// A machine-readable code.
     pub code: Option<&'static str>,
 }
@@ -26,9 +27,14 @@ impl ApiError {
             status: StatusCode::BAD_REQUEST,
             message: message.into(),
             kind: "invalid_request_error",
-            param,
+            param: param.map(Cow::Borrowed),
             code: None,
         }
+    }
+
+    /// 400 `invalid_request_error` about the request field `param` (a name from the body).
+    pub fn bad_field(message: impl Into<String>, param: &str) -> ApiError {
+        ApiError { param: Some(Cow::Owned(param.to_string())), ..ApiError::bad(message, None) }
     }
 
     /// 401: a missing or wrong API key.
@@ -48,7 +54,7 @@ impl ApiError {
             status: StatusCode::NOT_FOUND,
             message: format!("the model `{name}` does not exist; this server serves `{served}`"),
             kind: "invalid_request_error",
-            param: Some("model"),
+            param: Some(Cow::Borrowed("model")),
             code: Some("model_not_found"),
         }
     }
@@ -122,7 +128,10 @@ impl From<runtime::RuntimeError> for ApiError {
     fn from(e: runtime::RuntimeError) -> ApiError {
         match e {
             runtime::RuntimeError::Invalid(m) => {
-                let param = PARAMS.into_iter().find(|p| m.contains(p));
+                let param = PARAMS
+                    .into_iter()
+                    .find(|p| m.starts_with(p))
+                    .or_else(|| PARAMS.into_iter().find(|p| m.contains(p)));
                 ApiError::bad(m, param)
             }
             other => ApiError::internal(other.to_string()),

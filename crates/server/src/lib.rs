@@ -8,6 +8,7 @@ pub mod api;
 pub mod detok;
 pub mod drain;
 pub mod error;
+pub mod fields;
 pub mod metrics;
 pub mod routes;
 
@@ -48,7 +49,9 @@ pub fn serve(engine: Engine, tok: Tokenizer, opts: ServeOptions) -> Result<(), S
         let tok = Arc::new(tok);
         let drain = Arc::new(drain::Drain::default());
         let created = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        let vocab = engine.vocab();
         let state = Arc::new(routes::AppState {
+            vocab,
             engine: Arc::new(EngineHandle::spawn(engine)),
             detok: detok::Detokenizer::spawn(tok.clone()),
             tok,

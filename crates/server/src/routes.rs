@@ -2,14 +2,18 @@
 //! metrics. Tokenization runs on tokio's blocking pool, detokenization on its own thread;
 //! handlers only move JSON.
 
-use crate::api::{ChatRequest, CompletionRequest, GenerateRequest, Job, Prompt};
+use crate::api::{
+    ChatRequest, CompletionRequest, DetokenizeRequest, GenerateRequest, Job, ModelLimits, Prompt, TokenizeRequest,
+    COMPLETIONS_MAX_TOKENS,
+};
 use crate::detok::{Delta, Detokenizer, TokenLogprob};
 use crate::drain::{Drain, Ticket};
 use crate::error::ApiError;
+use crate::fields::{self, Endpoint};
 use crate::metrics::Metrics;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::State;
+use axum::extract::{Path, State};
 use axum::http::{header, HeaderMap, Method, StatusCode, Uri};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
@@ -37,9 +41,11 @@ pub struct AppState {
     pub api_key: Option<String>,
     /// Context length of the model.
     pub max_context: usize,
+    /// Vocabulary size of the model.
+    pub vocab: usize,
     /// Prometheus metrics.
     pub metrics: Metrics,
-    /// Unix time the server started.
+    /// Unix time the server started (the model's `created`).
     pub created: u64,
     /// Response ids.
     pub next_id: AtomicU64,
@@ -49,6 +55,17 @@ pub struct AppState {
 
 type St = State<Arc<AppState>>;
 
+impl AppState {
+    fn limits(&self) -> ModelLimits {
+        ModelLimits { max_context: self.max_context, vocab: self.vocab }
+    }
+}
+
+/// Unix time now, in seconds (each response's `created`).
+fn now_secs() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
 /// The router over `state`.
 pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
@@ -56,6 +73,9 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/generate", post(generate))
         .route("/v1/models", get(models))
+        .route("/v1/models/{id}", get(model))
+        .route("/tokenize", post(tokenize_route))
+        .route("/detokenize", post(detokenize_route))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .fallback(|method: Method, uri: Uri| async move { ApiError::no_route(StatusCode::NOT_FOUND, &method, &uri) })
@@ -76,9 +96,41 @@ fn auth(st: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
     }
 }
 
-/// The body as JSON; a body that could not be read keeps axum's status in OpenAI's shape.
+/// The body as JSON; a body that could not be read keeps axum's status in OpenAI's shape. A
+/// value of the wrong type is a 400 naming its field.
 fn parse<T: serde::de::DeserializeOwned>(body: Result<Bytes, BytesRejection>) -> Result<T, ApiError> {
-    serde_json::from_slice(&body?).map_err(|e| ApiError::bad(format!("invalid request body: {e}"), None))
+    let v: Value =
+        serde_json::from_slice(&body?).map_err(|e| ApiError::bad(format!("invalid JSON body: {e}"), None))?;
+    typed(v)
+}
+
+/// A body for `endpoint`: every top-level field checked (`fields::check`), then typed.
+fn parse_for<T: serde::de::DeserializeOwned>(
+    body: Result<Bytes, BytesRejection>,
+    endpoint: Endpoint,
+) -> Result<T, ApiError> {
+    let v: Value =
+        serde_json::from_slice(&body?).map_err(|e| ApiError::bad(format!("invalid JSON body: {e}"), None))?;
+    let Value::Object(map) = &v else {
+        return Err(ApiError::bad("the request body must be a JSON object", None));
+    };
+    fields::check(map, endpoint)?;
+    typed(v)
+}
+
+fn typed<T: serde::de::DeserializeOwned>(v: Value) -> Result<T, ApiError> {
+    serde_path_to_error::deserialize(v).map_err(|e| {
+        let field = e.path().iter().next().map(|s| s.to_string()).filter(|f| !f.is_empty() && f != "?");
+        let inner = e.into_inner().to_string();
+        match field.as_deref() {
+            Some("prompt") => ApiError::bad(
+                "prompt must be a string, a list of strings, a list of token ids or a list of lists of token ids",
+                Some("prompt"),
+            ),
+            Some(f) => ApiError::bad_field(format!("`{f}`: {inner}"), f),
+            None => ApiError::bad(format!("invalid request body: {inner}"), None),
+        }
+    })
 }
 
 /// Runs `f` on the blocking pool (tokenization, chat templates).
@@ -86,15 +138,63 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> 
     tokio::task::spawn_blocking(f).await.map_err(|e| ApiError::internal(format!("worker task failed: {e}")))
 }
 
+/// The served model as OpenAI lists it.
+fn model_card(st: &AppState) -> Value {
+    json!({"id": st.model, "object": "model", "created": st.created, "owned_by": "engine", "max_model_len": st.max_context})
+}
+
 async fn models(State(st): St, headers: HeaderMap) -> Response {
     if let Err(e) = auth(&st, &headers) {
         return e.into_response();
     }
-    Json(json!({"object": "list", "data": [{
-        "id": st.model, "object": "model", "created": st.created, "owned_by": "engine",
-        "max_model_len": st.max_context,
-    }]}))
-    .into_response()
+    Json(json!({"object": "list", "data": [model_card(&st)]})).into_response()
+}
+
+/// `GET /v1/models/{id}` (`client.models.retrieve`): the served model, or 404.
+async fn model(State(st): St, headers: HeaderMap, Path(id): Path<String>) -> Response {
+    let r = auth(&st, &headers).and_then(|()| match id == st.model {
+        true => Ok(Json(model_card(&st)).into_response()),
+        false => Err(ApiError { status: StatusCode::NOT_FOUND, ..ApiError::unknown_model(&id, &st.model) }),
+    });
+    r.unwrap_or_else(IntoResponse::into_response)
+}
+
+/// SGLang's `POST /tokenize`: `{"prompt": text, "add_special_tokens"?: bool}` →
+/// `{"tokens": [...], "count": n, "max_model_len": ...}`.
+async fn tokenize_route(State(st): St, headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> Response {
+    let r = async {
+        auth(&st, &headers)?;
+        let req: TokenizeRequest = parse(body)?;
+        let tok = st.tok.clone();
+        let special = req.add_special_tokens.unwrap_or(true);
+        let ids = blocking(move || tok.encode(&req.prompt, special))
+            .await?
+            .map_err(|e| ApiError::bad(format!("tokenizing the prompt: {e}"), Some("prompt")))?;
+        Ok(Json(json!({"tokens": ids, "count": ids.len(), "max_model_len": st.max_context})).into_response())
+    }
+    .await;
+    answer(&st, r)
+}
+
+/// SGLang's `POST /detokenize`: `{"tokens": [...]}` → `{"text": ...}`.
+async fn detokenize_route(State(st): St, headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> Response {
+    let r = async {
+        auth(&st, &headers)?;
+        let req: DetokenizeRequest = parse(body)?;
+        if let Some(t) = req.tokens.iter().find(|&&t| t as usize >= st.vocab) {
+            return Err(ApiError::bad(
+                format!("token id {t} is outside the vocabulary (size {})", st.vocab),
+                Some("tokens"),
+            ));
+        }
+        let tok = st.tok.clone();
+        let text = blocking(move || tok.decode(&req.tokens, false))
+            .await?
+            .map_err(|e| ApiError::bad(format!("detokenizing: {e}"), Some("tokens")))?;
+        Ok(Json(json!({"text": text})).into_response())
+    }
+    .await;
+    answer(&st, r)
 }
 
 /// 200 `ok`, or 503 while the server shuts down.
@@ -123,7 +223,7 @@ async fn chat(State(st): St, headers: HeaderMap, body: Result<Bytes, BytesReject
     let r = async {
         let ticket = st.drain.enter()?;
         auth(&st, &headers)?;
-        let req: ChatRequest = parse(body)?;
+        let req: ChatRequest = parse_for(body, Endpoint::Chat)?;
         req.params.check_model(&st.model)?;
         let messages = req.template_messages()?;
         let top = req.top_logprobs()?;
@@ -131,7 +231,7 @@ async fn chat(State(st): St, headers: HeaderMap, body: Result<Bytes, BytesReject
         let ids = blocking(move || tok.encode_chat(&messages, true))
             .await?
             .map_err(|e| ApiError::bad(format!("chat template: {e}"), Some("messages")))?;
-        let job = req.params.job(vec![ids], top, st.max_context, "messages")?;
+        let job = req.params.job(vec![ids], top, st.limits(), "messages", None)?;
         run(&st, job, Kind::Chat, ticket).await
     }
     .await;
@@ -142,11 +242,11 @@ async fn completions(State(st): St, headers: HeaderMap, body: Result<Bytes, Byte
     let r = async {
         let ticket = st.drain.enter()?;
         auth(&st, &headers)?;
-        let req: CompletionRequest = parse(body)?;
+        let req: CompletionRequest = parse_for(body, Endpoint::Completions)?;
         req.params.check_model(&st.model)?;
         let top = req.top_logprobs()?;
         let prompts = tokenize(&st, req.prompt).await?;
-        let job = req.params.job(prompts, top, st.max_context, "prompt")?;
+        let job = req.params.job(prompts, top, st.limits(), "prompt", Some(COMPLETIONS_MAX_TOKENS))?;
         run(&st, job, Kind::Completion, ticket).await
     }
     .await;
@@ -157,14 +257,14 @@ async fn generate(State(st): St, headers: HeaderMap, body: Result<Bytes, BytesRe
     let r = async {
         let ticket = st.drain.enter()?;
         auth(&st, &headers)?;
-        let req: GenerateRequest = parse(body)?;
+        let req: GenerateRequest = parse_for(body, Endpoint::Generate)?;
         let (prompt, field) = match (req.text, req.input_ids) {
             (Some(t), None) => (Prompt::Text(t), "text"),
             (None, Some(ids)) => (Prompt::Ids(ids), "input_ids"),
             _ => return Err(ApiError::bad("give exactly one of `text` and `input_ids`", Some("text"))),
         };
         let prompts = tokenize(&st, prompt).await?;
-        let job = req.sampling_params.params(req.stream)?.job(prompts, None, st.max_context, field)?;
+        let job = req.sampling_params.params(req.stream)?.job(prompts, None, st.limits(), field, None)?;
         run(&st, job, Kind::Generate, ticket).await
     }
     .await;
@@ -270,7 +370,7 @@ async fn run(st: &Arc<AppState>, job: Job, kind: Kind, ticket: Ticket) -> Result
         n: job.n,
         id: format!("{prefix}-{:x}{:06x}", st.created, st.next_id.fetch_add(1, Ordering::Relaxed)),
         model: st.model.clone(),
-        created: st.created,
+        created: now_secs(),
         start,
         st: st.clone(),
         _ticket: ticket,
