@@ -31,12 +31,12 @@ struct EngineArgs {
     /// Most requests running at once.
     #[arg(long, default_value_t = 256)]
     max_running_requests: usize,
-    /// Longest prompt chunk of one request per step.
-    #[arg(long, default_value_t = 8192)]
-    chunked_prefill_size: usize,
-    /// Most prompt tokens per step.
-    #[arg(long, default_value_t = 16384)]
-    max_prefill_tokens: usize,
+    /// Longest prompt chunk of one request per step (default: 8192 on a GPU, 64 on the CPU).
+    #[arg(long)]
+    chunked_prefill_size: Option<usize>,
+    /// Most prompt tokens per step (default: 16384 on a GPU, 64 on the CPU).
+    #[arg(long)]
+    max_prefill_tokens: Option<usize>,
     /// fcfs or lpm (longest cached prefix first).
     #[arg(long, default_value = "fcfs")]
     schedule_policy: Policy,
@@ -49,18 +49,21 @@ struct EngineArgs {
 }
 
 impl EngineArgs {
-    fn config(&self, b: &Bundle) -> Result<EngineConfig, String> {
+    /// The engine's settings on `device` (resolved): the flags given, the device's defaults
+    /// for the rest.
+    fn config(&self, b: &Bundle, device: runtime::Device) -> Result<EngineConfig, String> {
+        let d = EngineConfig::for_device(b, device).map_err(|e| e.to_string())?;
         Ok(EngineConfig {
             page_size: self.page_size,
             kv_slots: self.max_total_tokens,
             mem_fraction: self.mem_fraction,
             max_running_requests: self.max_running_requests,
-            chunked_prefill_size: self.chunked_prefill_size,
-            max_prefill_tokens: self.max_prefill_tokens,
+            chunked_prefill_size: self.chunked_prefill_size.unwrap_or(d.chunked_prefill_size),
+            max_prefill_tokens: self.max_prefill_tokens.unwrap_or(d.max_prefill_tokens),
             policy: self.schedule_policy,
             radix_cache: !self.disable_radix_cache,
             overlap: !self.disable_overlap,
-            ..EngineConfig::for_bundle(b).map_err(|e| e.to_string())?
+            ..d
         })
     }
 }
@@ -331,7 +334,7 @@ struct GenArgs {
     engine: EngineArgs,
 }
 
-fn open(path: &Path, d: &DeviceArgs) -> Result<(Bundle, Box<dyn runtime::Backend>), String> {
+fn open(path: &Path, d: &DeviceArgs) -> Result<(Bundle, Box<dyn runtime::Backend>, runtime::Device), String> {
     let t = std::time::Instant::now();
     let b = Bundle::open(path).map_err(|e| e.to_string())?;
     let opened = t.elapsed().as_secs_f64();
@@ -345,11 +348,11 @@ fn open(path: &Path, d: &DeviceArgs) -> Result<(Bundle, Box<dyn runtime::Backend
         b.manifest.dtype,
         t.elapsed().as_secs_f64()
     );
-    Ok((b, backend))
+    Ok((b, backend, device))
 }
 
 fn generate(path: &Path, a: &GenArgs) -> Result<(), String> {
-    let (b, backend) = open(path, &a.device)?;
+    let (b, backend, dev) = open(path, &a.device)?;
     let tok = tokenizer(&b, path)?;
     let prompt = if a.chat {
         let mut messages = Vec::new();
@@ -362,7 +365,7 @@ fn generate(path: &Path, a: &GenArgs) -> Result<(), String> {
         tok.encode(&a.prompt, true)
     }
     .map_err(|e| e.to_string())?;
-    let cfg = a.engine.config(&b)?;
+    let cfg = a.engine.config(&b, dev)?;
     let mut engine = Engine::new(backend, cfg).map_err(|e| e.to_string())?;
     let req = Request {
         prompt,
@@ -421,9 +424,9 @@ fn serve(
     api_key: Option<String>,
     name: Option<String>,
 ) -> Result<(), String> {
-    let (b, backend) = open(path, &device)?;
+    let (b, backend, dev) = open(path, &device)?;
     let tok = tokenizer(&b, path)?;
-    let cfg = args.config(&b)?;
+    let cfg = args.config(&b, dev)?;
     let max_context = cfg.max_context;
     let engine = Engine::new(backend, cfg).map_err(|e| e.to_string())?;
     let model = name.unwrap_or_else(|| {
@@ -464,7 +467,7 @@ fn logits(
     let seqs = parse_ids(ids)?;
     let longest = seqs.iter().map(Vec::len).max().unwrap_or(0);
     let prefill = prefill.unwrap_or(longest).max(1);
-    let (_, backend) = open(path, &device)?;
+    let (_, backend, _) = open(path, &device)?;
     let total: usize = seqs.iter().map(Vec::len).sum();
     let mut runner = runtime::Sequences::new(backend, total + 16 * seqs.len()).map_err(|e| e.to_string())?;
     let vocab = runner.vocab();
@@ -554,7 +557,7 @@ fn bench(
     json: bool,
     verify_alone: Option<f32>,
 ) -> Result<(), String> {
-    let (b, mut backend) = open(path, &device)?;
+    let (b, mut backend, dev) = open(path, &device)?;
     let weight_bytes: usize = b.plan.weights().map(|(_, s, d)| s.iter().product::<usize>() * d.size()).sum();
     let matmul_params: usize = b
         .plan
@@ -568,7 +571,7 @@ fn bench(
         .sum();
     let bandwidth = backend.copy_bandwidth();
     let cost = runtime::bench::ModelCost { weight_bytes, matmul_params, bandwidth };
-    let cfg = EngineConfig { eos_ids: vec![], ..args.config(&b)? };
+    let cfg = EngineConfig { eos_ids: vec![], ..args.config(&b, dev)? };
     let mut engine = Engine::new(backend, cfg).map_err(|e| e.to_string())?;
     let (r, outs) = runtime::bench::run(&mut engine, opts, cost).map_err(|e| e.to_string())?;
     drop(engine);
@@ -620,7 +623,7 @@ fn verify(
     outs: &[Vec<u32>],
     tol: f32,
 ) -> Result<runtime::alone::AloneReport, String> {
-    let (_, backend) = open(path, device)?;
+    let (_, backend, _) = open(path, device)?;
     let reqs = runtime::bench::requests(opts, backend.vocab()).map_err(|e| e.to_string())?;
     let longest = reqs.iter().zip(outs).map(|(r, o)| r.prompt.len() + o.len()).max().unwrap_or(0);
     let mut seqs = runtime::Sequences::new(backend, longest + 16).map_err(|e| e.to_string())?;

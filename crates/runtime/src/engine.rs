@@ -60,6 +60,22 @@ impl Default for EngineConfig {
 }
 
 impl EngineConfig {
+    /// The defaults for `device` (a resolved one: not `Auto`) with the bundle's context length
+    /// and eos ids. A step's prompt tokens are sized so that one mixed step stays short on the
+    /// device: on a GPU, 16384 prompt tokens (chunks of 8192) are tens of milliseconds; on the
+    /// CPU they would be tens of seconds, during which no running request decodes, so the CPU
+    /// takes 64 per step (a burst of 200 requests starts answering within seconds: the
+    /// measurements in docs/server.md).
+    pub fn for_device(bundle: &Bundle, device: crate::Device) -> Result<EngineConfig, RuntimeError> {
+        let cfg = EngineConfig::for_bundle(bundle)?;
+        Ok(match device {
+            crate::Device::Cuda | crate::Device::Auto => cfg,
+            crate::Device::Cpu | crate::Device::Ref => {
+                EngineConfig { chunked_prefill_size: 64, max_prefill_tokens: 64, ..cfg }
+            }
+        })
+    }
+
     /// The defaults with the bundle's context length and eos ids.
     pub fn for_bundle(bundle: &Bundle) -> Result<EngineConfig, RuntimeError> {
         let max_context =
