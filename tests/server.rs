@@ -296,6 +296,41 @@ fn sigterm_answers_503_while_requests_in_flight_finish_then_exits() {
     assert!(server.log().contains("shut down"), "{}", server.log());
 }
 
+/// With `--graceful-shutdown-timeout 1`, a request still streaming a second after SIGTERM is
+/// aborted: its stream ends with `finish_reason: "abort"` long before its 8000 tokens, and the
+/// server exits 0.
+#[test]
+fn shutdown_timeout_aborts_the_requests_in_flight() {
+    use std::io::{Read, Write};
+    let dir = scratch(env!("CARGO_TARGET_TMPDIR"), "server-shutdown-timeout");
+    let b = compile_fixture("tiny-llama", &dir, 1, None);
+    let mut server = Server::start(&b, &["--graceful-shutdown-timeout", "1"]);
+    let body = r#"{"prompt": "go on", "max_tokens": 8000, "ignore_eos": true, "stream": true}"#;
+    let mut s = std::net::TcpStream::connect(&server.addr).unwrap();
+    let req = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).unwrap();
+    wait_running(&server, 1.0);
+    let t0 = std::time::Instant::now();
+    assert!(server.terminate(0).is_none(), "the server exited at once: {}", server.log());
+    let mut seen = String::new();
+    s.set_read_timeout(Some(std::time::Duration::from_secs(30))).unwrap();
+    let _ = s.read_to_string(&mut seen);
+    let took = t0.elapsed().as_secs_f64();
+    assert!(
+        seen.contains(r#""finish_reason":"abort""#),
+        "no abort in the stream: {}",
+        &seen[seen.len().saturating_sub(400)..]
+    );
+    assert!(seen.contains("[DONE]"), "the stream did not end properly");
+    assert!((0.8..10.0).contains(&took), "aborted after {took:.1} s, not about 1 s");
+    let status = server.terminate(30).expect("the server exits");
+    assert!(status.success(), "{status:?}: {}", server.log());
+    assert!(server.log().contains("aborting the 1 requests still in flight"), "{}", server.log());
+}
+
 /// A client that disconnects mid-stream has its request aborted at once, pages freed.
 #[test]
 fn disconnect_aborts_at_once() {
@@ -316,6 +351,10 @@ fn disconnect_aborts_at_once() {
     wait_idle(&server);
     assert!(t.elapsed() < std::time::Duration::from_secs(2), "abort took {:?}", t.elapsed());
     assert_eq!(metric(&server, "engine_kv_pages_private"), 0.0);
+    // The tokens it generated before the disconnect count.
+    let generated = metric(&server, "engine_generation_tokens_total");
+    assert!(generated >= 1.0, "the aborted request's tokens are not counted: {generated}");
+    assert!(metric(&server, "engine_prompt_tokens_total") >= 2.0);
 }
 
 /// POSTs `body` as JSON and returns the 200 answer as JSON.

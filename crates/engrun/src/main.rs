@@ -162,6 +162,10 @@ enum Cmd {
         /// The model name clients use (default: the bundle's directory name).
         #[arg(long)]
         served_model_name: Option<String>,
+        /// Seconds a shutdown (SIGTERM, Ctrl-C) waits for the requests in flight before it
+        /// aborts them (`finish_reason: abort`); a second signal aborts them at once.
+        #[arg(long, default_value_t = 60.0)]
+        graceful_shutdown_timeout: f64,
         #[command(flatten)]
         engine: EngineArgs,
     },
@@ -229,8 +233,23 @@ fn main() -> ExitCode {
         Cmd::Logits { bundle, ids, prefill, device, sampling, out } => {
             logits(&bundle, &ids, prefill, device, &sampling.params(0), &out)
         }
-        Cmd::Serve { bundle, host, port, device, api_key, served_model_name, engine } => {
-            serve(&bundle, device, &engine, host, port, api_key, served_model_name)
+        Cmd::Serve { bundle, host, port, device, api_key, served_model_name, graceful_shutdown_timeout, engine } => {
+            match std::time::Duration::try_from_secs_f64(graceful_shutdown_timeout) {
+                Ok(timeout) => {
+                    let opts = server::ServeOptions {
+                        host,
+                        port,
+                        api_key,
+                        model: served_model_name.unwrap_or_default(),
+                        max_context: 0,
+                        graceful_shutdown_timeout: timeout,
+                    };
+                    serve(&bundle, device, &engine, opts)
+                }
+                Err(_) => Err(format!(
+                    "--graceful-shutdown-timeout must be a non-negative number of seconds, got {graceful_shutdown_timeout}"
+                )),
+            }
         }
         Cmd::Bench {
             bundle,
@@ -415,25 +434,17 @@ fn tokenizer(b: &Bundle, path: &Path) -> Result<text::Tokenizer, String> {
     text::Tokenizer::load(&dir).map_err(|e| e.to_string())
 }
 
-fn serve(
-    path: &Path,
-    device: DeviceArgs,
-    args: &EngineArgs,
-    host: String,
-    port: u16,
-    api_key: Option<String>,
-    name: Option<String>,
-) -> Result<(), String> {
+fn serve(path: &Path, device: DeviceArgs, args: &EngineArgs, mut opts: server::ServeOptions) -> Result<(), String> {
     let (b, backend, dev) = open(path, &device)?;
     let tok = tokenizer(&b, path)?;
     let cfg = args.config(&b, dev)?;
-    let max_context = cfg.max_context;
+    opts.max_context = cfg.max_context;
     let engine = Engine::new(backend, cfg).map_err(|e| e.to_string())?;
-    let model = name.unwrap_or_else(|| {
+    if opts.model.is_empty() {
         let stem = path.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
-        stem.trim_end_matches(".bundle").to_string()
-    });
-    server::serve(engine, tok, server::ServeOptions { host, port, api_key, model, max_context })
+        opts.model = stem.trim_end_matches(".bundle").to_string();
+    }
+    server::serve(engine, tok, opts)
 }
 
 fn parse_ids(ids: &str) -> Result<Vec<Vec<u32>>, String> {

@@ -30,6 +30,7 @@ pub struct Snapshot {
 enum Cmd {
     Submit(Request, Sink, Sender<Result<ReqId, RuntimeError>>),
     Abort(ReqId),
+    AbortAll,
 }
 
 /// A handle to an engine running on its own thread. Dropping it aborts what is left and
@@ -71,6 +72,12 @@ impl EngineHandle {
         let _ = self.send(Cmd::Abort(id));
     }
 
+    /// Aborts every request (each sink gets a `Finished` event with reason `Abort`); the
+    /// engine keeps serving new ones.
+    pub fn abort_all(&self) {
+        let _ = self.send(Cmd::AbortAll);
+    }
+
     /// The engine's state.
     pub fn snapshot(&self) -> Snapshot {
         *self.snapshot.lock().unwrap_or_else(|e| e.into_inner())
@@ -92,6 +99,15 @@ impl EngineHandle {
 impl Drop for EngineHandle {
     fn drop(&mut self) {
         self.stop();
+    }
+}
+
+/// Aborts every request that has a sink, telling each.
+fn abort_all(engine: &mut Engine, sinks: &mut HashMap<ReqId, Sink>) {
+    for (id, mut s) in sinks.drain() {
+        if let Some(e) = engine.abort(id) {
+            s(e);
+        }
     }
 }
 
@@ -119,16 +135,13 @@ fn serve(mut engine: Engine, rx: Receiver<Cmd>, snapshot: Arc<Mutex<Snapshot>>) 
                         s(e);
                     }
                 }
+                Cmd::AbortAll => abort_all(&mut engine, &mut sinks),
             }
         }
         if matches!(rx.try_recv(), Err(std::sync::mpsc::TryRecvError::Disconnected)) && open {
             // The handle is gone: abort what is left.
             open = false;
-            for (id, mut s) in sinks.drain() {
-                if let Some(e) = engine.abort(id) {
-                    s(e);
-                }
-            }
+            abort_all(&mut engine, &mut sinks);
         }
         if !engine.is_idle() {
             match engine.step() {

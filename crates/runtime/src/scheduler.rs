@@ -132,6 +132,8 @@ pub struct SchedStats {
     pub extend_tokens: usize,
     /// Tokens computed by decodes.
     pub decode_tokens: usize,
+    /// Tokens generated for requests (eos and stop ids not counted), aborted requests' too.
+    pub generated_tokens: usize,
     /// Requests retracted to the queue for lack of pages.
     pub retractions: usize,
     /// Pages evicted from the prefix cache.
@@ -516,6 +518,7 @@ impl Scheduler {
                 continue;
             }
             r.output.push(s.token);
+            self.stats.generated_tokens += 1;
             events.push((seq.req, Event::Token { id: s.token, logprobs: s.logprobs }));
             if r.output.len() >= r.req.max_tokens {
                 events.push((seq.req, self.finish(seq.req, FinishReason::Length)));

@@ -30,6 +30,9 @@ pub struct ServeOptions {
     pub model: String,
     /// Context length of the model.
     pub max_context: usize,
+    /// How long a shutdown waits for the requests in flight before it aborts them (they end
+    /// with `finish_reason: "abort"`); a second SIGTERM or Ctrl-C aborts them at once.
+    pub graceful_shutdown_timeout: std::time::Duration,
 }
 
 /// Serves `engine` until SIGTERM or Ctrl-C: then it answers new requests with 503 while the
@@ -50,9 +53,10 @@ pub fn serve(engine: Engine, tok: Tokenizer, opts: ServeOptions) -> Result<(), S
         let drain = Arc::new(drain::Drain::default());
         let created = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
         let vocab = engine.vocab();
+        let handle = Arc::new(EngineHandle::spawn(engine));
         let state = Arc::new(routes::AppState {
             vocab,
-            engine: Arc::new(EngineHandle::spawn(engine)),
+            engine: handle.clone(),
             detok: detok::Detokenizer::spawn(tok.clone()),
             tok,
             model: opts.model.clone(),
@@ -65,7 +69,7 @@ pub fn serve(engine: Engine, tok: Tokenizer, opts: ServeOptions) -> Result<(), S
         });
         eprintln!("serving {} on http://{local}", opts.model);
         axum::serve(listener, routes::router(state))
-            .with_graceful_shutdown(shutdown(drain))
+            .with_graceful_shutdown(shutdown(drain, handle, opts.graceful_shutdown_timeout))
             .await
             .map_err(|e| format!("server: {e}"))?;
         eprintln!("shut down");
@@ -74,20 +78,35 @@ pub fn serve(engine: Engine, tok: Tokenizer, opts: ServeOptions) -> Result<(), S
 }
 
 /// Resolves once a signal came and the requests in flight have finished.
-async fn shutdown(drain: Arc<drain::Drain>) {
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
+async fn shutdown(drain: Arc<drain::Drain>, engine: Arc<EngineHandle>, timeout: std::time::Duration) {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+    let mut signal = async || match term.as_mut() {
+        Some(s) => {
+            tokio::select! {
+                _ = s.recv() => {},
+                _ = tokio::signal::ctrl_c() => {},
             }
-            Err(_) => std::future::pending().await,
+        }
+        None => {
+            let _ = tokio::signal::ctrl_c().await;
         }
     };
-    tokio::select! {
-        _ = term => {},
-        _ = tokio::signal::ctrl_c() => {},
+    signal().await;
+    eprintln!(
+        "shutting down: new requests get 503; finishing the {} requests in flight (at most {:.0} s; a second \
+         SIGTERM aborts them)",
+        drain.in_flight(),
+        timeout.as_secs_f64()
+    );
+    let finished = tokio::select! {
+        _ = drain.finish() => true,
+        _ = tokio::time::sleep(timeout) => false,
+        _ = signal() => false,
+    };
+    if !finished {
+        eprintln!("shutting down: aborting the {} requests still in flight", drain.in_flight());
+        engine.abort_all();
+        drain.finish().await;
     }
-    eprintln!("shutting down: new requests get 503; finishing the {} requests in flight", drain.in_flight());
-    drain.finish().await;
     eprintln!("shutting down: no request in flight; closing the listener");
 }

@@ -41,8 +41,6 @@ impl Histogram {
 pub struct Metrics {
     requests: AtomicU64,
     errors: AtomicU64,
-    prompt_tokens: AtomicU64,
-    generated_tokens: AtomicU64,
     ttft: Histogram,
     tpot: Histogram,
 }
@@ -58,11 +56,8 @@ impl Metrics {
         self.errors.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// A choice finished: its prompt and generated tokens, time to first token, time per
-    /// output token after the first.
-    pub fn finished(&self, prompt: usize, generated: usize, ttft: Option<f64>, tpot: Option<f64>) {
-        self.prompt_tokens.fetch_add(prompt as u64, Ordering::Relaxed);
-        self.generated_tokens.fetch_add(generated as u64, Ordering::Relaxed);
+    /// A choice finished: its time to first token, time per output token after the first.
+    pub fn finished(&self, ttft: Option<f64>, tpot: Option<f64>) {
         if let Some(t) = ttft {
             self.ttft.observe(t);
         }
@@ -87,13 +82,12 @@ impl Metrics {
             "Requests answered with an error",
             self.errors.load(Ordering::Relaxed),
         );
-        counter(&mut out, "engine_prompt_tokens_total", "Prompt tokens", self.prompt_tokens.load(Ordering::Relaxed));
-        counter(
-            &mut out,
-            "engine_generation_tokens_total",
-            "Generated tokens",
-            self.generated_tokens.load(Ordering::Relaxed),
-        );
+        // The engine counts tokens itself, so those of requests aborted by a disconnect or a
+        // shutdown count too.
+        let prompt = s.stats.prompt_tokens as u64;
+        counter(&mut out, "engine_prompt_tokens_total", "Prompt tokens of admitted requests", prompt);
+        let generated = s.stats.generated_tokens as u64;
+        counter(&mut out, "engine_generation_tokens_total", "Generated tokens (aborted requests' included)", generated);
         self.ttft.write(&mut out, "engine_time_to_first_token_seconds", "Time to first token");
         self.tpot.write(&mut out, "engine_time_per_output_token_seconds", "Time per output token after the first");
         gauge(&mut out, "engine_queue_requests", "Requests waiting for admission", s.queued as f64);

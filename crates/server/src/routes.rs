@@ -407,7 +407,7 @@ impl Answer {
                     (Some(f), Some(l)) if c.tokens > 1 => Some((l - f).as_secs_f64() / (c.tokens - 1) as f64),
                     _ => None,
                 };
-                self.st.metrics.finished(prompt_tokens, completion_tokens, ttft, tpot);
+                self.st.metrics.finished(ttft, tpot);
                 self.guard.close(i);
                 (String::new(), vec![], Some(reason))
             }
