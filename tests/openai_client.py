@@ -86,7 +86,16 @@ def check_api(msgs):
     expect_error(openai.BadRequestError, 400, "presence_penalty", model=model, messages=msgs, presence_penalty=5)
     expect_error(openai.BadRequestError, 400, "temperature", model=model, messages=msgs,
                  extra_body={"temperature": "hot"})
-    expect_error_completion("echo", echo=True)
+    # echo: the prompt, then the completion (streamed: the prompt first); not with logprobs.
+    plain = client.completions.create(model=model, prompt="The capital of France is", temperature=0, max_tokens=4)
+    e = client.completions.create(model=model, prompt="The capital of France is", temperature=0, max_tokens=4, echo=True)
+    assert e.choices[0].text == "The capital of France is" + plain.choices[0].text, e.choices[0].text
+    s = client.completions.create(model=model, prompt="The capital of France is", temperature=0, max_tokens=4,
+                                  echo=True, stream=True)
+    assert "".join(ch.choices[0].text for ch in s if ch.choices) == e.choices[0].text
+    ids = client.completions.create(model=model, prompt=[504, 3575, 282], temperature=0, max_tokens=2, echo=True)
+    assert len(ids.choices[0].text) > 0
+    expect_error_completion("echo", echo=True, logprobs=1)
     expect_error_completion("suffix", suffix=" the end")
     expect_error_completion("best_of", best_of=2)
     # The model by id; tokenize and detokenize (SGLang's endpoints) round-trip.

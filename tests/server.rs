@@ -104,7 +104,7 @@ fn errors_have_status_type_param_and_message() {
         ("POST", chat, format!(r#"{{{msgs}, "stop_token_ids": [-1]}}"#), 400, bad, Some("stop_token_ids"), "must be a list of token ids"),
         ("POST", chat, format!(r#"{{{msgs}, "n": 1.5}}"#), 400, bad, Some("n"), "`n` must be an integer"),
         ("POST", "/v1/completions", r#"{"prompt": {"x": 1}}"#.into(), 400, bad, Some("prompt"), "prompt must be a string, a list of strings"),
-        ("POST", "/v1/completions", r#"{"prompt": "x", "echo": true}"#.into(), 400, bad, Some("echo"), "not supported"),
+        ("POST", "/v1/completions", r#"{"prompt": "x", "echo": true, "logprobs": 2}"#.into(), 400, bad, Some("echo"), "`echo` with `logprobs`"),
         ("POST", "/v1/completions", r#"{"prompt": "x", "suffix": "y"}"#.into(), 400, bad, Some("suffix"), "not supported"),
         ("POST", "/v1/completions", r#"{"prompt": "x", "best_of": 3}"#.into(), 400, bad, Some("best_of"), "not supported"),
         ("POST", "/v1/completions", format!(r#"{{"prompt": [{}]}}"#, vec![r#""a""#; 257].join(",")), 400, bad, Some("prompt"), "at most 256 prompts"),

@@ -119,6 +119,9 @@ pub struct Job {
     pub stream: bool,
     /// Send a usage chunk at the end of a stream.
     pub include_usage: bool,
+    /// Completions' `echo`: each prompt's text, which its choices' text starts with (empty:
+    /// no echo).
+    pub echo: Vec<String>,
 }
 
 fn int(v: Option<i64>, name: &'static str, lo: i64, hi: i64) -> Result<Option<usize>, ApiError> {
@@ -221,7 +224,7 @@ impl Params {
             }
         }
         let include_usage = self.stream_options.as_ref().is_some_and(|o| o.include_usage);
-        Ok(Job { requests, stops, n, stream: self.stream, include_usage })
+        Ok(Job { requests, stops, n, stream: self.stream, include_usage, echo: vec![] })
     }
 }
 
@@ -330,6 +333,9 @@ pub enum Prompt {
 pub struct CompletionRequest {
     /// The prompt(s).
     pub prompt: Prompt,
+    /// Return each prompt before its completion.
+    #[serde(default)]
+    pub echo: Option<bool>,
     /// Everything else.
     #[serde(flatten)]
     pub params: Params,

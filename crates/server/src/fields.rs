@@ -218,7 +218,16 @@ fn conditional(k: &str, v: &Value, body: &Map<String, Value>, endpoint: Endpoint
             _ => true,
         },
         ("parallel_tool_calls", Endpoint::Chat) => tools,
-        ("echo", Endpoint::Completions) => !null_or(&|v| v == &Value::Bool(false)),
+        ("echo", Endpoint::Completions) => {
+            let logprobs = body.get("logprobs").is_some_and(|l| !l.is_null());
+            if v == &Value::Bool(true) && logprobs {
+                return Err(ApiError::bad(
+                    "`echo` with `logprobs` (the prompt's logprobs) is not supported",
+                    Some("echo"),
+                ));
+            }
+            !(v.is_null() || v.is_boolean())
+        }
         ("suffix", Endpoint::Completions) => !null_or(&|v| v.as_str() == Some("")),
         ("best_of", Endpoint::Completions) => !null_or(&|v| v.as_i64() == Some(1)),
         _ => true,

@@ -245,8 +245,26 @@ async fn completions(State(st): St, headers: HeaderMap, body: Result<Bytes, Byte
         let req: CompletionRequest = parse_for(body, Endpoint::Completions)?;
         req.params.check_model(&st.model)?;
         let top = req.top_logprobs()?;
+        let texts = match (&req.echo, &req.prompt) {
+            (Some(true), Prompt::Text(t)) => Some(vec![t.clone()]),
+            (Some(true), Prompt::Texts(t)) => Some(t.clone()),
+            _ => None,
+        };
+        let echo = req.echo == Some(true);
         let prompts = tokenize(&st, req.prompt).await?;
-        let job = req.params.job(prompts, top, st.limits(), "prompt", Some(COMPLETIONS_MAX_TOKENS))?;
+        let mut job = req.params.job(prompts.clone(), top, st.limits(), "prompt", Some(COMPLETIONS_MAX_TOKENS))?;
+        if echo {
+            job.echo = match texts {
+                Some(t) => t,
+                // Token-id prompts echo as their decoded text.
+                None => {
+                    let tok = st.tok.clone();
+                    blocking(move || prompts.iter().map(|p| tok.decode(p, false)).collect::<Result<Vec<_>, _>>())
+                        .await?
+                        .map_err(|e| ApiError::bad(format!("detokenizing the prompt: {e}"), Some("prompt")))?
+                }
+            };
+        }
         run(&st, job, Kind::Completion, ticket).await
     }
     .await;
@@ -375,8 +393,14 @@ async fn run(st: &Arc<AppState>, job: Job, kind: Kind, ticket: Ticket) -> Result
         st: st.clone(),
         _ticket: ticket,
     };
+    // Echo: each choice's text starts with its prompt (streamed as a first chunk).
+    let mut first = Vec::new();
+    for (i, prompt) in job.echo.iter().flat_map(|p| std::iter::repeat_n(p, job.n)).enumerate() {
+        a.choices[i].text = prompt.clone();
+        first.push(a.chunk(i, prompt.clone(), vec![], None).to_string());
+    }
     if job.stream {
-        return Ok(stream(a, job.include_usage));
+        return Ok(stream(a, job.include_usage, first));
     }
     while let Some((i, d)) = a.rx.recv().await {
         a.apply(i, d);
@@ -512,16 +536,20 @@ impl Answer {
 }
 
 /// Server-sent events: one chunk per delta, an optional usage chunk, then `[DONE]`.
-fn stream(a: Answer, include_usage: bool) -> Response {
+fn stream(a: Answer, include_usage: bool, first: Vec<String>) -> Response {
     struct S {
         a: Answer,
         usage: bool,
         ended: bool,
+        first: std::collections::VecDeque<String>,
     }
-    let s = S { a, usage: include_usage, ended: false };
+    let s = S { a, usage: include_usage, ended: false, first: first.into() };
     let events = futures_util::stream::unfold(s, |mut s| async move {
         if s.ended {
             return None;
+        }
+        if let Some(data) = s.first.pop_front() {
+            return Some((Ok::<_, std::convert::Infallible>(SseEvent::default().data(data)), s));
         }
         let data = match s.a.rx.recv().await {
             Some((i, d)) => {
