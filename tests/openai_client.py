@@ -51,6 +51,15 @@ def expect_error_completion(param, **kw):
     raise AssertionError(f"no 400 for {kw}")
 
 
+def http_tokenize(text):
+    """The ids of `text` by the server's /tokenize (no special tokens); one id for a token string."""
+    root = base.rsplit("/v1", 1)[0]
+    r = client._client.post(root + "/tokenize", json={"prompt": text, "add_special_tokens": False},
+                            headers={"Authorization": f"Bearer {client.api_key}"}).json()
+    ids = r["tokens"]
+    return ids[0] if len(ids) == 1 else ids
+
+
 def check_api(msgs):
     """What clients send works or is refused: sampling seeds, defaults, validation of every
     field the server does not implement, the model, tokenize and detokenize endpoints."""
@@ -73,7 +82,18 @@ def check_api(msgs):
     expect_error(openai.BadRequestError, 400, "messages", model=model, messages=[{"role": "user", "content": None}])
     expect_error(openai.BadRequestError, 400, "messages", model=model,
                  messages=msgs + [{"role": "tool", "content": "42", "tool_call_id": "c1"}])
-    expect_error(openai.BadRequestError, 400, "logit_bias", model=model, messages=msgs, logit_bias={"5": -100})
+    # logit_bias: -100 on the greedy first token changes the answer; +100 on a token forces it.
+    greedy = chat(messages=msgs, temperature=0, max_tokens=1, logprobs=True, top_logprobs=1)
+    first = http_tokenize(greedy.choices[0].logprobs.content[0].token)
+    banned = chat(messages=msgs, temperature=0, max_tokens=1, logit_bias={str(first): -100})
+    assert banned.choices[0].message.content != greedy.choices[0].message.content, banned
+    forced = chat(messages=msgs, temperature=1.0, max_tokens=3, logit_bias={"17": 100})
+    assert forced.usage.completion_tokens == 3
+    root = base.rsplit("/v1", 1)[0]
+    want = client._client.post(root + "/detokenize", json={"tokens": [17, 17, 17]},
+                               headers={"Authorization": f"Bearer {client.api_key}"}).json()["text"]
+    assert forced.choices[0].message.content == want, (forced.choices[0].message.content, want)
+    expect_error(openai.BadRequestError, 400, "logit_bias", model=model, messages=msgs, logit_bias={"5": 300})
     expect_error(openai.BadRequestError, 400, "response_format", model=model, messages=msgs,
                  response_format={"type": "bogus"})
     expect_error(openai.BadRequestError, 400, "response_format", model=model, messages=msgs,

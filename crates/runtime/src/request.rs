@@ -55,6 +55,9 @@ impl Request {
                 self.max_tokens
             ));
         }
+        if let Some((t, _)) = self.sampling.logit_bias.iter().find(|(t, _)| *t as usize >= vocab) {
+            return bad(format!("logit_bias token id {t} is outside the vocabulary (size {vocab})"));
+        }
         if let Some(n) = self.logprobs.filter(|&n| n > 20) {
             return bad(format!("top logprobs must be at most 20, got {n}"));
         }

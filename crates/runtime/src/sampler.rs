@@ -25,6 +25,10 @@ pub struct SamplingParams {
     pub frequency_penalty: f32,
     /// Subtracted from the logit of every token generated at least once (OpenAI's; 0: off).
     pub presence_penalty: f32,
+    /// Added to the logits of these tokens before every choice (OpenAI's `logit_bias`, each in
+    /// [-100, 100]: -100 bans a token, +100 all but forces it). Like the penalties, it needs
+    /// the step's logits: such rows are chosen by [`pick`] on the host, on every backend.
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 impl Default for SamplingParams {
@@ -38,6 +42,7 @@ impl Default for SamplingParams {
             repetition_penalty: 1.0,
             frequency_penalty: 0.0,
             presence_penalty: 0.0,
+            logit_bias: Vec::new(),
         }
     }
 }
@@ -62,6 +67,9 @@ impl SamplingParams {
             if !(-2.0..=2.0).contains(&v) {
                 return bad(format!("{name} must be in [-2, 2], got {v}"));
             }
+        }
+        if let Some((t, b)) = self.logit_bias.iter().find(|(_, b)| !(-100.0..=100.0).contains(b)) {
+            return bad(format!("logit_bias of token {t} must be in [-100, 100], got {b}"));
         }
         Ok(())
     }
@@ -235,10 +243,13 @@ impl RequestSampler {
     }
 
     /// Whether the choice depends on more than the raw logits and this step's numbers
-    /// (penalties look at the tokens so far).
+    /// (penalties look at the tokens so far; a logit bias changes the logits).
     pub fn penalised(&self) -> bool {
         let p = &self.sampler.params;
-        p.repetition_penalty != 1.0 || p.frequency_penalty != 0.0 || p.presence_penalty != 0.0
+        p.repetition_penalty != 1.0
+            || p.frequency_penalty != 0.0
+            || p.presence_penalty != 0.0
+            || !p.logit_bias.is_empty()
     }
 
     /// This step's parameters and uniform number (see [`Sampler::row`]); draw once per step.
@@ -268,6 +279,11 @@ impl RequestSampler {
             }
             for (&t, &c) in &self.counts {
                 l[t as usize] -= p.frequency_penalty * c as f32 + p.presence_penalty;
+            }
+            for &(t, b) in &p.logit_bias {
+                if let Some(x) = l.get_mut(t as usize) {
+                    *x += b;
+                }
             }
             pick(&l, row)
         } else {
@@ -420,6 +436,24 @@ mod tests {
         assert_eq!(t, 0);
         assert!((lp.token as f64 - (2.0 - z.ln())).abs() < 1e-6);
         assert_eq!(lp.top.iter().map(|x| x.0).collect::<Vec<_>>(), [0, 1]);
+    }
+
+    /// A bias of -100 bans the greedy token, +100 forces a token, in greedy and in sampled
+    /// choices; the logprobs stay those of the raw logits.
+    #[test]
+    fn logit_bias_bans_and_forces() {
+        let logits = [2.0, 1.9, 0.0, -1.0];
+        let ban = SamplingParams { logit_bias: vec![(0, -100.0)], ..Default::default() };
+        let mut s = RequestSampler::new(ban, &[]).unwrap();
+        assert!(s.penalised(), "a biased request needs the step's logits");
+        let (t, lp) = s.next(&logits, Some(1));
+        assert_eq!(t, 1, "token 0 is banned");
+        assert_eq!(lp.unwrap().top[0].0, 0, "logprobs are the raw logits'");
+        for seed in 0..20 {
+            let force = SamplingParams { logit_bias: vec![(3, 100.0)], temperature: 1.0, seed, ..Default::default() };
+            assert_eq!(RequestSampler::new(force, &[]).unwrap().next(&logits, None).0, 3, "seed {seed}");
+        }
+        assert!(Sampler::new(SamplingParams { logit_bias: vec![(1, 101.0)], ..Default::default() }).is_err());
     }
 
     #[test]

@@ -95,6 +95,8 @@ pub struct Params {
     pub logprobs: Option<Value>,
     /// Chat: top logprobs per token.
     pub top_logprobs: Option<i64>,
+    /// Token id (as a string) to a bias added to its logit, in [-100, 100].
+    pub logit_bias: Option<serde_json::Map<String, Value>>,
 }
 
 /// What a request is checked against: the served model's context length and vocabulary.
@@ -132,6 +134,18 @@ fn int(v: Option<i64>, name: &'static str, lo: i64, hi: i64) -> Result<Option<us
         Some(x) => Ok(Some(x as usize)),
         None => Ok(None),
     }
+}
+
+/// OpenAI's `logit_bias` map (`{"1234": -100}`) as (token, bias) pairs.
+fn logit_bias(m: Option<&serde_json::Map<String, Value>>) -> Result<Vec<(u32, f32)>, ApiError> {
+    let bad = |m: String| ApiError::bad(m, Some("logit_bias"));
+    let mut out = Vec::new();
+    for (k, v) in m.into_iter().flatten() {
+        let t: u32 = k.parse().map_err(|_| bad(format!("logit_bias keys must be token ids, got `{k}`")))?;
+        let b = v.as_f64().ok_or_else(|| bad(format!("logit_bias of token {t} must be a number, got {v}")))?;
+        out.push((t, b as f32));
+    }
+    Ok(out)
 }
 
 impl Params {
@@ -189,6 +203,7 @@ impl Params {
             repetition_penalty: p.repetition_penalty.unwrap_or(1.0),
             frequency_penalty: p.frequency_penalty.unwrap_or(0.0),
             presence_penalty: p.presence_penalty.unwrap_or(0.0),
+            logit_bias: logit_bias(self.logit_bias.as_ref())?,
         };
         sampling.validate().map_err(ApiError::from)?;
         let asked = self.max_completion_tokens.or(self.max_tokens);

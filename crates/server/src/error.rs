@@ -104,7 +104,7 @@ impl IntoResponse for ApiError {
 
 /// The request fields the engine's validation messages name, the first one a message
 /// contains being the field at fault.
-const PARAMS: [&str; 10] = [
+const PARAMS: [&str; 11] = [
     "max_tokens",
     "temperature",
     "top_p",
@@ -114,6 +114,7 @@ const PARAMS: [&str; 10] = [
     "repetition_penalty",
     "frequency_penalty",
     "presence_penalty",
+    "logit_bias",
     "prompt",
 ];
 

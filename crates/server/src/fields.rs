@@ -35,7 +35,7 @@ const GENERATE_SAMPLING: [&str; 12] = [
 ];
 
 /// Fields of both endpoints that the server implements.
-const USED: [&str; 17] = [
+const USED: [&str; 18] = [
     "model",
     "max_tokens",
     "temperature",
@@ -53,6 +53,7 @@ const USED: [&str; 17] = [
     "stream",
     "stream_options",
     "logprobs",
+    "logit_bias",
 ];
 
 /// The JSON type a field takes (null is always accepted: the default).
@@ -73,7 +74,7 @@ enum Ty {
 
 /// The types of the fields the server reads, checked before the body is typed so that a
 /// wrong type is a 400 naming its field.
-const TYPES: [(&str, Ty); 19] = [
+const TYPES: [(&str, Ty); 20] = [
     ("model", Ty::String),
     ("max_tokens", Ty::Integer),
     ("max_completion_tokens", Ty::Integer),
@@ -93,6 +94,7 @@ const TYPES: [(&str, Ty); 19] = [
     ("stream_options", Ty::Object),
     ("logprobs", Ty::BoolOrInt),
     ("top_logprobs", Ty::Integer),
+    ("logit_bias", Ty::Object),
 ];
 
 impl Ty {
@@ -190,7 +192,6 @@ fn conditional(k: &str, v: &Value, body: &Map<String, Value>, endpoint: Endpoint
     let tools = body.get("tools").is_some_and(|t| !t.is_null() && t.as_array().is_none_or(|a| !a.is_empty()));
     // Unknown fields fall through to the last arm.
     Ok(match (k, endpoint) {
-        ("logit_bias", _) => !null_or(&|v| v.as_object().is_some_and(Map::is_empty)),
         ("response_format", _) => {
             let kind = v.get("type").and_then(Value::as_str);
             match kind {
@@ -236,8 +237,7 @@ fn conditional(k: &str, v: &Value, body: &Map<String, Value>, endpoint: Endpoint
 
 /// Fields of OpenAI's API (or SGLang's / vLLM's extensions) that this server does not
 /// implement yet.
-const NOT_YET: [&str; 16] = [
-    "logit_bias",
+const NOT_YET: [&str; 15] = [
     "echo",
     "suffix",
     "best_of",
