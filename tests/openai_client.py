@@ -94,6 +94,13 @@ def check_api(msgs):
                                headers={"Authorization": f"Bearer {client.api_key}"}).json()["text"]
     assert forced.choices[0].message.content == want, (forced.choices[0].message.content, want)
     expect_error(openai.BadRequestError, 400, "logit_bias", model=model, messages=msgs, logit_bias={"5": 300})
+    # min_tokens: eos is held back until then (the greedy answer stops well before 24 tokens).
+    short = chat(messages=msgs, temperature=0, max_tokens=24)
+    assert short.choices[0].finish_reason == "stop" and short.usage.completion_tokens < 24, short.usage
+    held = chat(messages=msgs, temperature=0, max_tokens=24, extra_body={"min_tokens": 24})
+    assert held.choices[0].finish_reason == "length" and held.usage.completion_tokens == 24, held.usage
+    assert held.choices[0].message.content.startswith(short.choices[0].message.content), held.choices[0].message.content
+    expect_error(openai.BadRequestError, 400, "min_tokens", model=model, messages=msgs, extra_body={"min_tokens": -1})
     expect_error(openai.BadRequestError, 400, "response_format", model=model, messages=msgs,
                  response_format={"type": "bogus"})
     expect_error(openai.BadRequestError, 400, "response_format", model=model, messages=msgs,

@@ -29,6 +29,12 @@ pub struct SamplingParams {
     /// [-100, 100]: -100 bans a token, +100 all but forces it). Like the penalties, it needs
     /// the step's logits: such rows are chosen by [`pick`] on the host, on every backend.
     pub logit_bias: Vec<(u32, f32)>,
+    /// The tokens `min_tokens_ids` cannot be chosen before this many were generated (vLLM's
+    /// and SGLang's `min_tokens`; 0: off).
+    pub min_tokens: usize,
+    /// The ids `min_tokens` holds back: the engine fills them in at submission (the model's eos
+    /// ids unless the request ignores eos, and the request's stop ids).
+    pub min_tokens_ids: Vec<u32>,
 }
 
 impl Default for SamplingParams {
@@ -43,6 +49,8 @@ impl Default for SamplingParams {
             frequency_penalty: 0.0,
             presence_penalty: 0.0,
             logit_bias: Vec::new(),
+            min_tokens: 0,
+            min_tokens_ids: Vec::new(),
         }
     }
 }
@@ -250,6 +258,13 @@ impl RequestSampler {
             || p.frequency_penalty != 0.0
             || p.presence_penalty != 0.0
             || !p.logit_bias.is_empty()
+            || self.holding_back()
+    }
+
+    /// Whether `min_tokens` still holds its ids back.
+    fn holding_back(&self) -> bool {
+        let p = &self.sampler.params;
+        !p.min_tokens_ids.is_empty() && (self.counts.values().sum::<u32>() as usize) < p.min_tokens
     }
 
     /// This step's parameters and uniform number (see [`Sampler::row`]); draw once per step.
@@ -283,6 +298,13 @@ impl RequestSampler {
             for &(t, b) in &p.logit_bias {
                 if let Some(x) = l.get_mut(t as usize) {
                     *x += b;
+                }
+            }
+            if self.holding_back() {
+                for &t in &p.min_tokens_ids {
+                    if let Some(x) = l.get_mut(t as usize) {
+                        *x = f32::NEG_INFINITY;
+                    }
                 }
             }
             pick(&l, row)
@@ -454,6 +476,19 @@ mod tests {
             assert_eq!(RequestSampler::new(force, &[]).unwrap().next(&logits, None).0, 3, "seed {seed}");
         }
         assert!(Sampler::new(SamplingParams { logit_bias: vec![(1, 101.0)], ..Default::default() }).is_err());
+    }
+
+    /// `min_tokens` holds its ids back until that many tokens were generated, then lets them.
+    #[test]
+    fn min_tokens_holds_back_eos() {
+        let logits = [0.0, 5.0, 1.0];
+        let p = SamplingParams { min_tokens: 2, min_tokens_ids: vec![1], ..Default::default() };
+        let mut s = RequestSampler::new(p, &[]).unwrap();
+        assert!(s.penalised());
+        assert_eq!(s.next(&logits, None).0, 2, "eos (1) held back at the first token");
+        assert_eq!(s.next(&logits, None).0, 2, "and at the second");
+        assert!(!s.penalised(), "free after two tokens");
+        assert_eq!(s.next(&logits, None).0, 1);
     }
 
     #[test]

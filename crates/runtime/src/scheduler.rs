@@ -191,8 +191,12 @@ impl Scheduler {
         }
     }
 
-    pub fn submit(&mut self, req: Request, vocab: usize) -> Result<ReqId, RuntimeError> {
+    pub fn submit(&mut self, mut req: Request, vocab: usize) -> Result<ReqId, RuntimeError> {
         req.validate(vocab, self.cfg.max_context)?;
+        if req.sampling.min_tokens > 0 {
+            let eos = if req.ignore_eos { &[][..] } else { &self.cfg.eos_ids[..] };
+            req.sampling.min_tokens_ids = eos.iter().chain(&req.stop_ids).copied().collect();
+        }
         let need = self.pool.pages_for(req.prompt.len() + req.max_tokens);
         if need > self.pool.total() {
             return Err(RuntimeError::Invalid(format!(

@@ -70,6 +70,8 @@ pub struct Sampling {
     /// Do not stop at eos.
     #[serde(default)]
     pub ignore_eos: bool,
+    /// No eos or stop id before this many tokens (vLLM's and SGLang's `min_tokens`).
+    pub min_tokens: Option<i64>,
 }
 
 /// Parameters shared by the chat and completion endpoints.
@@ -204,6 +206,8 @@ impl Params {
             frequency_penalty: p.frequency_penalty.unwrap_or(0.0),
             presence_penalty: p.presence_penalty.unwrap_or(0.0),
             logit_bias: logit_bias(self.logit_bias.as_ref())?,
+            min_tokens: int(p.min_tokens, "min_tokens", 0, i64::MAX)?.unwrap_or(0),
+            min_tokens_ids: vec![],
         };
         sampling.validate().map_err(ApiError::from)?;
         let asked = self.max_completion_tokens.or(self.max_tokens);

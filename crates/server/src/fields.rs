@@ -35,7 +35,7 @@ const GENERATE_SAMPLING: [&str; 12] = [
 ];
 
 /// Fields of both endpoints that the server implements.
-const USED: [&str; 18] = [
+const USED: [&str; 19] = [
     "model",
     "max_tokens",
     "temperature",
@@ -54,6 +54,7 @@ const USED: [&str; 18] = [
     "stream_options",
     "logprobs",
     "logit_bias",
+    "min_tokens",
 ];
 
 /// The JSON type a field takes (null is always accepted: the default).
@@ -74,7 +75,7 @@ enum Ty {
 
 /// The types of the fields the server reads, checked before the body is typed so that a
 /// wrong type is a 400 naming its field.
-const TYPES: [(&str, Ty); 20] = [
+const TYPES: [(&str, Ty); 21] = [
     ("model", Ty::String),
     ("max_tokens", Ty::Integer),
     ("max_completion_tokens", Ty::Integer),
@@ -95,6 +96,7 @@ const TYPES: [(&str, Ty); 20] = [
     ("logprobs", Ty::BoolOrInt),
     ("top_logprobs", Ty::Integer),
     ("logit_bias", Ty::Object),
+    ("min_tokens", Ty::Integer),
 ];
 
 impl Ty {
@@ -237,7 +239,7 @@ fn conditional(k: &str, v: &Value, body: &Map<String, Value>, endpoint: Endpoint
 
 /// Fields of OpenAI's API (or SGLang's / vLLM's extensions) that this server does not
 /// implement yet.
-const NOT_YET: [&str; 15] = [
+const NOT_YET: [&str; 14] = [
     "echo",
     "suffix",
     "best_of",
@@ -247,7 +249,6 @@ const NOT_YET: [&str; 15] = [
     "functions",
     "function_call",
     "response_format",
-    "min_tokens",
     "regex",
     "json_schema",
     "ebnf",
