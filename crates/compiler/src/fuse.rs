@@ -20,12 +20,7 @@ fn fuse(mut g: Graph) -> Result<Graph, CompileError> {
             unreachable!("next_pair returns maps")
         };
         let mut inputs: Vec<NodeIndex> = ins.iter().enumerate().filter(|&(k, _)| k != j).map(|(_, &n)| n).collect();
-        let slot = |inputs: &mut Vec<NodeIndex>, n: NodeIndex| {
-            Scalar::Arg(inputs.iter().position(|&x| x == n).unwrap_or_else(|| {
-                inputs.push(n);
-                inputs.len() - 1
-            }))
-        };
+        let slot = |inputs: &mut Vec<NodeIndex>, n: NodeIndex| Scalar::Arg(input_slot(inputs, n));
         let inner_args: Vec<Scalar> = g.inputs(p).into_iter().map(|n| slot(&mut inputs, n)).collect();
         let inner = inner.substitute(&inner_args);
         let outer_args: Vec<Scalar> =
@@ -38,6 +33,15 @@ fn fuse(mut g: Graph) -> Result<Graph, CompileError> {
         g.remove(p);
     }
     Ok(g)
+}
+
+/// The index of `n` among a map's `inputs`, appending it when it is not one yet (a map reads
+/// each node once, however often its expression uses it).
+pub(crate) fn input_slot(inputs: &mut Vec<NodeIndex>, n: NodeIndex) -> usize {
+    inputs.iter().position(|&x| x == n).unwrap_or_else(|| {
+        inputs.push(n);
+        inputs.len() - 1
+    })
 }
 
 /// A map `m` and the slot of an input that is a map read by `m` alone.

@@ -136,16 +136,7 @@ impl Lowerer<'_> {
         let (fun, operands): (Fun, Vec<&Expr>) = match e {
             Expr::Binary(op, a, b) => (binary_fun(*op).ok_or_else(|| not_tensor(e))?, vec![a, b]),
             Expr::Unary(UnOp::Neg, a) => (fun("neg")?, vec![a]),
-            Expr::Call { name, args, kwargs } => {
-                let f = Fun::named(name).filter(|f| f.def().name == name).ok_or_else(|| unknown_call(name))?;
-                if let Some((k, _)) = kwargs.first() {
-                    return Err(format!("`{name}` takes no keyword arguments (got `{k}`)"));
-                }
-                if args.len() != f.def().arity {
-                    return Err(format!("`{name}` takes {} argument(s), got {}", f.def().arity, args.len()));
-                }
-                (f, args.iter().collect())
-            }
+            Expr::Call { name, args, kwargs } => (function(name, args, kwargs)?, args.iter().collect()),
             _ => return Err(not_tensor(e)),
         };
         let mut nodes: Vec<NodeIndex> = Vec::new();
@@ -156,11 +147,7 @@ impl Lowerer<'_> {
                 continue;
             }
             let n = self.node(o, label)?;
-            let i = nodes.iter().position(|&m| m == n).unwrap_or_else(|| {
-                nodes.push(n);
-                nodes.len() - 1
-            });
-            args.push(Scalar::Arg(i));
+            args.push(Scalar::Arg(crate::fuse::input_slot(&mut nodes, n)));
         }
         let expr = Scalar::call(fun, args);
         let acts = nodes.iter().all(|&n| self.g.node(n).ty.shape.first() == Some(&ir::Dim::T));
@@ -179,8 +166,8 @@ impl Lowerer<'_> {
     fn constant(&self, e: &Expr) -> Result<f32, String> {
         let lookup = |n: &str| self.model.param(n).cloned();
         let v = match e {
-            Expr::Call { name, args, .. } => {
-                let f = Fun::named(name).ok_or_else(|| unknown_call(name))?;
+            Expr::Call { name, args, kwargs } => {
+                let f = function(name, args, kwargs)?;
                 let vals =
                     args.iter().map(|a| Ok(Scalar::Const(self.constant(a)?))).collect::<Result<Vec<_>, String>>()?;
                 Scalar::call(f, vals).eval(&[])
@@ -394,6 +381,18 @@ fn binary_fun(op: BinOp) -> Option<Fun> {
         _ => return None,
     };
     Fun::named(name)
+}
+
+/// The elementwise function a call names, its arguments counted and no keyword arguments.
+fn function(name: &str, args: &[Expr], kwargs: &[(String, Expr)]) -> Result<Fun, String> {
+    let f = fun(name)?;
+    if let Some((k, _)) = kwargs.first() {
+        return Err(format!("`{name}` takes no keyword arguments (got `{k}`)"));
+    }
+    if args.len() != f.def().arity {
+        return Err(format!("`{name}` takes {} argument(s), got {}", f.def().arity, args.len()));
+    }
+    Ok(f)
 }
 
 fn fun(name: &str) -> Result<Fun, String> {

@@ -17,27 +17,9 @@ pub enum Endpoint {
     Generate,
 }
 
-/// `/generate`'s fields: the top level, and `sampling_params` (SGLang's names).
-const GENERATE: [&str; 4] = ["text", "input_ids", "sampling_params", "stream"];
-const GENERATE_SAMPLING: [&str; 12] = [
-    "max_new_tokens",
-    "seed",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "frequency_penalty",
-    "presence_penalty",
-    "repetition_penalty",
-    "stop",
-    "stop_token_ids",
-    "ignore_eos",
-];
-
-/// Fields of both endpoints that the server implements.
-const USED: [&str; 19] = [
-    "model",
-    "max_tokens",
+/// The sampling and stopping fields (`api::Sampling`): at the top level of the OpenAI
+/// endpoints, in `sampling_params` of `/generate`.
+const SAMPLING: [&str; 12] = [
     "temperature",
     "top_p",
     "top_k",
@@ -49,13 +31,15 @@ const USED: [&str; 19] = [
     "stop",
     "stop_token_ids",
     "ignore_eos",
-    "n",
-    "stream",
-    "stream_options",
-    "logprobs",
-    "logit_bias",
     "min_tokens",
 ];
+
+/// `/generate`'s top-level fields; its `sampling_params` takes [`SAMPLING`] and
+/// `max_new_tokens` (SGLang's names).
+const GENERATE: [&str; 4] = ["text", "input_ids", "sampling_params", "stream"];
+
+/// The other fields of both OpenAI endpoints that the server implements.
+const USED: [&str; 7] = ["model", "max_tokens", "n", "stream", "stream_options", "logprobs", "logit_bias"];
 
 /// The JSON type a field takes (null is always accepted: the default).
 #[derive(Clone, Copy)]
@@ -140,7 +124,7 @@ pub fn check(body: &Map<String, Value>, endpoint: Endpoint) -> Result<(), ApiErr
     };
     for (key, v) in body {
         let k = key.as_str();
-        if USED.contains(&k) || own.contains(&k) || HARMLESS.contains(&k) {
+        if SAMPLING.contains(&k) || USED.contains(&k) || own.contains(&k) || HARMLESS.contains(&k) {
             continue;
         }
         if conditional(k, v, body, endpoint)? {
@@ -150,11 +134,7 @@ pub fn check(body: &Map<String, Value>, endpoint: Endpoint) -> Result<(), ApiErr
     if body.get("model").is_some_and(|m| !m.is_string()) {
         return Err(ApiError::bad("model must be a string", Some("model")));
     }
-    for (k, ty) in TYPES {
-        if let Some(v) = body.get(k).filter(|v| !v.is_null() && !ty.admits(v)) {
-            return Err(ApiError::bad_field(format!("`{k}` must be {}, got {v}", ty.name()), k));
-        }
-    }
+    check_types(body)?;
     if endpoint == Endpoint::Chat
         && body.contains_key("top_logprobs")
         && !body.get("logprobs").is_some_and(|l| l == &Value::Bool(true))
@@ -174,12 +154,17 @@ fn check_generate(body: &Map<String, Value>) -> Result<(), ApiError> {
     let Some(sp) = sp.as_object() else {
         return Err(ApiError::bad("sampling_params must be an object", Some("sampling_params")));
     };
-    if let Some(k) = sp.keys().find(|k| !GENERATE_SAMPLING.contains(&k.as_str())) {
+    if let Some(k) = sp.keys().find(|k| !SAMPLING.contains(&k.as_str()) && k.as_str() != "max_new_tokens") {
         let name = format!("sampling_params.{k}");
         return Err(ApiError::bad_field(format!("`{name}`: unrecognized or not supported by this server"), &name));
     }
-    for (k, ty) in TYPES.iter().filter(|(k, _)| sp.contains_key(*k)) {
-        if let Some(v) = sp.get(*k).filter(|v| !v.is_null() && !ty.admits(v)) {
+    check_types(sp)
+}
+
+/// The JSON type of every field of [`TYPES`] that `fields` has (null passes).
+fn check_types(fields: &Map<String, Value>) -> Result<(), ApiError> {
+    for (k, ty) in TYPES {
+        if let Some(v) = fields.get(k).filter(|v| !v.is_null() && !ty.admits(v)) {
             return Err(ApiError::bad_field(format!("`{k}` must be {}, got {v}", ty.name()), k));
         }
     }

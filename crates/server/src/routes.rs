@@ -99,9 +99,11 @@ fn auth(st: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
 /// The body as JSON; a body that could not be read keeps axum's status in OpenAI's shape. A
 /// value of the wrong type is a 400 naming its field.
 fn parse<T: serde::de::DeserializeOwned>(body: Result<Bytes, BytesRejection>) -> Result<T, ApiError> {
-    let v: Value =
-        serde_json::from_slice(&body?).map_err(|e| ApiError::bad(format!("invalid JSON body: {e}"), None))?;
-    typed(v)
+    typed(json(body)?)
+}
+
+fn json(body: Result<Bytes, BytesRejection>) -> Result<Value, ApiError> {
+    serde_json::from_slice(&body?).map_err(|e| ApiError::bad(format!("invalid JSON body: {e}"), None))
 }
 
 /// A body for `endpoint`: every top-level field checked (`fields::check`), then typed.
@@ -109,8 +111,7 @@ fn parse_for<T: serde::de::DeserializeOwned>(
     body: Result<Bytes, BytesRejection>,
     endpoint: Endpoint,
 ) -> Result<T, ApiError> {
-    let v: Value =
-        serde_json::from_slice(&body?).map_err(|e| ApiError::bad(format!("invalid JSON body: {e}"), None))?;
+    let v = json(body)?;
     let Value::Object(map) = &v else {
         return Err(ApiError::bad("the request body must be a JSON object", None));
     };
@@ -245,27 +246,26 @@ async fn completions(State(st): St, headers: HeaderMap, body: Result<Bytes, Byte
         let req: CompletionRequest = parse_for(body, Endpoint::Completions)?;
         req.params.check_model(&st.model)?;
         let top = req.top_logprobs()?;
-        let texts = match (&req.echo, &req.prompt) {
-            (Some(true), Prompt::Text(t)) => Some(vec![t.clone()]),
-            (Some(true), Prompt::Texts(t)) => Some(t.clone()),
+        let echo = req.echo == Some(true);
+        let given = match &req.prompt {
+            Prompt::Text(t) if echo => Some(vec![t.clone()]),
+            Prompt::Texts(t) if echo => Some(t.clone()),
             _ => None,
         };
-        let echo = req.echo == Some(true);
         let prompts = tokenize(&st, req.prompt).await?;
-        let mut job = req.params.job(prompts.clone(), top, st.limits(), "prompt", Some(COMPLETIONS_MAX_TOKENS))?;
-        if echo {
-            job.echo = match texts {
-                Some(t) => t,
-                // Token-id prompts echo as their decoded text.
-                None => {
-                    let tok = st.tok.clone();
-                    blocking(move || prompts.iter().map(|p| tok.decode(p, false)).collect::<Result<Vec<_>, _>>())
-                        .await?
-                        .map_err(|e| ApiError::bad(format!("detokenizing the prompt: {e}"), Some("prompt")))?
-                }
-            };
-        }
-        run(&st, job, Kind::Completion, ticket).await
+        let echo = match (echo, given) {
+            (false, _) => vec![],
+            (true, Some(texts)) => texts,
+            // Token-id prompts echo as their decoded text.
+            (true, None) => {
+                let (tok, ids) = (st.tok.clone(), prompts.clone());
+                blocking(move || ids.iter().map(|p| tok.decode(p, false)).collect::<Result<Vec<_>, _>>())
+                    .await?
+                    .map_err(|e| ApiError::bad(format!("detokenizing the prompt: {e}"), Some("prompt")))?
+            }
+        };
+        let job = req.params.job(prompts, top, st.limits(), "prompt", Some(COMPLETIONS_MAX_TOKENS))?;
+        run(&st, Job { echo, ..job }, Kind::Completion, ticket).await
     }
     .await;
     answer(&st, r)
@@ -397,7 +397,9 @@ async fn run(st: &Arc<AppState>, job: Job, kind: Kind, ticket: Ticket) -> Result
     let mut first = Vec::new();
     for (i, prompt) in job.echo.iter().flat_map(|p| std::iter::repeat_n(p, job.n)).enumerate() {
         a.choices[i].text = prompt.clone();
-        first.push(a.chunk(i, prompt.clone(), vec![], None).to_string());
+        if job.stream {
+            first.push(a.chunk(i, prompt.clone(), vec![], None).to_string());
+        }
     }
     if job.stream {
         return Ok(stream(a, job.include_usage, first));
