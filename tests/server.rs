@@ -113,6 +113,8 @@ fn errors_have_status_type_param_and_message() {
         ("POST", "/v1/completions", format!(r#"{{"prompt": [{}]}}"#, vec![r#""a""#; 257].join(",")), 400, bad, Some("prompt"), "at most 256 prompts"),
         ("GET", "/v1/models/gpt-9", String::new(), 404, bad, Some("model"), "`gpt-9` does not exist"),
         ("POST", "/detokenize", r#"{"tokens": [99999999]}"#.into(), 400, bad, Some("tokens"), "outside the vocabulary"),
+        ("POST", "/tokenize", r#"{"prompt": "x", "model": "gpt-9"}"#.into(), 404, bad, Some("model"), "`gpt-9` does not exist"),
+        ("POST", "/detokenize", r#"{"tokens": [1], "model": "gpt-9"}"#.into(), 404, bad, Some("model"), "`gpt-9` does not exist"),
         ("POST", "/tokenize", r#"{"text": "x"}"#.into(), 400, bad, Some("text"), "unknown field `text`"),
         ("POST", "/generate", r#"{"text": "x", "return_logprob": true}"#.into(), 400, bad, Some("return_logprob"), "unrecognized"),
         ("POST", "/generate", r#"{"text": "x", "sampling_params": {"regex": "a+"}}"#.into(), 400, bad, Some("sampling_params.regex"), "not supported"),

@@ -138,6 +138,14 @@ fn int(v: Option<i64>, name: &'static str, lo: i64, hi: i64) -> Result<Option<us
     }
 }
 
+/// A request's `model` (when it names one) must be the served model: else 404.
+pub fn check_model(model: Option<&str>, served: &str) -> Result<(), ApiError> {
+    match model {
+        Some(m) if m != served => Err(ApiError::unknown_model(m, served)),
+        _ => Ok(()),
+    }
+}
+
 /// OpenAI's `logit_bias` map (`{"1234": -100}`) as (token, bias) pairs.
 fn logit_bias(m: Option<&serde_json::Map<String, Value>>) -> Result<Vec<(u32, f32)>, ApiError> {
     let bad = |m: String| ApiError::bad(m, Some("logit_bias"));
@@ -153,10 +161,7 @@ fn logit_bias(m: Option<&serde_json::Map<String, Value>>) -> Result<Vec<(u32, f3
 impl Params {
     /// Checks the model name.
     pub fn check_model(&self, served: &str) -> Result<(), ApiError> {
-        match &self.model {
-            Some(m) if m != served => Err(ApiError::unknown_model(m, served)),
-            _ => Ok(()),
-        }
+        check_model(self.model.as_deref(), served)
     }
 
     /// The engine requests for `prompts`, `n` choices each. `top_logprobs`: the number of top
@@ -419,7 +424,7 @@ pub struct TokenizeRequest {
     pub prompt: String,
     /// Add the tokenizer's special tokens (BOS), as prompts get them (default true).
     pub add_special_tokens: Option<bool>,
-    /// The model name (not checked: one model is served).
+    /// The model name (the served one, when given).
     pub model: Option<String>,
 }
 
@@ -429,6 +434,6 @@ pub struct TokenizeRequest {
 pub struct DetokenizeRequest {
     /// The token ids.
     pub tokens: Vec<u32>,
-    /// The model name (not checked: one model is served).
+    /// The model name (the served one, when given).
     pub model: Option<String>,
 }

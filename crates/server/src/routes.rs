@@ -3,8 +3,8 @@
 //! handlers only move JSON.
 
 use crate::api::{
-    ChatRequest, CompletionRequest, DetokenizeRequest, GenerateRequest, Job, ModelLimits, Prompt, TokenizeRequest,
-    COMPLETIONS_MAX_TOKENS,
+    check_model, ChatRequest, CompletionRequest, DetokenizeRequest, GenerateRequest, Job, ModelLimits, Prompt,
+    TokenizeRequest, COMPLETIONS_MAX_TOKENS,
 };
 use crate::detok::{Delta, Detokenizer, TokenLogprob};
 use crate::drain::{Drain, Ticket};
@@ -166,6 +166,7 @@ async fn tokenize_route(State(st): St, headers: HeaderMap, body: Result<Bytes, B
     let r = async {
         auth(&st, &headers)?;
         let req: TokenizeRequest = parse(body)?;
+        check_model(req.model.as_deref(), &st.model)?;
         let tok = st.tok.clone();
         let special = req.add_special_tokens.unwrap_or(true);
         let ids = blocking(move || tok.encode(&req.prompt, special))
@@ -182,6 +183,7 @@ async fn detokenize_route(State(st): St, headers: HeaderMap, body: Result<Bytes,
     let r = async {
         auth(&st, &headers)?;
         let req: DetokenizeRequest = parse(body)?;
+        check_model(req.model.as_deref(), &st.model)?;
         if let Some(t) = req.tokens.iter().find(|&&t| t as usize >= st.vocab) {
             return Err(ApiError::bad(
                 format!("token id {t} is outside the vocabulary (size {})", st.vocab),
