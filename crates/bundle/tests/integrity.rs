@@ -27,7 +27,15 @@ impl Tiny {
     fn new(tp: usize) -> Tiny {
         let dir = tempfile::tempdir().unwrap();
         let mut w = BundleWriter::create(&dir.path().join("tiny.bundle")).unwrap();
-        let plan = Plan { nodes: vec![], output: 0, act_dtype: DType::F32, kv: KvLayout::default(), tp, vocab: 4 };
+        let plan = Plan {
+            nodes: vec![],
+            output: 0,
+            act_dtype: DType::F32,
+            kv: KvLayout::default(),
+            tp,
+            vocab: 4,
+            fusions: vec![],
+        };
         w.write_file("plan.json", serde_json::to_string_pretty(&plan).unwrap().as_bytes()).unwrap();
         w.write_file("kernels/model.cu", b"extern \"C\" __global__ void k() {}\n").unwrap();
         w.write_file("tokenizer/tokenizer.json", br#"{"version": "1.0"}"#).unwrap();

@@ -1,4 +1,4 @@
-//! Lowering of plan nodes to launches, with the fusions the schedule module describes.
+//! Lowering of plan nodes and fusions to launches (the schedule module says which).
 
 use crate::keys::{intern, KernelKey, Mask, NormIn, MAP_INPUTS};
 use crate::schedule::{
@@ -6,23 +6,39 @@ use crate::schedule::{
     ONE, SKINNY_ROWS,
 };
 use crate::CodegenError;
-use ir::{DType, Op};
+use ir::{DType, FusionKind, Op};
 
-/// Marks the RoPE nodes whose only consumer is an attention's q or k: the attention step
-/// applies them while writing the KV cache.
-pub(crate) fn absorb_ropes(b: &mut Builder) {
-    for r in 0..b.plan.nodes.len() {
-        if !matches!(b.plan.nodes[r].op, Op::Rope { .. }) || b.consumers[r].len() != 1 {
-            continue;
+/// Lowers fusion `f` of the plan: one kernel, or its members one by one where the fast path
+/// cannot take them.
+pub(crate) fn fusion(b: &mut Builder, f: usize) -> Result<(), CodegenError> {
+    let nodes = b.plan.fusions[f].nodes.clone();
+    match (b.plan.fusions[f].kind, &nodes[..]) {
+        (FusionKind::AddNorm, &[a, n]) => {
+            let ins = &b.plan.nodes[a].inputs;
+            let (x, y) = (b.f32_val(ins[0])?, b.f32_val(ins[1])?);
+            let s = b.out(a, DType::F32);
+            rms_norm(b, n, x, Some((y, s)));
         }
-        let a = &b.plan.nodes[b.consumers[r][0]];
-        if matches!(a.op, Op::Attention { .. }) && (a.inputs[0] == r) != (a.inputs[1] == r) && a.inputs[2] != r {
-            b.done[r] = true;
+        (FusionKind::Linears, ls) => linears(b, ls)?,
+        (FusionKind::Glu, &[g, u, s, m]) => {
+            let xn = b.plan.nodes[g].inputs[0];
+            if b.fast_linear(g) && b.fast_linear(u) && b.feeds_linears(m) {
+                let x = b.half_input(xn)?;
+                let norm = b.fused_norm[xn].clone();
+                glu(b, x, b.cols(xn), [g, u, s, m], norm.as_ref());
+            } else {
+                linears(b, &[g, u])?;
+                node(b, s)?;
+                node(b, m)?;
+            }
         }
+        (FusionKind::RopeAttention, [ropes @ .., a]) => attention(b, *a, ropes)?,
+        (kind, _) => return Err(CodegenError::Unsupported(format!("a malformed {} fusion", kind.name()))),
     }
+    Ok(())
 }
 
-/// Lowers node `i` (and whatever fuses into it).
+/// Lowers node `i` alone.
 pub(crate) fn node(b: &mut Builder, i: usize) -> Result<(), CodegenError> {
     let n = &b.plan.nodes[i];
     let cols = b.cols(i);
@@ -35,12 +51,17 @@ pub(crate) fn node(b: &mut Builder, i: usize) -> Result<(), CodegenError> {
             let args = vec![Arg::Input(Input::Ids), Arg::Weight(n.inputs[1]), Arg::Buf(out)];
             b.steps.push(one(launch(key, args, [per_token(1, 1), ONE], 256)));
         }
-        Op::Add => add(b, i)?,
+        Op::Add => {
+            let (x, y) = (b.f32_val(n.inputs[0])?, b.f32_val(n.inputs[1])?);
+            let s = b.out(i, DType::F32);
+            let args = vec![Arg::Buf(x), Arg::Buf(y), Arg::Buf(s), Arg::Elems(Count::Tokens, cols)];
+            b.steps.push(elementwise(KernelKey::Add, args));
+        }
         Op::RmsNorm { .. } => {
             let x = b.f32_val(n.inputs[0])?;
             rms_norm(b, i, x, None);
         }
-        Op::Linear { .. } => linear(b, i)?,
+        Op::Linear { .. } => linears(b, &[i])?,
         Op::Rope { head_dim, theta, scaling, .. } => {
             let rot = n.op.rotary_dim();
             let (inv, scale) = scaling.inv_freq(rot, *theta);
@@ -52,7 +73,7 @@ pub(crate) fn node(b: &mut Builder, i: usize) -> Result<(), CodegenError> {
             let args = vec![Arg::Buf(x), Arg::Input(Input::Pos), c, Arg::F32(scale as f32), Arg::Buf(out)];
             b.steps.push(one(launch(key, args, [per_token(1, 1), ONE], 128)));
         }
-        Op::Attention { .. } => attention(b, i)?,
+        Op::Attention { .. } => attention(b, i, &[])?,
         Op::Silu => {
             let (a, out) = (b.f32_val(n.inputs[0])?, b.out(i, DType::F32));
             b.steps
@@ -84,25 +105,6 @@ pub(crate) fn node(b: &mut Builder, i: usize) -> Result<(), CodegenError> {
     Ok(())
 }
 
-/// A residual add, fused with the RMS norm that reads it when there is one.
-fn add(b: &mut Builder, i: usize) -> Result<(), CodegenError> {
-    let n = &b.plan.nodes[i];
-    let cols = b.cols(i);
-    let (x, y) = (b.f32_val(n.inputs[0])?, b.f32_val(n.inputs[1])?);
-    let norm = b.consumers[i]
-        .iter()
-        .copied()
-        .find(|&c| matches!(b.plan.nodes[c].op, Op::RmsNorm { .. }) && b.plan.nodes[c].inputs[0] == i && !b.done[c]);
-    let s = b.out(i, DType::F32);
-    let Some(c) = norm else {
-        let args = vec![Arg::Buf(x), Arg::Buf(y), Arg::Buf(s), Arg::Elems(Count::Tokens, cols)];
-        b.steps.push(one(launch(KernelKey::Add, args, [per_token(cols, 256), ONE], 256)));
-        return Ok(());
-    };
-    rms_norm(b, c, x, Some((y, s)));
-    Ok(())
-}
-
 /// RMS norm node `c` of the f32 value `x` (plus `y`, the sum written to `s`, for a residual
 /// add): one launch, over rows or, for a norm in groups of its weight's size (per head), over
 /// the groups as rows; except in steps of at most [`NORM_IN_GEMV_ROWS`] tokens where a norm of
@@ -111,7 +113,6 @@ fn rms_norm(b: &mut Builder, c: usize, x: usize, add: Option<(usize, usize)>) {
     let Op::RmsNorm { eps } = b.plan.nodes[c].op else { unreachable!("an RMS norm") };
     let w = b.plan.nodes[c].inputs[1];
     let out = b.out(c, b.act_dtype(c));
-    b.done[c] = true;
     let (y, s) = add.map_or((Arg::Null, Arg::Null), |(y, s)| (Arg::Buf(y), Arg::Buf(s)));
     let group = b.cols(w);
     let key = KernelKey::AddRmsNorm { h: group, w: b.wdtype(w), add: add.is_some(), out: b.vals_dtype(out) };
@@ -137,25 +138,31 @@ const NORM_SMEM: usize = 32 << 10;
 const NORM_MAX_WEIGHT_BYTES: usize = 24 << 20;
 
 /// Whether norm node `c` normalises whole rows (not groups of them: the GEMVs' `XNorm` takes
-/// whole rows), only feeds fast linears that run as one launch (up to three grouped, or the
-/// gate and up of one GLU) of at most [`NORM_MAX_WEIGHT_BYTES`], reading its 16-bit output,
-/// and its rows fit in [`NORM_SMEM`].
+/// whole rows), only feeds the fast linears of one fusion that runs as one launch (the linears
+/// of one input, or the gate and up of a GLU) of at most [`NORM_MAX_WEIGHT_BYTES`], reading
+/// its 16-bit output, and its rows fit in [`NORM_SMEM`].
 fn norm_fuses(b: &Builder, c: usize) -> bool {
     let readers = &b.consumers[c];
-    let linears = readers.iter().all(|&j| {
-        let n = &b.plan.nodes[j];
-        matches!(n.op, Op::Linear { .. }) && n.inputs[0] == c && b.fast_linear(j)
-    });
-    let glu = readers.iter().any(|&g| glu_of(b, g, readers).is_some());
+    let Some(f) = readers.first().and_then(|&r| b.fusion_of[r]) else { return false };
+    let fusion = &b.plan.fusions[f];
+    let one_launch = match fusion.kind {
+        FusionKind::Linears => true,
+        FusionKind::Glu => b.feeds_linears(fusion.nodes[3]),
+        FusionKind::AddNorm | FusionKind::RopeAttention => false,
+    };
+    let mut linears: Vec<usize> =
+        fusion.nodes.iter().copied().filter(|&j| matches!(b.plan.nodes[j].op, Op::Linear { .. })).collect();
+    linears.sort();
+    let all_read_c = readers.iter().all(|&j| b.plan.nodes[j].inputs[0] == c && b.fast_linear(j));
     let bytes: usize = readers.iter().map(|&j| b.cols(j) * b.cols(c) * b.half.size()).sum();
     b.fuse_norms
         && b.cols(b.plan.nodes[c].inputs[1]) == b.cols(c)
         && bytes <= NORM_MAX_WEIGHT_BYTES
-        && linears
+        && one_launch
+        && linears == *readers
+        && all_read_c
         && NORM_IN_GEMV_ROWS * b.cols(c) * b.half.size() <= NORM_SMEM
         && b.node_val[c].is_some_and(|v| b.vals_dtype(v) == b.half)
-        && (1..=3).contains(&readers.len())
-        && (!glu || readers.len() == 2)
 }
 
 /// One linear of a group: weight, bias, output value, output features.
@@ -208,84 +215,43 @@ fn grouped(x: usize, k: usize, groups: &[Group], by: Count, norm: Option<&FusedN
     Step::Kernels { by, variants }
 }
 
-/// gate / up, silu and mul of a SwiGLU MLP reading `x`, if `g` is the gate of one.
-fn glu_of(b: &Builder, g: usize, candidates: &[usize]) -> Option<(usize, usize, usize)> {
-    let [s] = b.consumers[g][..] else { return None };
-    if matches!(b.plan.nodes[g].op, Op::Linear { bias: true }) {
-        return None;
-    }
-    if !matches!(b.plan.nodes[s].op, Op::Silu) {
-        return None;
-    }
-    let [m] = b.consumers[s][..] else { return None };
-    let mn = &b.plan.nodes[m];
-    if !matches!(mn.op, Op::Mul) || !b.feeds_linears(m) {
-        return None;
-    }
-    let u = if mn.inputs[0] == s { mn.inputs[1] } else { mn.inputs[0] };
-    (candidates.contains(&u)
-        && u != g
-        && b.consumers[u] == [m]
-        && !matches!(b.plan.nodes[u].op, Op::Linear { bias: true }))
-    .then_some((u, s, m))
-}
-
-/// A linear: grouped with the other fast linears reading the same input, or fused into a GLU.
-fn linear(b: &mut Builder, i: usize) -> Result<(), CodegenError> {
-    let xn = b.plan.nodes[i].inputs[0];
+/// Linears `ls` of one input: one launch (GEMV / GEMM variants) when all take the fast
+/// kernels, else one simple launch each.
+fn linears(b: &mut Builder, ls: &[usize]) -> Result<(), CodegenError> {
+    let xn = b.plan.nodes[ls[0]].inputs[0];
     let k = b.cols(xn);
     let x = b.half_input(xn)?;
-    if !b.fast_linear(i) {
-        let n = &b.plan.nodes[i];
-        let (w, bias) = (n.inputs[1], n.inputs.get(2).copied());
-        let out = b.out(i, DType::F32);
-        let key = KernelKey::Linear { k, n: b.cols(i), w: b.wdtype(w), bias: bias.is_some() };
-        let args = vec![
-            Arg::Buf(x),
-            Arg::Weight(w),
-            bias.map_or(Arg::Null, Arg::Weight),
-            Arg::Buf(out),
-            Arg::Count(Count::Tokens),
-        ];
-        b.steps.push(one(launch(key, args, [Dim::Fixed(b.cols(i).div_ceil(8)), ONE], 256)));
+    if !ls.iter().all(|&l| b.fast_linear(l)) {
+        for &i in ls {
+            let n = &b.plan.nodes[i];
+            let (w, bias) = (n.inputs[1], n.inputs.get(2).copied());
+            let out = b.out(i, DType::F32);
+            let key = KernelKey::Linear { k, n: b.cols(i), w: b.wdtype(w), bias: bias.is_some() };
+            let args = vec![
+                Arg::Buf(x),
+                Arg::Weight(w),
+                bias.map_or(Arg::Null, Arg::Weight),
+                Arg::Buf(out),
+                Arg::Count(Count::Tokens),
+            ];
+            b.steps.push(one(launch(key, args, [Dim::Fixed(b.cols(i).div_ceil(8)), ONE], 256)));
+        }
         return Ok(());
     }
-    let candidates: Vec<usize> = b.consumers[xn]
-        .iter()
-        .copied()
-        .filter(|&c| {
-            let n = &b.plan.nodes[c];
-            matches!(n.op, Op::Linear { .. }) && n.inputs[0] == xn && !b.done[c] && b.fast_linear(c)
-        })
-        .collect();
     let norm = b.fused_norm[xn].clone();
-    for &g in &candidates {
-        if let Some((u, s, m)) = glu_of(b, g, &candidates) {
-            if !b.done[g] && !b.done[u] {
-                glu(b, x, k, [g, u, s, m], norm.as_ref());
-            }
-        }
+    let mut groups = vec![];
+    for &c in ls {
+        let out = b.out(c, DType::F32);
+        let n = &b.plan.nodes[c];
+        groups.push((n.inputs[1], n.inputs.get(2).copied(), out, b.cols(c)));
     }
-    let rest: Vec<usize> = candidates.into_iter().filter(|&c| !b.done[c]).collect();
-    for chunk in rest.chunks(3) {
-        let mut groups = vec![];
-        for &c in chunk {
-            b.done[c] = true;
-            let out = b.out(c, DType::F32);
-            let n = &b.plan.nodes[c];
-            groups.push((n.inputs[1], n.inputs.get(2).copied(), out, b.cols(c)));
-        }
-        b.steps.push(grouped(x, k, &groups, Count::Tokens, norm.as_ref()));
-    }
+    b.steps.push(grouped(x, k, &groups, Count::Tokens, norm.as_ref()));
     Ok(())
 }
 
 /// silu(x·gateᵀ) * (x·upᵀ) in one GEMV for few rows (applying `norm` where it is fused);
 /// GEMM + silu_mul above.
-fn glu(b: &mut Builder, x: usize, k: usize, [g, u, s, m]: [usize; 4], norm: Option<&FusedNorm>) {
-    for d in [g, u, s, m] {
-        b.done[d] = true;
-    }
+fn glu(b: &mut Builder, x: usize, k: usize, [g, u, _, m]: [usize; 4], norm: Option<&FusedNorm>) {
     let n = b.cols(g);
     let out = b.out(m, b.half);
     let (wg, wu) = (b.plan.nodes[g].inputs[1], b.plan.nodes[u].inputs[1]);
@@ -325,8 +291,8 @@ fn glu(b: &mut Builder, x: usize, k: usize, [g, u, s, m]: [usize; 4], norm: Opti
 /// sequence; the rest per row).
 const FA_ABOVE: usize = 32;
 
-/// RoPE + KV write, then attention.
-fn attention(b: &mut Builder, i: usize) -> Result<(), CodegenError> {
+/// RoPE (of the `ropes` fused into it) + KV write, then attention.
+fn attention(b: &mut Builder, i: usize, ropes: &[usize]) -> Result<(), CodegenError> {
     let n = &b.plan.nodes[i];
     let Op::Attention { heads, kv_heads, head_dim: d, scale, layer, window, softcap } = n.op else {
         unreachable!("an attention")
@@ -338,14 +304,8 @@ fn attention(b: &mut Builder, i: usize) -> Result<(), CodegenError> {
             n.label
         )));
     }
-    let absorbed = |j: usize| matches!(b.plan.nodes[j].op, Op::Rope { .. }) && b.done[j];
+    let absorbed = |j: usize| ropes.contains(&j);
     let (qn, kn, vn) = (n.inputs[0], n.inputs[1], n.inputs[2]);
-    let ropes: Vec<usize> = [qn, kn].into_iter().filter(|&j| absorbed(j)).collect();
-    if let [a, c] = ropes[..] {
-        if b.plan.nodes[a].op != b.plan.nodes[c].op {
-            return Err(CodegenError::Unsupported(format!("{}: q and k with different RoPE", n.label)));
-        }
-    }
     let (freq, rscale, rot) = match ropes.first().map(|&r| &b.plan.nodes[r].op) {
         Some(op @ Op::Rope { theta, scaling, .. }) => {
             let (inv, s) = scaling.inv_freq(op.rotary_dim(), *theta);
@@ -496,6 +456,8 @@ mod tests {
         let x = g.add(Op::Embedding, &[t, table], "x").unwrap();
         let h = g.add(Op::RmsNorm { eps: 1e-6 }, &[x, nw], "h").unwrap();
         let y = g.add(Op::Linear { bias: false }, &[h, lw], "y").unwrap();
+        // What the compiler's group_linears pass makes of a lone linear.
+        g.fusions.push(ir::Fusion { kind: ir::FusionKind::Linears, nodes: vec![y] });
         g.output = Some(g.add(Op::Logits, &[y, table], "logits").unwrap());
         g.to_plan().unwrap()
     }

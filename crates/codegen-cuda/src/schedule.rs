@@ -1,10 +1,11 @@
-//! The launch schedule: a plan lowered to fused kernel launches. Pattern matching on the plan
-//! fuses residual add + RMS norm, groups the linears that share an input into one launch (q, k
-//! and v), fuses gate/up + silu·mul, and RoPE + the paged KV write into the step before
-//! attention. Each linear has variants by row count (GEMV specialised to 1, 2, 4, 8 rows, the
-//! tensor-core GEMM above); at one row, a small GEMV launch applies the RMS norm feeding it
-//! itself ([`NORM_IN_GEMV_ROWS`]). Values get device buffers by liveness, so buffers are
-//! reused across layers. The runtime only resolves arguments and launches; it knows no op.
+//! The launch schedule: a plan lowered to kernel launches, one kernel per fusion of the plan
+//! (residual add + RMS norm, the linears of one input, gate/up + silu·mul, RoPE + the paged KV
+//! write + attention: the compiler's fusion passes chose them) and per lone node. What is left
+//! here are hardware choices: each linear has variants by row count (GEMV specialised to 1, 2,
+//! 4, 8 rows, the tensor-core GEMM above); at one row, a small GEMV launch applies the RMS norm
+//! feeding it itself ([`NORM_IN_GEMV_ROWS`]). Values get device buffers by liveness, so
+//! buffers are reused across layers. The runtime only resolves arguments and launches; it
+//! knows no op.
 
 use crate::keys::{KernelKey, NormIn};
 use crate::CodegenError;
@@ -154,7 +155,8 @@ struct Val {
 pub(crate) struct Builder<'p> {
     pub plan: &'p Plan,
     pub consumers: Vec<Vec<usize>>,
-    pub done: Vec<bool>,
+    /// The plan fusion each node belongs to.
+    pub fusion_of: Vec<Option<usize>>,
     vals: Vec<Val>,
     pub node_val: Vec<Option<usize>>,
     /// The program's 16-bit float ([`half_dtype`]).
@@ -318,10 +320,19 @@ pub(crate) fn schedule(plan: &Plan) -> Result<Schedule, CodegenError> {
             }
         }
     }
+    let mut fusion_of = vec![None; n];
+    for (f, fusion) in plan.fusions.iter().enumerate() {
+        for &m in &fusion.nodes {
+            match fusion_of.get_mut(m) {
+                Some(slot @ None) => *slot = Some(f),
+                _ => return Err(CodegenError::Unsupported(format!("plan fusion {f} names node {m} twice or none"))),
+            }
+        }
+    }
     let mut b = Builder {
         plan,
         consumers,
-        done: vec![false; n],
+        fusion_of,
         vals: vec![],
         node_val: vec![None; n],
         half: half_dtype(plan)?,
@@ -331,10 +342,12 @@ pub(crate) fn schedule(plan: &Plan) -> Result<Schedule, CodegenError> {
         steps: vec![],
         constants: vec![],
     };
-    crate::lower::absorb_ropes(&mut b);
     for i in 0..n {
-        if !b.done[i] {
-            crate::lower::node(&mut b, i)?;
+        match b.fusion_of[i] {
+            // A fusion is lowered at its first member (members are consecutive in a plan).
+            Some(f) if plan.fusions[f].nodes.iter().min() == Some(&i) => crate::lower::fusion(&mut b, f)?,
+            Some(_) => {}
+            None => crate::lower::node(&mut b, i)?,
         }
     }
     let out = b.val(plan.output)?;

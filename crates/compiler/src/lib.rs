@@ -8,6 +8,7 @@
 pub mod checkpoint;
 pub mod driver;
 pub mod fuse;
+pub mod fusion;
 pub mod gguf;
 pub mod lower;
 pub mod passes;

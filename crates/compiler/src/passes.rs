@@ -1,7 +1,7 @@
 //! The pass pipeline: named `Graph -> Result<Graph>` functions run top to bottom, the verifier
 //! after each.
 
-use crate::{fuse, shard, CompileError};
+use crate::{fuse, fusion, shard, CompileError};
 use ir::{Graph, Op};
 use spec::{BoundModel, ShardKind};
 
@@ -46,6 +46,10 @@ pub const PIPELINE: &[(&str, Pass)] = &[
     ("tensor_parallel", tensor_parallel),
     ("fuse_elementwise", fuse::fuse_elementwise),
     ("fold_weights", fuse::fold_weights),
+    ("fuse_rope_attention", fusion::fuse_rope_attention),
+    ("fuse_glu", fusion::fuse_glu),
+    ("group_linears", fusion::group_linears),
+    ("fuse_add_norm", fusion::fuse_add_norm),
 ];
 
 /// Runs every pass of [`PIPELINE`], verifying after each; `observe(name, graph)` sees the graph

@@ -1,12 +1,13 @@
 //! The graph: ops as petgraph nodes, edges carrying the input slot. Passes in `compiler`
 //! rewrite it; [`Graph::verify`] checks it after each one; [`Graph::to_plan`] linearises it.
 
+use crate::fusion::{self, Fusion};
 use crate::op::Op;
 use crate::plan::{KvLayout, Plan, PlanNode};
 use crate::types::{DType, Dim, TensorType};
 use crate::IrError;
 use petgraph::stable_graph::{NodeIndex, StableDiGraph};
-use petgraph::visit::EdgeRef;
+use petgraph::visit::{EdgeRef, IntoEdgeReferences};
 use petgraph::Direction;
 use std::collections::{BTreeMap, HashMap};
 
@@ -31,12 +32,14 @@ pub struct Graph {
     pub act_dtype: DType,
     /// Number of tensor-parallel ranks the graph is written for.
     pub tp: usize,
+    /// Sets of nodes one kernel computes (the fusion passes make them; [`crate::fusion`]).
+    pub fusions: Vec<Fusion<NodeIndex>>,
 }
 
 impl Graph {
     /// An empty graph.
     pub fn new(act_dtype: DType) -> Graph {
-        Graph { g: StableDiGraph::new(), output: None, act_dtype, tp: 1 }
+        Graph { g: StableDiGraph::new(), output: None, act_dtype, tp: 1, fusions: Vec::new() }
     }
 
     /// Adds a node after checking and inferring its type.
@@ -74,9 +77,17 @@ impl Graph {
         self.g.node_indices().collect()
     }
 
-    /// Removes node `n` and its edges (a node a pass made dead).
+    /// Removes node `n` and its edges (a node a pass made dead), and `n` from its fusion.
     pub fn remove(&mut self, n: NodeIndex) {
         self.g.remove_node(n);
+        for f in &mut self.fusions {
+            f.nodes.retain(|&m| m != n);
+        }
+    }
+
+    /// The fusion node `n` belongs to, if any.
+    pub fn fusion_of(&self, n: NodeIndex) -> Option<&Fusion<NodeIndex>> {
+        self.fusions.iter().find(|f| f.nodes.contains(&n))
     }
 
     /// The nodes that read `n`, once per input slot.
@@ -115,27 +126,73 @@ impl Graph {
 
     /// Topological order that keeps insertion order wherever dependencies allow (Kahn's
     /// algorithm, smallest index first), so plans follow the model YAML's statement order.
+    /// The members of a fusion come out together (the fusion is one unit of the sort, ordered
+    /// by its first member), so a fusion whose members depend on each other through a node
+    /// outside it (not convex: no one kernel could compute it) is reported as a cycle.
     fn topo(&self) -> Result<Vec<NodeIndex>, IrError> {
         use std::cmp::Reverse;
-        let mut indegree: HashMap<NodeIndex, usize> =
-            self.g.node_indices().map(|n| (n, self.g.edges_directed(n, Direction::Incoming).count())).collect();
-        let mut ready: std::collections::BinaryHeap<Reverse<NodeIndex>> =
-            indegree.iter().filter(|(_, &d)| d == 0).map(|(&n, _)| Reverse(n)).collect();
-        let mut order = Vec::with_capacity(indegree.len());
-        while let Some(Reverse(n)) = ready.pop() {
-            order.push(n);
-            for e in self.g.edges_directed(n, Direction::Outgoing) {
-                let d = indegree.get_mut(&e.target()).expect("every node has an in-degree");
-                *d -= 1;
-                if *d == 0 {
-                    ready.push(Reverse(e.target()));
+        let unit_of: HashMap<NodeIndex, usize> =
+            self.fusions.iter().enumerate().flat_map(|(u, f)| f.nodes.iter().map(move |&n| (n, u))).collect();
+        // A unit is a fusion (its index) or a lone node (`fusions.len()` + its index).
+        let lone = self.fusions.len();
+        let unit = |n: NodeIndex| unit_of.get(&n).copied().unwrap_or(lone + n.index());
+        let members = |u: usize| -> Vec<NodeIndex> {
+            if u < lone {
+                let mut m = self.fusions[u].nodes.clone();
+                m.sort();
+                m
+            } else {
+                vec![NodeIndex::new(u - lone)]
+            }
+        };
+        let mut indegree: HashMap<usize, usize> = self.g.node_indices().map(|n| (unit(n), 0)).collect();
+        for e in self.g.edge_references() {
+            let (a, b) = (unit(e.source()), unit(e.target()));
+            if a != b {
+                *indegree.get_mut(&b).expect("every unit has an in-degree") += 1;
+            }
+        }
+        let first = |u: usize| members(u)[0];
+        let mut ready: std::collections::BinaryHeap<Reverse<(NodeIndex, usize)>> =
+            indegree.iter().filter(|(_, &d)| d == 0).map(|(&u, _)| Reverse((first(u), u))).collect();
+        let mut order = Vec::with_capacity(self.g.node_count());
+        while let Some(Reverse((_, u))) = ready.pop() {
+            let ms = members(u);
+            order.extend(self.inner_order(&ms)?);
+            for &n in &ms {
+                for e in self.g.edges_directed(n, Direction::Outgoing) {
+                    let t = unit(e.target());
+                    if t == u {
+                        continue;
+                    }
+                    let d = indegree.get_mut(&t).expect("every unit has an in-degree");
+                    *d -= 1;
+                    if *d == 0 {
+                        ready.push(Reverse((first(t), t)));
+                    }
                 }
             }
         }
-        if order.len() != indegree.len() {
+        if order.len() != self.g.node_count() {
             let stuck =
-                indegree.iter().find(|(_, &d)| d > 0).map(|(&n, _)| self.g[n].label.clone()).unwrap_or_default();
-            return Err(IrError::Verify(format!("the graph has a cycle through `{stuck}`")));
+                indegree.iter().find(|(_, &d)| d > 0).map(|(&u, _)| self.g[first(u)].label.clone()).unwrap_or_default();
+            return Err(IrError::Verify(format!(
+                "the graph has a cycle through `{stuck}` (or a fusion that depends on itself through another node)"
+            )));
+        }
+        Ok(order)
+    }
+
+    /// The members of one fusion (sorted by index) in an order that respects their edges.
+    fn inner_order(&self, ms: &[NodeIndex]) -> Result<Vec<NodeIndex>, IrError> {
+        let mut left: Vec<NodeIndex> = ms.to_vec();
+        let mut order = Vec::with_capacity(ms.len());
+        while !left.is_empty() {
+            let pos = left
+                .iter()
+                .position(|&n| self.inputs(n).iter().all(|i| !left.contains(i)))
+                .ok_or_else(|| IrError::Verify(format!("a fusion has a cycle through `{}`", self.g[left[0]].label)))?;
+            order.push(left.remove(pos));
         }
         Ok(order)
     }
@@ -188,9 +245,26 @@ impl Graph {
                 o.label, o.op, o.ty
             )));
         }
+        self.verify_fusions()?;
         let n_logits = order.iter().filter(|&&n| matches!(self.g[n].op, Op::Logits)).count();
         if n_logits != 1 {
             return Err(IrError::Verify(format!("{n_logits} logits ops; the graph needs exactly one")));
+        }
+        Ok(())
+    }
+
+    /// Every fusion fits its kind's rule and no node is in two.
+    fn verify_fusions(&self) -> Result<(), IrError> {
+        let mut seen = std::collections::HashSet::new();
+        for f in &self.fusions {
+            if let Some(&n) = f.nodes.iter().find(|&&n| !seen.insert(n) || self.g.node_weight(n).is_none()) {
+                let what = self.g.node_weight(n).map_or("a removed node".into(), |w| format!("`{}`", w.label));
+                return Err(IrError::Verify(format!("{what} is in two fusions, or a fusion names a removed node")));
+            }
+            fusion::check(self, f).map_err(|e| {
+                let at = f.nodes.first().map_or(String::new(), |&n| self.g[n].label.clone());
+                IrError::Verify(format!("fusion at `{at}`: {e}"))
+            })?;
         }
         Ok(())
     }
@@ -225,6 +299,34 @@ impl Graph {
             });
         }
         let vocab = self.g[out].ty.last().unwrap_or(0);
-        Ok(Plan { output: ids[&out], nodes, act_dtype: self.act_dtype, kv, tp: self.tp, vocab })
+        let mut fusions = Vec::new();
+        for f in &self.fusions {
+            let nodes: Vec<usize> = f.nodes.iter().filter_map(|n| ids.get(n).copied()).collect();
+            match nodes.len() {
+                0 => {}
+                n if n == f.nodes.len() => fusions.push(Fusion { kind: f.kind, nodes }),
+                _ => {
+                    return Err(IrError::Verify(format!("a {} fusion is partly dead", f.kind.name())));
+                }
+            }
+        }
+        Ok(Plan { output: ids[&out], nodes, act_dtype: self.act_dtype, kv, tp: self.tp, vocab, fusions })
+    }
+}
+
+impl fusion::View<NodeIndex> for Graph {
+    fn op(&self, n: NodeIndex) -> &Op {
+        &self.g[n].op
+    }
+
+    fn ins(&self, n: NodeIndex) -> Vec<NodeIndex> {
+        self.inputs(n)
+    }
+
+    fn readers(&self, n: NodeIndex) -> Vec<NodeIndex> {
+        let mut r = self.users(n);
+        r.sort();
+        r.dedup();
+        r
     }
 }

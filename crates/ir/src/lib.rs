@@ -4,6 +4,7 @@
 //! backend is tested against. It does no code generation and reads no files.
 #![deny(missing_docs)]
 
+pub mod fusion;
 pub mod graph;
 pub mod interp;
 pub mod op;
@@ -12,6 +13,7 @@ pub mod rope;
 pub mod scalar;
 pub mod types;
 
+pub use fusion::{Fusion, FusionKind};
 pub use graph::{Graph, Node};
 pub use interp::{Interpreter, KvCache, KvStore};
 pub use op::{Derived, Op};

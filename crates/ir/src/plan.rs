@@ -1,6 +1,7 @@
 //! The plan: the verified graph as a flat program in topological order, serialised into the
 //! bundle as `plan.json`. The runtime executes plans; it never sees graphs or passes.
 
+use crate::fusion::Fusion;
 use crate::op::Op;
 use crate::types::{DType, TensorType};
 use serde::{Deserialize, Serialize};
@@ -53,6 +54,9 @@ pub struct Plan {
     pub tp: usize,
     /// Vocabulary size (columns of the logits).
     pub vocab: usize,
+    /// Sets of consecutive nodes one kernel computes ([`crate::fusion`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub fusions: Vec<Fusion<usize>>,
 }
 
 impl Plan {
@@ -82,8 +86,10 @@ impl Plan {
 
     /// The program as text, one node per line:
     /// `%7 = linear(%5, @model.layers.0.mlp.up_proj.weight) : [T, 192] bf16  # L0.up`.
-    /// Weights appear inline as `@name` and take no number of their own. This is what the
-    /// compiler's golden tests compare.
+    /// Weights are declared first (`@name : [64] bf16`; a derived one `@name : [64] f32 =
+    /// map{expr=..}(@source)`) and appear inline as `@name`; the members of a
+    /// fusion sit indented between `fuse KIND {` and `}`. This is what the compiler's golden
+    /// tests compare.
     pub fn to_text(&self) -> String {
         let mut s = String::new();
         let _ = writeln!(
@@ -91,6 +97,13 @@ impl Plan {
             "plan tp={} act={} vocab={} kv(layers={}, kv_heads={}, head_dim={})",
             self.tp, self.act_dtype, self.vocab, self.kv.layers, self.kv.kv_heads, self.kv.head_dim
         );
+        for n in &self.nodes {
+            if let Op::Weight { name, derived, .. } = &n.op {
+                let from =
+                    derived.as_ref().map_or(String::new(), |d| format!(" = map{{expr={}}}(@{})", d.expr, d.source));
+                let _ = writeln!(s, "@{name} : {}{from}", n.ty);
+            }
+        }
         let mut number = vec![0usize; self.nodes.len()];
         let mut next = 0;
         for (i, n) in self.nodes.iter().enumerate() {
@@ -110,15 +123,23 @@ impl Plan {
             let attrs = n.op.attrs();
             let attrs = if attrs.is_empty() { String::new() } else { format!("{{{attrs}}}") };
             let out = if i == self.output { "  (output)" } else { "" };
+            let fusion = self.fusions.iter().find(|f| f.nodes.contains(&i));
+            if let Some(f) = fusion.filter(|f| f.nodes.iter().min() == Some(&i)) {
+                let _ = writeln!(s, "fuse {} {{", f.kind.name());
+            }
             let _ = writeln!(
                 s,
-                "%{} = {}{attrs}({}) : {}  # {}{out}",
+                "{}%{} = {}{attrs}({}) : {}  # {}{out}",
+                if fusion.is_some() { "  " } else { "" },
                 number[i],
                 n.op.name(),
                 args.join(", "),
                 n.ty,
                 n.label
             );
+            if fusion.is_some_and(|f| f.nodes.iter().max() == Some(&i)) {
+                let _ = writeln!(s, "}}");
+            }
         }
         s
     }

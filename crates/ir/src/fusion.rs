@@ -1,0 +1,163 @@
+//! Fusions: sets of nodes that one kernel computes. The compiler's fusion passes make them
+//! (`compiler::fusion`), the verifier checks each against its kind's rule ([`check`]), plans
+//! carry them with their members contiguous, and backends render each fusion as one kernel
+//! (or, where the hardware path cannot take it, as its members one by one; the reference
+//! interpreter always runs the members). A fusion keeps every member node and value, so a
+//! fused kernel that writes several results (the residual sum and its norm) needs no tuple
+//! types, and a plan printed with its fusions still reads as the model's ops.
+
+use crate::op::Op;
+use serde::{Deserialize, Serialize};
+
+/// What a fusion computes, and so which members it has. Each kind's semantics are those of
+/// its members; the kind says which kernel computes them together.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FusionKind {
+    /// `[add, rms_norm]`: `s = x + y; out = rms_norm(s, w)` with the norm over whole rows or
+    /// groups. One pass over each row writes the sum (the residual stream) and its norm.
+    AddNorm,
+    /// `[linear; 1..=3]`, every one reading the same input (q, k and v): one launch.
+    Linears,
+    /// `[gate, up, silu, mul]`: `silu(x·gateᵀ) * (x·upᵀ)`, gate and up being linears without
+    /// bias of the same input and the same width, each read only by the next member: one launch
+    /// that never writes gate or up.
+    Glu,
+    /// `[rope, (rope,) attention]`: RoPE of the attention's q and/or k, applied while the
+    /// attention writes the KV cache; each rope is read only by the attention, two ropes are
+    /// the same op.
+    RopeAttention,
+}
+
+impl FusionKind {
+    /// The kind's name in printed plans.
+    pub fn name(self) -> &'static str {
+        match self {
+            FusionKind::AddNorm => "add_norm",
+            FusionKind::Linears => "linears",
+            FusionKind::Glu => "glu",
+            FusionKind::RopeAttention => "rope_attention",
+        }
+    }
+
+    /// The kind named `s` in printed plans.
+    pub fn parse(s: &str) -> Option<FusionKind> {
+        [FusionKind::AddNorm, FusionKind::Linears, FusionKind::Glu, FusionKind::RopeAttention]
+            .into_iter()
+            .find(|k| k.name() == s)
+    }
+}
+
+/// One fusion: its kind and member nodes (`N` is a graph's `NodeIndex` or a plan's index), in
+/// the order its kind lists them.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Fusion<N> {
+    /// What it computes.
+    pub kind: FusionKind,
+    /// Its nodes.
+    pub nodes: Vec<N>,
+}
+
+/// What [`check`] reads of a graph or plan.
+pub trait View<N: Copy + PartialEq> {
+    /// The op of node `n`.
+    fn op(&self, n: N) -> &Op;
+    /// The inputs of `n`, in slot order.
+    fn ins(&self, n: N) -> Vec<N>;
+    /// The distinct nodes that read `n`.
+    fn readers(&self, n: N) -> Vec<N>;
+}
+
+/// Checks `f` against its kind's rule (the "shape rule" of a fusion); the message says what
+/// does not fit.
+pub fn check<N: Copy + PartialEq, V: View<N>>(v: &V, f: &Fusion<N>) -> Result<(), String> {
+    let ok = |c: bool, what: &str| if c { Ok(()) } else { Err(format!("{}: {what}", f.kind.name())) };
+    let only_read_by = |n: N, r: N| v.readers(n) == [r];
+    match (f.kind, &f.nodes[..]) {
+        (FusionKind::AddNorm, &[a, n]) => ok(
+            matches!(v.op(a), Op::Add) && matches!(v.op(n), Op::RmsNorm { .. }) && v.ins(n)[0] == a,
+            "needs an add and an rms_norm of it",
+        ),
+        (FusionKind::Linears, ls) if (1..=3).contains(&ls.len()) => {
+            let x = v.ins(ls[0])[0];
+            ok(
+                ls.iter().all(|&l| matches!(v.op(l), Op::Linear { .. }) && v.ins(l)[0] == x),
+                "needs linears of one input",
+            )
+        }
+        (FusionKind::Glu, &[g, u, s, m]) => {
+            let linear = |l: N| matches!(v.op(l), Op::Linear { bias: false });
+            let (gi, ui, mi) = (v.ins(g), v.ins(u), v.ins(m));
+            ok(
+                linear(g)
+                    && linear(u)
+                    && gi[0] == ui[0]
+                    && matches!(v.op(s), Op::Silu)
+                    && v.ins(s) == [g]
+                    && matches!(v.op(m), Op::Mul)
+                    && (mi == [s, u] || mi == [u, s])
+                    && only_read_by(g, s)
+                    && only_read_by(s, m)
+                    && only_read_by(u, m),
+                "needs gate and up linears (no bias) of one input, silu of the gate, and their product",
+            )
+        }
+        (FusionKind::RopeAttention, [ropes @ .., a]) if (1..=2).contains(&ropes.len()) => {
+            let ai = v.ins(*a);
+            let fits = matches!(v.op(*a), Op::Attention { .. })
+                && ropes.iter().all(|&r| {
+                    matches!(v.op(r), Op::Rope { .. })
+                        && only_read_by(r, *a)
+                        && (ai[0] == r) != (ai[1] == r)
+                        && ai[2] != r
+                })
+                && ropes.iter().all(|&r| v.op(r) == v.op(ropes[0]))
+                && (ropes.len() == 1 || ropes[0] != ropes[1]);
+            ok(fits, "needs ropes of q and/or k (the same op), read only by the attention")
+        }
+        _ => Err(format!("{}: wrong number of nodes ({})", f.kind.name(), f.nodes.len())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{DType, Graph, NodeIndex};
+
+    /// x = embedding; s = x + x; n = rms_norm(s); logits of n.
+    fn graph() -> (Graph, NodeIndex, NodeIndex) {
+        let mut g = Graph::new(DType::F32);
+        let w = |g: &mut Graph, name: &str, shape: Vec<usize>| {
+            g.add(Op::Weight { name: name.into(), shape, dtype: DType::F32, derived: None }, &[], name).unwrap()
+        };
+        let (table, nw) = (w(&mut g, "table", vec![8, 4]), w(&mut g, "norm", vec![4]));
+        let t = g.add(Op::Tokens, &[], "t").unwrap();
+        let x = g.add(Op::Embedding, &[t, table], "x").unwrap();
+        let s = g.add(Op::Add, &[x, x], "s").unwrap();
+        let n = g.add(Op::RmsNorm { eps: 1e-6 }, &[s, nw], "n").unwrap();
+        g.output = Some(g.add(Op::Logits, &[n, table], "logits").unwrap());
+        (g, s, n)
+    }
+
+    #[test]
+    fn the_verifier_applies_each_kinds_rule() {
+        let (mut g, s, n) = graph();
+        g.fusions.push(Fusion { kind: FusionKind::AddNorm, nodes: vec![s, n] });
+        g.verify().unwrap();
+        g.fusions[0].nodes = vec![n, s];
+        let e = g.verify().unwrap_err().to_string();
+        assert!(e.contains("add_norm: needs an add and an rms_norm of it"), "{e}");
+        g.fusions[0] = Fusion { kind: FusionKind::Linears, nodes: vec![s] };
+        let e = g.verify().unwrap_err().to_string();
+        assert!(e.contains("linears: needs linears of one input"), "{e}");
+    }
+
+    #[test]
+    fn a_node_is_in_one_fusion_at_most() {
+        let (mut g, s, n) = graph();
+        g.fusions.push(Fusion { kind: FusionKind::AddNorm, nodes: vec![s, n] });
+        g.fusions.push(Fusion { kind: FusionKind::AddNorm, nodes: vec![s, n] });
+        let e = g.verify().unwrap_err().to_string();
+        assert!(e.contains("`s` is in two fusions"), "{e}");
+    }
+}
