@@ -54,20 +54,34 @@ __device__ __forceinline__ float dot8(uint4 w, uint4 x) {
 
 // ---- residual add + RMS norm ----
 // One row: v = a (+ b), written to s when s is not null; out = v * rsqrt(mean(v^2) + eps) * w.
-// A block of 256 threads.
-template <int H, typename W, typename O>
-__device__ __forceinline__ void norm_row(const float* a, const float* b, float* s, const W* w, O* out, float eps) {
+// With PRE, b is normalised first: v = a + b * rsqrt(mean(b^2) + peps) * pw (Gemma's norm of a
+// sublayer's output before the residual add). A block of 256 threads.
+template <int H, typename W, typename O, bool PRE = false, typename PW = float>
+__device__ __forceinline__ void norm_row(const float* a, const float* b, float* s, const W* w, O* out, float eps,
+                                         const PW* pw = nullptr, float peps = 0.0f) {
   constexpr int PER = (H + 255) / 256;
   float v[PER];
+  float pre = 1.0f;
+  if (PRE) {
+    float sb = 0.0f;
+#pragma unroll
+    for (int j = 0; j < PER; j++) {
+      const int i = threadIdx.x + j * 256;
+      v[j] = i < H ? b[i] : 0.0f;
+      sb += v[j] * v[j];
+    }
+    pre = rsqrtf(block_sum(sb) / H + peps);
+  }
   float ss = 0.0f;
 #pragma unroll
   for (int j = 0; j < PER; j++) {
     const int i = threadIdx.x + j * 256;
-    v[j] = 0.0f;
     if (i < H) {
-      v[j] = b ? a[i] + b[i] : a[i];
+      v[j] = PRE ? a[i] + v[j] * pre * to_f32(pw[i]) : b ? a[i] + b[i] : a[i];
       if (s) s[i] = v[j];
       ss += v[j] * v[j];
+    } else {
+      v[j] = 0.0f;
     }
   }
   const float r = rsqrtf(block_sum(ss) / H + eps);
@@ -84,6 +98,15 @@ template <int H, typename W, bool ADD, typename O>
 __device__ void add_rms_norm(const float* a, const float* b, float* s, const W* w, O* out, float eps) {
   const long base = (long)blockIdx.x * H;
   norm_row<H>(a + base, ADD ? b + base : nullptr, ADD ? s + base : nullptr, w, out + base, eps);
+}
+
+// s = a + rms_norm(b) with weight pw (eps peps), written to s; out = rms_norm(s) with w.
+// grid: T, block: 256.
+template <int H, typename W, typename PW, typename O>
+__device__ void norm_add_rms_norm(const float* a, const float* b, float* s, const W* w, O* out, float eps,
+                                  const PW* pw, float peps) {
+  const long base = (long)blockIdx.x * H;
+  norm_row<H, W, O, true, PW>(a + base, b + base, s + base, w, out + base, eps, pw, peps);
 }
 
 // ---- decode linear: memory-bound GEMV over up to ROWS (<= 8) rows ----
@@ -216,12 +239,11 @@ __device__ void gemv(const X& x, const h16_t* w0, const h16_t* b0, float* o0, co
   }
 }
 
-__device__ __forceinline__ float silu_f(float g) { return g / (1.0f + __expf(-g)); }
-
-// Gate and up projections with silu(gate)·up fused: input rows x (X16 or XNorm), out h16 [T, N].
+// Gate and up projections with act(gate)·up fused (act: the GLU's activation, a device lambda
+// the generated instance passes): input rows x (X16 or XNorm), out h16 [T, N].
 // grid: ceil(N / (8 / SPLIT)), block: 256.
-template <int K, int N, int ROWS, int SPLIT, typename X>
-__device__ void gemv_glu(const X& x, const h16_t* wg, const h16_t* wu, h16_t* out, int T) {
+template <int K, int N, int ROWS, int SPLIT, typename X, typename ACT>
+__device__ void gemv_glu(const X& x, const h16_t* wg, const h16_t* wu, h16_t* out, int T, ACT act) {
   int n = blockIdx.x * (8 / SPLIT) + (threadIdx.x >> 5) / SPLIT;
   const bool live = n < N;
   n = min(n, N - 1);
@@ -238,21 +260,22 @@ __device__ void gemv_glu(const X& x, const h16_t* wg, const h16_t* wu, h16_t* ou
   if (live && (threadIdx.x & 31) == 0 && ((threadIdx.x >> 5) % SPLIT) == 0) {
 #pragma unroll
     for (int r = 0; r < ROWS; r++)
-      if (r < T) out[(long)r * N + n] = f32_to_h16(silu_f(acc[r]) * acc[ROWS + r]);
+      if (r < T) out[(long)r * N + n] = f32_to_h16(act(acc[r]) * acc[ROWS + r]);
   }
 }
 
-// silu(a)·b as h16 (after the GEMM path's gate and up), four per thread (16-byte loads).
+// act(a)·b as h16 (after the GEMM path's gate and up), four per thread (16-byte loads).
 // grid: ceil(n / 1024), block: 256.
-__device__ void silu_mul(const float* a, const float* b, h16_t* out, long n) {
+template <typename ACT>
+__device__ void glu_mul(const float* a, const float* b, h16_t* out, long n, ACT act) {
   const long i = 4 * ((long)blockIdx.x * blockDim.x + threadIdx.x);
   if (i + 3 < n) {
     const float4 x = *(const float4*)(a + i), y = *(const float4*)(b + i);
-    const unsigned lo = f32_to_h16(silu_f(x.x) * y.x) | ((unsigned)f32_to_h16(silu_f(x.y) * y.y) << 16);
-    const unsigned hi = f32_to_h16(silu_f(x.z) * y.z) | ((unsigned)f32_to_h16(silu_f(x.w) * y.w) << 16);
+    const unsigned lo = f32_to_h16(act(x.x) * y.x) | ((unsigned)f32_to_h16(act(x.y) * y.y) << 16);
+    const unsigned hi = f32_to_h16(act(x.z) * y.z) | ((unsigned)f32_to_h16(act(x.w) * y.w) << 16);
     *(uint2*)(out + i) = make_uint2(lo, hi);
   } else {
-    for (long j = i; j < n; ++j) out[j] = f32_to_h16(silu_f(a[j]) * b[j]);
+    for (long j = i; j < n; ++j) out[j] = f32_to_h16(act(a[j]) * b[j]);
   }
 }
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine after scripts/gpu-check.sh built the checkpoints (/tmp/ck-SHAPE):
-# A/B of run-time settings. For each shape in SHAPES, compiles a bundle (once), then runs the
-# decode benchmark (128 prompt tokens, OUTPUT_LEN generated, default 128) as usual (A) and with
+# A/B of run-time settings. For each shape in SHAPES, compiles a bundle of MODEL (default
+# models/qwen2.yaml) once per binary set, then runs the benchmark (INPUT_LEN prompt tokens,
+# default 128, OUTPUT_LEN generated, default 128) as usual (A) and with
 # each environment setting of AB_ENVS (space-separated; B, C, ... e.g.
 # AB_ENVS=ENGINE_NORM_IN_GEMV=0: engrun emits the schedule from the bundle's plan, so schedule
 # settings apply there too), at each batch size in BATCHES (default 1), REPS times (default 2),
@@ -15,18 +16,19 @@ export ENGINE_CACHE_DIR=/tmp/engine-cache NCCL_NVLS_ENABLE=0
 : "${AB_ENVS:?set AB_ENVS, e.g. AB_ENVS=ENGINE_NORM_IN_GEMV=0}"
 for shape in ${SHAPES:-qwen2.5-0.5b}; do
   ck=/tmp/ck-$shape
-  b=$ck.bundle
-  [ -d "$b" ] || bin-gpu/engc compile models/qwen2.yaml --checkpoint "$ck" -o "$b" 2>&1 | tail -1
   for rep in $(seq "${REPS:-2}"); do
     for n in ${BATCHES:-1}; do
       for e in ENGINE_AB=default $AB_ENVS; do
         bin=bin-gpu
         case $e in BIN=*) bin=${e#BIN=} ;; esac
+        # Each binary runs the bundle its own engc compiled (a bundle carries its CUDA source).
+        b=$ck.$(basename "$bin").bundle
+        [ -d "$b" ] || $bin/engc compile "${MODEL:-models/qwen2.yaml}" --checkpoint "$ck" -o "$b" 2>&1 | tail -1
         r=$(env "$e" ENGINE_CUDA_PROFILE=steps $bin/engrun bench "$b" --device cuda --num-prompts "$n" \
-          --input-len 128 --output-len "${OUTPUT_LEN:-128}" --json 2>&1)
+          --input-len "${INPUT_LEN:-128}" --output-len "${OUTPUT_LEN:-128}" --json 2>&1)
         j=$(echo "$r" | grep '^{' | tail -1)
         p=$(echo "$r" | grep "CUDA graph steps" | sed 's/.*replay \([0-9.]*\) us.*sampling \([0-9.]*\) us.*, \([0-9.]*\) us.step wall.*/replay_us \1 sample_us \2 step_wall_us \3/' || true)
-        python3 -c "import json,sys; j=json.loads(sys.argv[1]); print('$shape $e b$n rep$rep tpot_ms_p50', round(j['tpot_ms_p50'], 4), 'output_tok_s', round(j['output_tok_s']), 'decode_bw', round(j['decode_bandwidth_fraction'], 3), sys.argv[2])" "$j" "$p" | tee -a "$out/ab.txt"
+        python3 -c "import json,sys; j=json.loads(sys.argv[1]); print('$shape $e b$n rep$rep ttft_ms_p50', round(j['ttft_ms_p50'], 3), 'tpot_ms_p50', round(j['tpot_ms_p50'], 4), 'output_tok_s', round(j['output_tok_s']), 'decode_bw', round(j['decode_bandwidth_fraction'], 3), sys.argv[2])" "$j" "$p" | tee -a "$out/ab.txt"
       done
     done
   done

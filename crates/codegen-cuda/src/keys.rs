@@ -26,6 +26,18 @@ pub enum KernelKey {
         /// Output dtype.
         out: DType,
     },
+    /// RMS norm of `b` (weight `pw`), added to `a` (the sum written), then RMS norm of the sum
+    /// over rows of `h`: a `norm_add_norm` fusion.
+    NormAddRmsNorm {
+        /// Row width.
+        h: usize,
+        /// The second norm's weight dtype.
+        w: DType,
+        /// The first norm's weight dtype.
+        pw: DType,
+        /// Output dtype.
+        out: DType,
+    },
     /// Up to three linears sharing a 16-bit input, for at most `rows` rows (memory-bound GEMV).
     Gemv {
         /// Input features.
@@ -37,7 +49,7 @@ pub enum KernelKey {
         /// The RMS norm it applies to its input rows itself, if any.
         norm: Option<NormIn>,
     },
-    /// Gate and up projections with silu(gate)·up, 16-bit out, for at most `rows` rows.
+    /// Gate and up projections with act(gate)·up, 16-bit out, for at most `rows` rows.
     GemvGlu {
         /// Input features.
         k: usize,
@@ -47,6 +59,8 @@ pub enum KernelKey {
         rows: usize,
         /// The RMS norm it applies to its input rows itself, if any.
         norm: Option<NormIn>,
+        /// The activation as CUDA C over `x0` (interned).
+        act: &'static str,
     },
     /// Up to three linears sharing a 16-bit input, for at most `8 * tiles` rows (tensor cores,
     /// split K; every `n` a multiple of 16).
@@ -76,8 +90,11 @@ pub enum KernelKey {
         /// With a bias.
         bias: bool,
     },
-    /// silu(a)·b to the 16-bit float.
-    SiluMul,
+    /// act(a)·b to the 16-bit float.
+    GluMul {
+        /// The activation as CUDA C over `x0` (interned).
+        act: &'static str,
+    },
     /// f32 to the 16-bit float.
     ToH16,
     /// Rotate-half RoPE over heads of `d` in rows of `cols` (a RoPE not feeding attention).
@@ -287,6 +304,21 @@ pub(crate) fn intern(s: String) -> &'static str {
     e
 }
 
+/// A GLU activation in a kernel's name: `silu`, or a hash of its expression.
+fn act_tag(act: &str) -> String {
+    let silu = ir::fusion::glu_activation(&ir::Op::Silu).map(|s| s.to_cuda());
+    if silu.as_deref() == Some(act) {
+        "silu".into()
+    } else {
+        format!("a{:08x}", fnv(act) as u32)
+    }
+}
+
+/// A GLU activation as the device lambda the templates take.
+fn act_lambda(act: &str) -> String {
+    format!("[](float x0) {{ return {act}; }}")
+}
+
 /// FNV-1a, for names of generated kernels.
 fn fnv(s: &str) -> u64 {
     s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3))
@@ -355,16 +387,17 @@ impl KernelKey {
             KernelKey::AddRmsNorm { h, w, add, out } => {
                 format!("{}rms_norm_h{h}_{w}_to_{out}", if add { "add_" } else { "" })
             }
+            KernelKey::NormAddRmsNorm { h, w, pw, out } => format!("norm_add_rms_norm_h{h}_{pw}_{w}_to_{out}"),
             KernelKey::Gemv { k, n, rows, norm } => {
                 format!("gemv_k{k}_n{}_r{rows}{}", n3(n), norm.map_or(String::new(), |m| m.suffix()))
             }
-            KernelKey::GemvGlu { k, n, rows, norm } => {
-                format!("gemv_glu_k{k}_n{n}_r{rows}{}", norm.map_or(String::new(), |m| m.suffix()))
+            KernelKey::GemvGlu { k, n, rows, norm, act } => {
+                format!("gemv_glu_k{k}_n{n}_r{rows}{}_{}", norm.map_or(String::new(), |m| m.suffix()), act_tag(act))
             }
             KernelKey::Gemm { k, n } => format!("gemm_k{k}_n{}", n3(n)),
             KernelKey::GemmSkinny { k, n, tiles } => format!("gemm_skinny_k{k}_n{}_t{tiles}", n3(n)),
             KernelKey::Linear { k, n, w, bias } => format!("linear_k{k}_n{n}_{w}{}", if bias { "_bias" } else { "" }),
-            KernelKey::SiluMul => "silu_mul_to_h16".into(),
+            KernelKey::GluMul { act } => format!("glu_mul_to_h16_{}", act_tag(act)),
             KernelKey::ToH16 => "f32_to_h16_rows".into(),
             KernelKey::Rope { cols, d, rot } => format!("rope_c{cols}_d{d}{}", rot_suffix(d, rot)),
             KernelKey::RopeKv { heads, kv_heads, d, rot, rope_q, rope_k } => format!(
@@ -427,6 +460,16 @@ impl KernelKey {
                     format!("embedding<{h}, {t}>(ids, table, out)"),
                 )
             }
+            KernelKey::NormAddRmsNorm { h, w, pw, out } => {
+                let (t, p, o) = (ctype(w)?, ctype(pw)?, ctype(out)?);
+                (
+                    format!(
+                        "const float* a, const float* b, float* s, const {t}* w, {o}* out, float eps, const {p}* pw, \
+                         float peps"
+                    ),
+                    format!("norm_add_rms_norm<{h}, {t}, {p}, {o}>(a, b, s, w, out, eps, pw, peps)"),
+                )
+            }
             KernelKey::AddRmsNorm { h, w, add, out } => {
                 let (t, o) = (ctype(w)?, ctype(out)?);
                 (
@@ -441,11 +484,11 @@ impl KernelKey {
                     format!("gemv<{k}, {}, {}, {}, {rows}, {}>({x}, {OUT_ARGS})", n[0], n[1], n[2], gemv_split(k)),
                 )
             }
-            KernelKey::GemvGlu { k, n, rows, norm } => {
+            KernelKey::GemvGlu { k, n, rows, norm, act } => {
                 let (input, x) = gemv_input(norm)?;
                 (
                     format!("{input}, const h16_t* wg, const h16_t* wu, h16_t* out, int T"),
-                    format!("gemv_glu<{k}, {n}, {rows}, {}>({x}, wg, wu, out, T)", gemv_split(k)),
+                    format!("gemv_glu<{k}, {n}, {rows}, {}>({x}, wg, wu, out, T, {})", gemv_split(k), act_lambda(act)),
                 )
             }
             KernelKey::Gemm { k, n } => (
@@ -463,9 +506,10 @@ impl KernelKey {
                     format!("linear<{k}, {n}, h16_t, {t}, {bias}>(x, w, bias, out, T)"),
                 )
             }
-            KernelKey::SiluMul => {
-                ("const float* a, const float* b, h16_t* out, long n".into(), "silu_mul(a, b, out, n)".into())
-            }
+            KernelKey::GluMul { act } => (
+                "const float* a, const float* b, h16_t* out, long n".into(),
+                format!("glu_mul(a, b, out, n, {})", act_lambda(act)),
+            ),
             KernelKey::ToH16 => ("const float* a, h16_t* out, long n".into(), "to_h16(a, out, n)".into()),
             KernelKey::Rope { cols, d, rot } => (
                 "const float* x, const int* pos, const float* inv_freq, float scale, float* out".into(),

@@ -19,6 +19,7 @@ pub(crate) fn fusion(b: &mut Builder, f: usize) -> Result<(), CodegenError> {
             let s = b.out(a, DType::F32);
             rms_norm(b, n, x, Some((y, s)));
         }
+        (FusionKind::NormAddNorm, &[n1, a, n2]) => norm_add_norm(b, [n1, a, n2])?,
         (FusionKind::Linears, ls) => linears(b, ls)?,
         (FusionKind::Glu, &[g, u, s, m]) => {
             let xn = b.plan.nodes[g].inputs[0];
@@ -128,6 +129,34 @@ fn rms_norm(b: &mut Builder, c: usize, x: usize, add: Option<(usize, usize)>) {
         .push(Step::Kernels { by: Count::Tokens, variants: vec![(NORM_IN_GEMV_ROWS, vec![]), (usize::MAX, vec![l])] });
 }
 
+/// `s = x + rms_norm(y); rms_norm(s)` in one launch (a `norm_add_norm` fusion).
+fn norm_add_norm(b: &mut Builder, [n1, a, n2]: [usize; 3]) -> Result<(), CodegenError> {
+    let (Op::RmsNorm { eps: peps }, Op::RmsNorm { eps }) = (&b.plan.nodes[n1].op, &b.plan.nodes[n2].op) else {
+        unreachable!("norm_add_norm fusions start and end with RMS norms")
+    };
+    let (peps, eps) = (*peps, *eps);
+    let ins = &b.plan.nodes[a].inputs;
+    let xn = if ins[0] == n1 { ins[1] } else { ins[0] };
+    let (pn, wn) = (&b.plan.nodes[n1].inputs, b.plan.nodes[n2].inputs[1]);
+    let (yn, pw) = (pn[0], pn[1]);
+    let (x, y) = (b.f32_val(xn)?, b.f32_val(yn)?);
+    let s = b.out(a, DType::F32);
+    let out = b.out(n2, b.act_dtype(n2));
+    let key = KernelKey::NormAddRmsNorm { h: b.cols(n2), w: b.wdtype(wn), pw: b.wdtype(pw), out: b.vals_dtype(out) };
+    let args = vec![
+        Arg::Buf(x),
+        Arg::Buf(y),
+        Arg::Buf(s),
+        Arg::Weight(wn),
+        Arg::Buf(out),
+        Arg::F32(eps),
+        Arg::Weight(pw),
+        Arg::F32(peps),
+    ];
+    b.steps.push(one(launch(key, args, [per_token(1, 1), ONE], 256)));
+    Ok(())
+}
+
 /// Shared memory a GEMV may give its normalised rows (`XNorm` in `kernels/fast.cuh`).
 const NORM_SMEM: usize = 32 << 10;
 
@@ -148,7 +177,7 @@ fn norm_fuses(b: &Builder, c: usize) -> bool {
     let one_launch = match fusion.kind {
         FusionKind::Linears => true,
         FusionKind::Glu => b.feeds_linears(fusion.nodes[3]),
-        FusionKind::AddNorm | FusionKind::RopeAttention => false,
+        FusionKind::AddNorm | FusionKind::NormAddNorm | FusionKind::RopeAttention => false,
     };
     let mut linears: Vec<usize> =
         fusion.nodes.iter().copied().filter(|&j| matches!(b.plan.nodes[j].op, Op::Linear { .. })).collect();
@@ -249,10 +278,12 @@ fn linears(b: &mut Builder, ls: &[usize]) -> Result<(), CodegenError> {
     Ok(())
 }
 
-/// silu(x·gateᵀ) * (x·upᵀ) in one GEMV for few rows (applying `norm` where it is fused);
-/// GEMM + silu_mul above.
-fn glu(b: &mut Builder, x: usize, k: usize, [g, u, _, m]: [usize; 4], norm: Option<&FusedNorm>) {
+/// act(x·gateᵀ) * (x·upᵀ) in one GEMV for few rows (applying `norm` where it is fused);
+/// GEMM + glu_mul above.
+fn glu(b: &mut Builder, x: usize, k: usize, [g, u, s, m]: [usize; 4], norm: Option<&FusedNorm>) {
     let n = b.cols(g);
+    let act = ir::fusion::glu_activation(&b.plan.nodes[s].op).map_or(String::new(), |a| a.to_cuda());
+    let act = intern(act);
     let out = b.out(m, b.half);
     let (wg, wu) = (b.plan.nodes[g].inputs[1], b.plan.nodes[u].inputs[1]);
     let mut variants: Vec<(usize, Vec<Launch>)> = GEMV_ROWS
@@ -265,7 +296,7 @@ fn glu(b: &mut Builder, x: usize, k: usize, [g, u, _, m]: [usize; 4], norm: Opti
             (
                 rows,
                 vec![launch(
-                    KernelKey::GemvGlu { k, n, rows, norm },
+                    KernelKey::GemvGlu { k, n, rows, norm, act },
                     args,
                     [Dim::Fixed(n.div_ceil(per_block)), ONE],
                     256,
@@ -281,7 +312,7 @@ fn glu(b: &mut Builder, x: usize, k: usize, [g, u, _, m]: [usize; 4], norm: Opti
     };
     let args = vec![Arg::Buf(tg), Arg::Buf(tu), Arg::Buf(out), Arg::Elems(Count::Tokens, n)];
     for (bound, mut launches) in big.into_iter().filter(|(bound, _)| *bound > GEMV_ROWS[GEMV_ROWS.len() - 1]) {
-        launches.push(launch(KernelKey::SiluMul, args.clone(), [per_token(n, 1024), ONE], 256));
+        launches.push(launch(KernelKey::GluMul { act }, args.clone(), [per_token(n, 1024), ONE], 256));
         variants.push((bound, launches));
     }
     b.steps.push(Step::Kernels { by: Count::Tokens, variants });

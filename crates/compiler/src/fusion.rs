@@ -46,8 +46,8 @@ fn rope_attention(mut g: Graph) -> Graph {
     g
 }
 
-/// Gated MLPs: `silu(gate) * up` with gate and up linears of one input
-/// ([`FusionKind::Glu`]).
+/// Gated MLPs: `act(gate) * up` with gate and up linears of one input and `act` a silu or a
+/// map of the gate ([`FusionKind::Glu`]).
 pub fn fuse_glu(g: Graph, _: &PassCtx) -> Result<Graph, CompileError> {
     Ok(glu(g))
 }
@@ -56,7 +56,7 @@ fn glu(mut g: Graph) -> Graph {
     for m in of(&g, |op| matches!(op, Op::Mul)) {
         let ins = g.inputs(m);
         for (s, u) in [(ins[0], ins[1]), (ins[1], ins[0])] {
-            if matches!(g.node(s).op, Op::Silu) {
+            if ir::fusion::glu_activation(&g.node(s).op).is_some() {
                 let gate = g.inputs(s)[0];
                 if propose(&mut g, FusionKind::Glu, vec![gate, u, s, m]) {
                     break;
@@ -89,7 +89,9 @@ fn linears(mut g: Graph) -> Graph {
     g
 }
 
-/// Residual add + RMS norm: an add and the first RMS norm of it ([`FusionKind::AddNorm`]).
+/// Residual add + RMS norm: an add and the first RMS norm of it ([`FusionKind::AddNorm`]), with
+/// the RMS norm of the add's other input when only the add reads it
+/// ([`FusionKind::NormAddNorm`]: Gemma's sandwich norms).
 pub fn fuse_add_norm(g: Graph, _: &PassCtx) -> Result<Graph, CompileError> {
     Ok(add_norm(g))
 }
@@ -99,8 +101,11 @@ fn add_norm(mut g: Graph) -> Graph {
         let mut norms: Vec<NodeIndex> =
             g.users(a).into_iter().filter(|&n| matches!(g.node(n).op, Op::RmsNorm { .. })).collect();
         norms.sort();
+        let pre: Vec<NodeIndex> =
+            g.inputs(a).into_iter().filter(|&p| matches!(g.node(p).op, Op::RmsNorm { .. })).collect();
         for n in norms {
-            if propose(&mut g, FusionKind::AddNorm, vec![a, n]) {
+            let sandwich = pre.iter().any(|&p| propose(&mut g, FusionKind::NormAddNorm, vec![p, a, n]));
+            if sandwich || propose(&mut g, FusionKind::AddNorm, vec![a, n]) {
                 break;
             }
         }
@@ -219,5 +224,36 @@ mod tests {
         }
         let f = fused(g);
         assert_eq!(f[0], (FusionKind::RopeAttention, labels(&["rq", "a"])));
+    }
+
+    /// Gemma's GLU: `gelu_tanh(gate) * up` fuses as SwiGLU does.
+    #[test]
+    fn a_glu_takes_any_one_input_activation() {
+        let gelu = ir::Scalar::call(ir::Fun::named("gelu_tanh").unwrap(), vec![ir::Scalar::Arg(0)]);
+        let f = fused(layer(Some(gelu)));
+        assert!(f.contains(&(FusionKind::Glu, labels(&["gate", "up", "s", "m"]))), "{f:?}");
+        // A map of two inputs is no activation.
+        let two = ir::Scalar::call(ir::Fun::named("*").unwrap(), vec![ir::Scalar::Arg(0), ir::Scalar::Arg(0)]);
+        assert!(ir::fusion::glu_activation(&Op::Map { expr: two }).is_some(), "x0 * x0 reads one input");
+        let sum = ir::Scalar::call(ir::Fun::named("+").unwrap(), vec![ir::Scalar::Arg(0), ir::Scalar::Arg(1)]);
+        assert!(ir::fusion::glu_activation(&Op::Map { expr: sum }).is_none());
+    }
+
+    /// Gemma's sandwich: `x + rms_norm(o)` then the next norm is one norm_add_norm; the
+    /// residual add of a layer without a post-norm stays an add_norm.
+    #[test]
+    fn a_norm_of_the_added_sublayer_output_joins_the_add() {
+        let mut g = layer(None);
+        let find = |g: &Graph, label: &str| {
+            g.nodes().into_iter().find(|&n| g.node(n).label == label && !matches!(g.node(n).op, Op::Weight { .. }))
+        };
+        let (x1, o) = (find(&g, "x1").unwrap(), find(&g, "o").unwrap());
+        let w = weight(&mut g, "post", vec![32]);
+        let post = g.add(Op::RmsNorm { eps: 1e-6 }, &[o, w], "post").unwrap();
+        g.replace_uses(o, post, post);
+        assert_eq!(g.inputs(x1)[1], post);
+        let f = fused(g);
+        assert!(f.contains(&(FusionKind::NormAddNorm, labels(&["post", "x1", "n2"]))), "{f:?}");
+        assert!(f.contains(&(FusionKind::AddNorm, labels(&["x2", "n3"]))), "{f:?}");
     }
 }

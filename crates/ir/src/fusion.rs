@@ -7,6 +7,7 @@
 //! types, and a plan printed with its fusions still reads as the model's ops.
 
 use crate::op::Op;
+use crate::scalar::{Fun, Scalar};
 use serde::{Deserialize, Serialize};
 
 /// What a fusion computes, and so which members it has. Each kind's semantics are those of
@@ -17,11 +18,17 @@ pub enum FusionKind {
     /// `[add, rms_norm]`: `s = x + y; out = rms_norm(s, w)` with the norm over whole rows or
     /// groups. One pass over each row writes the sum (the residual stream) and its norm.
     AddNorm,
+    /// `[rms_norm, add, rms_norm]`: `s = x + rms_norm(y, w1); out = rms_norm(s, w2)`, both
+    /// norms over whole rows of one width, the first read only by the add (Gemma's norm of each
+    /// sublayer's output before the residual add, then the next sublayer's input norm): one
+    /// pass over each row.
+    NormAddNorm,
     /// `[linear; 1..=3]`, every one reading the same input (q, k and v): one launch.
     Linears,
-    /// `[gate, up, silu, mul]`: `silu(x·gateᵀ) * (x·upᵀ)`, gate and up being linears without
-    /// bias of the same input and the same width, each read only by the next member: one launch
-    /// that never writes gate or up.
+    /// `[gate, up, act, mul]`: `act(x·gateᵀ) * (x·upᵀ)`, gate and up being linears without
+    /// bias of the same input and the same width, `act` a `silu` or a one-input `map` of the
+    /// gate (Gemma's `gelu_tanh`; [`glu_activation`]), each read only by the next member: one
+    /// launch that never writes gate or up.
     Glu,
     /// `[rope, (rope,) attention]`: RoPE of the attention's q and/or k, applied while the
     /// attention writes the KV cache; each rope is read only by the attention, two ropes are
@@ -34,6 +41,7 @@ impl FusionKind {
     pub fn name(self) -> &'static str {
         match self {
             FusionKind::AddNorm => "add_norm",
+            FusionKind::NormAddNorm => "norm_add_norm",
             FusionKind::Linears => "linears",
             FusionKind::Glu => "glu",
             FusionKind::RopeAttention => "rope_attention",
@@ -42,7 +50,7 @@ impl FusionKind {
 
     /// The kind named `s` in printed plans.
     pub fn parse(s: &str) -> Option<FusionKind> {
-        [FusionKind::AddNorm, FusionKind::Linears, FusionKind::Glu, FusionKind::RopeAttention]
+        [FusionKind::AddNorm, FusionKind::NormAddNorm, FusionKind::Linears, FusionKind::Glu, FusionKind::RopeAttention]
             .into_iter()
             .find(|k| k.name() == s)
     }
@@ -58,6 +66,16 @@ pub struct Fusion<N> {
     pub nodes: Vec<N>,
 }
 
+/// The activation a GLU's third member applies to the gate, as an expression of `x0`: a
+/// `silu`, or a map of one input.
+pub fn glu_activation(op: &Op) -> Option<Scalar> {
+    match op {
+        Op::Silu => Fun::named("silu").map(|f| Scalar::call(f, vec![Scalar::Arg(0)])),
+        Op::Map { expr } if expr.arity() == 1 => Some(expr.clone()),
+        _ => None,
+    }
+}
+
 /// What [`check`] reads of a graph or plan.
 pub trait View<N: Copy + PartialEq> {
     /// The op of node `n`.
@@ -66,6 +84,8 @@ pub trait View<N: Copy + PartialEq> {
     fn ins(&self, n: N) -> Vec<N>;
     /// The distinct nodes that read `n`.
     fn readers(&self, n: N) -> Vec<N>;
+    /// The size of `n`'s last dimension.
+    fn width(&self, n: N) -> usize;
 }
 
 /// Checks `f` against its kind's rule (the "shape rule" of a fusion); the message says what
@@ -78,10 +98,25 @@ pub fn check<N: Copy + PartialEq, V: View<N>>(v: &V, f: &Fusion<N>) -> Result<()
             matches!(v.op(a), Op::Add) && matches!(v.op(n), Op::RmsNorm { .. }) && v.ins(n)[0] == a,
             "needs an add and an rms_norm of it",
         ),
-        (FusionKind::Linears, ls) if (1..=3).contains(&ls.len()) => {
-            let x = v.ins(ls[0])[0];
+        (FusionKind::NormAddNorm, &[n1, a, n2]) => {
+            let (ai, whole) = (v.ins(a), |n: N| v.width(v.ins(n)[1]) == v.width(n));
             ok(
-                ls.iter().all(|&l| matches!(v.op(l), Op::Linear { .. }) && v.ins(l)[0] == x),
+                matches!(v.op(n1), Op::RmsNorm { .. })
+                    && matches!(v.op(a), Op::Add)
+                    && matches!(v.op(n2), Op::RmsNorm { .. })
+                    && ai.contains(&n1)
+                    && ai[0] != ai[1]
+                    && only_read_by(n1, a)
+                    && v.ins(n2)[0] == a
+                    && whole(n1)
+                    && whole(n2),
+                "needs a whole-row rms_norm read only by an add, the add, and a whole-row rms_norm of it",
+            )
+        }
+        (FusionKind::Linears, ls) if (1..=3).contains(&ls.len()) => {
+            let x = v.ins(ls[0]).first().copied();
+            ok(
+                ls.iter().all(|&l| matches!(v.op(l), Op::Linear { .. }) && v.ins(l).first().copied() == x),
                 "needs linears of one input",
             )
         }
@@ -92,14 +127,14 @@ pub fn check<N: Copy + PartialEq, V: View<N>>(v: &V, f: &Fusion<N>) -> Result<()
                 linear(g)
                     && linear(u)
                     && gi[0] == ui[0]
-                    && matches!(v.op(s), Op::Silu)
+                    && glu_activation(v.op(s)).is_some()
                     && v.ins(s) == [g]
                     && matches!(v.op(m), Op::Mul)
                     && (mi == [s, u] || mi == [u, s])
                     && only_read_by(g, s)
                     && only_read_by(s, m)
                     && only_read_by(u, m),
-                "needs gate and up linears (no bias) of one input, silu of the gate, and their product",
+                "needs gate and up linears (no bias) of one input, an activation of the gate, and their product",
             )
         }
         (FusionKind::RopeAttention, [ropes @ .., a]) if (1..=2).contains(&ropes.len()) => {
@@ -148,6 +183,11 @@ mod tests {
         let e = g.verify().unwrap_err().to_string();
         assert!(e.contains("add_norm: needs an add and an rms_norm of it"), "{e}");
         g.fusions[0] = Fusion { kind: FusionKind::Linears, nodes: vec![s] };
+        let e = g.verify().unwrap_err().to_string();
+        assert!(e.contains("linears: needs linears of one input"), "{e}");
+        // A node without inputs is refused, not indexed.
+        let t = g.nodes().into_iter().find(|&n| matches!(g.node(n).op, Op::Tokens)).unwrap();
+        g.fusions[0] = Fusion { kind: FusionKind::Linears, nodes: vec![t] };
         let e = g.verify().unwrap_err().to_string();
         assert!(e.contains("linears: needs linears of one input"), "{e}");
     }

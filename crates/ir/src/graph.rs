@@ -323,6 +323,10 @@ impl fusion::View<NodeIndex> for Graph {
         self.inputs(n)
     }
 
+    fn width(&self, n: NodeIndex) -> usize {
+        self.g[n].ty.last().unwrap_or(0)
+    }
+
     fn readers(&self, n: NodeIndex) -> Vec<NodeIndex> {
         let mut r = self.users(n);
         r.sort();

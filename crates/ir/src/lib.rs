@@ -11,6 +11,7 @@ pub mod op;
 pub mod plan;
 pub mod rope;
 pub mod scalar;
+pub mod text;
 pub mod types;
 
 pub use fusion::{Fusion, FusionKind};
