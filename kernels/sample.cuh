@@ -59,9 +59,29 @@ __device__ __forceinline__ u64 block_exclusive_u64(u64 v, u64* total) {
   return before + inc - v;
 }
 
+// exp(x) for x <= 0 from correctly rounded IEEE operations only (products by __fmul_rn, never
+// contracted; explicit fmaf; round half to even), so that the host's
+// `runtime::sampler::exp_det`, the same operations on the same constants, gives the very same
+// bits: the device and the host then keep and pick the same tokens. Range reduction by ln 2
+// (Cody-Waite, two parts), a degree-6 Taylor polynomial, the power of two in the exponent.
+__device__ __forceinline__ float exp_det(float x) {
+  if (x < -87.0f) return 0.0f;
+  const float n = rintf(__fmul_rn(x, __int_as_float(0x3fb8aa3b)));
+  float r = fmaf(n, -__int_as_float(0x3f317200), x);
+  r = fmaf(n, -__int_as_float(0x35bfbe8e), r);
+  float p = __int_as_float(0x3ab60b61);
+  p = fmaf(p, r, __int_as_float(0x3c088889));
+  p = fmaf(p, r, __int_as_float(0x3d2aaaab));
+  p = fmaf(p, r, __int_as_float(0x3e2aaaab));
+  p = fmaf(p, r, 0.5f);
+  p = fmaf(p, r, 1.0f);
+  p = fmaf(p, r, 1.0f);
+  return __fmul_rn(p, __int_as_float(((int)n + 127) << 23));
+}
+
 // The top token's p is exactly 1 (so that min_p = 1 keeps it).
 __device__ __forceinline__ float sample_p(float l, float m, float inv_t) {
-  return l == m ? 1.0f : __expf((l - m) * inv_t);
+  return l == m ? 1.0f : exp_det(__fmul_rn(l - m, inv_t));
 }
 __device__ __forceinline__ u64 sample_mass(float p) { return (u64)(p * 1099511627776.0f); }
 

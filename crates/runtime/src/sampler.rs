@@ -162,6 +162,26 @@ impl RowSampling {
     }
 }
 
+/// exp(x) for x <= 0 (0 below -87) from correctly rounded IEEE operations only: the very
+/// operations, in the same order on the same constants, of `exp_det` in `kernels/sample.cuh`,
+/// so that the device and the host compute the same bits of every p and so keep and pick the
+/// same tokens (`f32::exp` and CUDA's `__expf` differ in the last bits, which flipped about one
+/// row in 900 at a top-p boundary). Range reduction by ln 2 in two parts, a degree-6 Taylor
+/// polynomial (within 2 ulp of exp), the power of two set in the exponent.
+pub fn exp_det(x: f32) -> f32 {
+    if x < -87.0 {
+        return 0.0;
+    }
+    let n = (x * f32::from_bits(0x3fb8_aa3b)).round_ties_even();
+    let r = n.mul_add(-f32::from_bits(0x3f31_7200), x);
+    let r = n.mul_add(-f32::from_bits(0x35bf_be8e), r);
+    let mut p = f32::from_bits(0x3ab6_0b61);
+    for c in [0x3c08_8889, 0x3d2a_aaab, 0x3e2a_aaab, 0x3f00_0000, 0x3f80_0000, 0x3f80_0000] {
+        p = p.mul_add(r, f32::from_bits(c));
+    }
+    p * f32::from_bits(((n as i32 + 127) as u32) << 23)
+}
+
 /// Mass of a probability relative to the top token's, in fixed point (so that sums do not
 /// depend on the order of addition).
 fn mass(p: f32) -> u64 {
@@ -179,7 +199,7 @@ pub fn pick(logits: &[f32], row: &RowSampling) -> u32 {
     }
     let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let inv_t = 1.0 / row.temperature;
-    let p: Vec<f32> = logits.iter().map(|&l| if l == m { 1.0 } else { ((l - m) * inv_t).exp() }).collect();
+    let p: Vec<f32> = logits.iter().map(|&l| if l == m { 1.0 } else { exp_det((l - m) * inv_t) }).collect();
     let mut thr = row.min_p.to_bits();
     let top_k = if row.top_k > 0 && row.top_k < p.len() { row.top_k } else { 0 };
     if top_k > 0 || row.top_p < 1.0 {
@@ -341,6 +361,30 @@ fn log_probs(logits: &[f32], token: u32, n: usize) -> Logprobs {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// exp_det is exp to within 2 ulp over the range sampling uses, 1 at 0, 0 far below.
+    #[test]
+    fn exp_det_is_exp() {
+        let mut worst = 0.0f64;
+        for k in 0..=870_000 {
+            let x = -(k as f32) * 1e-4;
+            let (got, want) = (exp_det(x) as f64, (x as f64).exp());
+            worst = worst.max((got - want).abs() / want);
+        }
+        assert!(worst < 2.5e-7, "worst relative error {worst}");
+        assert_eq!(exp_det(0.0), 1.0);
+        assert_eq!(exp_det(-0.0), 1.0);
+        assert_eq!(exp_det(-88.0), 0.0);
+    }
+
+    /// The bits the device's `exp_det` (kernels/sample.cuh) computes for the same inputs: the
+    /// two are one rule, so a change to either side must change both (and this table).
+    #[test]
+    fn exp_det_bits_are_pinned() {
+        let got: Vec<u32> = [-0.5f32, -1.0, -3.25, -10.0, -40.0, -86.9].iter().map(|&x| exp_det(x).to_bits()).collect();
+        let want: [u32; 6] = [0x3f1b_4598, 0x3ebc_5ab3, 0x3d1e_d1b4, 0x383e_6bce, 0x229c_bc92, 0x00c6_0f89];
+        assert_eq!(got, want, "{:x?}", got);
+    }
 
     #[test]
     fn greedy_and_seeded() {
