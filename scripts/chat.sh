@@ -10,7 +10,7 @@ cargo build --release --bins --quiet
 gguf=$(scripts/fetch-smollm2.sh)
 bundle="${ENGINE_CACHE:-$HOME/.cache/engine}/smollm2-135m-f32.bundle"
 if [ ! -f "$bundle/manifest.json" ] || [ "$gguf" -nt "$bundle/manifest.json" ] || [ target/release/engc -nt "$bundle/manifest.json" ]; then
-  target/release/engc compile models/llama.yaml --checkpoint "$gguf" \
-    --tokenizer ../shared/fixtures/smollm2-135m --dtype f32 -o "$bundle"
+  # The tokenizer and chat template are the GGUF's own (engc builds them from its metadata).
+  target/release/engc compile models/llama.yaml --checkpoint "$gguf" --dtype f32 -o "$bundle"
 fi
 exec target/release/engrun generate "$bundle" --device cpu --chat --max-tokens 128 --prompt "$question" "$@"

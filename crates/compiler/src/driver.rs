@@ -20,7 +20,8 @@ pub struct CompileOptions {
     pub tp: usize,
     /// Weight dtype; the checkpoint's when `None`.
     pub dtype: Option<DType>,
-    /// Where the tokenizer files are; the checkpoint directory when `None`.
+    /// Where the tokenizer files are; when `None`, built from a GGUF checkpoint's metadata
+    /// (`gguf_tokenizer`), else the checkpoint directory.
     pub tokenizer: Option<PathBuf>,
     /// The bundle directory to write.
     pub out: PathBuf,
@@ -69,7 +70,16 @@ pub fn compile(opts: &CompileOptions) -> Result<CompileReport, CompileError> {
     for rank in 0..opts.tp {
         write_rank_weights(&mut w, &plan, &model, &ckpt, rank, opts.tp)?;
     }
-    let tok_dir = opts.tokenizer.clone().unwrap_or_else(|| ckpt.dir.clone());
+    // A GGUF carries its tokenizer: without --tokenizer, its files are built from the metadata.
+    let from_gguf = match opts.tokenizer {
+        Some(_) => None,
+        None => crate::gguf_tokenizer::for_checkpoint(&ckpt.path)?,
+    };
+    let tok_dir = opts
+        .tokenizer
+        .clone()
+        .or_else(|| from_gguf.as_ref().map(|d| d.path().to_path_buf()))
+        .unwrap_or_else(|| ckpt.dir.clone());
     warnings.extend(write_tokenizer(&mut w, &tok_dir, &ckpt)?);
     let params: BTreeMap<String, serde_json::Value> =
         model.params.iter().map(|(k, v)| (k.clone(), v.to_json())).collect();

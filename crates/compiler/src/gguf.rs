@@ -351,6 +351,14 @@ impl Gguf {
                 c.insert(h.into(), v.into());
             }
         }
+        // An end-of-turn token (Llama 3 Instruct's <|eot_id|>) stops generation as eos does.
+        if let (Some(eos), Some(eot)) =
+            (self.meta_int("tokenizer.ggml.eos_token_id"), self.meta_int("tokenizer.ggml.eot_token_id"))
+        {
+            if eot != eos {
+                c.insert("eos_token_id".into(), serde_json::json!([eos, eot]));
+            }
+        }
         c.insert("torch_dtype".into(), "float32".into());
         Ok(serde_json::Value::Object(c))
     }

@@ -10,6 +10,7 @@ pub mod driver;
 pub mod fuse;
 pub mod fusion;
 pub mod gguf;
+pub mod gguf_tokenizer;
 pub mod lower;
 pub mod passes;
 pub mod select;

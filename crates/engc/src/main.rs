@@ -32,7 +32,8 @@ enum Cmd {
         /// Weight dtype: bf16, f16 or f32 (default: the checkpoint's).
         #[arg(long, value_parser = parse_dtype)]
         dtype: Option<DType>,
-        /// Directory with tokenizer.json / tokenizer_config.json (default: the checkpoint).
+        /// Directory with tokenizer.json / tokenizer_config.json (default: a GGUF's own
+        /// tokenizer and chat template, else the checkpoint directory).
         #[arg(long)]
         tokenizer: Option<PathBuf>,
         /// Output bundle directory.
