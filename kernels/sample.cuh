@@ -390,3 +390,19 @@ __device__ void argmax_rows(const float* logits, float* part_v, int* part_i, uns
     done[r] = 0;
   }
 }
+
+// Per-token changes to logit rows before a choice, as `runtime::sampler::Adjust::apply` makes
+// them, with the same single roundings: x' = (x > 0 ? x / div : x * mul) + add. adjust: [n][5]
+// (row, token, div, mul, add; row and token exact in f32). One thread per change; a row's
+// tokens are distinct. grid: ceil(n / 256), block: 256.
+template <int V>
+__device__ void adjust_logits(float* logits, const float* adjust, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const float* a = adjust + 5 * (long)i;
+  const int row = (int)a[0], token = (int)a[1];
+  if (token < 0 || token >= V) return;
+  float* x = logits + (long)row * V + token;
+  const float v = *x;
+  *x = __fadd_rn(v > 0.0f ? __fdiv_rn(v, a[2]) : __fmul_rn(v, a[3]), a[4]);
+}

@@ -15,7 +15,8 @@
 #   - CUDA graphs off (ENGINE_CUDA_GRAPHS=0) and PDL off (ENGINE_PDL=0) equal to the default on
 #     batch 16, and our GEMM (ENGINE_CUBLASLT=0) equal to the default on the long prefill;
 #   - the GPU sampling kernels against the host's rule on the same logits (greedy through the
-#     split argmax, and four sampled settings);
+#     split argmax, four sampled settings, and both with penalties and logit_bias applied on
+#     the device);
 #   - the engine (continuous batching, chunked prefill, shared prefixes in the radix cache, paged
 #     KV) against each request run alone (`engrun bench --verify-alone`).
 # Then (BENCH=0 skips) the benchmarks recorded in docs/perf.md, and `engrun probe` (the copy
@@ -85,7 +86,9 @@ for shape in $shapes; do
       # greedy, the split argmax).
       : >"$work/$shape$sfx-sampling.txt"
       for spec in "--temperature 1.0 --top-k 1" "--temperature 0.7 --top-p 0.9" "--temperature 0.3 --top-p 0.95" \
-        "--temperature 1.0 --top-k 50 --min-p 0.05" "--temperature 1.3"; do
+        "--temperature 1.0 --top-k 50 --min-p 0.05" "--temperature 1.3" \
+        "--temperature 0.8 --top-p 0.9 --repetition-penalty 1.3 --frequency-penalty 0.4 --presence-penalty 0.2 --logit-bias 7:-100,11:3" \
+        "--temperature 1.0 --top-k 1 --repetition-penalty 1.5 --frequency-penalty 1.0 --logit-bias 11:2"; do
         r=$("$bin/engrun" logits "$b" --device cuda --ids "$many" --prefill 24 $spec -o /tmp/sample-check.safetensors 2>/dev/null | tail -1)
         echo "$spec: $r" >>"$work/$shape$sfx-sampling.txt"
       done

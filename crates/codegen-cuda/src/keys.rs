@@ -202,6 +202,12 @@ pub enum KernelKey {
         /// Vocabulary size.
         vocab: usize,
     },
+    /// Per-token changes to rows of `vocab` logits before a choice (penalties, `logit_bias`,
+    /// bans: `runtime::sampler::Adjust`), one thread per change.
+    AdjustLogits {
+        /// Vocabulary size.
+        vocab: usize,
+    },
     /// Greedy sampling of every row: the argmax of each row of `vocab` logits, split over
     /// [`ARGMAX_BLOCKS`] blocks per row.
     Argmax {
@@ -429,6 +435,7 @@ impl KernelKey {
             }
             KernelKey::Gather { h, x, out } => format!("gather_h{h}_{x}_to_{out}"),
             KernelKey::Sample { vocab } => format!("sample_v{vocab}"),
+            KernelKey::AdjustLogits { vocab } => format!("adjust_logits_v{vocab}"),
             KernelKey::Argmax { vocab } => format!("argmax_v{vocab}"),
             KernelKey::AllReduce { ranks } => format!("all_reduce_r{ranks}"),
             KernelKey::AllGather { ranks } => format!("all_gather_r{ranks}"),
@@ -445,6 +452,7 @@ impl KernelKey {
             KernelKey::AllReduce { .. }
                 | KernelKey::AllGather { .. }
                 | KernelKey::Sample { .. }
+                | KernelKey::AdjustLogits { .. }
                 | KernelKey::Argmax { .. }
         )
     }
@@ -582,6 +590,10 @@ impl KernelKey {
             KernelKey::Sample { vocab } => (
                 "const float* logits, const float* params, int* out".into(),
                 format!("sample<{vocab}>(logits, params, out)"),
+            ),
+            KernelKey::AdjustLogits { vocab } => (
+                "float* logits, const float* adjust, int n".into(),
+                format!("adjust_logits<{vocab}>(logits, adjust, n)"),
             ),
             KernelKey::AllReduce { ranks } => (
                 "float* x, long n, const unsigned long long* table, int rank, long cap, unsigned* counters".into(),

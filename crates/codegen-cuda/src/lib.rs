@@ -98,7 +98,11 @@ pub fn emit(plan: &Plan) -> Result<Program, CodegenError> {
     let one_shot = (plan.tp > 1).then_some(KernelKey::AllReduce { ranks: plan.tp });
     let gather = s.steps.iter().any(|st| matches!(st, Step::AllGather { .. }));
     let gather = gather.then_some(KernelKey::AllGather { ranks: plan.tp });
-    let sampling = [KernelKey::Sample { vocab: plan.vocab }, KernelKey::Argmax { vocab: plan.vocab }];
+    let sampling = [
+        KernelKey::Sample { vocab: plan.vocab },
+        KernelKey::Argmax { vocab: plan.vocab },
+        KernelKey::AdjustLogits { vocab: plan.vocab },
+    ];
     for k in launched.chain(sampling).chain(one_shot).chain(gather) {
         if !kernels.contains(&k) {
             kernels.push(k);

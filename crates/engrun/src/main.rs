@@ -306,7 +306,7 @@ fn main() -> ExitCode {
 }
 
 /// How tokens are chosen (greedy by default).
-#[derive(clap::Args, Debug, Clone, Copy)]
+#[derive(clap::Args, Debug, Clone)]
 struct SamplingArgs {
     /// Sampling temperature (0 = greedy).
     #[arg(long, default_value_t = 0.0)]
@@ -320,12 +320,42 @@ struct SamplingArgs {
     /// Drop tokens less likely than this times the most likely one.
     #[arg(long, default_value_t = 0.0)]
     min_p: f32,
+    /// Divide positive logits of tokens already seen by this, multiply negative ones (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    repetition_penalty: f32,
+    /// Subtract this times a token's count so far from its logit.
+    #[arg(long, default_value_t = 0.0)]
+    frequency_penalty: f32,
+    /// Subtract this from the logit of every token generated so far.
+    #[arg(long, default_value_t = 0.0)]
+    presence_penalty: f32,
+    /// Add to tokens' logits: `ID:VALUE` pairs, comma-separated (VALUE in [-100, 100]).
+    #[arg(long, value_parser = parse_bias, value_delimiter = ',')]
+    logit_bias: Vec<(u32, f32)>,
+}
+
+fn parse_bias(s: &str) -> Result<(u32, f32), String> {
+    let (id, v) = s.split_once(':').ok_or_else(|| format!("`{s}`: expected ID:VALUE"))?;
+    let id = id.trim().parse().map_err(|_| format!("`{id}` is not a token id"))?;
+    let v = v.trim().parse().map_err(|_| format!("`{v}` is not a number"))?;
+    Ok((id, v))
 }
 
 impl SamplingArgs {
     fn params(&self, seed: u64) -> SamplingParams {
-        let SamplingArgs { temperature, top_k, top_p, min_p } = *self;
-        SamplingParams { temperature, top_k, top_p, min_p, seed, ..Default::default() }
+        let s = self.clone();
+        SamplingParams {
+            temperature: s.temperature,
+            top_k: s.top_k,
+            top_p: s.top_p,
+            min_p: s.min_p,
+            seed,
+            repetition_penalty: s.repetition_penalty,
+            frequency_penalty: s.frequency_penalty,
+            presence_penalty: s.presence_penalty,
+            logit_bias: s.logit_bias,
+            ..Default::default()
+        }
     }
 }
 
@@ -513,9 +543,11 @@ fn logits(
 }
 
 /// `engrun logits` with a temperature: every logits row's token chosen on the host and, where
-/// the backend samples on its device, on the device too, from the same logits and numbers.
+/// the backend samples on its device, on the device too, from the same logits, numbers and
+/// adjustments (penalties over the host's tokens so far, `logit_bias`: every row of a step
+/// takes the adjustments of the tokens chosen before the step).
 struct SampleCheck {
-    sampler: Option<runtime::Sampler>,
+    sampler: Option<runtime::RequestSampler>,
     /// The host's choice of every row so far.
     host: Vec<u32>,
     /// Rows where the device's choice equals the host's.
@@ -526,7 +558,7 @@ struct SampleCheck {
 
 impl SampleCheck {
     fn new(params: &SamplingParams) -> Result<SampleCheck, String> {
-        let sampler = (params.temperature > 0.0).then(|| runtime::Sampler::new(params.clone())).transpose();
+        let sampler = (params.temperature > 0.0).then(|| runtime::RequestSampler::new(params.clone(), &[])).transpose();
         Ok(SampleCheck { sampler: sampler.map_err(|e| e.to_string())?, host: vec![], equal: 0, on_device: false })
     }
 
@@ -534,8 +566,16 @@ impl SampleCheck {
         let Some(s) = &mut self.sampler else { return Ok(()) };
         let vocab = runner.vocab();
         let rows: Vec<runtime::RowSampling> = (0..logits.len() / vocab).map(|_| s.row()).collect();
-        let host: Vec<u32> = logits.chunks_exact(vocab).zip(&rows).map(|(l, r)| runtime::pick(l, r)).collect();
-        if let Some(device) = runner.resample(&rows).map_err(|e| e.to_string())? {
+        let adjust = vec![s.adjustments(); rows.len()];
+        let host: Vec<u32> = logits
+            .chunks_exact(vocab)
+            .zip(&rows)
+            .map(|(l, r)| runtime::pick(&runtime::adjusted(l, &adjust[0]), r))
+            .collect();
+        for &t in &host {
+            s.record(t);
+        }
+        if let Some(device) = runner.resample(&rows, &adjust).map_err(|e| e.to_string())? {
             self.on_device = true;
             self.equal += host.iter().zip(&device).filter(|(h, d)| h == d).count();
         }

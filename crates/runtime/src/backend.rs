@@ -6,7 +6,7 @@
 //! and the radix cache ([`crate::PagePool`], [`crate::RadixCache`]) stay on the host, shared
 //! by every backend.
 
-use crate::sampler::{pick, RowSampling};
+use crate::sampler::{adjusted, pick, Adjust, RowSampling};
 use crate::RuntimeError;
 use bundle::Bundle;
 use ir::{Interpreter, IrError, KvStore, Plan};
@@ -72,17 +72,29 @@ pub trait Backend: Send {
     /// returns the logits of every sequence's rows, sequence after sequence.
     fn forward(&mut self, batch: &[StepSeq]) -> Result<Vec<f32>, RuntimeError>;
     /// Like `forward`, but returns each logits row's token, chosen by `rows` (one per logits
-    /// row, see [`crate::sampler::pick`]); a backend with a device overrides this to choose there
-    /// and copy back only the tokens.
-    fn forward_sample(&mut self, batch: &[StepSeq], rows: &[RowSampling]) -> Result<Vec<u32>, RuntimeError> {
+    /// row, see [`crate::sampler::pick`]) after each row's `adjust` (one list per row, or none
+    /// at all: [`crate::sampler::Adjust`]); a backend with a device overrides this to choose
+    /// there and copy back only the tokens.
+    fn forward_sample(
+        &mut self,
+        batch: &[StepSeq],
+        rows: &[RowSampling],
+        adjust: &[Vec<Adjust>],
+    ) -> Result<Vec<u32>, RuntimeError> {
         let logits = self.forward(batch)?;
-        Ok(logits.chunks_exact(self.vocab()).zip(rows).map(|(l, r)| pick(l, r)).collect())
+        let rows = logits.chunks_exact(self.vocab()).zip(rows).enumerate();
+        Ok(rows
+            .map(|(i, (l, r))| match adjust.get(i).filter(|a| !a.is_empty()) {
+                Some(a) => pick(&adjusted(l, a), r),
+                None => pick(l, r),
+            })
+            .collect())
     }
-    /// Chooses again, on the device, from the logits of the last step (one entry of `rows` per
-    /// logits row), for checking the device's choice against [`pick`]; `None`: the backend
-    /// chooses on the host.
-    fn resample(&mut self, rows: &[RowSampling]) -> Result<Option<Vec<u32>>, RuntimeError> {
-        let _ = rows;
+    /// Chooses again, on the device, from the logits of the last step (one entry of `rows` and
+    /// of `adjust` per logits row, as for `forward_sample`), for checking the device's choice
+    /// against [`pick`]; `None`: the backend chooses on the host.
+    fn resample(&mut self, rows: &[RowSampling], adjust: &[Vec<Adjust>]) -> Result<Option<Vec<u32>>, RuntimeError> {
+        let _ = (rows, adjust);
         Ok(None)
     }
     /// Free memory of the backend's device in bytes, when it is not the host's (the KV pool

@@ -33,7 +33,7 @@ pub use handle::{EngineHandle, Sink, Snapshot};
 pub use pool::PagePool;
 pub use radix::{NodeId, RadixCache};
 pub use request::{Event, Finish, FinishReason, Output, ReqId, Request};
-pub use sampler::{pick, Logprobs, RequestSampler, RowSampling, Sampler, SamplingParams};
+pub use sampler::{adjusted, pick, Adjust, Logprobs, RequestSampler, RowSampling, Sampler, SamplingParams};
 pub use scheduler::{Policy, PoolUsage, SchedStats};
 pub use sequences::{SeqChunk, SeqId, Sequences};
 pub use tp::TpCpuBackend;

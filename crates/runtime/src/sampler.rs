@@ -26,8 +26,8 @@ pub struct SamplingParams {
     /// Subtracted from the logit of every token generated at least once (OpenAI's; 0: off).
     pub presence_penalty: f32,
     /// Added to the logits of these tokens before every choice (OpenAI's `logit_bias`, each in
-    /// [-100, 100]: -100 bans a token, +100 all but forces it). Like the penalties, it needs
-    /// the step's logits: such rows are chosen by [`pick`] on the host, on every backend.
+    /// [-100, 100]: -100 bans a token, +100 all but forces it); applied like the penalties
+    /// ([`RequestSampler::adjustments`]), on the device where the backend samples there.
     pub logit_bias: Vec<(u32, f32)>,
     /// The tokens `min_tokens_ids` cannot be chosen before this many were generated (vLLM's
     /// and SGLang's `min_tokens`; 0: off).
@@ -162,6 +162,46 @@ impl RowSampling {
     }
 }
 
+/// One token's change to its logit before a choice: `x' = (x > 0 ? x / div : x * mul) + add`
+/// (HF's repetition penalty, then OpenAI's frequency and presence penalties, `logit_bias`, and
+/// a ban as `add = -inf`), computed with single correctly rounded operations: the device
+/// (`adjust_logits` in `kernels/sample.cuh`) gets the same bits.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Adjust {
+    /// The token.
+    pub token: u32,
+    /// Divides a positive logit.
+    pub div: f32,
+    /// Multiplies a logit that is not positive.
+    pub mul: f32,
+    /// Added after.
+    pub add: f32,
+}
+
+impl Adjust {
+    /// The adjusted logit.
+    pub fn apply(&self, x: f32) -> f32 {
+        (if x > 0.0 { x / self.div } else { x * self.mul }) + self.add
+    }
+
+    /// The five numbers the device reads: row, token, div, mul, add (row and token exact in
+    /// f32 below 2^24).
+    pub fn to_device(&self, row: usize) -> [f32; 5] {
+        [row as f32, self.token as f32, self.div, self.mul, self.add]
+    }
+}
+
+/// `logits` with `adjust` applied (tokens outside the row are skipped).
+pub fn adjusted(logits: &[f32], adjust: &[Adjust]) -> Vec<f32> {
+    let mut l = logits.to_vec();
+    for a in adjust {
+        if let Some(x) = l.get_mut(a.token as usize) {
+            *x = a.apply(*x);
+        }
+    }
+    l
+}
+
 /// exp(x) for x <= 0 (0 below -87) from correctly rounded IEEE operations only: the very
 /// operations, in the same order on the same constants, of `exp_det` in `kernels/sample.cuh`,
 /// so that the device and the host compute the same bits of every p and so keep and pick the
@@ -270,15 +310,38 @@ impl RequestSampler {
         Ok(RequestSampler { sampler: Sampler::new(params)?, prompt, counts: HashMap::new() })
     }
 
-    /// Whether the choice depends on more than the raw logits and this step's numbers
-    /// (penalties look at the tokens so far; a logit bias changes the logits).
-    pub fn penalised(&self) -> bool {
+    /// This step's changes to the raw logits, one per token they touch, by token: the
+    /// repetition penalty of tokens in the prompt or the output, the frequency and presence
+    /// penalties of generated tokens, `logit_bias`, and `min_tokens`' bans. Empty for most
+    /// requests. Every backend applies them the same way ([`Adjust::apply`]) before choosing,
+    /// on its device or the host.
+    pub fn adjustments(&self) -> Vec<Adjust> {
+        fn at(adj: &mut std::collections::BTreeMap<u32, Adjust>, t: u32) -> &mut Adjust {
+            adj.entry(t).or_insert(Adjust { token: t, div: 1.0, mul: 1.0, add: 0.0 })
+        }
         let p = &self.sampler.params;
-        p.repetition_penalty != 1.0
-            || p.frequency_penalty != 0.0
-            || p.presence_penalty != 0.0
-            || !p.logit_bias.is_empty()
-            || self.holding_back()
+        let mut adj = std::collections::BTreeMap::new();
+        let rep = p.repetition_penalty;
+        if rep != 1.0 {
+            for &t in self.prompt.iter().chain(self.counts.keys()) {
+                let a = at(&mut adj, t);
+                (a.div, a.mul) = (rep, rep);
+            }
+        }
+        if p.frequency_penalty != 0.0 || p.presence_penalty != 0.0 {
+            for (&t, &c) in &self.counts {
+                at(&mut adj, t).add -= p.frequency_penalty * c as f32 + p.presence_penalty;
+            }
+        }
+        for &(t, b) in &p.logit_bias {
+            at(&mut adj, t).add += b;
+        }
+        if self.holding_back() {
+            for &t in &p.min_tokens_ids {
+                at(&mut adj, t).add = f32::NEG_INFINITY;
+            }
+        }
+        adj.into_values().collect()
     }
 
     /// Whether `min_tokens` still holds its ids back.
@@ -301,36 +364,8 @@ impl RequestSampler {
     /// records it; with `logprobs = Some(n)` also returns the chosen token's log-probability
     /// and the top `n`.
     pub fn choose(&mut self, logits: &[f32], row: &RowSampling, logprobs: Option<usize>) -> (u32, Option<Logprobs>) {
-        let token = if self.penalised() {
-            let p = &self.sampler.params;
-            let mut l = logits.to_vec();
-            let rep = p.repetition_penalty;
-            if rep != 1.0 {
-                let output_only = self.counts.keys().filter(|t| !self.prompt.contains(t));
-                for &t in self.prompt.iter().chain(output_only) {
-                    let x = &mut l[t as usize];
-                    *x = if *x > 0.0 { *x / rep } else { *x * rep };
-                }
-            }
-            for (&t, &c) in &self.counts {
-                l[t as usize] -= p.frequency_penalty * c as f32 + p.presence_penalty;
-            }
-            for &(t, b) in &p.logit_bias {
-                if let Some(x) = l.get_mut(t as usize) {
-                    *x += b;
-                }
-            }
-            if self.holding_back() {
-                for &t in &p.min_tokens_ids {
-                    if let Some(x) = l.get_mut(t as usize) {
-                        *x = f32::NEG_INFINITY;
-                    }
-                }
-            }
-            pick(&l, row)
-        } else {
-            pick(logits, row)
-        };
+        let adjust = self.adjustments();
+        let token = if adjust.is_empty() { pick(logits, row) } else { pick(&adjusted(logits, &adjust), row) };
         self.record(token);
         (token, logprobs.map(|n| log_probs(logits, token, n)))
     }
@@ -361,6 +396,34 @@ fn log_probs(logits: &[f32], token: u32, n: usize) -> Logprobs {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// One adjustment per token, whatever changes it: the repetition penalty, then the
+    /// frequency and presence penalties, then the bias; a ban wins.
+    #[test]
+    fn adjustments_combine_per_token() {
+        let params = SamplingParams {
+            temperature: 1.0,
+            repetition_penalty: 2.0,
+            frequency_penalty: 0.5,
+            presence_penalty: 0.25,
+            logit_bias: vec![(3, 1.0), (9, -2.0)],
+            min_tokens: 5,
+            min_tokens_ids: vec![9],
+            ..Default::default()
+        };
+        let mut s = RequestSampler::new(params, &[7]).unwrap();
+        s.record(3);
+        s.record(3);
+        let a = s.adjustments();
+        let by = |t: u32| *a.iter().find(|a| a.token == t).unwrap();
+        assert_eq!(a.iter().map(|a| a.token).collect::<Vec<_>>(), [3, 7, 9]);
+        assert_eq!(by(3), Adjust { token: 3, div: 2.0, mul: 2.0, add: -1.25 + 1.0 });
+        assert_eq!(by(7), Adjust { token: 7, div: 2.0, mul: 2.0, add: 0.0 });
+        assert_eq!(by(9).add, f32::NEG_INFINITY);
+        assert_eq!(by(3).apply(4.0), 2.0 - 0.25);
+        assert_eq!(by(3).apply(-4.0), -8.0 - 0.25);
+        assert_eq!(adjusted(&[1.0; 10], &a)[9], f32::NEG_INFINITY);
+    }
 
     /// exp_det is exp to within 2 ulp over the range sampling uses, 1 at 0, 0 far below.
     #[test]
@@ -511,7 +574,7 @@ mod tests {
         let logits = [2.0, 1.9, 0.0, -1.0];
         let ban = SamplingParams { logit_bias: vec![(0, -100.0)], ..Default::default() };
         let mut s = RequestSampler::new(ban, &[]).unwrap();
-        assert!(s.penalised(), "a biased request needs the step's logits");
+        assert!(!s.adjustments().is_empty(), "a biased request adjusts the step's logits");
         let (t, lp) = s.next(&logits, Some(1));
         assert_eq!(t, 1, "token 0 is banned");
         assert_eq!(lp.unwrap().top[0].0, 0, "logprobs are the raw logits'");
@@ -528,10 +591,10 @@ mod tests {
         let logits = [0.0, 5.0, 1.0];
         let p = SamplingParams { min_tokens: 2, min_tokens_ids: vec![1], ..Default::default() };
         let mut s = RequestSampler::new(p, &[]).unwrap();
-        assert!(s.penalised());
+        assert!(!s.adjustments().is_empty());
         assert_eq!(s.next(&logits, None).0, 2, "eos (1) held back at the first token");
         assert_eq!(s.next(&logits, None).0, 2, "and at the second");
-        assert!(!s.penalised(), "free after two tokens");
+        assert!(s.adjustments().is_empty(), "free after two tokens");
         assert_eq!(s.next(&logits, None).0, 1);
     }
 

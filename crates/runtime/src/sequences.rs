@@ -2,7 +2,7 @@
 //! is released. `engrun logits` and the backend tests use it; serving goes through
 //! [`crate::Engine`].
 
-use crate::{Backend, PagePool, RowSampling, RuntimeError, StepSeq};
+use crate::{Adjust, Backend, PagePool, RowSampling, RuntimeError, StepSeq};
 use std::collections::HashMap;
 
 /// Identifies a sequence of a [`Sequences`].
@@ -46,8 +46,8 @@ impl Sequences {
     }
 
     /// The backend's [`Backend::resample`] of the last step's logits.
-    pub fn resample(&mut self, rows: &[RowSampling]) -> Result<Option<Vec<u32>>, RuntimeError> {
-        self.backend.resample(rows)
+    pub fn resample(&mut self, rows: &[RowSampling], adjust: &[Vec<Adjust>]) -> Result<Option<Vec<u32>>, RuntimeError> {
+        self.backend.resample(rows, adjust)
     }
 
     /// Runs one step over several sequences; returns every chunk's logits rows, in order. A

@@ -111,7 +111,7 @@ fn step(backend: &mut dyn Backend, plan: &StepPlan, st: &mut State) -> Result<Ve
         .map(|((s, t), r)| StepSeq { tokens: t, slots: &s.slots, rows: r })
         .collect();
     // One draw per sampled sequence and step, whichever side then chooses the token.
-    let mut rows = Vec::new();
+    let (mut rows, mut adjust) = (Vec::new(), Vec::new());
     let mut on_device = true;
     for s in &plan.seqs {
         let Some(req) = &s.sample else { continue };
@@ -121,12 +121,13 @@ fn step(backend: &mut dyn Backend, plan: &StepPlan, st: &mut State) -> Result<Ve
                 e.insert(RequestSampler::new(req.sampling.clone(), &req.prompt)?)
             }
         };
-        on_device &= req.logprobs.is_none() && !sampler.penalised();
+        on_device &= req.logprobs.is_none();
+        adjust.push(sampler.adjustments());
         rows.push(sampler.row());
     }
     let mut chosen = Vec::with_capacity(rows.len());
     if on_device {
-        let ids = backend.forward_sample(&steps, &rows)?;
+        let ids = backend.forward_sample(&steps, &rows, &adjust)?;
         for (s, token) in plan.seqs.iter().filter(|s| s.sample.is_some()).zip(ids) {
             st.samplers.get_mut(&s.req).expect("sampler made above").record(token);
             chosen.push(Sampled { token, logprobs: None });

@@ -8,7 +8,7 @@
 //! driver, NVRTC and NCCL at run time, so building needs no CUDA.
 
 use crate::backend::{check_batch, Backend, StepSeq};
-use crate::sampler::RowSampling;
+use crate::sampler::{Adjust, RowSampling};
 use crate::RuntimeError;
 use bundle::Bundle;
 use codegen_cuda::{Arg, Count, Dim, Input, KernelKey, Launch, Program, Step};
@@ -63,6 +63,8 @@ pub struct CudaBackend {
     /// The token chosen for each logits row, and each row's sampling parameters (5 floats).
     tokens: CudaSlice<i32>,
     sample_params: CudaSlice<f32>,
+    /// The step's logit adjustments (`Adjust::to_device`), grown on demand.
+    adjust: CudaSlice<f32>,
     /// The split argmax's partial results and per-row counters (`KernelKey::Argmax`).
     argmax: ArgmaxScratch,
     /// Logits rows of the last step.
@@ -203,6 +205,7 @@ impl CudaBackend {
         let inputs = stream.alloc_zeros::<i32>(1 << 16).map_err(driver("alloc"))?;
         let tokens = stream.alloc_zeros::<i32>(1).map_err(driver("alloc"))?;
         let sample_params = stream.alloc_zeros::<f32>(5).map_err(driver("alloc"))?;
+        let adjust = stream.alloc_zeros::<f32>(5).map_err(driver("alloc"))?;
         let argmax = argmax_scratch(&stream, 1)?;
         let profile = Profile::from_env();
         let use_graphs =
@@ -225,6 +228,7 @@ impl CudaBackend {
             inputs,
             tokens,
             sample_params,
+            adjust,
             argmax,
             last_rows: 0,
             graphs: HashMap::new(),
@@ -467,19 +471,24 @@ impl Backend for CudaBackend {
         self.logits(p.wanted)
     }
 
-    fn forward_sample(&mut self, batch: &[StepSeq], rows: &[RowSampling]) -> Result<Vec<u32>, RuntimeError> {
+    fn forward_sample(
+        &mut self,
+        batch: &[StepSeq],
+        rows: &[RowSampling],
+        adjust: &[Vec<Adjust>],
+    ) -> Result<Vec<u32>, RuntimeError> {
         Profile::step_start(&self.profile);
         let p = self.pack(batch)?;
         check_rows(p.wanted, rows)?;
         self.execute(&p)?;
-        let ids = self.sample(rows);
+        let ids = self.sample(rows, adjust);
         Profile::step_end(&self.profile);
         ids
     }
 
-    fn resample(&mut self, rows: &[RowSampling]) -> Result<Option<Vec<u32>>, RuntimeError> {
+    fn resample(&mut self, rows: &[RowSampling], adjust: &[Vec<Adjust>]) -> Result<Option<Vec<u32>>, RuntimeError> {
         check_rows(self.last_rows, rows)?;
-        self.sample(rows).map(Some)
+        self.sample(rows, adjust).map(Some)
     }
 }
 
@@ -532,14 +541,15 @@ impl CudaBackend {
     }
 
     /// The token of each of the first logit rows of the last step, one per entry of `rows`,
-    /// chosen on the GPU (`kernels/sample.cuh`).
-    pub(crate) fn sample(&mut self, rows: &[RowSampling]) -> Result<Vec<u32>, RuntimeError> {
+    /// chosen on the GPU (`kernels/sample.cuh`) after the rows' `adjust`.
+    pub(crate) fn sample(&mut self, rows: &[RowSampling], adjust: &[Vec<Adjust>]) -> Result<Vec<u32>, RuntimeError> {
         let wanted = rows.len();
         if wanted == 0 {
             self.stream.synchronize().map_err(driver("running a step"))?;
             return Ok(vec![]);
         }
         let vocab = self.plan.vocab;
+        self.adjust_logits(adjust, wanted)?;
         // All greedy (the usual case): the split argmax, no parameters to copy.
         let greedy = rows.iter().all(RowSampling::is_greedy);
         if !greedy {
@@ -571,6 +581,33 @@ impl CudaBackend {
         self.stream.memcpy_dtoh(&self.tokens.slice(0..wanted), &mut ids).map_err(driver("copying tokens"))?;
         self.stream.synchronize().map_err(driver("running a step"))?;
         Ok(ids.into_iter().map(|i| i as u32).collect())
+    }
+
+    /// Applies each row's adjustments to the last step's logits in place (one launch for all).
+    fn adjust_logits(&mut self, adjust: &[Vec<Adjust>], wanted: usize) -> Result<(), RuntimeError> {
+        let entries: Vec<f32> = adjust
+            .iter()
+            .take(wanted)
+            .enumerate()
+            .flat_map(|(r, a)| a.iter().flat_map(move |a| a.to_device(r)))
+            .collect();
+        if entries.is_empty() {
+            return Ok(());
+        }
+        if entries.len() > self.adjust.len() {
+            self.adjust = self.stream.alloc_zeros::<f32>(entries.len().next_power_of_two()).map_err(driver("alloc"))?;
+        }
+        self.stream
+            .memcpy_htod(&entries, &mut self.adjust.slice_mut(0..entries.len()))
+            .map_err(driver("copying logit adjustments"))?;
+        let n = (entries.len() / 5) as i32;
+        let vocab = self.plan.vocab;
+        let mut out = self.bufs[self.program.output].slice_mut(0..wanted * vocab);
+        let mut b = self.stream.launch_builder(&self.funcs[&KernelKey::AdjustLogits { vocab }]);
+        b.arg(&mut out).arg(&self.adjust).arg(&n);
+        let cfg =
+            LaunchConfig { grid_dim: ((n as u32).div_ceil(256), 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        unsafe { b.launch(cfg) }.map(|_| ()).map_err(driver("launching the logit adjustments"))
     }
 
     /// Finishes this rank's work and drops its NCCL communicator (and the graphs that use it).

@@ -14,7 +14,7 @@
 
 use super::{check_rows, context, driver, placement, Compiled, CudaBackend, Packed};
 use crate::backend::{Backend, StepSeq};
-use crate::sampler::RowSampling;
+use crate::sampler::{Adjust, RowSampling};
 use crate::RuntimeError;
 use bundle::Bundle;
 use codegen_cuda::{KernelKey, Step, ALL_REDUCE_MAX_BLOCKS};
@@ -231,14 +231,19 @@ impl Backend for TpCudaBackend {
         self.lead.logits(wanted)
     }
 
-    fn forward_sample(&mut self, batch: &[StepSeq], rows: &[RowSampling]) -> Result<Vec<u32>, RuntimeError> {
+    fn forward_sample(
+        &mut self,
+        batch: &[StepSeq],
+        rows: &[RowSampling],
+        adjust: &[Vec<Adjust>],
+    ) -> Result<Vec<u32>, RuntimeError> {
         let wanted = self.step(batch)?;
         check_rows(wanted, rows)?;
-        self.lead.sample(rows)
+        self.lead.sample(rows, adjust)
     }
 
-    fn resample(&mut self, rows: &[RowSampling]) -> Result<Option<Vec<u32>>, RuntimeError> {
-        self.lead.resample(rows)
+    fn resample(&mut self, rows: &[RowSampling], adjust: &[Vec<Adjust>]) -> Result<Option<Vec<u32>>, RuntimeError> {
+        self.lead.resample(rows, adjust)
     }
 }
 
