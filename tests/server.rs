@@ -1,7 +1,7 @@
 //! `engrun serve` end to end on the CPU: the official `openai` package drives it (SmolLM2's
 //! chat golden over HTTP, streaming, n, stop strings, logprobs; CJK and emoji with the Qwen
 //! tokenizer); SGLang's `/generate` and the sampling fields each change the output as the
-//! engine does; concurrent requests with different sampling settings each equal the same
+//! engine does; `suffix` (fill-in-the-middle) gives the engine the PSM prompt; concurrent requests with different sampling settings each equal the same
 //! request alone; `--max-running-requests`; every error case answers its status, type, param
 //! and message in OpenAI's shape; 200 concurrent streaming clients with a third disconnecting;
 //! SIGTERM (503 for new requests while the ones in flight finish).
@@ -108,7 +108,10 @@ fn errors_have_status_type_param_and_message() {
         ("POST", chat, format!(r#"{{{msgs}, "n": 1.5}}"#), 400, bad, Some("n"), "`n` must be an integer"),
         ("POST", "/v1/completions", r#"{"prompt": {"x": 1}}"#.into(), 400, bad, Some("prompt"), "prompt must be a string, a list of strings"),
         ("POST", "/v1/completions", r#"{"prompt": "x", "echo": true, "logprobs": 2}"#.into(), 400, bad, Some("echo"), "`echo` with `logprobs`"),
-        ("POST", "/v1/completions", r#"{"prompt": "x", "suffix": "y"}"#.into(), 400, bad, Some("suffix"), "not supported"),
+        ("POST", "/v1/completions", r#"{"prompt": "x", "suffix": "y"}"#.into(), 400, bad, Some("suffix"), "no fill-in-the-middle tokens"),
+        ("POST", "/v1/completions", r#"{"prompt": [1, 2], "suffix": "y"}"#.into(), 400, bad, Some("suffix"), "no fill-in-the-middle tokens"),
+        ("POST", "/v1/completions", r#"{"prompt": "x", "suffix": 5}"#.into(), 400, bad, Some("suffix"), "`suffix` must be a string"),
+        ("POST", "/v1/completions", r#"{"prompt": "x", "suffix": "y", "echo": true}"#.into(), 400, bad, Some("suffix"), "`suffix` with `echo`"),
         ("POST", "/v1/completions", r#"{"prompt": "x", "best_of": 3}"#.into(), 400, bad, Some("best_of"), "not supported"),
         ("POST", "/v1/completions", format!(r#"{{"prompt": [{}]}}"#, vec![r#""a""#; 257].join(",")), 400, bad, Some("prompt"), "at most 256 prompts"),
         ("GET", "/v1/models/gpt-9", String::new(), 404, bad, Some("model"), "`gpt-9` does not exist"),
@@ -507,6 +510,53 @@ fn generate_endpoint_and_sampling_fields() {
         let g = generate(json!({"input_ids": prompt}), json!({"temperature": 0, field: v}));
         assert_eq!(g["text"], want, "{field} on /generate");
     }
+}
+
+/// `suffix` on `/v1/completions` with a tokenizer that has fill-in-the-middle tokens (tiny-qwen2:
+/// Qwen2.5's `<|fim_prefix|>` 151659, `<|fim_middle|>` 151660, `<|fim_suffix|>` 151661): the
+/// engine is given `PREFIX prompt SUFFIX suffix MIDDLE` (usage's prompt tokens count those ids,
+/// and the greedy text is the engine's on them), for text and token-id prompts, one or several;
+/// the plain completion of that string with the special tokens written out gives the same; the
+/// prompt alone gives another text, as does `suffix: ""` (a plain completion). Without such
+/// tokens (tiny-llama: SmolLM2's tokenizer) a suffix is a 400 naming it: the error table.
+#[test]
+fn completions_suffix_fills_in_the_middle() {
+    let dir = scratch(env!("CARGO_TARGET_TMPDIR"), "server-fim");
+    let b = compile_fixture("tiny-qwen2", &dir, 1, None);
+    let server = Server::start(&b, &[]);
+    let mut r = Reference::new(&b);
+    assert_eq!(
+        r.tok.decode(&[151659, 151661, 151660], false).unwrap(),
+        "<|fim_prefix|><|fim_suffix|><|fim_middle|>",
+        "the fixture's fill-in-the-middle ids"
+    );
+    let (prefix, suffix) = ("def add(a, b):\n    c = ", "\n    return c\n");
+    let p = r.tok.encode(prefix, false).unwrap();
+    assert_eq!(r.tok.encode(prefix, true).unwrap(), p, "Qwen's tokenizer adds no BOS");
+    let fim: Vec<u32> =
+        [vec![151659], p.clone(), vec![151661], r.tok.encode(suffix, false).unwrap(), vec![151660]].concat();
+    let n = 16;
+    let greedy = runtime::SamplingParams::default();
+    let want = r.tokens(&fim, greedy.clone(), n);
+    let want = r.text(&want);
+    let plain = r.tokens(&p, greedy, n);
+    let plain = r.text(&plain);
+    assert_ne!(want, plain, "the suffix does not change the greedy text: the checks below prove less");
+    let complete = |prompt: Value, suffix: &str| {
+        let body = json!({"prompt": prompt, "suffix": suffix, "max_tokens": n, "temperature": 0, "ignore_eos": true});
+        let c = post(&server, "/v1/completions", &body);
+        let texts: Vec<String> =
+            c["choices"].as_array().unwrap().iter().map(|c| c["text"].as_str().unwrap().to_string()).collect();
+        (texts, c["usage"]["prompt_tokens"].as_u64().unwrap() as usize)
+    };
+    for (prompt, count) in [(json!(prefix), 1), (json!(p), 1), (json!([prefix, prefix]), 2), (json!([p, p]), 2)] {
+        let (texts, prompt_tokens) = complete(prompt.clone(), suffix);
+        assert_eq!(texts, vec![want.clone(); count], "{prompt} with a suffix");
+        assert_eq!(prompt_tokens, count * fim.len(), "{prompt}: the prompt the engine saw is not the FIM one");
+    }
+    let psm = format!("<|fim_prefix|>{prefix}<|fim_suffix|>{suffix}<|fim_middle|>");
+    assert_eq!(complete(json!(psm), ""), (vec![want], fim.len()), "the PSM string written out");
+    assert_eq!(complete(json!(prefix), ""), (vec![plain], p.len()), "`suffix: \"\"` is a plain completion");
 }
 
 /// Polls `/metrics` every few milliseconds until `done`; returns the largest running and

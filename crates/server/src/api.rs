@@ -360,6 +360,10 @@ pub struct CompletionRequest {
     /// Return each prompt before its completion.
     #[serde(default)]
     pub echo: Option<bool>,
+    /// Fill-in-the-middle: the text that follows the completion (`crate::fim`); null or empty: a
+    /// plain completion.
+    #[serde(default)]
+    pub suffix: Option<String>,
     /// Everything else.
     #[serde(flatten)]
     pub params: Params,

@@ -59,7 +59,7 @@ enum Ty {
 
 /// The types of the fields the server reads, checked before the body is typed so that a
 /// wrong type is a 400 naming its field.
-const TYPES: [(&str, Ty); 21] = [
+const TYPES: [(&str, Ty); 22] = [
     ("model", Ty::String),
     ("max_tokens", Ty::Integer),
     ("max_completion_tokens", Ty::Integer),
@@ -81,6 +81,7 @@ const TYPES: [(&str, Ty); 21] = [
     ("top_logprobs", Ty::Integer),
     ("logit_bias", Ty::Object),
     ("min_tokens", Ty::Integer),
+    ("suffix", Ty::String),
 ];
 
 impl Ty {
@@ -119,7 +120,7 @@ const HARMLESS: [&str; 4] = ["user", "metadata", "store", "service_tier"];
 pub fn check(body: &Map<String, Value>, endpoint: Endpoint) -> Result<(), ApiError> {
     let own: &[&str] = match endpoint {
         Endpoint::Chat => &["messages", "max_completion_tokens", "top_logprobs"],
-        Endpoint::Completions => &["prompt"],
+        Endpoint::Completions => &["prompt", "suffix"],
         Endpoint::Generate => return check_generate(body),
     };
     for (key, v) in body {
@@ -214,9 +215,15 @@ fn conditional(k: &str, v: &Value, body: &Map<String, Value>, endpoint: Endpoint
                     Some("echo"),
                 ));
             }
+            if v == &Value::Bool(true) && body.get("suffix").and_then(Value::as_str).is_some_and(|s| !s.is_empty()) {
+                return Err(ApiError::bad(
+                    "`suffix` with `echo` is not supported: the completion is the middle, which the prompt does \
+                     not end with",
+                    Some("suffix"),
+                ));
+            }
             !(v.is_null() || v.is_boolean())
         }
-        ("suffix", Endpoint::Completions) => !null_or(&|v| v.as_str() == Some("")),
         ("best_of", Endpoint::Completions) => !null_or(&|v| v.as_i64() == Some(1)),
         _ => true,
     })
@@ -224,9 +231,8 @@ fn conditional(k: &str, v: &Value, body: &Map<String, Value>, endpoint: Endpoint
 
 /// Fields of OpenAI's API (or SGLang's / vLLM's extensions) that this server does not
 /// implement yet.
-const NOT_YET: [&str; 14] = [
+const NOT_YET: [&str; 13] = [
     "echo",
-    "suffix",
     "best_of",
     "tools",
     "tool_choice",

@@ -9,6 +9,7 @@ pub mod detok;
 pub mod drain;
 pub mod error;
 pub mod fields;
+pub mod fim;
 pub mod metrics;
 pub mod routes;
 
@@ -53,12 +54,14 @@ pub fn serve(engine: Engine, tok: Tokenizer, opts: ServeOptions) -> Result<(), S
         let drain = Arc::new(drain::Drain::default());
         let created = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
         let vocab = engine.vocab();
+        let fim = fim::Fim::detect(|t| tok.token_to_id(t));
         let handle = Arc::new(EngineHandle::spawn(engine));
         let state = Arc::new(routes::AppState {
             vocab,
             engine: handle.clone(),
             detok: detok::Detokenizer::spawn(tok.clone()),
             tok,
+            fim,
             model: opts.model.clone(),
             api_key: opts.api_key.clone(),
             max_context: opts.max_context,

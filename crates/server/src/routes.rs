@@ -10,6 +10,7 @@ use crate::detok::{Delta, Detokenizer, TokenLogprob};
 use crate::drain::{Drain, Ticket};
 use crate::error::ApiError;
 use crate::fields::{self, Endpoint};
+use crate::fim::{self, Fim};
 use crate::metrics::Metrics;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -35,6 +36,8 @@ pub struct AppState {
     pub detok: Detokenizer,
     /// The tokenizer (and chat template).
     pub tok: Arc<Tokenizer>,
+    /// The model's fill-in-the-middle tokens, if its tokenizer has them (`suffix`).
+    pub fim: Option<Fim>,
     /// The served model name.
     pub model: String,
     /// Required bearer token, if any.
@@ -254,7 +257,24 @@ async fn completions(State(st): St, headers: HeaderMap, body: Result<Bytes, Byte
             Prompt::Texts(t) if echo => Some(t.clone()),
             _ => None,
         };
-        let prompts = tokenize(&st, req.prompt).await?;
+        let prompt = match req.suffix.filter(|s| !s.is_empty()) {
+            None => req.prompt,
+            // Fill-in-the-middle (`fields::check` refused it with `echo`).
+            Some(suffix) => {
+                let fim = st.fim.ok_or_else(fim::no_fim)?;
+                let suffix_ids = match req.prompt {
+                    Prompt::Ids(_) | Prompt::IdLists(_) => {
+                        let (tok, s) = (st.tok.clone(), suffix.clone());
+                        blocking(move || tok.encode(&s, false))
+                            .await?
+                            .map_err(|e| ApiError::bad(format!("tokenizing the suffix: {e}"), Some("suffix")))?
+                    }
+                    Prompt::Text(_) | Prompt::Texts(_) => vec![],
+                };
+                fim.prompt(req.prompt, &suffix, &suffix_ids)
+            }
+        };
+        let prompts = tokenize(&st, prompt).await?;
         let echo = match (echo, given) {
             (false, _) => vec![],
             (true, Some(texts)) => texts,

@@ -103,6 +103,12 @@ impl Tokenizer {
         self.inner.get_vocab_size(true)
     }
 
+    /// The id of the token spelled `token` (an added token or one of the model's vocabulary),
+    /// if the vocabulary has it.
+    pub fn token_to_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
     /// Renders the chat template for `messages` (JSON `[{role, content}, ...]`).
     pub fn apply_chat_template(
         &self,
