@@ -86,11 +86,14 @@ fn errors_have_status_type_param_and_message() {
     let cases: Vec<ErrorCase> = vec![
         ("POST", chat, "{not json".into(), 400, bad, None, "invalid JSON body"),
         ("POST", chat, "[1, 2]".into(), 400, bad, None, "must be a JSON object"),
-        ("POST", chat, r#"{"messages": [{"role": "wizard", "content": "x"}]}"#.into(), 400, bad, Some("messages"), "role must be system, developer, user or assistant"),
+        ("POST", chat, r#"{"messages": [{"role": "wizard", "content": "x"}]}"#.into(), 400, bad, Some("messages"), "role must be system, developer, user, assistant or tool"),
         ("POST", chat, r#"{"messages": [{"role": "user", "content": null}]}"#.into(), 400, bad, Some("messages"), "(user) has no content"),
         ("POST", chat, r#"{"messages": [{"role": "user"}]}"#.into(), 400, bad, Some("messages"), "(user) has no content"),
-        ("POST", chat, r#"{"messages": [{"role": "tool", "content": "1", "tool_call_id": "a"}]}"#.into(), 400, bad, Some("messages"), "not supported yet"),
-        ("POST", chat, r#"{"messages": [{"role": "assistant", "content": null, "tool_calls": [{"id": "a"}]}]}"#.into(), 400, bad, Some("messages"), "not supported yet"),
+        // SmolLM2's chat template renders no tool turns: refused, not dropped.
+        ("POST", chat, r#"{"messages": [{"role": "tool", "content": "1", "tool_call_id": "a"}]}"#.into(), 400, bad, Some("messages"), "does not render tool results"),
+        ("POST", chat, r#"{"messages": [{"role": "assistant", "content": null, "tool_calls": [{"id": "a"}]}]}"#.into(), 400, bad, Some("messages"), "does not render tool calls"),
+        ("POST", chat, r#"{"messages": [{"role": "user", "content": "x", "tool_calls": []}]}"#.into(), 400, bad, Some("messages"), "only assistant messages have tool_calls"),
+        ("POST", chat, r#"{"messages": [{"role": "function", "content": "1"}]}"#.into(), 400, bad, Some("messages"), "user, assistant or tool"),
         ("POST", chat, format!(r#"{{{msgs}, "model": null}}"#), 400, bad, Some("model"), "model must be a string"),
         ("POST", chat, format!(r#"{{{msgs}, "logit_bias": {{"five": -100}}}}"#), 400, bad, Some("logit_bias"), "keys must be token ids"),
         ("POST", chat, format!(r#"{{{msgs}, "logit_bias": {{"5": 300}}}}"#), 400, bad, Some("logit_bias"), "must be in [-100, 100]"),
@@ -640,4 +643,45 @@ fn max_running_requests_runs_one_at_a_time() {
     assert_eq!(running, 1.0, "more than one request ran at once");
     assert!(queued >= 1.0, "no request waited (peak queue {queued})");
     assert_eq!(metric(&server, "engine_generation_tokens_total"), 3.0 * 48.0);
+}
+
+/// A history with tool-calling turns (an assistant message with `tool_calls`, a `tool` result)
+/// renders through the model's chat template (tiny-qwen2's, which takes tools): the prompt is
+/// the template's rendering of that history, the call's arguments (sent as a JSON string)
+/// as an object, as vLLM passes them (`history::tests` checks the parsing itself). Malformed
+/// turns are 400s naming `messages`; templates without tool turns: the error table.
+#[test]
+fn chat_history_with_tool_calls_renders_through_the_template() {
+    let dir = scratch(env!("CARGO_TARGET_TMPDIR"), "server-tool-turns");
+    let b = compile_fixture("tiny-qwen2", &dir, 1, None);
+    let server = Server::start(&b, &[]);
+    let tok = text::Tokenizer::load(&b.join("tokenizer")).unwrap();
+    let call =
+        |args: Value| json!({"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": args}});
+    let history = |args: Value, result: &str| {
+        json!([
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": null, "tool_calls": [call(args)]},
+            {"role": "tool", "content": result, "tool_call_id": "c1"},
+        ])
+    };
+    let sent = history(json!("{\"city\": \"Paris\"}"), "18 C");
+    let mut rendered = history(json!({"city": "Paris"}), "18 C");
+    rendered[1]["content"] = json!("");
+    let text = tok.apply_chat_template(&rendered, true, None).unwrap();
+    assert!(text.contains(r#"{"name": "get_weather", "arguments": {"city": "Paris"}}"#), "{text}");
+    assert!(text.contains("<tool_response>\n18 C\n</tool_response>"), "{text}");
+    let want = tok.encode_chat(&rendered, true).unwrap().len();
+    let c = post(&server, "/v1/chat/completions", &json!({"messages": sent, "max_tokens": 2, "temperature": 0}));
+    assert_eq!(c["usage"]["prompt_tokens"].as_u64(), Some(want as u64), "the prompt is not the template's rendering");
+    for (bad, want) in [
+        (history(json!("{city"), "18 C"), "is not JSON"),
+        (json!([{"role": "tool", "content": "18 C"}]), "needs a `tool_call_id`"),
+    ] {
+        let (status, body) =
+            http(&server.addr, "POST", "/v1/chat/completions", Some(&json!({"messages": bad}).to_string()), &[]);
+        assert_eq!(status, 400, "{body}");
+        let (message, _, param) = error_of(&body);
+        assert!(message.contains(want) && param.as_deref() == Some("messages"), "{body}");
+    }
 }

@@ -264,8 +264,8 @@ pub struct ChatRequest {
 
 impl ChatRequest {
     /// The messages for the chat template: roles checked, content as a string (text parts
-    /// joined).
-    pub fn template_messages(&self) -> Result<Value, ApiError> {
+    /// joined), tool-calling turns checked against what the template renders (`history`).
+    pub fn template_messages(&self, turns: crate::history::ToolTurns) -> Result<Value, ApiError> {
         if self.messages.is_empty() {
             return Err(ApiError::bad("messages must not be empty", Some("messages")));
         }
@@ -277,27 +277,33 @@ impl ChatRequest {
                 .ok_or_else(|| ApiError::bad(format!("messages[{i}] has no `role` string"), Some("messages")))?;
             match role {
                 "system" | "developer" | "user" | "assistant" => {}
-                "tool" | "function" => {
-                    return Err(ApiError::bad(
-                        format!("messages[{i}]: `{role}` messages need tool calling, which is not supported yet"),
-                        Some("messages"),
-                    ))
-                }
+                "tool" => crate::history::tool_result(i, m, turns)?,
                 other => {
                     return Err(ApiError::bad(
-                        format!("messages[{i}].role must be system, developer, user or assistant, got `{other}`"),
+                        format!("messages[{i}].role must be system, developer, user, assistant or tool, got `{other}`"),
                         Some("messages"),
                     ))
                 }
             }
-            if m.get("tool_calls").is_some_and(|t| !t.is_null()) || m.get("function_call").is_some_and(|t| !t.is_null())
-            {
+            if m.get("function_call").is_some_and(|t| !t.is_null()) {
                 return Err(ApiError::bad(
-                    format!("messages[{i}]: assistant tool calls need tool calling, which is not supported yet"),
+                    format!("messages[{i}]: `function_call` is deprecated; send `tool_calls`"),
                     Some("messages"),
                 ));
             }
+            let calls = match m.get("tool_calls").filter(|t| !t.is_null()) {
+                Some(_) if role != "assistant" => {
+                    return Err(ApiError::bad(
+                        format!("messages[{i}]: only assistant messages have tool_calls"),
+                        Some("messages"),
+                    ))
+                }
+                Some(c) => Some(crate::history::tool_calls(i, c, turns)?),
+                None => None,
+            };
             let content = match m.get("content") {
+                // An assistant turn that only calls tools has no text.
+                None | Some(Value::Null) if calls.is_some() => String::new(),
                 None | Some(Value::Null) => {
                     return Err(ApiError::bad(format!("messages[{i}] ({role}) has no content"), Some("messages")))
                 }
@@ -323,6 +329,9 @@ impl ChatRequest {
             let mut msg = m.clone();
             msg["role"] = Value::String(role.to_string());
             msg["content"] = Value::String(content);
+            if let Some(c) = calls {
+                msg["tool_calls"] = c;
+            }
             out.push(msg);
         }
         Ok(Value::Array(out))

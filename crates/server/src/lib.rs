@@ -10,6 +10,7 @@ pub mod drain;
 pub mod error;
 pub mod fields;
 pub mod fim;
+pub mod history;
 pub mod metrics;
 pub mod routes;
 
@@ -55,6 +56,7 @@ pub fn serve(engine: Engine, tok: Tokenizer, opts: ServeOptions) -> Result<(), S
         let created = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
         let vocab = engine.vocab();
         let fim = fim::Fim::detect(|t| tok.token_to_id(t));
+        let tool_turns = history::ToolTurns::of_template(tok.chat_template_source());
         let handle = Arc::new(EngineHandle::spawn(engine));
         let state = Arc::new(routes::AppState {
             vocab,
@@ -62,6 +64,7 @@ pub fn serve(engine: Engine, tok: Tokenizer, opts: ServeOptions) -> Result<(), S
             detok: detok::Detokenizer::spawn(tok.clone()),
             tok,
             fim,
+            tool_turns,
             model: opts.model.clone(),
             api_key: opts.api_key.clone(),
             max_context: opts.max_context,

@@ -38,6 +38,8 @@ pub struct AppState {
     pub tok: Arc<Tokenizer>,
     /// The model's fill-in-the-middle tokens, if its tokenizer has them (`suffix`).
     pub fim: Option<Fim>,
+    /// What the chat template renders of tool-calling turns.
+    pub tool_turns: crate::history::ToolTurns,
     /// The served model name.
     pub model: String,
     /// Required bearer token, if any.
@@ -231,7 +233,7 @@ async fn chat(State(st): St, headers: HeaderMap, body: Result<Bytes, BytesReject
         auth(&st, &headers)?;
         let req: ChatRequest = parse_for(body, Endpoint::Chat)?;
         req.params.check_model(&st.model)?;
-        let messages = req.template_messages()?;
+        let messages = req.template_messages(st.tool_turns)?;
         let top = req.top_logprobs()?;
         let tok = st.tok.clone();
         let ids = blocking(move || tok.encode_chat(&messages, true))

@@ -36,6 +36,7 @@ pub enum TextError {
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     chat: Option<ChatTemplate>,
+    chat_source: Option<String>,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -80,11 +81,12 @@ impl Tokenizer {
         } else {
             Json::Null
         };
-        let chat = match template_source(dir, &config)? {
-            Some(src) => Some(ChatTemplate::new(&src, &config)?),
+        let chat_source = template_source(dir, &config)?;
+        let chat = match &chat_source {
+            Some(src) => Some(ChatTemplate::new(src, &config)?),
             None => None,
         };
-        Ok(Tokenizer { inner, chat })
+        Ok(Tokenizer { inner, chat, chat_source })
     }
 
     /// Token ids of `text`; `add_special` adds what the tokenizer's post-processor adds (BOS).
@@ -107,6 +109,11 @@ impl Tokenizer {
     /// if the vocabulary has it.
     pub fn token_to_id(&self, token: &str) -> Option<u32> {
         self.inner.token_to_id(token)
+    }
+
+    /// The chat template's Jinja source, if there is one.
+    pub fn chat_template_source(&self) -> Option<&str> {
+        self.chat_source.as_deref()
     }
 
     /// Renders the chat template for `messages` (JSON `[{role, content}, ...]`).
