@@ -7,10 +7,11 @@ cd "$(dirname "$0")/.."
 question="${1:-What is the capital of France?}"
 shift || true
 cargo build --release --bins --quiet
+bin="${CARGO_TARGET_DIR:-target}/release"
 gguf=$(scripts/fetch-smollm2.sh)
 bundle="${ENGINE_CACHE:-$HOME/.cache/engine}/smollm2-135m-f32.bundle"
-if [ ! -f "$bundle/manifest.json" ] || [ "$gguf" -nt "$bundle/manifest.json" ] || [ target/release/engc -nt "$bundle/manifest.json" ]; then
+if [ ! -f "$bundle/manifest.json" ] || [ "$gguf" -nt "$bundle/manifest.json" ] || [ "$bin/engc" -nt "$bundle/manifest.json" ]; then
   # The tokenizer and chat template are the GGUF's own (engc builds them from its metadata).
-  target/release/engc compile models/llama.yaml --checkpoint "$gguf" --dtype f32 -o "$bundle"
+  "$bin/engc" compile models/llama.yaml --checkpoint "$gguf" --dtype f32 -o "$bundle"
 fi
-exec target/release/engrun generate "$bundle" --device cpu --chat --max-tokens 128 --prompt "$question" "$@"
+exec "$bin/engrun" generate "$bundle" --device cpu --chat --max-tokens 128 --prompt "$question" "$@"
