@@ -23,15 +23,19 @@
 //! Weights get their name as label (the text does not carry weights' labels).
 
 use crate::fusion::{self, Fusion, FusionKind};
-use crate::op::{Derived, Op};
+use crate::op::Op;
 use crate::plan::KvLayout;
-use crate::rope::RopeScaling;
-use crate::scalar::{Fun, Scalar};
 use crate::types::{DType, Dim, TensorType};
 use crate::{Graph, IrError, NodeIndex};
 use std::collections::HashMap;
 use std::fmt::Display;
 use std::str::FromStr;
+
+mod attrs;
+mod expr;
+
+use attrs::{derived, op};
+pub use expr::parse_scalar;
 
 /// Parses a printed plan back into a graph (see the module's documentation for the format).
 pub fn parse(text: &str) -> Result<Graph, IrError> {
@@ -83,20 +87,6 @@ pub fn parse(text: &str) -> Result<Graph, IrError> {
         ));
     }
     Ok(r.g)
-}
-
-/// Parses an elementwise expression as [`Scalar`]'s `Display` prints it (`(x0 + (tanh(x0) *
-/// x1))`: binary operators parenthesised, calls `f(a, b)`, inputs `x{i}`, constants as Rust
-/// prints an f32). Unparenthesised `+ - * /` are read with the usual precedence, left to
-/// right, and a `-` before anything but a number is `neg`. Constants are not folded.
-pub fn parse_scalar(s: &str) -> Result<Scalar, String> {
-    let mut p = Expr { s, i: 0 };
-    let e = p.sum()?;
-    p.ws();
-    if p.i < s.len() {
-        return Err(p.err("expected the end of the expression"));
-    }
-    Ok(e)
 }
 
 fn at(line: usize, what: impl Display) -> IrError {
@@ -339,25 +329,6 @@ fn after_args(s: &str) -> Result<&str, String> {
     s.strip_prefix(" : ").ok_or_else(|| format!("expected ` : TYPE` after the arguments, got `{}`", s.trim_end()))
 }
 
-/// `map{expr=EXPR}(@SOURCE)` after a weight's type and ` = `.
-fn derived(s: &str) -> Result<Derived, String> {
-    const FORM: &str = "expected ` = map{expr=EXPR}(@SOURCE)` after the type";
-    let s = s.strip_prefix(" = map").ok_or(FORM)?;
-    if !s.starts_with('{') {
-        return Err(FORM.into());
-    }
-    let (attrs, s) = balanced(s)?;
-    let source = s.strip_prefix("(@").and_then(|s| s.strip_suffix(')')).ok_or(FORM)?;
-    let mut a = Attrs::parse("map", Some(attrs))?;
-    let expr = parse_scalar(a.need_str("expr")?).map_err(|e| format!("expr: {e}"))?;
-    a.done()?;
-    expr.check()?;
-    if expr.arity() > 1 {
-        return Err(format!("the expression {expr} of a derived weight may read x0 only"));
-    }
-    Ok(Derived { source: source.to_string(), expr })
-}
-
 /// `[d, ...] DTYPE` at the start of `s`; returns the type and the rest.
 fn tensor_type(s: &str) -> Result<(TensorType, &str), String> {
     let body =
@@ -421,267 +392,6 @@ fn balanced(s: &str) -> Result<(&str, &str), String> {
     Err(format!("`{}` is not closed", s.chars().next().unwrap_or('{')))
 }
 
-/// An op's attributes, `key=value, ...`, split at the commas outside brackets and strings.
-struct Attrs<'a> {
-    op: &'a str,
-    pairs: Vec<(&'a str, &'a str)>,
-}
-
-impl<'a> Attrs<'a> {
-    fn parse(op: &'a str, text: Option<&'a str>) -> Result<Self, String> {
-        let mut pairs: Vec<(&str, &str)> = Vec::new();
-        let Some(text) = text else { return Ok(Attrs { op, pairs }) };
-        let (mut depth, mut in_string, mut escaped, mut start) = (0i32, false, false, 0);
-        let mut items = Vec::new();
-        for (i, c) in text.char_indices() {
-            if in_string {
-                match c {
-                    _ if escaped => escaped = false,
-                    '\\' => escaped = true,
-                    '"' => in_string = false,
-                    _ => {}
-                }
-                continue;
-            }
-            match c {
-                '"' => in_string = true,
-                '{' | '(' | '[' => depth += 1,
-                '}' | ')' | ']' => depth -= 1,
-                ',' if depth == 0 => {
-                    items.push(&text[start..i]);
-                    start = i + 1;
-                }
-                _ => {}
-            }
-        }
-        items.push(&text[start..]);
-        for item in items {
-            let (k, v) =
-                item.split_once('=').ok_or_else(|| format!("{op}: expected `key=value`, got `{}`", item.trim()))?;
-            let k = k.trim();
-            if pairs.iter().any(|(seen, _)| *seen == k) {
-                return Err(format!("{op}: the attribute `{k}` is given twice"));
-            }
-            pairs.push((k, v.trim()));
-        }
-        Ok(Attrs { op, pairs })
-    }
-
-    fn take(&mut self, key: &str) -> Option<&'a str> {
-        let i = self.pairs.iter().position(|(k, _)| *k == key)?;
-        Some(self.pairs.remove(i).1)
-    }
-
-    fn need_str(&mut self, key: &str) -> Result<&'a str, String> {
-        self.take(key).ok_or_else(|| format!("{} needs the attribute `{key}`", self.op))
-    }
-
-    fn need<T: FromStr>(&mut self, key: &str) -> Result<T, String> {
-        let v = self.need_str(key)?;
-        number(key, v).map_err(|e| format!("{}: {e}", self.op))
-    }
-
-    fn opt<T: FromStr>(&mut self, key: &str) -> Result<Option<T>, String> {
-        let op = self.op;
-        self.take(key).map(|v| number(key, v).map_err(|e| format!("{op}: {e}"))).transpose()
-    }
-
-    /// Fails on attributes the op does not take.
-    fn done(self) -> Result<(), String> {
-        match self.pairs.first() {
-            Some((k, _)) => Err(format!("{} takes no attribute `{k}`", self.op)),
-            None => Ok(()),
-        }
-    }
-}
-
-/// The op named `name` with the attributes `attrs` (the text between the braces) and `args`
-/// arguments.
-fn op(name: &str, attrs: Option<&str>, args: usize) -> Result<Op, String> {
-    let mut a = Attrs::parse(name, attrs)?;
-    let op = match name {
-        "tokens" => Op::Tokens,
-        "positions" => Op::Positions,
-        "embedding" => Op::Embedding,
-        "linear" => Op::Linear { bias: args == 3 },
-        "rms_norm" => rms_norm(&mut a)?,
-        "rope" => rope(&mut a)?,
-        "attention" => attention(&mut a)?,
-        "silu" => Op::Silu,
-        "map" => map(&mut a)?,
-        "mul" => Op::Mul,
-        "add" => Op::Add,
-        "all_reduce" => Op::AllReduce,
-        "all_gather" => all_gather(&mut a)?,
-        "logits" => Op::Logits,
-        "weight" => return Err("weights are declared on `@NAME : TYPE` lines, not as nodes".into()),
-        _ => {
-            return Err(format!(
-                "unknown op `{name}` (the ops are tokens, positions, embedding, linear, rms_norm, rope, attention, \
-                 silu, map, mul, add, all_reduce, all_gather, logits)"
-            ))
-        }
-    };
-    a.done()?;
-    Ok(op)
-}
-
-fn rms_norm(a: &mut Attrs) -> Result<Op, String> {
-    Ok(Op::RmsNorm { eps: a.need("eps")? })
-}
-
-fn rope(a: &mut Attrs) -> Result<Op, String> {
-    Ok(Op::Rope {
-        head_dim: a.need("head_dim")?,
-        theta: a.need("theta")?,
-        scaling: rope_scaling(a.need_str("scaling")?).map_err(|e| format!("rope: scaling: {e}"))?,
-        rotary_dim: a.opt("rotary_dim")?,
-    })
-}
-
-fn attention(a: &mut Attrs) -> Result<Op, String> {
-    Ok(Op::Attention {
-        heads: a.need("heads")?,
-        kv_heads: a.need("kv_heads")?,
-        head_dim: a.need("head_dim")?,
-        scale: a.need("scale")?,
-        layer: a.need("layer")?,
-        window: a.opt("window")?,
-        softcap: a.opt("softcap")?,
-    })
-}
-
-fn all_gather(a: &mut Attrs) -> Result<Op, String> {
-    Ok(Op::AllGather { ranks: a.need("ranks")? })
-}
-
-fn map(a: &mut Attrs) -> Result<Op, String> {
-    Ok(Op::Map { expr: parse_scalar(a.need_str("expr")?).map_err(|e| format!("map: expr: {e}"))? })
-}
-
-/// A [`RopeScaling`] from its JSON. Numbers are read with Rust's own (correctly rounded)
-/// parser: serde_json without its `float_roundtrip` feature may land an ulp off, and the
-/// printed text would then differ.
-fn rope_scaling(s: &str) -> Result<RopeScaling, String> {
-    let mut p = Json { s, i: 0 };
-    let v = p.value()?;
-    p.ws();
-    if p.i < s.len() {
-        return Err(format!("unexpected `{}` after the JSON value", &s[p.i..]));
-    }
-    serde_json::from_value(v).map_err(|e| e.to_string())
-}
-
-/// A small JSON reader (objects, arrays, strings, numbers, literals).
-struct Json<'a> {
-    s: &'a str,
-    i: usize,
-}
-
-impl Json<'_> {
-    fn ws(&mut self) {
-        self.i += self.s[self.i..].len() - self.s[self.i..].trim_start().len();
-    }
-
-    fn peek(&self) -> Option<char> {
-        self.s[self.i..].chars().next()
-    }
-
-    fn eat(&mut self, c: char) -> bool {
-        self.ws();
-        let yes = self.peek() == Some(c);
-        if yes {
-            self.i += c.len_utf8();
-        }
-        yes
-    }
-
-    fn value(&mut self) -> Result<serde_json::Value, String> {
-        use serde_json::Value;
-        self.ws();
-        let rest = &self.s[self.i..];
-        match self.peek() {
-            Some('{') => {
-                self.i += 1;
-                let mut m = serde_json::Map::new();
-                if self.eat('}') {
-                    return Ok(Value::Object(m));
-                }
-                loop {
-                    self.ws();
-                    let Value::String(k) = self.value()? else { return Err("an object key must be a string".into()) };
-                    if !self.eat(':') {
-                        return Err(format!("expected `:` after the key \"{k}\""));
-                    }
-                    m.insert(k, self.value()?);
-                    if self.eat('}') {
-                        return Ok(Value::Object(m));
-                    }
-                    if !self.eat(',') {
-                        return Err("expected `,` or `}` in an object".into());
-                    }
-                }
-            }
-            Some('[') => {
-                self.i += 1;
-                let mut items = Vec::new();
-                if self.eat(']') {
-                    return Ok(Value::Array(items));
-                }
-                loop {
-                    items.push(self.value()?);
-                    if self.eat(']') {
-                        return Ok(Value::Array(items));
-                    }
-                    if !self.eat(',') {
-                        return Err("expected `,` or `]` in an array".into());
-                    }
-                }
-            }
-            Some('"') => {
-                let len = string_len(rest).ok_or("a string is not closed")?;
-                self.i += len;
-                serde_json::from_str(&rest[..len]).map_err(|e| e.to_string())
-            }
-            _ => {
-                let len = rest
-                    .find(|c: char| !(c.is_ascii_alphanumeric() || matches!(c, '-' | '+' | '.')))
-                    .unwrap_or(rest.len());
-                let word = &rest[..len];
-                self.i += len;
-                Ok(match word {
-                    "true" => Value::Bool(true),
-                    "false" => Value::Bool(false),
-                    "null" => Value::Null,
-                    _ if word.chars().all(|c| c.is_ascii_digit() || c == '-') && word.parse::<i64>().is_ok() => {
-                        Value::from(word.parse::<i64>().unwrap_or_default())
-                    }
-                    _ => word
-                        .parse::<f64>()
-                        .ok()
-                        .and_then(serde_json::Number::from_f64)
-                        .map(Value::Number)
-                        .ok_or_else(|| format!("`{word}` is not a JSON value"))?,
-                })
-            }
-        }
-    }
-}
-
-/// The length of the JSON string at the start of `s` (quotes included).
-fn string_len(s: &str) -> Option<usize> {
-    let mut escaped = false;
-    for (i, c) in s.char_indices().skip(1) {
-        match c {
-            _ if escaped => escaped = false,
-            '\\' => escaped = true,
-            '"' => return Some(i + 1),
-            _ => {}
-        }
-    }
-    None
-}
-
 /// A fusion's members in the order its kind lists them ([`FusionKind`]), from the text's
 /// (topological) order: a GLU's gate before its up (the text has the gate's activation
 /// between them), a rope-attention's ropes in the order of the attention's inputs. Members that do not have the kind's shape stay as written, for
@@ -721,144 +431,13 @@ fn kind_order(g: &Graph, kind: FusionKind, members: Vec<NodeIndex>) -> Vec<NodeI
     }
 }
 
-/// A recursive-descent reader of [`Scalar`] text.
-struct Expr<'a> {
-    s: &'a str,
-    i: usize,
-}
-
-impl Expr<'_> {
-    fn err(&self, what: &str) -> String {
-        format!("{what} at column {} of `{}`", self.i + 1, self.s)
-    }
-
-    fn ws(&mut self) {
-        self.i += self.s[self.i..].len() - self.s[self.i..].trim_start().len();
-    }
-
-    fn peek(&mut self) -> Option<char> {
-        self.ws();
-        self.s[self.i..].chars().next()
-    }
-
-    fn fun(name: &str) -> Fun {
-        Fun::named(name).unwrap_or_else(|| unreachable!("`{name}` is a function of FUNCTIONS"))
-    }
-
-    /// `product (('+' | '-') product)*`
-    fn sum(&mut self) -> Result<Scalar, String> {
-        let mut a = self.product()?;
-        while let Some(c @ ('+' | '-')) = self.peek() {
-            self.i += 1;
-            let b = self.product()?;
-            a = Scalar::Call(Self::fun(&c.to_string()), vec![a, b]);
-        }
-        Ok(a)
-    }
-
-    /// `unary (('*' | '/') unary)*`
-    fn product(&mut self) -> Result<Scalar, String> {
-        let mut a = self.unary()?;
-        while let Some(c @ ('*' | '/')) = self.peek() {
-            self.i += 1;
-            let b = self.unary()?;
-            a = Scalar::Call(Self::fun(&c.to_string()), vec![a, b]);
-        }
-        Ok(a)
-    }
-
-    /// A negative number, `-unary` (`neg`), or a primary.
-    fn unary(&mut self) -> Result<Scalar, String> {
-        if self.peek() == Some('-') {
-            let next = self.s[self.i + 1..].chars().next();
-            if !next.is_some_and(|c| c.is_ascii_digit() || c == '.') {
-                self.i += 1;
-                return Ok(Scalar::Call(Self::fun("neg"), vec![self.unary()?]));
-            }
-        }
-        self.primary()
-    }
-
-    /// A number, `x{i}`, `f(args)` or `(sum)`.
-    fn primary(&mut self) -> Result<Scalar, String> {
-        let rest = &self.s[self.i..];
-        match self.peek() {
-            Some('(') => {
-                self.i += 1;
-                let e = self.sum()?;
-                if self.peek() != Some(')') {
-                    return Err(self.err("expected `)`"));
-                }
-                self.i += 1;
-                Ok(e)
-            }
-            Some(c) if c.is_ascii_digit() || c == '.' || c == '-' => {
-                let rest = &self.s[self.i..];
-                let mut len = usize::from(c == '-');
-                let mut prev = c;
-                for ch in rest[len..].chars() {
-                    let sign_of_exponent = matches!(ch, '+' | '-') && matches!(prev, 'e' | 'E');
-                    if !(ch.is_ascii_digit() || matches!(ch, '.' | 'e' | 'E') || sign_of_exponent) {
-                        break;
-                    }
-                    len += ch.len_utf8();
-                    prev = ch;
-                }
-                let word = &rest[..len];
-                let v: f32 = word.parse().map_err(|_| self.err(&format!("`{word}` is not a number")))?;
-                if !v.is_finite() {
-                    return Err(self.err(&format!("the constant `{word}` is not a finite f32")));
-                }
-                self.i += len;
-                Ok(Scalar::Const(v))
-            }
-            Some(c) if c.is_ascii_alphabetic() || c == '_' => {
-                let rest = &self.s[self.i..];
-                let len = rest.find(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).unwrap_or(rest.len());
-                let word = &rest[..len];
-                if let Some(i) =
-                    word.strip_prefix('x').filter(|d| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit()))
-                {
-                    self.i += len;
-                    return i.parse().map(Scalar::Arg).map_err(|_| self.err(&format!("`{word}` is too large")));
-                }
-                let f = Fun::named(word).ok_or_else(|| {
-                    self.err(&format!("unknown function `{word}` (the functions are {})", Fun::callable().join(", ")))
-                })?;
-                self.i += len;
-                if self.peek() != Some('(') {
-                    return Err(self.err(&format!("expected `(` after `{word}`")));
-                }
-                self.i += 1;
-                let mut args = Vec::new();
-                if self.peek() == Some(')') {
-                    self.i += 1;
-                } else {
-                    loop {
-                        args.push(self.sum()?);
-                        match self.peek() {
-                            Some(',') => self.i += 1,
-                            Some(')') => {
-                                self.i += 1;
-                                break;
-                            }
-                            _ => return Err(self.err("expected `,` or `)`")),
-                        }
-                    }
-                }
-                if args.len() != f.def().arity {
-                    return Err(format!("`{word}` takes {} arguments, got {}", f.def().arity, args.len()));
-                }
-                Ok(Scalar::Call(f, args))
-            }
-            _ => Err(self.err(&format!("expected a number, `x{{i}}`, a call or `(`, got `{}`", rest.trim_start()))),
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
+    use super::attrs::rope_scaling;
     use super::*;
+    use crate::op::Derived;
+    use crate::rope::RopeScaling;
+    use crate::scalar::{Fun, Scalar};
     use crate::Plan;
 
     /// A small plan with a derived weight (a name with spaces and parentheses), each kind of
@@ -1086,7 +665,7 @@ fuse rope_attention {
             let json = serde_json::to_string(&s).unwrap();
             assert_eq!(rope_scaling(&json).unwrap(), s);
         }
-        assert!(rope_scaling(r#"{"type":"linear","factor":2.0} x"#).unwrap_err().contains("after the JSON value"));
+        assert!(rope_scaling(r#"{"type":"linear","factor":2.0} x"#).unwrap_err().contains("trailing characters"));
         assert!(rope_scaling(r#"{"type":"cubic"}"#).is_err());
     }
 
