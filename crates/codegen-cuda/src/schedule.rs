@@ -1,7 +1,7 @@
 //! The launch schedule: a plan lowered to kernel launches, one kernel per fusion of the plan
-//! (residual add + RMS norm, the linears of one input, gate/up + silu·mul, RoPE + the paged KV
-//! write + attention: the compiler's fusion passes chose them) and per lone node. What is left
-//! here are hardware choices: each linear has variants by row count (GEMV specialised to 1, 2,
+//! (residual add + RMS norm and Gemma's norm + add + norm, the linears of one input, gate/up +
+//! act·mul, RoPE + the paged KV write + attention: the compiler's fusion passes chose them)
+//! and per lone node. What is left here are hardware choices: each linear has variants by row count (GEMV specialised to 1, 2,
 //! 4, 8 rows, the tensor-core GEMM above); at one row, a small GEMV launch applies the RMS norm
 //! feeding it itself ([`NORM_IN_GEMV_ROWS`]). Values get device buffers by liveness, so
 //! buffers are reused across layers. The runtime only resolves arguments and launches; it
