@@ -47,6 +47,8 @@ fn qwen2_compile_inspect_generate_logits() {
     let o = run("engc", &["inspect", s(&b)]);
     let text = String::from_utf8_lossy(&o.stdout);
     assert!(o.status.success() && text.contains("qwen2") && text.contains("eos ids [151645]"), "{text}");
+    assert!(text.contains("fusions    add_norm x4, glu x2, linears x6, rope_attention x2"), "{text}");
+    assert!(text.contains("cuda       14 launches per batch-1 decode step (7.0 per layer)"), "{text}");
 
     let gen = |extra: &[&str]| {
         let mut args =

@@ -72,6 +72,26 @@ pub struct Program {
     pub half: ir::DType,
 }
 
+impl Program {
+    /// Kernel launches of one forward step of `count` tokens (and as many logit rows): at 1,
+    /// a batch-1 decode step's (sampling not counted).
+    pub fn launches(&self, count: usize) -> usize {
+        launches_at(&self.steps, count)
+    }
+}
+
+fn launches_at(steps: &[Step], count: usize) -> usize {
+    steps
+        .iter()
+        .map(|st| match st {
+            Step::Kernels { variants, .. } => {
+                variants.iter().find(|(bound, _)| *bound >= count).map_or(0, |(_, launches)| launches.len())
+            }
+            Step::AllReduce { .. } | Step::AllGather { .. } => 0,
+        })
+        .sum()
+}
+
 /// The program a bundle runs: [`emit`]'s, which must be the very source the bundle carries
 /// (`kernels/model.cu`, written by `engc compile`) when it carries one, so that what runs is
 /// what the bundle holds.
@@ -108,14 +128,7 @@ pub fn emit(plan: &Plan) -> Result<Program, CodegenError> {
             kernels.push(k);
         }
     }
-    let launches: usize = s
-        .steps
-        .iter()
-        .map(|st| match st {
-            Step::Kernels { variants, .. } => variants[0].1.len(),
-            Step::AllReduce { .. } | Step::AllGather { .. } => 0,
-        })
-        .sum();
+    let launches = launches_at(&s.steps, 1);
     let mut source = String::new();
     let _ = writeln!(
         source,

@@ -191,6 +191,23 @@ fn inspect(path: &std::path::Path, graph: bool) -> Result<(), String> {
     }
     let ops: Vec<String> = ops.iter().map(|(k, v)| format!("{k} x{v}")).collect();
     println!("plan       {} nodes: {}", b.plan.nodes.len(), ops.join(", "));
+    let mut fusions: BTreeMap<&str, usize> = BTreeMap::new();
+    for f in &b.plan.fusions {
+        *fusions.entry(f.kind.name()).or_default() += 1;
+    }
+    let fusions: Vec<String> = fusions.iter().map(|(k, v)| format!("{k} x{v}")).collect();
+    println!("fusions    {}", if fusions.is_empty() { "none".into() } else { fusions.join(", ") });
+    match codegen_cuda::emit(&b.plan) {
+        Ok(p) => {
+            let (n, layers) = (p.launches(1), b.plan.kv.layers.max(1));
+            let per = n as f64 / layers as f64;
+            println!(
+                "cuda       {n} launches per batch-1 decode step ({per:.1} per layer), {} kernels",
+                p.kernels.len()
+            );
+        }
+        Err(e) => println!("cuda       not runnable: {e}"),
+    }
     let kv = b.plan.kv;
     println!(
         "kv cache   {} layers x {} kv heads x {} head_dim per rank ({} bytes/token in f32)",
