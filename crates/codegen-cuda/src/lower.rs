@@ -26,7 +26,7 @@ pub(crate) fn fusion(b: &mut Builder, f: usize) -> Result<(), CodegenError> {
             if b.fast_linear(g) && b.fast_linear(u) && b.feeds_linears(m) {
                 let x = b.half_input(xn)?;
                 let norm = b.fused_norm[xn].clone();
-                glu(b, x, b.cols(xn), [g, u, s, m], norm.as_ref());
+                glu(b, x, b.cols(xn), [g, u, s, m], norm.as_ref())?;
             } else {
                 linears(b, &[g, u])?;
                 node(b, s)?;
@@ -280,10 +280,18 @@ fn linears(b: &mut Builder, ls: &[usize]) -> Result<(), CodegenError> {
 
 /// act(x·gateᵀ) * (x·upᵀ) in one GEMV for few rows (applying `norm` where it is fused);
 /// GEMM + glu_mul above.
-fn glu(b: &mut Builder, x: usize, k: usize, [g, u, s, m]: [usize; 4], norm: Option<&FusedNorm>) {
+fn glu(
+    b: &mut Builder,
+    x: usize,
+    k: usize,
+    [g, u, s, m]: [usize; 4],
+    norm: Option<&FusedNorm>,
+) -> Result<(), CodegenError> {
     let n = b.cols(g);
-    let act = ir::fusion::glu_activation(&b.plan.nodes[s].op).map_or(String::new(), |a| a.to_cuda());
-    let act = intern(act);
+    let act = ir::fusion::glu_activation(&b.plan.nodes[s].op).ok_or_else(|| {
+        CodegenError::Unsupported(format!("`{}`: a glu fusion without an activation", b.plan.nodes[s].label))
+    })?;
+    let act = intern(act.to_cuda());
     let out = b.out(m, b.half);
     let (wg, wu) = (b.plan.nodes[g].inputs[1], b.plan.nodes[u].inputs[1]);
     let mut variants: Vec<(usize, Vec<Launch>)> = GEMV_ROWS
@@ -316,6 +324,7 @@ fn glu(b: &mut Builder, x: usize, k: usize, [g, u, s, m]: [usize; 4], norm: Opti
         variants.push((bound, launches));
     }
     b.steps.push(Step::Kernels { by: Count::Tokens, variants });
+    Ok(())
 }
 
 /// Steps of more tokens than this run attention on tensor cores (for groups of 16 rows of one

@@ -169,6 +169,12 @@ mod tests {
         g.fusions.iter().map(|f| (f.kind, f.nodes.iter().map(|&n| g.node(n).label.clone()).collect())).collect()
     }
 
+    /// The node labelled `label` that is not a weight (weights are labelled by name).
+    fn find(g: &Graph, label: &str) -> NodeIndex {
+        let n = g.nodes().into_iter().find(|&n| g.node(n).label == label && !matches!(g.node(n).op, Op::Weight { .. }));
+        n.unwrap_or_else(|| panic!("no node `{label}`"))
+    }
+
     fn labels(s: &[&str]) -> Vec<String> {
         s.iter().map(|s| s.to_string()).collect()
     }
@@ -202,10 +208,7 @@ mod tests {
     #[test]
     fn a_glu_needs_its_linears_to_itself() {
         let mut g = layer(None);
-        let find = |g: &Graph, label: &str| {
-            g.nodes().into_iter().find(|&n| g.node(n).label == label && !matches!(g.node(n).op, Op::Weight { .. }))
-        };
-        let (up, m) = (find(&g, "up").unwrap(), find(&g, "m").unwrap());
+        let (up, m) = (find(&g, "up"), find(&g, "m"));
         let extra = g.add(Op::Silu, &[up], "extra").unwrap();
         let mm = g.add(Op::Mul, &[m, extra], "mm").unwrap();
         g.replace_uses(m, mm, mm);
@@ -218,7 +221,7 @@ mod tests {
     #[test]
     fn different_ropes_fuse_only_q() {
         let mut g = layer(None);
-        let rk = g.nodes().into_iter().find(|&n| g.node(n).label == "rk").unwrap();
+        let rk = find(&g, "rk");
         if let Op::Rope { theta, .. } = &mut g.node_mut(rk).op {
             *theta = 1e6;
         }
@@ -244,10 +247,7 @@ mod tests {
     #[test]
     fn a_norm_of_the_added_sublayer_output_joins_the_add() {
         let mut g = layer(None);
-        let find = |g: &Graph, label: &str| {
-            g.nodes().into_iter().find(|&n| g.node(n).label == label && !matches!(g.node(n).op, Op::Weight { .. }))
-        };
-        let (x1, o) = (find(&g, "x1").unwrap(), find(&g, "o").unwrap());
+        let (x1, o) = (find(&g, "x1"), find(&g, "o"));
         let w = weight(&mut g, "post", vec![32]);
         let post = g.add(Op::RmsNorm { eps: 1e-6 }, &[o, w], "post").unwrap();
         g.replace_uses(o, post, post);

@@ -83,6 +83,7 @@ impl Graph {
         for f in &mut self.fusions {
             f.nodes.retain(|&m| m != n);
         }
+        self.fusions.retain(|f| !f.nodes.is_empty());
     }
 
     /// The fusion node `n` belongs to, if any.
@@ -131,6 +132,9 @@ impl Graph {
     /// outside it (not convex: no one kernel could compute it) is reported as a cycle.
     fn topo(&self) -> Result<Vec<NodeIndex>, IrError> {
         use std::cmp::Reverse;
+        if self.fusions.iter().any(|f| f.nodes.is_empty()) {
+            return Err(IrError::Verify("a fusion has no nodes".into()));
+        }
         let unit_of: HashMap<NodeIndex, usize> =
             self.fusions.iter().enumerate().flat_map(|(u, f)| f.nodes.iter().map(move |&n| (n, u))).collect();
         // A unit is a fusion (its index) or a lone node (`fusions.len()` + its index).
@@ -152,7 +156,10 @@ impl Graph {
                 *indegree.get_mut(&b).expect("every unit has an in-degree") += 1;
             }
         }
-        let first = |u: usize| members(u)[0];
+        let first = |u: usize| match self.fusions.get(u).and_then(|f| f.nodes.iter().min()) {
+            Some(&n) => n,
+            None => NodeIndex::new(u - lone),
+        };
         let mut ready: std::collections::BinaryHeap<Reverse<(NodeIndex, usize)>> =
             indegree.iter().filter(|(_, &d)| d == 0).map(|(&u, _)| Reverse((first(u), u))).collect();
         let mut order = Vec::with_capacity(self.g.node_count());

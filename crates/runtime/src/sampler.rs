@@ -360,12 +360,17 @@ impl RequestSampler {
         *self.counts.entry(token).or_insert(0) += 1;
     }
 
-    /// Chooses the next token from `logits` (penalties applied) by this step's `row` and
-    /// records it; with `logprobs = Some(n)` also returns the chosen token's log-probability
-    /// and the top `n`.
-    pub fn choose(&mut self, logits: &[f32], row: &RowSampling, logprobs: Option<usize>) -> (u32, Option<Logprobs>) {
-        let adjust = self.adjustments();
-        let token = if adjust.is_empty() { pick(logits, row) } else { pick(&adjusted(logits, &adjust), row) };
+    /// Chooses the next token from `logits` after this step's `adjust` (its
+    /// [`RequestSampler::adjustments`]) by this step's `row` and records it; with `logprobs =
+    /// Some(n)` also returns the chosen token's log-probability and the top `n`.
+    pub fn choose(
+        &mut self,
+        logits: &[f32],
+        row: &RowSampling,
+        adjust: &[Adjust],
+        logprobs: Option<usize>,
+    ) -> (u32, Option<Logprobs>) {
+        let token = if adjust.is_empty() { pick(logits, row) } else { pick(&adjusted(logits, adjust), row) };
         self.record(token);
         (token, logprobs.map(|n| log_probs(logits, token, n)))
     }
@@ -373,7 +378,8 @@ impl RequestSampler {
     /// Draws this step's number and chooses (`row`, then `choose`).
     pub fn next(&mut self, logits: &[f32], logprobs: Option<usize>) -> (u32, Option<Logprobs>) {
         let row = self.row();
-        self.choose(logits, &row, logprobs)
+        let adjust = self.adjustments();
+        self.choose(logits, &row, &adjust, logprobs)
     }
 }
 

@@ -135,9 +135,10 @@ fn step(backend: &mut dyn Backend, plan: &StepPlan, st: &mut State) -> Result<Ve
     } else {
         let logits = backend.forward(&steps)?;
         let sampled = plan.seqs.iter().filter_map(|s| Some((s.req, s.sample.as_ref()?)));
-        for (((req, r), logits), row) in sampled.zip(logits.chunks_exact(backend.vocab())).zip(&rows) {
-            let (token, logprobs) =
-                st.samplers.get_mut(&req).expect("sampler made above").choose(logits, row, r.logprobs);
+        let rows = rows.iter().zip(&adjust);
+        for (((req, r), logits), (row, adjust)) in sampled.zip(logits.chunks_exact(backend.vocab())).zip(rows) {
+            let sampler = st.samplers.get_mut(&req).expect("sampler made above");
+            let (token, logprobs) = sampler.choose(logits, row, adjust, r.logprobs);
             chosen.push(Sampled { token, logprobs });
         }
     }

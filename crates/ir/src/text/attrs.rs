@@ -1,7 +1,7 @@
 //! Op attributes as `Op::attrs` prints them, read back (one function per op).
 
 use super::expr::parse_scalar;
-use super::{balanced, number};
+use super::{balanced, number, outside_strings};
 use crate::op::Derived;
 use crate::op::Op;
 use crate::rope::RopeScaling;
@@ -17,20 +17,10 @@ impl<'a> Attrs<'a> {
     fn parse(op: &'a str, text: Option<&'a str>) -> Result<Self, String> {
         let mut pairs: Vec<(&str, &str)> = Vec::new();
         let Some(text) = text else { return Ok(Attrs { op, pairs }) };
-        let (mut depth, mut in_string, mut escaped, mut start) = (0i32, false, false, 0);
+        let (mut depth, mut start) = (0i32, 0);
         let mut items = Vec::new();
-        for (i, c) in text.char_indices() {
-            if in_string {
-                match c {
-                    _ if escaped => escaped = false,
-                    '\\' => escaped = true,
-                    '"' => in_string = false,
-                    _ => {}
-                }
-                continue;
-            }
+        for (i, c) in outside_strings(text) {
             match c {
-                '"' => in_string = true,
                 '{' | '(' | '[' => depth += 1,
                 '}' | ')' | ']' => depth -= 1,
                 ',' if depth == 0 => {

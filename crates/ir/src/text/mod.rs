@@ -365,20 +365,8 @@ fn number<T: FromStr>(key: &str, v: &str) -> Result<T, String> {
 /// Brackets of every kind nest; JSON strings are skipped.
 fn balanced(s: &str) -> Result<(&str, &str), String> {
     let mut depth = 0usize;
-    let mut in_string = false;
-    let mut escaped = false;
-    for (i, c) in s.char_indices() {
-        if in_string {
-            match c {
-                _ if escaped => escaped = false,
-                '\\' => escaped = true,
-                '"' => in_string = false,
-                _ => {}
-            }
-            continue;
-        }
+    for (i, c) in outside_strings(s) {
         match c {
-            '"' => in_string = true,
             '{' | '(' | '[' => depth += 1,
             '}' | ')' | ']' => {
                 depth = depth.checked_sub(1).ok_or("unbalanced brackets")?;
@@ -390,6 +378,25 @@ fn balanced(s: &str) -> Result<(&str, &str), String> {
         }
     }
     Err(format!("`{}` is not closed", s.chars().next().unwrap_or('{')))
+}
+
+/// The characters of `s` (with their byte offsets) outside JSON strings, the quotes left out:
+/// what [`balanced`] and the attribute splitter walk.
+fn outside_strings(s: &str) -> impl Iterator<Item = (usize, char)> + '_ {
+    let (mut in_string, mut escaped) = (false, false);
+    s.char_indices().filter(move |&(_, c)| {
+        if in_string {
+            match c {
+                _ if escaped => escaped = false,
+                '\\' => escaped = true,
+                '"' => in_string = false,
+                _ => {}
+            }
+            return false;
+        }
+        in_string = c == '"';
+        !in_string
+    })
 }
 
 /// A fusion's members in the order its kind lists them ([`FusionKind`]), from the text's
