@@ -120,6 +120,7 @@ fn drive(engine: &mut Engine, plan: &[Planned]) -> Vec<(Vec<u32>, FinishReason)>
             match e {
                 Event::Token { id, .. } => o.0.push(id),
                 Event::Finished(f) => o.1 = Some(f.reason),
+                Event::Embedding(_) => panic!("request {id}: an embedding event for a generation"),
             }
         }
         engine.check().unwrap_or_else(|e| panic!("after step {step}: {e}"));

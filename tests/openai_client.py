@@ -144,6 +144,26 @@ def check_api(msgs):
     assert text.endswith("The capital of France"), text
 
 
+def check_embeddings():
+    """Embeddings (the package asks for base64 by default): identical inputs give equal unit
+    vectors, different inputs different ones; the float encoding gives the same numbers."""
+    texts = ["The capital of France", "The capital of France", "A story about a dragon"]
+    r = client.embeddings.create(model=model, input=texts)
+    vecs = [d.embedding for d in r.data]
+    assert [d.index for d in r.data] == [0, 1, 2] and r.usage.prompt_tokens > 0, r
+    assert vecs[0] == vecs[1] and vecs[0] != vecs[2]
+    assert all(abs(sum(x * x for x in v) - 1) < 1e-4 for v in vecs)
+    floats = client.embeddings.create(model=model, input=texts[0], encoding_format="float").data[0].embedding
+    assert max(abs(a - b) for a, b in zip(floats, vecs[0])) < 1e-6
+    for bad in [dict(input=""), dict(input=texts[0], dimensions=3)]:
+        try:
+            client.embeddings.create(model=model, **bad)
+        except openai.BadRequestError as e:
+            assert e.param in ("input", "dimensions"), e
+            continue
+        raise AssertionError(f"no 400 for {bad}")
+
+
 def check_errors(msgs):
     expect_error(openai.NotFoundError, 404, "model", "model_not_found", model="no-such-model", messages=msgs)
     expect_error(openai.BadRequestError, 400, "messages", model=model, messages=[])
@@ -203,6 +223,7 @@ if mode == "smollm2":
     c = client.completions.create(model=model, prompt="The capital of France is", temperature=0, max_tokens=3, logprobs=2)
     assert len(c.choices[0].logprobs.tokens) == 3 and len(c.choices[0].logprobs.top_logprobs[0]) == 2
     check_api(msgs)
+    check_embeddings()
     check_errors(msgs)
 elif mode == "unicode":
     for prompt in ["你好，世界！请介绍一下长城。", "Emoji: 😀🎉👍🏽 and 🇫🇷, 日本語も", "한국어 텍스트와 中文混合"]:

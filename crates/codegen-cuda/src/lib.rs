@@ -67,6 +67,10 @@ pub struct Program {
     pub constants: Vec<Vec<f32>>,
     /// The buffer that holds the logits (`[R, vocab]` f32).
     pub output: usize,
+    /// The buffer that holds the final hidden state of the logit rows (`[R, hidden]` in
+    /// `half`: the logits op's gathered input), what embeddings read; `None` without a
+    /// `logits` op.
+    pub hidden: Option<usize>,
     /// The 16-bit float of activations feeding linears, 16-bit weights and the KV cache
     /// (`BF16`, or `F16` for an f16 plan): the source's `h16_t`.
     pub half: ir::DType,
@@ -157,6 +161,7 @@ pub fn emit(plan: &Plan) -> Result<Program, CodegenError> {
         buffers: s.buffers,
         constants: s.constants,
         output: s.output,
+        hidden: s.hidden,
         half: s.half,
     })
 }

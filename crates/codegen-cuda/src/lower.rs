@@ -460,6 +460,7 @@ fn logits(b: &mut Builder, i: usize) -> Result<(), CodegenError> {
     let (h, vocab) = (b.cols(xn), b.cols(i));
     let x = b.val(xn)?;
     let sel = b.new_val(h, b.half, Count::Rows);
+    b.hidden = Some(sel);
     let key = KernelKey::Gather { h, x: b.vals_dtype(x), out: b.half };
     let args = vec![Arg::Buf(x), Arg::Input(Input::Rows), Arg::Buf(sel)];
     b.steps.push(Step::Kernels {

@@ -168,6 +168,8 @@ pub(crate) struct Builder<'p> {
     pub fuse_norms: bool,
     pub steps: Vec<Step>,
     pub constants: Vec<Vec<f32>>,
+    /// The logits op's gathered input rows (the final hidden state, `half`), once lowered.
+    pub hidden: Option<usize>,
 }
 
 /// The 16-bit float of `plan`'s program (activations that feed linears, 16-bit weights, the KV
@@ -305,6 +307,8 @@ pub(crate) struct Schedule {
     pub buffers: Vec<Buffer>,
     pub constants: Vec<Vec<f32>>,
     pub output: usize,
+    /// The buffer of the logit rows' final hidden state (kept live to the end of the step).
+    pub hidden: Option<usize>,
     /// The program's 16-bit float ([`half_dtype`]).
     pub half: DType,
 }
@@ -341,6 +345,7 @@ pub(crate) fn schedule(plan: &Plan) -> Result<Schedule, CodegenError> {
         fuse_norms: std::env::var("ENGINE_NORM_IN_GEMV").map_or(true, |v| v != "0"),
         steps: vec![],
         constants: vec![],
+        hidden: None,
     };
     for i in 0..n {
         match b.fusion_of[i] {
@@ -351,11 +356,18 @@ pub(crate) fn schedule(plan: &Plan) -> Result<Schedule, CodegenError> {
         }
     }
     let out = b.val(plan.output)?;
-    Ok(assign(b.steps, &b.vals, out, b.constants, b.half))
+    Ok(assign(b.steps, &b.vals, (out, b.hidden), b.constants, b.half))
 }
 
-/// Gives every value a device buffer, reusing the buffers of values no longer live.
-fn assign(mut steps: Vec<Step>, vals: &[Val], output: usize, constants: Vec<Vec<f32>>, half: DType) -> Schedule {
+/// Gives every value a device buffer, reusing the buffers of values no longer live; the
+/// output and the hidden rows stay live to the end.
+fn assign(
+    mut steps: Vec<Step>,
+    vals: &[Val],
+    (output, hidden): (usize, Option<usize>),
+    constants: Vec<Vec<f32>>,
+    half: DType,
+) -> Schedule {
     let mut first = vec![usize::MAX; vals.len()];
     let mut last = vec![0; vals.len()];
     for (s, step) in steps.iter().enumerate() {
@@ -365,6 +377,9 @@ fn assign(mut steps: Vec<Step>, vals: &[Val], output: usize, constants: Vec<Vec<
         }
     }
     last[output] = usize::MAX;
+    if let Some(h) = hidden {
+        last[h] = usize::MAX;
+    }
     let mut buffers: Vec<Buffer> = vec![];
     let mut free: Vec<usize> = vec![];
     let mut phys = vec![usize::MAX; vals.len()];
@@ -392,7 +407,7 @@ fn assign(mut steps: Vec<Step>, vals: &[Val], output: usize, constants: Vec<Vec<
     for step in &mut steps {
         map_bufs(step, |v| phys[v]);
     }
-    Schedule { steps, buffers, constants, output: phys[output], half }
+    Schedule { steps, buffers, constants, output: phys[output], hidden: hidden.map(|h| phys[h]), half }
 }
 
 fn step_vals(step: &Step) -> Vec<usize> {

@@ -166,6 +166,10 @@ enum Cmd {
         /// aborts them (`finish_reason: abort`); a second signal aborts them at once.
         #[arg(long, default_value_t = 60.0)]
         graceful_shutdown_timeout: f64,
+        /// How /v1/embeddings pools an input's final hidden states: `last` (the last token's)
+        /// or `mean`; either is L2-normalised.
+        #[arg(long, default_value = "last")]
+        pooling: runtime::Pooling,
         #[command(flatten)]
         engine: EngineArgs,
     },
@@ -233,24 +237,33 @@ fn main() -> ExitCode {
         Cmd::Logits { bundle, ids, prefill, device, sampling, out } => {
             logits(&bundle, &ids, prefill, device, &sampling.params(0), &out)
         }
-        Cmd::Serve { bundle, host, port, device, api_key, served_model_name, graceful_shutdown_timeout, engine } => {
-            match std::time::Duration::try_from_secs_f64(graceful_shutdown_timeout) {
-                Ok(timeout) => {
-                    let opts = server::ServeOptions {
-                        host,
-                        port,
-                        api_key,
-                        model: served_model_name.unwrap_or_default(),
-                        max_context: 0,
-                        graceful_shutdown_timeout: timeout,
-                    };
-                    serve(&bundle, device, &engine, opts)
-                }
-                Err(_) => Err(format!(
-                    "--graceful-shutdown-timeout must be a non-negative number of seconds, got {graceful_shutdown_timeout}"
-                )),
+        Cmd::Serve {
+            bundle,
+            host,
+            port,
+            device,
+            api_key,
+            served_model_name,
+            graceful_shutdown_timeout,
+            pooling,
+            engine,
+        } => match std::time::Duration::try_from_secs_f64(graceful_shutdown_timeout) {
+            Ok(timeout) => {
+                let opts = server::ServeOptions {
+                    host,
+                    port,
+                    api_key,
+                    model: served_model_name.unwrap_or_default(),
+                    max_context: 0,
+                    graceful_shutdown_timeout: timeout,
+                    pooling,
+                };
+                serve(&bundle, device, &engine, opts)
             }
-        }
+            Err(_) => Err(format!(
+                "--graceful-shutdown-timeout must be a non-negative number of seconds, got {graceful_shutdown_timeout}"
+            )),
+        },
         Cmd::Bench {
             bundle,
             device,
@@ -416,14 +429,8 @@ fn generate(path: &Path, a: &GenArgs) -> Result<(), String> {
     .map_err(|e| e.to_string())?;
     let cfg = a.engine.config(&b, dev)?;
     let mut engine = Engine::new(backend, cfg).map_err(|e| e.to_string())?;
-    let req = Request {
-        prompt,
-        sampling: a.sampling.clone(),
-        max_tokens: a.max_tokens,
-        stop_ids: vec![],
-        ignore_eos: a.ignore_eos,
-        logprobs: None,
-    };
+    let req =
+        Request { sampling: a.sampling.clone(), ignore_eos: a.ignore_eos, ..Request::greedy(prompt, a.max_tokens) };
     let prompt_len = req.prompt.len();
     let start = std::time::Instant::now();
     engine.submit(req).map_err(|e| e.to_string())?;
@@ -441,6 +448,7 @@ fn generate(path: &Path, a: &GenArgs) -> Result<(), String> {
                     let _ = out.flush();
                 }
                 Event::Finished(f) => finish = Some(f.reason),
+                Event::Embedding(_) => {}
             }
         }
     }

@@ -114,6 +114,16 @@ impl Interpreter {
     /// Runs one step: `tokens` at positions `cache.len()..`, appending to the cache. Returns the
     /// logits of the positions `rows` (indices into `tokens`), `rows.len() × vocab` floats.
     pub fn forward(&self, kv: &mut dyn KvStore, tokens: &[u32], rows: &[usize]) -> Result<Vec<f32>, IrError> {
+        self.run(kv, tokens, rows, false)
+    }
+
+    /// Like [`Interpreter::forward`], but returns the final hidden state (the `logits` op's
+    /// input) of the positions `rows`, `rows.len() × hidden` floats: what an embedding pools.
+    pub fn forward_hidden(&self, kv: &mut dyn KvStore, tokens: &[u32], rows: &[usize]) -> Result<Vec<f32>, IrError> {
+        self.run(kv, tokens, rows, true)
+    }
+
+    fn run(&self, kv: &mut dyn KvStore, tokens: &[u32], rows: &[usize], hidden: bool) -> Result<Vec<f32>, IrError> {
         self.plan.check_step(tokens, rows)?;
         let t_len = tokens.len();
         let start = kv.start();
@@ -168,6 +178,11 @@ impl Interpreter {
                     let h = f(1).len() / cols;
                     let x = f(0);
                     let sel: Vec<f32> = rows.iter().flat_map(|&r| x[r * h..(r + 1) * h].iter().copied()).collect();
+                    if hidden {
+                        // Every attention comes before the logits: the step's KV is complete.
+                        kv.commit(t_len);
+                        return Ok(sel);
+                    }
                     Some(Val::F(linear(&sel, f(1), None, cols)))
                 }
             };

@@ -76,6 +76,17 @@ impl Plan {
         Ok(())
     }
 
+    /// The logits node: the plan's one `logits` op (its input is the final hidden state).
+    pub fn logits_node(&self) -> Option<usize> {
+        self.nodes.iter().position(|n| matches!(n.op, Op::Logits))
+    }
+
+    /// Features of the final hidden state (the `logits` op's input: after the final norm),
+    /// what an embedding pools; 0 when the plan has no `logits` op.
+    pub fn hidden_size(&self) -> usize {
+        self.logits_node().and_then(|i| self.nodes[self.nodes[i].inputs[0]].ty.last()).unwrap_or(0)
+    }
+
     /// The weights the plan reads: (name, shape, dtype).
     pub fn weights(&self) -> impl Iterator<Item = (&str, &[usize], DType)> {
         self.nodes.iter().filter_map(|n| match &n.op {

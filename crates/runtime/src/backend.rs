@@ -71,6 +71,15 @@ pub trait Backend: Send {
     /// Runs one step over several sequences (all their tokens through each weight once) and
     /// returns the logits of every sequence's rows, sequence after sequence.
     fn forward(&mut self, batch: &[StepSeq]) -> Result<Vec<f32>, RuntimeError>;
+    /// Like `forward`, but returns the final hidden state (the `logits` op's input, after the
+    /// final norm) of every sequence's rows, [`Backend::hidden_size`] floats a row: what an
+    /// embedding pools.
+    fn forward_hidden(&mut self, batch: &[StepSeq]) -> Result<Vec<f32>, RuntimeError> {
+        let _ = batch;
+        Err(RuntimeError::Unsupported("this backend does not return hidden states (embeddings)".into()))
+    }
+    /// Features of the final hidden state.
+    fn hidden_size(&self) -> usize;
     /// Like `forward`, but returns each logits row's token, chosen by `rows` (one per logits
     /// row, see [`crate::sampler::pick`]) after each row's `adjust` (one list per row, or none
     /// at all: [`crate::sampler::Adjust`]); a backend with a device overrides this to choose
@@ -240,11 +249,30 @@ impl Backend for RefBackend {
     }
 
     fn forward(&mut self, batch: &[StepSeq]) -> Result<Vec<f32>, RuntimeError> {
+        self.run(batch, false)
+    }
+
+    fn forward_hidden(&mut self, batch: &[StepSeq]) -> Result<Vec<f32>, RuntimeError> {
+        self.run(batch, true)
+    }
+
+    fn hidden_size(&self) -> usize {
+        self.interp.plan().hidden_size()
+    }
+}
+
+impl RefBackend {
+    /// One sequence after another through the interpreter: logits, or the final hidden state.
+    fn run(&mut self, batch: &[StepSeq], hidden: bool) -> Result<Vec<f32>, RuntimeError> {
         check_batch(self.interp.plan(), batch, self.kv.slots)?;
         let mut out = Vec::new();
         for s in batch {
             let mut view = PagedView { kv: &mut self.kv, slots: s.slots, start: s.start() };
-            out.extend(self.interp.forward(&mut view, s.tokens, s.rows)?);
+            out.extend(if hidden {
+                self.interp.forward_hidden(&mut view, s.tokens, s.rows)?
+            } else {
+                self.interp.forward(&mut view, s.tokens, s.rows)?
+            });
         }
         Ok(out)
     }

@@ -179,6 +179,7 @@ pub fn run(
                     finished += 1;
                     cached_tokens += f.cached_tokens;
                 }
+                Event::Embedding(_) => {}
             }
         }
     }

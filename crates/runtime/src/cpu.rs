@@ -240,7 +240,15 @@ impl Backend for CpuBackend {
     }
 
     fn forward(&mut self, batch: &[StepSeq]) -> Result<Vec<f32>, RuntimeError> {
-        self.forward_rank(batch, &Alone)
+        self.forward_rank(batch, &Alone, false)
+    }
+
+    fn forward_hidden(&mut self, batch: &[StepSeq]) -> Result<Vec<f32>, RuntimeError> {
+        self.forward_rank(batch, &Alone, true)
+    }
+
+    fn hidden_size(&self) -> usize {
+        self.plan.hidden_size()
     }
 }
 
@@ -263,10 +271,16 @@ impl Collective for Alone {
 
 impl CpuBackend {
     /// One step of this rank; `comm` joins it with the other ranks (nothing at tp=1).
-    pub(crate) fn forward_rank(&mut self, batch: &[StepSeq], comm: &dyn Collective) -> Result<Vec<f32>, RuntimeError> {
+    /// `hidden`: return the final hidden state of the rows instead of their logits.
+    pub(crate) fn forward_rank(
+        &mut self,
+        batch: &[StepSeq],
+        comm: &dyn Collective,
+        hidden: bool,
+    ) -> Result<Vec<f32>, RuntimeError> {
         check_batch(&self.plan, batch, self.kv.slots)?;
         let mut kv = std::mem::replace(&mut self.kv, HostKv::new(&self.plan));
-        let result = self.run(&mut kv, batch, comm);
+        let result = self.run(&mut kv, batch, comm, hidden);
         self.kv = kv;
         result
     }
@@ -274,8 +288,15 @@ impl CpuBackend {
 
 impl CpuBackend {
     /// Runs one step: the sequences' tokens concatenated, each sequence at its own positions
-    /// and slots of the pool.
-    fn run(&self, kv: &mut HostKv, batch: &[StepSeq], comm: &dyn Collective) -> Result<Vec<f32>, RuntimeError> {
+    /// and slots of the pool. `hidden`: stop at the logits op and return its selected input
+    /// rows (the final hidden state; every rank holds all of it).
+    fn run(
+        &self,
+        kv: &mut HostKv,
+        batch: &[StepSeq],
+        comm: &dyn Collective,
+        hidden: bool,
+    ) -> Result<Vec<f32>, RuntimeError> {
         let ids: Vec<i32> = batch.iter().flat_map(|c| c.tokens.iter().map(|&t| t as i32)).collect();
         let t_len = ids.len();
         let positions: Vec<usize> = batch.iter().flat_map(|c| c.start()..c.slots.len()).collect();
@@ -315,6 +336,9 @@ impl CpuBackend {
                     let x = input(0);
                     let h = x.len() / t_len.max(1);
                     let sel: Vec<f32> = rows.iter().flat_map(|&r| x[r * h..(r + 1) * h].iter().copied()).collect();
+                    if hidden {
+                        return Ok(sel);
+                    }
                     let mut o = vec![0.0; rows.len() * cols];
                     k.run(&self.pool, &sel, self.raw(n.inputs[1]), &mut o);
                     o

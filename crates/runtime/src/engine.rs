@@ -107,6 +107,7 @@ pub struct Engine {
     in_flight: usize,
     overlap: bool,
     vocab: usize,
+    hidden: usize,
     slot_bytes: usize,
     records: Option<Vec<StepRecord>>,
 }
@@ -128,7 +129,7 @@ impl Engine {
         }
         let pool = PagePool::new(slots, cfg.page_size)?;
         backend.alloc_kv(pool.total() * pool.page_size())?;
-        let vocab = backend.vocab();
+        let (vocab, hidden) = (backend.vocab(), backend.hidden_size());
         let overlap = cfg.overlap;
         Ok(Engine {
             sched: Scheduler::new(cfg, pool),
@@ -136,6 +137,7 @@ impl Engine {
             in_flight: 0,
             overlap,
             vocab,
+            hidden,
             slot_bytes,
             records: None,
         })
@@ -144,6 +146,11 @@ impl Engine {
     /// Vocabulary size of the model.
     pub fn vocab(&self) -> usize {
         self.vocab
+    }
+
+    /// Features of the final hidden state (an embedding's dimensions).
+    pub fn hidden_size(&self) -> usize {
+        self.hidden
     }
 
     /// Bytes of KV per token slot.
@@ -270,6 +277,7 @@ impl Engine {
                 let o = outs.entry(id).or_insert_with(|| Output {
                     tokens: vec![],
                     logprobs: vec![],
+                    embedding: vec![],
                     finish: crate::Finish {
                         reason: crate::FinishReason::Abort,
                         prompt_tokens: 0,
@@ -282,6 +290,7 @@ impl Engine {
                         o.tokens.push(id);
                         o.logprobs.extend(logprobs);
                     }
+                    Event::Embedding(v) => o.embedding = v,
                     Event::Finished(f) => {
                         o.finish = f;
                         done += 1;

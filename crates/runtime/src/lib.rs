@@ -32,7 +32,7 @@ pub use engine::{Engine, EngineConfig, StepRecord};
 pub use handle::{EngineHandle, Sink, Snapshot};
 pub use pool::PagePool;
 pub use radix::{NodeId, RadixCache};
-pub use request::{Event, Finish, FinishReason, Output, ReqId, Request};
+pub use request::{Event, Finish, FinishReason, Output, Pooling, ReqId, Request};
 pub use sampler::{adjusted, pick, Adjust, Logprobs, RequestSampler, RowSampling, Sampler, SamplingParams};
 pub use scheduler::{Policy, PoolUsage, SchedStats};
 pub use sequences::{SeqChunk, SeqId, Sequences};

@@ -21,6 +21,29 @@ pub struct Request {
     pub ignore_eos: bool,
     /// Return the log-probability of each chosen token and of the `n` most likely.
     pub logprobs: Option<usize>,
+    /// An embedding request: no tokens are generated (`max_tokens` is 0); the prompt's final
+    /// hidden states pooled this way come back as one [`Event::Embedding`].
+    pub embed: Option<Pooling>,
+}
+
+/// How an embedding pools the final hidden states (after the final norm) of its prompt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pooling {
+    /// The last token's (decoder models' usual choice: Qwen3-Embedding, gte-Qwen2, e5-mistral).
+    Last,
+    /// The mean over every token.
+    Mean,
+}
+
+impl std::str::FromStr for Pooling {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Pooling, String> {
+        match s {
+            "last" => Ok(Pooling::Last),
+            "mean" => Ok(Pooling::Mean),
+            other => Err(format!("unknown pooling `{other}` (expected last or mean)")),
+        }
+    }
 }
 
 impl Request {
@@ -33,7 +56,13 @@ impl Request {
             stop_ids: vec![],
             ignore_eos: false,
             logprobs: None,
+            embed: None,
         }
+    }
+
+    /// An embedding request: `prompt`'s final hidden states pooled by `pooling`.
+    pub fn embedding(prompt: Vec<u32>, pooling: Pooling) -> Request {
+        Request { embed: Some(pooling), ..Request::greedy(prompt, 0) }
     }
 
     /// Checks the request against the model's vocabulary and context length.
@@ -45,8 +74,11 @@ impl Request {
         if let Some(t) = self.prompt.iter().find(|&&t| t as usize >= vocab) {
             return bad(format!("prompt token id {t} is outside the vocabulary (size {vocab})"));
         }
-        if self.max_tokens == 0 {
-            return bad("max_tokens must be at least 1".into());
+        if self.embed.is_some() != (self.max_tokens == 0) {
+            return bad(match self.embed {
+                Some(_) => "an embedding request generates no tokens: max_tokens must be 0".into(),
+                None => "max_tokens must be at least 1".into(),
+            });
         }
         if self.prompt.len().saturating_add(self.max_tokens) > max_context {
             return bad(format!(
@@ -63,6 +95,16 @@ impl Request {
         }
         self.sampling.validate()
     }
+}
+
+/// `v` scaled to unit L2 norm (in f64; a zero vector stays zero). A mean's sum needs no
+/// division first: scaling does not change the direction.
+pub(crate) fn normalized(v: Vec<f32>) -> Vec<f32> {
+    let norm = v.iter().map(|&x| f64::from(x) * f64::from(x)).sum::<f64>().sqrt();
+    if norm == 0.0 {
+        return v;
+    }
+    v.into_iter().map(|x| (f64::from(x) / norm) as f32).collect()
 }
 
 /// Why a request ended.
@@ -92,6 +134,8 @@ pub struct Finish {
 /// What the engine reports about a request.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Event {
+    /// An embedding request's pooled, L2-normalised final hidden state (then `Finished`).
+    Embedding(Vec<f32>),
     /// A new token.
     Token {
         /// Its id.
@@ -110,6 +154,8 @@ pub struct Output {
     pub tokens: Vec<u32>,
     /// Their log-probabilities, if asked for.
     pub logprobs: Vec<Logprobs>,
+    /// An embedding request's embedding (empty for the others).
+    pub embedding: Vec<f32>,
     /// How it ended.
     pub finish: Finish,
 }

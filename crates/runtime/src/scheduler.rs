@@ -9,6 +9,11 @@
 //! request whose next token is still being sampled is fed it as a placeholder
 //! ([`SeqPlan::prev`]) that the worker fills in. Pages freed here are only reused by later
 //! steps, which the worker runs after every earlier one, so nothing in flight is overwritten.
+//!
+//! Embedding requests ([`Request::embed`]) run their prompts in steps of their own (the
+//! backend returns hidden states, not tokens, for those: [`StepPlan::embed`]), batched
+//! together and taking turns with the other steps while both kinds have work; they never take
+//! a prefix from the cache (a mean needs every token's state) but leave their KV pages in it.
 
 use crate::engine::EngineConfig;
 use crate::radix::NodeId;
@@ -52,6 +57,8 @@ struct Req {
     /// A token is being sampled in a submitted step.
     pending: bool,
     cached_tokens: Option<usize>,
+    /// An embedding's pooled hidden states so far (a sum for a mean, else the last row).
+    pooled: Vec<f32>,
 }
 
 impl Req {
@@ -80,6 +87,10 @@ impl Req {
     fn will_finish(&self) -> bool {
         self.output.len() + self.pending as usize >= self.req.max_tokens
     }
+
+    fn embeds(&self) -> bool {
+        self.req.embed.is_some()
+    }
 }
 
 /// One sequence of a planned step.
@@ -96,6 +107,8 @@ pub(crate) struct SeqPlan {
     pub sample: Option<Arc<Request>>,
     /// An extend chunk (not a decode): its pages go into the cache when it completes.
     pub extend: bool,
+    /// Rows of `tokens` whose final hidden states an embedding step returns.
+    pub hidden_rows: Vec<usize>,
 }
 
 /// A planned step.
@@ -104,6 +117,8 @@ pub(crate) struct StepPlan {
     pub seqs: Vec<SeqPlan>,
     /// Tokens of extend chunks (the rest are decodes).
     pub extend_tokens: usize,
+    /// A step of embedding chunks only: the backend returns hidden states.
+    pub embed: bool,
 }
 
 pub(crate) enum Next {
@@ -119,6 +134,17 @@ pub(crate) enum Next {
 pub(crate) struct Sampled {
     pub token: u32,
     pub logprobs: Option<Logprobs>,
+}
+
+/// What the worker returns for one sequence of a step.
+#[derive(Debug, Clone)]
+pub(crate) enum SeqOut {
+    /// Nothing (a chunk that does not reach the end of its sequence).
+    Nothing,
+    /// The next token.
+    Token(Sampled),
+    /// An embedding chunk's hidden states: its `hidden_rows`, one after another.
+    Hidden(Vec<f32>),
 }
 
 /// Counters since the engine started.
@@ -166,8 +192,14 @@ pub(crate) struct Scheduler {
     /// new_token_ratio): the admission reserve.
     ratio: f64,
     next_id: ReqId,
+    /// The last step was an embedding step (embedding and other steps take turns).
+    embed_turn: bool,
     pub stats: SchedStats,
 }
+
+/// Most tokens of a mean-pooled embedding in one step: each is a row of hidden state (and of
+/// logits, on a backend that computes them anyway) that the step returns.
+const MEAN_POOL_ROWS: usize = 256;
 
 /// Shared tokens beyond the cache that make a waiting request wait for another's prefill.
 const IN_BATCH_PREFIX: usize = 32;
@@ -187,6 +219,7 @@ impl Scheduler {
             running: Vec::new(),
             ratio: RATIO_INIT,
             next_id: 0,
+            embed_turn: false,
             stats: SchedStats::default(),
         }
     }
@@ -219,6 +252,7 @@ impl Scheduler {
             done: 0,
             pending: false,
             cached_tokens: None,
+            pooled: vec![],
         };
         self.reqs.insert(id, r);
         self.waiting.push_back(id);
@@ -277,6 +311,9 @@ impl Scheduler {
 
     /// Plans the next step (see the module docs). `in_flight`: a step is still running.
     pub fn schedule(&mut self, in_flight: bool) -> Next {
+        if let Some(plan) = self.embed_step(false) {
+            return Next::Step(plan);
+        }
         loop {
             let decoders: Vec<ReqId> = self
                 .running
@@ -315,11 +352,43 @@ impl Scheduler {
             if !plan.seqs.is_empty() {
                 return Next::Step(plan);
             }
+            if let Some(plan) = self.embed_step(true) {
+                return Next::Step(plan);
+            }
             if in_flight || self.running.is_empty() {
                 return Next::Idle;
             }
             // Every running request is blocked on pages: make room.
             self.retract_newest();
+        }
+    }
+
+    /// A step of embedding chunks when embeddings have work and it is their turn (the last
+    /// step was not one, or no other request is known) or `force`: running embeddings' next
+    /// chunks, then waiting ones admitted.
+    fn embed_step(&mut self, force: bool) -> Option<StepPlan> {
+        if !self.reqs.values().any(Req::embeds) {
+            self.embed_turn = false;
+            return None;
+        }
+        if self.embed_turn && !force && self.reqs.values().any(|r| !r.embeds()) {
+            self.embed_turn = false;
+            return None;
+        }
+        let mut plan = StepPlan { embed: true, ..StepPlan::default() };
+        let mut budget = self.cfg.chunked_prefill_size.min(self.cfg.max_prefill_tokens);
+        self.continue_extends(&mut budget, &mut plan);
+        self.admit(&mut budget, &mut plan);
+        self.embed_turn = !plan.seqs.is_empty();
+        self.embed_turn.then_some(plan)
+    }
+
+    /// The most tokens of request `r` one step feeds: [`MEAN_POOL_ROWS`] for a mean-pooled
+    /// embedding (every token is a returned row), else any number.
+    fn chunk_cap(r: &Req) -> usize {
+        match r.req.embed {
+            Some(crate::Pooling::Mean) => MEAN_POOL_ROWS,
+            _ => usize::MAX,
         }
     }
 
@@ -335,7 +404,12 @@ impl Scheduler {
         r.pages.extend(new);
         let end = r.scheduled + n;
         let prev = r.pending && end == r.seq_len() + 1;
-        let sample = end == r.seq_len() + r.pending as usize;
+        let sample = !r.embeds() && end == r.seq_len() + r.pending as usize;
+        let hidden_rows = match r.req.embed {
+            Some(crate::Pooling::Mean) => (0..n).collect(),
+            Some(crate::Pooling::Last) if end == r.seq_len() => vec![n - 1],
+            _ => vec![],
+        };
         // A decode feeds one generated token; anything else extends.
         let extend = n > 1 || r.scheduled < r.req.prompt.len();
         let seq = SeqPlan {
@@ -345,6 +419,7 @@ impl Scheduler {
             slots: self.pool.slots(&r.pages, end),
             sample: sample.then(|| r.req.clone()),
             extend,
+            hidden_rows,
         };
         r.scheduled = end;
         r.pending |= sample;
@@ -358,11 +433,21 @@ impl Scheduler {
         true
     }
 
-    /// Next chunks of running requests whose prompt is not all computed.
+    /// Next chunks of running requests whose prompt is not all computed (embeddings' in an
+    /// embedding step, the others' in any other).
     fn continue_extends(&mut self, budget: &mut usize, plan: &mut StepPlan) {
-        let extending: Vec<ReqId> = self.running.iter().copied().filter(|id| self.reqs[id].feed() > 1).collect();
+        let extending: Vec<ReqId> = self
+            .running
+            .iter()
+            .copied()
+            .filter(|id| {
+                let r = &self.reqs[id];
+                r.embeds() == plan.embed && r.feed() > !plan.embed as usize
+            })
+            .collect();
         for id in extending {
-            let n = self.reqs[&id].feed().min(*budget);
+            let r = &self.reqs[&id];
+            let n = r.feed().min(*budget).min(Self::chunk_cap(r));
             if n == 0 || !self.plan_chunk(id, n, plan) {
                 break;
             }
@@ -370,7 +455,8 @@ impl Scheduler {
         }
     }
 
-    /// Admits waiting requests in policy order while budget, slots and pages last.
+    /// Admits waiting requests in policy order while budget, slots and pages last: the
+    /// embeddings in an embedding step, the others in any other.
     fn admit(&mut self, budget: &mut usize, plan: &mut StepPlan) {
         if self.cfg.policy == Policy::Lpm && self.cfg.radix_cache && self.waiting.len() <= 128 {
             let mut keyed: Vec<(usize, ReqId)> = self
@@ -389,14 +475,16 @@ impl Scheduler {
         while *budget > 0 && self.running.len() < self.cfg.max_running_requests && i < self.waiting.len() {
             let id = self.waiting[i];
             let r = &self.reqs[&id];
+            if r.embeds() != plan.embed {
+                i += 1;
+                continue;
+            }
             let len = r.seq_len();
-            let (prefix, node) = if self.cfg.radix_cache {
-                self.tree.match_prefix(&r.tokens(0..len - 1))
-            } else {
-                (vec![], RadixCache::ROOT)
-            };
+            let reuse = self.cfg.radix_cache && !r.embeds();
+            let (prefix, node) =
+                if reuse { self.tree.match_prefix(&r.tokens(0..len - 1)) } else { (vec![], RadixCache::ROOT) };
             let matched = prefix.len() * self.pool.page_size();
-            if self.cfg.radix_cache && self.prefix_in_flight(id, matched) {
+            if reuse && self.prefix_in_flight(id, matched) {
                 // Another request is computing this prompt's prefix right now: wait one step
                 // and take it from the cache instead of computing it twice.
                 i += 1;
@@ -421,7 +509,7 @@ impl Scheduler {
                 self.stats.prompt_tokens += r.req.prompt.len();
                 self.stats.cached_tokens += matched;
             }
-            let n = (len - matched).min(*budget);
+            let n = (len - matched).min(*budget).min(Self::chunk_cap(r));
             self.waiting.remove(i);
             self.running.push(id);
             if !self.plan_chunk(id, n, plan) {
@@ -466,6 +554,7 @@ impl Scheduler {
         r.node = RadixCache::ROOT;
         r.scheduled = 0;
         r.done = 0;
+        r.pooled.clear();
         self.reqs.insert(id, r);
         self.running.retain(|&x| x != id);
         self.waiting.push_front(id);
@@ -503,9 +592,9 @@ impl Scheduler {
     }
 
     /// Applies a finished step's samples; returns the events and the requests that ended.
-    pub fn process(&mut self, plan: StepPlan, sampled: Vec<Option<Sampled>>) -> Vec<(ReqId, Event)> {
+    pub fn process(&mut self, plan: StepPlan, outs: Vec<SeqOut>) -> Vec<(ReqId, Event)> {
         let mut events = Vec::new();
-        for (seq, s) in plan.seqs.into_iter().zip(sampled) {
+        for (seq, out) in plan.seqs.into_iter().zip(outs) {
             let Some(mut r) = self.reqs.remove(&seq.req) else { continue };
             r.done += seq.tokens.len() + seq.prev as usize;
             if seq.extend {
@@ -513,7 +602,14 @@ impl Scheduler {
                 self.cache(&mut r, true);
             }
             self.reqs.insert(seq.req, r);
-            let Some(s) = s else { continue };
+            let s = match out {
+                SeqOut::Nothing => continue,
+                SeqOut::Hidden(h) => {
+                    self.pool_hidden(seq.req, &h, seq.hidden_rows.len(), &mut events);
+                    continue;
+                }
+                SeqOut::Token(s) => s,
+            };
             let r = self.reqs.get_mut(&seq.req).expect("known request");
             r.pending = false;
             let eos = !r.req.ignore_eos && self.cfg.eos_ids.contains(&s.token);
@@ -529,6 +625,29 @@ impl Scheduler {
             }
         }
         events
+    }
+
+    /// Adds an embedding chunk's hidden states (`rows` of them) to request `id`'s pooling;
+    /// when its whole prompt is computed, reports the embedding and ends the request.
+    fn pool_hidden(&mut self, id: ReqId, hidden: &[f32], rows: usize, events: &mut Vec<(ReqId, Event)>) {
+        let r = self.reqs.get_mut(&id).expect("known request");
+        if let Some(width) = hidden.len().checked_div(rows) {
+            match r.req.embed {
+                Some(crate::Pooling::Mean) => {
+                    r.pooled.resize(width, 0.0);
+                    for row in hidden.chunks_exact(width) {
+                        r.pooled.iter_mut().zip(row).for_each(|(p, x)| *p += x);
+                    }
+                }
+                _ => r.pooled = hidden[hidden.len() - width..].to_vec(),
+            }
+        }
+        if r.done < r.req.prompt.len() {
+            return;
+        }
+        let embedding = crate::request::normalized(std::mem::take(&mut r.pooled));
+        events.push((id, Event::Embedding(embedding)));
+        events.push((id, self.finish(id, FinishReason::Stop)));
     }
 
     /// What the pool holds now.

@@ -92,6 +92,22 @@ impl Backend for TpCpuBackend {
     }
 
     fn forward(&mut self, batch: &[StepSeq]) -> Result<Vec<f32>, RuntimeError> {
+        self.forward_ranks(batch, false)
+    }
+
+    fn forward_hidden(&mut self, batch: &[StepSeq]) -> Result<Vec<f32>, RuntimeError> {
+        self.forward_ranks(batch, true)
+    }
+
+    fn hidden_size(&self) -> usize {
+        self.ranks[0].hidden_size()
+    }
+}
+
+impl TpCpuBackend {
+    /// Every rank's step on its own thread; rank 0's result (the ranks agree after the last
+    /// all-reduce or all-gather).
+    fn forward_ranks(&mut self, batch: &[StepSeq], hidden: bool) -> Result<Vec<f32>, RuntimeError> {
         let ex = Exchange::new(self.ranks.len());
         let results: Vec<Result<Vec<f32>, RuntimeError>> = std::thread::scope(|s| {
             let handles: Vec<_> = self
@@ -100,7 +116,7 @@ impl Backend for TpCpuBackend {
                 .enumerate()
                 .map(|(i, r)| {
                     let comm = RankComm(&ex, i);
-                    s.spawn(move || r.forward_rank(batch, &comm))
+                    s.spawn(move || r.forward_rank(batch, &comm, hidden))
                 })
                 .collect();
             handles.into_iter().map(|h| h.join().expect("rank thread")).collect()

@@ -3,7 +3,7 @@
 //! with each request's own generator. Because it runs steps in order, the scheduler may plan
 //! step N+1 while step N runs (overlap scheduling).
 
-use crate::scheduler::{Sampled, StepPlan};
+use crate::scheduler::{Sampled, SeqOut, StepPlan};
 use crate::{Backend, ReqId, RequestSampler, RuntimeError, StepSeq};
 use std::collections::HashMap;
 use std::sync::mpsc::{channel, Receiver, Sender};
@@ -15,8 +15,8 @@ enum Msg {
     Release(ReqId),
 }
 
-/// A finished step: the plan back, its samples (one per sequence), and the time it took.
-pub(crate) type StepDone = (StepPlan, Result<Vec<Option<Sampled>>, RuntimeError>, Duration);
+/// A finished step: the plan back, what each sequence produced, and the time it took.
+pub(crate) type StepDone = (StepPlan, Result<Vec<SeqOut>, RuntimeError>, Duration);
 
 pub(crate) struct Worker {
     tx: Option<Sender<Msg>>,
@@ -89,7 +89,10 @@ fn run(mut backend: Box<dyn Backend>, inbox: Receiver<Msg>, outbox: Sender<StepD
     }
 }
 
-fn step(backend: &mut dyn Backend, plan: &StepPlan, st: &mut State) -> Result<Vec<Option<Sampled>>, RuntimeError> {
+fn step(backend: &mut dyn Backend, plan: &StepPlan, st: &mut State) -> Result<Vec<SeqOut>, RuntimeError> {
+    if plan.embed {
+        return embed_step(backend, plan);
+    }
     let mut tokens = Vec::with_capacity(plan.seqs.len());
     let mut rows = Vec::with_capacity(plan.seqs.len());
     for s in &plan.seqs {
@@ -146,10 +149,36 @@ fn step(backend: &mut dyn Backend, plan: &StepPlan, st: &mut State) -> Result<Ve
     let mut out = Vec::with_capacity(plan.seqs.len());
     for s in &plan.seqs {
         let sampled = s.sample.as_ref().and_then(|_| chosen.next());
-        if let Some(c) = &sampled {
-            st.last.insert(s.req, c.token);
+        out.push(match sampled {
+            Some(c) => {
+                st.last.insert(s.req, c.token);
+                SeqOut::Token(c)
+            }
+            None => SeqOut::Nothing,
+        });
+    }
+    Ok(out)
+}
+
+/// A step of embedding chunks: the final hidden states of each sequence's `hidden_rows`.
+fn embed_step(backend: &mut dyn Backend, plan: &StepPlan) -> Result<Vec<SeqOut>, RuntimeError> {
+    let steps: Vec<StepSeq> =
+        plan.seqs.iter().map(|s| StepSeq { tokens: &s.tokens, slots: &s.slots, rows: &s.hidden_rows }).collect();
+    let hidden = backend.forward_hidden(&steps)?;
+    let width = backend.hidden_size();
+    let mut rest = hidden.as_slice();
+    let mut out = Vec::with_capacity(plan.seqs.len());
+    for s in &plan.seqs {
+        let n = s.hidden_rows.len() * width;
+        if rest.len() < n {
+            return Err(RuntimeError::Invalid(format!(
+                "the backend returned {} hidden floats for a step wanting more",
+                hidden.len()
+            )));
         }
-        out.push(sampled);
+        let (mine, tail) = rest.split_at(n);
+        rest = tail;
+        out.push(SeqOut::Hidden(mine.to_vec()));
     }
     Ok(out)
 }

@@ -244,6 +244,7 @@ impl Params {
                     stop_ids: p.stop_token_ids.clone().unwrap_or_default(),
                     ignore_eos: p.ignore_eos,
                     logprobs: top_logprobs,
+                    embed: None,
                 });
             }
         }

@@ -191,6 +191,8 @@ impl Choice {
                 self.send_text(self.held.len() - keep);
                 false
             }
+            // Only embedding requests get one; a choice is a generation.
+            Event::Embedding(_) => false,
             Event::Finished(f) => {
                 self.held += &self.dec.flush(tok).unwrap_or_default();
                 if self.stop_matched() {

@@ -7,6 +7,7 @@
 pub mod api;
 pub mod detok;
 pub mod drain;
+pub mod embeddings;
 pub mod error;
 pub mod fields;
 pub mod fim;
@@ -35,6 +36,8 @@ pub struct ServeOptions {
     /// How long a shutdown waits for the requests in flight before it aborts them (they end
     /// with `finish_reason: "abort"`); a second SIGTERM or Ctrl-C aborts them at once.
     pub graceful_shutdown_timeout: std::time::Duration,
+    /// How `/v1/embeddings` pools an input's final hidden states.
+    pub pooling: runtime::Pooling,
 }
 
 /// Serves `engine` until SIGTERM or Ctrl-C: then it answers new requests with 503 while the
@@ -54,12 +57,14 @@ pub fn serve(engine: Engine, tok: Tokenizer, opts: ServeOptions) -> Result<(), S
         let tok = Arc::new(tok);
         let drain = Arc::new(drain::Drain::default());
         let created = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
-        let vocab = engine.vocab();
+        let (vocab, hidden) = (engine.vocab(), engine.hidden_size());
         let fim = fim::Fim::detect(|t| tok.token_to_id(t));
         let tool_turns = history::ToolTurns::of_template(tok.chat_template_source());
         let handle = Arc::new(EngineHandle::spawn(engine));
         let state = Arc::new(routes::AppState {
             vocab,
+            hidden,
+            pooling: opts.pooling,
             engine: handle.clone(),
             detok: detok::Detokenizer::spawn(tok.clone()),
             tok,

@@ -48,6 +48,10 @@ pub struct AppState {
     pub max_context: usize,
     /// Vocabulary size of the model.
     pub vocab: usize,
+    /// Features of the model's final hidden state (an embedding's dimensions).
+    pub hidden: usize,
+    /// How `/v1/embeddings` pools an input's hidden states.
+    pub pooling: runtime::Pooling,
     /// Prometheus metrics.
     pub metrics: Metrics,
     /// Unix time the server started (the model's `created`).
@@ -81,6 +85,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/models/{id}", get(model))
         .route("/tokenize", post(tokenize_route))
         .route("/detokenize", post(detokenize_route))
+        .route("/v1/embeddings", post(embeddings))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .fallback(|method: Method, uri: Uri| async move { ApiError::no_route(StatusCode::NOT_FOUND, &method, &uri) })
@@ -140,7 +145,7 @@ fn typed<T: serde::de::DeserializeOwned>(v: Value) -> Result<T, ApiError> {
 }
 
 /// Runs `f` on the blocking pool (tokenization, chat templates).
-async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T, ApiError> {
+pub(crate) async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T, ApiError> {
     tokio::task::spawn_blocking(f).await.map_err(|e| ApiError::internal(format!("worker task failed: {e}")))
 }
 
@@ -200,6 +205,18 @@ async fn detokenize_route(State(st): St, headers: HeaderMap, body: Result<Bytes,
             .await?
             .map_err(|e| ApiError::bad(format!("detokenizing: {e}"), Some("tokens")))?;
         Ok(Json(json!({"text": text})).into_response())
+    }
+    .await;
+    answer(&st, r)
+}
+
+/// OpenAI's `POST /v1/embeddings` ([`crate::embeddings`]).
+async fn embeddings(State(st): St, headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> Response {
+    let r = async {
+        let _ticket = st.drain.enter()?;
+        auth(&st, &headers)?;
+        let v = crate::embeddings::embed(&st, json(body)?).await?;
+        Ok(Json(v).into_response())
     }
     .await;
     answer(&st, r)
@@ -337,16 +354,31 @@ enum Kind {
     Generate,
 }
 
-/// Aborts a request's choices that are still running when it goes away (a client that
-/// disconnects drops it).
-struct Guard {
+/// Aborts a request's choices (or inputs) that are still running when it goes away (a client
+/// that disconnects drops it).
+pub(crate) struct Guard {
     engine: Arc<EngineHandle>,
     ids: Vec<ReqId>,
     open: Vec<bool>,
 }
 
 impl Guard {
-    fn close(&mut self, i: usize) {
+    pub(crate) fn new(engine: Arc<EngineHandle>) -> Guard {
+        Guard { engine, ids: vec![], open: vec![] }
+    }
+
+    /// Guards engine request `id` as the next choice.
+    pub(crate) fn push(&mut self, id: ReqId) {
+        self.ids.push(id);
+        self.open.push(true);
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.ids.len()
+    }
+
+    /// Choice `i` is over: the engine needs no abort for it (one is sent if it still runs).
+    pub(crate) fn close(&mut self, i: usize) {
         if std::mem::take(&mut self.open[i]) {
             // A stop string ends a choice before the engine knows: stop it there too.
             self.engine.abort(self.ids[i]);
@@ -394,18 +426,17 @@ struct Answer {
 async fn run(st: &Arc<AppState>, job: Job, kind: Kind, ticket: Ticket) -> Result<Response, ApiError> {
     let start = Instant::now();
     let (tx, rx) = unbounded_channel();
-    let mut guard = Guard { engine: st.engine.clone(), ids: vec![], open: vec![] };
+    let mut guard = Guard::new(st.engine.clone());
     for (i, r) in job.requests.into_iter().enumerate() {
         let sink = st.detok.open(i, job.stops.clone(), r.prompt.len(), tx.clone());
         let engine = st.engine.clone();
         let id = blocking(move || engine.submit(r, sink)).await??;
-        guard.ids.push(id);
-        guard.open.push(true);
+        guard.push(id);
     }
     drop(tx);
     let prefix = if kind == Kind::Chat { "chatcmpl" } else { "cmpl" };
     let mut a = Answer {
-        choices: (0..guard.ids.len()).map(|_| Choice::default()).collect(),
+        choices: (0..guard.len()).map(|_| Choice::default()).collect(),
         rx,
         guard,
         kind,

@@ -471,6 +471,16 @@ impl Backend for CudaBackend {
         self.logits(p.wanted)
     }
 
+    fn forward_hidden(&mut self, batch: &[StepSeq]) -> Result<Vec<f32>, RuntimeError> {
+        let p = self.pack(batch)?;
+        self.execute(&p)?;
+        self.hidden(p.wanted)
+    }
+
+    fn hidden_size(&self) -> usize {
+        self.plan.hidden_size()
+    }
+
     fn forward_sample(
         &mut self,
         batch: &[StepSeq],
@@ -538,6 +548,27 @@ impl CudaBackend {
         }
         self.stream.synchronize().map_err(driver("running a step"))?;
         Ok(logits)
+    }
+
+    /// Copies the final hidden state of the first `wanted` logit rows of the last step to the
+    /// host (the gathered rows the lm_head reads, in the program's 16-bit float).
+    pub(crate) fn hidden(&mut self, wanted: usize) -> Result<Vec<f32>, RuntimeError> {
+        let (h, half) = (self.plan.hidden_size(), self.program.half);
+        let Some(buf) = self.program.hidden else {
+            return Err(RuntimeError::Unsupported("the plan has no logits op to take a hidden state from".into()));
+        };
+        // Two 16-bit values per f32 word of the buffer.
+        let mut words = vec![0f32; (wanted * h).div_ceil(2)];
+        if !words.is_empty() {
+            let src = self.bufs[buf].slice(0..words.len());
+            self.stream.memcpy_dtoh(&src, &mut words).map_err(driver("copying hidden states"))?;
+        }
+        self.stream.synchronize().map_err(driver("running a step"))?;
+        // Little-endian words: the first value of a pair in the low half.
+        let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+        let mut h16 = half.to_f32(&bytes);
+        h16.truncate(wanted * h);
+        Ok(h16)
     }
 
     /// The token of each of the first logit rows of the last step, one per entry of `rows`,

@@ -231,6 +231,15 @@ impl Backend for TpCudaBackend {
         self.lead.logits(wanted)
     }
 
+    fn forward_hidden(&mut self, batch: &[StepSeq]) -> Result<Vec<f32>, RuntimeError> {
+        let wanted = self.step(batch)?;
+        self.lead.hidden(wanted)
+    }
+
+    fn hidden_size(&self) -> usize {
+        self.lead.hidden_size()
+    }
+
     fn forward_sample(
         &mut self,
         batch: &[StepSeq],
