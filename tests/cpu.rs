@@ -14,10 +14,7 @@ fn bundles() -> &'static [(PathBuf, usize)] {
         let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("cpu-tests");
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
-        vec![
-            (compile_fixture("tiny-qwen2", &dir, 1, None), 151936),
-            (compile_fixture("tiny-llama", &dir, 1, None), 49152),
-        ]
+        vec![(compile_fixture("tiny-qwen2", &dir, 1, None), 1024), (compile_fixture("tiny-llama", &dir, 1, None), 1024)]
     })
 }
 

@@ -188,7 +188,7 @@ fn the_interpreter_returns_the_same_hidden_states() {
     let prompt = ids(&goldens("tiny-llama")["prompts"][2]["ids"]);
     let slots: Vec<u32> = (0..prompt.len() as u32).collect();
     let rows: Vec<usize> = (0..prompt.len()).collect();
-    let mut hidden = |mut backend: Box<dyn Backend>| {
+    let hidden = |mut backend: Box<dyn Backend>| {
         backend.alloc_kv(64).unwrap();
         assert_eq!(backend.hidden_size(), 64);
         backend.forward_hidden(&[StepSeq { tokens: &prompt, slots: &slots, rows: &rows }]).unwrap()

@@ -63,7 +63,7 @@ impl Rng {
         (self.0 % n as u64) as usize
     }
     fn tokens(&mut self, n: usize) -> Vec<u32> {
-        (0..n).map(|_| 3 + self.next(49000) as u32).collect()
+        (0..n).map(|_| 3 + self.next(1000) as u32).collect()
     }
 }
 

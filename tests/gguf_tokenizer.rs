@@ -238,7 +238,7 @@ fn smollm2_gguf_tokenizer_encodes_as_hf() {
 /// other added tokens as user-defined, merges as "a b"), then built back.
 #[test]
 fn qwen2_vocabulary_through_gguf_metadata_encodes_as_hf() {
-    let fx = fixture("tiny-qwen2");
+    let fx = qwen_tokenizer();
     let tj: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(fx.join("tokenizer.json")).unwrap()).unwrap();
     let tc: serde_json::Value =
@@ -283,7 +283,7 @@ fn qwen2_vocabulary_through_gguf_metadata_encodes_as_hf() {
     let out = dir.path().join("tok");
     std::fs::create_dir(&out).unwrap();
     let tok = gguf_tokenizer(&gguf, &out);
-    check_goldens("tiny-qwen2", &tok);
+    check_goldens("qwen-tokenizer", &tok);
     check_against_hf("qwen2", &tok, &text::Tokenizer::load(&fx).unwrap());
 }
 

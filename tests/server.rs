@@ -516,7 +516,7 @@ fn generate_endpoint_and_sampling_fields() {
 }
 
 /// `suffix` on `/v1/completions` with a tokenizer that has fill-in-the-middle tokens (tiny-qwen2:
-/// Qwen2.5's `<|fim_prefix|>` 151659, `<|fim_middle|>` 151660, `<|fim_suffix|>` 151661): the
+/// Qwen's `<|fim_prefix|>`, `<|fim_middle|>`, `<|fim_suffix|>`, renumbered 990, 991, 992): the
 /// engine is given `PREFIX prompt SUFFIX suffix MIDDLE` (usage's prompt tokens count those ids,
 /// and the greedy text is the engine's on them), for text and token-id prompts, one or several;
 /// the plain completion of that string with the special tokens written out gives the same; the
@@ -529,15 +529,14 @@ fn completions_suffix_fills_in_the_middle() {
     let server = Server::start(&b, &[]);
     let mut r = Reference::new(&b);
     assert_eq!(
-        r.tok.decode(&[151659, 151661, 151660], false).unwrap(),
+        r.tok.decode(&[990, 992, 991], false).unwrap(),
         "<|fim_prefix|><|fim_suffix|><|fim_middle|>",
         "the fixture's fill-in-the-middle ids"
     );
     let (prefix, suffix) = ("def add(a, b):\n    c = ", "\n    return c\n");
     let p = r.tok.encode(prefix, false).unwrap();
     assert_eq!(r.tok.encode(prefix, true).unwrap(), p, "Qwen's tokenizer adds no BOS");
-    let fim: Vec<u32> =
-        [vec![151659], p.clone(), vec![151661], r.tok.encode(suffix, false).unwrap(), vec![151660]].concat();
+    let fim: Vec<u32> = [vec![990], p.clone(), vec![992], r.tok.encode(suffix, false).unwrap(), vec![991]].concat();
     let n = 16;
     let greedy = runtime::SamplingParams::default();
     let want = r.tokens(&fim, greedy.clone(), n);

@@ -9,9 +9,10 @@ pub fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("tests/ has a parent").to_path_buf()
 }
 
-/// `../shared/fixtures` (or `$ENGINE_FIXTURES`).
+/// The fixtures: `$ENGINE_FIXTURES` if set, else the repository's `tests/fixtures` (see its
+/// README: what is committed, what scripts made it, what is fetched at test time).
 pub fn fixtures() -> PathBuf {
-    std::env::var_os("ENGINE_FIXTURES").map_or_else(|| repo().join("../shared/fixtures"), PathBuf::from)
+    std::env::var_os("ENGINE_FIXTURES").map_or_else(|| repo().join("tests/fixtures"), PathBuf::from)
 }
 
 /// A fixture directory by name (`tiny-qwen2`).
@@ -26,8 +27,8 @@ pub fn model_yaml(fixture: &str) -> PathBuf {
     repo().join(if fixture.contains("qwen") { "models/qwen2.yaml" } else { "models/llama.yaml" })
 }
 
-/// Compiles a fixture into a bundle inside `dir`. The tiny-llama fixture borrows SmolLM2's
-/// tokenizer (same vocabulary size).
+/// Compiles a fixture into a bundle inside `dir`. The tiny-llama checkpoint has no tokenizer of
+/// its own: it is given `tiny-llama/tokenizer` (SmolLM2's, cut to the model's 1024 ids).
 pub fn compile_fixture(name: &str, dir: &Path, tp: usize, dtype: Option<ir::DType>) -> PathBuf {
     compile_fixture_with(name, dir, tp, dtype, compiler::LmHead::default())
 }
@@ -43,7 +44,7 @@ pub fn compile_fixture_with(
     // The bundle's directory name is the served model name: plain for the default layout.
     let layout = if lm_head == compiler::LmHead::default() { String::new() } else { format!("-{lm_head:?}") };
     let out = dir.join(format!("{name}-tp{tp}{layout}.bundle"));
-    let tokenizer = (name == "tiny-llama").then(|| fixture("smollm2-135m"));
+    let tokenizer = (name == "tiny-llama").then(|| fixture("tiny-llama").join("tokenizer"));
     let opts = compiler::CompileOptions {
         model: model_yaml(name),
         checkpoint: fixture(name),
@@ -204,15 +205,29 @@ pub fn check_backend_against_hf(name: &str, b: &mut runtime::Sequences, tol: f32
     }
 }
 
+/// Runs `scripts/{script}` (a fetch script that caches under `$ENGINE_CACHE` and prints a path)
+/// and returns the path it printed.
+fn fetched(script: &str) -> PathBuf {
+    let o = Command::new("bash")
+        .arg(repo().join("scripts").join(script))
+        .output()
+        .unwrap_or_else(|e| panic!("running scripts/{script}: {e}"));
+    assert!(o.status.success(), "scripts/{script} failed: {}", String::from_utf8_lossy(&o.stderr));
+    PathBuf::from(String::from_utf8(o.stdout).expect("a path").trim())
+}
+
 /// SmolLM2-135M-Instruct's Q4_1 GGUF, fetched once by scripts/fetch-smollm2.sh.
 pub fn smollm2_gguf() -> PathBuf {
     static PATH: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
-    PATH.get_or_init(|| {
-        let o = Command::new("bash").arg(repo().join("scripts/fetch-smollm2.sh")).output().expect("run fetch script");
-        assert!(o.status.success(), "fetching SmolLM2 failed: {}", String::from_utf8_lossy(&o.stderr));
-        PathBuf::from(String::from_utf8(o.stdout).expect("a path").trim())
-    })
-    .clone()
+    PATH.get_or_init(|| fetched("fetch-smollm2.sh")).clone()
+}
+
+/// A folder with Qwen's real tokenizer (`tokenizer.json`, `tokenizer_config.json` with its chat
+/// template), fetched once by scripts/fetch-qwen-tokenizer.sh. Its HF goldens are
+/// `fixture("qwen-tokenizer")/reference/tokenizer_goldens.json`.
+pub fn qwen_tokenizer() -> PathBuf {
+    static PATH: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    PATH.get_or_init(|| fetched("fetch-qwen-tokenizer.sh")).clone()
 }
 
 /// Compiles SmolLM2 (f32, with its tokenizer) into `dir`.
@@ -337,7 +352,7 @@ pub fn scratch(tmp: &str, name: &str) -> PathBuf {
 }
 
 /// A fixture committed in the repository (`tests/fixtures/NAME`, made by
-/// scripts/make-references.py).
+/// scripts/make-references.py), whatever `$ENGINE_FIXTURES` says.
 pub fn repo_fixture(name: &str) -> PathBuf {
     let p = repo().join("tests/fixtures").join(name);
     assert!(p.is_dir(), "fixture {} is missing", p.display());

@@ -80,7 +80,7 @@ fn rope_scaling_types_from_both_styles() {
 
 #[test]
 fn smollm2_config_binds_tied_and_biasless() {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/fixtures/smollm2-135m/config.json");
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/smollm2-135m/config.json");
     let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
     let m = spec::bind(&spec("llama.yaml"), &cfg).unwrap();
     assert_eq!(m.layers, 30);
