@@ -468,15 +468,39 @@ __device__ void gemm_skinny(const h16_t* x, const h16_t* w0, const h16_t* b0, fl
 }
 
 // ---- attention ----
+// The RMS norm scale of one head row x of D features, rsqrt(mean(x^2) + eps), computed by one
+// warp (every lane gets it): the per-head q/k norm a rope_attention fusion applies before
+// RoPE (Qwen3, Gemma 3).
+template <int D>
+__device__ __forceinline__ float head_rms(const float* x, float eps) {
+  float s = 0.0f;
+  for (int d = threadIdx.x & 31; d < D; d += 32) s += x[d] * x[d];
+  return rsqrtf(warp_sum(s) / D + eps);
+}
+
 // RoPE on the leading ROT features of each head of q (RQ) and k (RK) at positions pos[t], q
-// written to qo (f32), k and v written as h16 into the paged cache at slot slot_of[t].
+// written to qo (f32), k and v written as h16 into the paged cache at slot slot_of[t]. With NQ
+// (NK) each head of q (k) is RMS-normalised first, times the head-sized weight qnw (knw).
 // grid: T, block: 128.
-template <int H, int KVH, int D, int ROT, bool RQ, bool RK>
+template <int H, int KVH, int D, int ROT, bool RQ, bool RK, bool NQ, bool NK, typename NWQ, typename NWK>
 __device__ void rope_kv(const float* q, const float* k, const float* v, const int* pos, const float* inv_freq,
-                        float scale, const int* slot_of, float* qo, h16_t* kc, h16_t* vc) {
+                        float scale, const int* slot_of, const NWQ* qnw, const NWK* knw, float qeps, float keps,
+                        float* qo, h16_t* kc, h16_t* vc) {
   const int t = blockIdx.x;
   const float p = (float)pos[t];
   const long dst = (long)slot_of[t] * (KVH * D);
+  // Each head's norm scale, a warp per head.
+  __shared__ float rms[(NQ || NK) ? H + KVH : 1];
+  if (NQ || NK) {
+    for (int hh = threadIdx.x >> 5; hh < H + KVH; hh += blockDim.x >> 5) {
+      const bool isq = hh < H;
+      if (isq ? NQ : NK) {
+        const float* x = isq ? q + ((long)t * H + hh) * D : k + ((long)t * KVH + hh - H) * D;
+        rms[hh] = head_rms<D>(x, isq ? qeps : keps);
+      }
+    }
+    __syncthreads();
+  }
   for (int i = threadIdx.x; i < (H + KVH) * (D / 2); i += blockDim.x) {
     const bool isq = i < H * (D / 2);
     const int ii = isq ? i : i - H * (D / 2);
@@ -487,6 +511,13 @@ __device__ void rope_kv(const float* q, const float* k, const float* v, const in
     const bool rot = j < ROT / 2;
     const int ja = rot ? j : ROT + 2 * (j - ROT / 2), jb = rot ? j + ROT / 2 : ja + 1;
     float xa = src[ja], xb = src[jb];
+    if (isq && NQ) {
+      xa *= rms[head] * to_f32(qnw[ja]);
+      xb *= rms[head] * to_f32(qnw[jb]);
+    } else if (!isq && NK) {
+      xa *= rms[H + head] * to_f32(knw[ja]);
+      xb *= rms[H + head] * to_f32(knw[jb]);
+    }
     if (rot && (isq ? RQ : RK)) {
       float s, c;
       sincosf(p * inv_freq[j], &s, &c);
@@ -641,13 +672,16 @@ __device__ void attention_kv16(const float* q, const h16_t* kc, const h16_t* vc,
   kv16_merge<D>(m, l, acc, out + ((long)t * H + h) * D);
 }
 
-// Dim d of one head row x (f32), rotated as rope_kv does (rotate-half of the leading ROT
-// features at position p; cos and sin times rscale) when R.
-template <int ROT, bool R>
-__device__ __forceinline__ float rope_at(const float* x, int d, float p, const float* inv_freq, float rscale) {
-  const float v = x[d];
+// Dim d of one head row x (f32), normalised with scale r and weight w when N, then rotated as
+// rope_kv does (rotate-half of the leading ROT features at position p; cos and sin times
+// rscale) when R.
+template <int ROT, bool R, bool N, typename W>
+__device__ __forceinline__ float rope_at(const float* x, int d, float p, const float* inv_freq, float rscale,
+                                         const W* w, float r) {
+  const auto at = [&](int i) { return N ? x[i] * r * to_f32(w[i]) : x[i]; };
+  const float v = at(d);
   if (!R || d >= ROT) return v;
-  const float other = x[d < ROT / 2 ? d + ROT / 2 : d - ROT / 2];
+  const float other = at(d < ROT / 2 ? d + ROT / 2 : d - ROT / 2);
   float sn, c;
   sincosf(p * inv_freq[d % (ROT / 2)], &sn, &c);
   sn *= rscale;
@@ -658,22 +692,29 @@ __device__ __forceinline__ float rope_at(const float* x, int d, float p, const f
 // A step of one token (decode at batch 1): RoPE, the KV-cache write and attention in one
 // kernel. Every block rotates its head of q and the token's own k (its kv head), takes the own
 // key from registers (the cache write of another block may not be visible yet), and the first
-// block of each kv head writes k and v (h16) to the cache. Window and cap as attention_kv16's.
-// grid: (1, H), block: 256.
-template <int H, int KVH, int D, int ROT, typename O, bool RQ, bool RK, int WIN, unsigned CAP>
+// block of each kv head writes k and v (h16) to the cache. Window and cap as attention_kv16's;
+// per-head norms of q and k (NQ, NK) as rope_kv's. grid: (1, H), block: 256.
+template <int H, int KVH, int D, int ROT, typename O, bool RQ, bool RK, bool NQ, bool NK, typename NWQ, typename NWK,
+          int WIN, unsigned CAP>
 __device__ void attention_rope1(const float* q, const float* k, const float* v, const int* pos, const float* inv_freq,
-                                float rscale, const int* slot_of, h16_t* kc, h16_t* vc, const int* slots,
-                                const int* seq_off, float scale, O* out) {
+                                float rscale, const int* slot_of, const NWQ* qnw, const NWK* knw, float qeps,
+                                float keps, h16_t* kc, h16_t* vc, const int* slots, const int* seq_off, float scale,
+                                O* out) {
   constexpr int G = D / 16, GP = kv16_lanes(D);
   const int h = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = lane % GP, grp = lane / GP;
   const int kvh = h / (H / KVH), n = pos[0] + 1;
   // The head's rotated q and the token's k and v (h16 values, as the cache holds them), once
-  // per block through shared memory.
-  __shared__ float sq[D], sk[D], sv[D];
+  // per block through shared memory; the norm scales of the q and k heads first (warps 0, 1).
+  __shared__ float sq[D], sk[D], sv[D], rms[2];
+  if (NQ || NK) {
+    if (NQ && warp == 0) rms[0] = head_rms<D>(q + h * D, qeps);
+    if (NK && warp == 1) rms[1] = head_rms<D>(k + kvh * D, keps);
+    __syncthreads();
+  }
   const float p = (float)pos[0];
   for (int d = threadIdx.x; d < D; d += blockDim.x) {
-    sq[d] = rope_at<ROT, RQ>(q + h * D, d, p, inv_freq, rscale) * scale;
-    sk[d] = to_f32(f32_to_h16(rope_at<ROT, RK>(k + kvh * D, d, p, inv_freq, rscale)));
+    sq[d] = rope_at<ROT, RQ, NQ>(q + h * D, d, p, inv_freq, rscale, qnw, rms[0]) * scale;
+    sk[d] = to_f32(f32_to_h16(rope_at<ROT, RK, NK>(k + kvh * D, d, p, inv_freq, rscale, knw, rms[1])));
     sv[d] = to_f32(f32_to_h16(v[kvh * D + d]));
     if (h % (H / KVH) == 0) {
       const long dst = (long)slot_of[0] * (KVH * D) + kvh * D + d;

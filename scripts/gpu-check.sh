@@ -18,7 +18,9 @@
 #     split argmax, four sampled settings, and both with penalties and logit_bias applied on
 #     the device);
 #   - the engine (continuous batching, chunked prefill, shared prefixes in the radix cache, paged
-#     KV) against each request run alone (`engrun bench --verify-alone`).
+#     KV) against each request run alone (`engrun bench --verify-alone`);
+#   - `/v1/embeddings` served from the GPU: the embedding through the lm_head against HF's
+#     logits (shapes without a final logit softcap).
 # Then (BENCH=0 skips) the benchmarks recorded in docs/perf.md, and `engrun probe` (the copy
 # bandwidth and matmul rate the fractions divide by); ENGINE_BENCH=1 adds the nano-vllm workload. Raw results go to $WORK (default
 # /tmp/gpu-out); with the device tool's $OUT set they are packed into $OUT/gpu-check$TAG.tgz
@@ -54,6 +56,9 @@ for shape in $shapes; do
   if [ ! -f "$ck/hf_logits.safetensors" ]; then
     python3 scripts/gpu/hf_reference.py "$shape" "$ck" "tests/configs/$shape.json" 2>&1 | tee "$work/$shape-hf.txt"
   fi
+  # A tokenizer (the tiny fixture's, 1000 ids of Qwen's) so that `engrun serve` takes the
+  # bundles; every check feeds token ids.
+  cp tests/fixtures/tiny-qwen2/tokenizer.json tests/fixtures/tiny-qwen2/tokenizer_config.json "$ck/"
   ids() { python3 -c "import json,sys; s=json.load(open('$ck/seqs.json')); print(';'.join(','.join(map(str, x)) for x in s[$1:$2]))"; }
   one=$(ids 0 1) many=$(ids 1 17) long=$(ids 17 18)
   for dtype in ${DTYPES:-bf16 f16}; do
@@ -100,6 +105,20 @@ for shape in $shapes; do
       "$bin/engrun" bench "$b" --device cuda --num-prompts 24 --input-len 600 --output-len 32 --random-range-ratio 0.2 \
         --shared-prefix-len 64 --chunked-prefill-size 256 --warmup 0 --verify-alone $tol --json >"$work/$shape$sfx-alone.txt" 2>&1
       cmp alone "$checks" "engine_alone$sfx" "$work/$shape$sfx-alone.txt"
+      # /v1/embeddings on the GPU, through the lm_head against HF (not under a final softcap,
+      # which bends the logits away from W·h).
+      if ! grep -q '"final_logit_softcapping": *[0-9]' "tests/configs/$shape.json"; then
+        expected=$((expected + 1))
+        "$bin/engrun" serve "$b" --device cuda --port 30123 >"$work/$shape$sfx-serve.txt" 2>&1 &
+        spid=$!
+        for _ in $(seq 300); do
+          grep -q "serving" "$work/$shape$sfx-serve.txt" || ! kill -0 "$spid" 2>/dev/null && break
+          sleep 1
+        done
+        cmp embed "$checks" "$ck" "$shape" "$sfx" "$dtype" http://127.0.0.1:30123/v1/embeddings
+        kill -TERM "$spid"
+        wait "$spid"
+      fi
       if [ "${BENCH:-1}" = 1 ]; then
         bench() { # NAME [ENV...] -- ARGS...
           local name=$1

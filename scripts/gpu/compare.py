@@ -5,6 +5,8 @@ line with its value, its limit and `pass`; scripts/gpu/verdict.py reads them all
   compare.py pair CHECKS NAME A B DTYPE CK RUN      two of our logits files of RUN
   compare.py sampling CHECKS NAME FILE             `engrun logits` sampling reports, one per line
   compare.py alone CHECKS NAME FILE                `engrun bench --verify-alone` JSON
+  compare.py embed CHECKS CK SHAPE SFX DTYPE URL   /v1/embeddings of b1's sequence (last-token
+                                                   pooling) through the lm_head vs HF's logits
 
 Errors are relative to the reference's largest magnitude, per sequence, the worst sequence
 reported: `max` = max |ours - ref| / max |ref|, `rms` = rms(ours - ref) / rms(ref). Against HF's f32
@@ -111,6 +113,40 @@ def alone(checks, name, path):
          near_ties=r["near_ties"], worst_margin=r["worst_margin"], tol=r["tol"], first_clear=r["first_clear"])
 
 
+def lm_head(ck):
+    """The checkpoint's lm_head (or the embedding it is tied to), from any of its shards."""
+    import glob
+    from safetensors import safe_open
+    for path in sorted(glob.glob(f"{ck}/*.safetensors")):
+        with safe_open(path, "pt", device="cuda") as f:
+            for name in ("lm_head.weight", "model.embed_tokens.weight"):
+                if name in f.keys():
+                    return f.get_tensor(name).float()
+    raise SystemExit(f"no lm_head in {ck}")
+
+
+def embed(checks, ck, shape, sfx, dtype, url):
+    """The served embedding e of sequence 0 (last pooling, unit norm) satisfies W·e = logits / |h|:
+    W·e, scaled by its best factor, must match HF's f32 logits at the last position as closely as
+    our logits do (the same limit as the logits check)."""
+    import urllib.request
+    seq = json.load(open(f"{ck}/seqs.json"))[0]
+    req = urllib.request.Request(url, data=json.dumps({"input": seq}).encode(), headers={"Content-Type": "application/json"})
+    try:
+        e = torch.tensor(json.load(urllib.request.urlopen(req, timeout=600))["data"][0]["embedding"], device="cuda")
+    except Exception as err:  # a failed request is a failed check
+        emit(checks, check="embedding", shape=shape, run="b1" + sfx, value=1, limit=0, note=str(err))
+        return
+    ref = load_file(f"{ck}/hf_logits.safetensors")
+    last = len(seq) - 1
+    f32, own = ref["f32"][last].cuda(), ref[HF_OWN[dtype]][last].cuda()
+    got = lm_head(ck) @ e
+    got = got * (got @ f32) / (got @ got)
+    rel = lambda x: ((x - f32).abs().max() / f32.abs().max()).item()
+    emit(checks, check="embedding", shape=shape, run="b1" + sfx, vs="hf_f32", value=rel(got),
+         limit=0.8 * rel(own) + ALLOWANCE[dtype], norm=e.norm().item(), width=e.numel())
+
+
 if __name__ == "__main__":
     kind, checks, *args = sys.argv[1:]
-    {"hf": hf, "pair": pair, "sampling": sampling, "alone": alone}[kind](checks, *args)
+    {"hf": hf, "pair": pair, "sampling": sampling, "alone": alone, "embed": embed}[kind](checks, *args)

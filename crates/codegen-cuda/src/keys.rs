@@ -120,6 +120,8 @@ pub enum KernelKey {
         rope_q: bool,
         /// Whether k is rotated.
         rope_k: bool,
+        /// Per-head norms of q and k before the rotation.
+        norm: HeadNorm,
     },
     /// Causal GQA attention over the 16-bit paged cache, a block per query row and head.
     Attention {
@@ -152,6 +154,8 @@ pub enum KernelKey {
         rope_q: bool,
         /// Whether k is rotated.
         rope_k: bool,
+        /// Per-head norms of q and k before the rotation.
+        norm: HeadNorm,
         /// Sliding window and score soft-capping.
         mask: Mask,
     },
@@ -354,6 +358,48 @@ impl Mask {
     }
 }
 
+/// The per-head RMS norms of q and k that a rope_attention fusion applies before RoPE
+/// (`kernels/fast.cuh`'s `NQ, NK, NWQ, NWK`): each one's weight dtype, `None` without.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct HeadNorm {
+    /// q's norm weight.
+    pub q: Option<DType>,
+    /// k's norm weight.
+    pub k: Option<DType>,
+}
+
+impl HeadNorm {
+    /// Suffix of kernel names (empty without norms).
+    fn suffix(self) -> String {
+        let tag = |w: Option<DType>| w.map_or("0".to_string(), |d| d.to_string());
+        if self == HeadNorm::default() {
+            return String::new();
+        }
+        format!("_n{}_{}", tag(self.q), tag(self.k))
+    }
+
+    /// The template arguments `NQ, NK, NWQ, NWK`.
+    fn args(self) -> Result<String, CodegenError> {
+        let ty = |w: Option<DType>| ctype(w.unwrap_or(DType::F32));
+        Ok(format!("{}, {}, {}, {}", self.q.is_some(), self.k.is_some(), ty(self.q)?, ty(self.k)?))
+    }
+
+    /// The parameters RoPE + KV write kernels share: q, k and v, where the token goes, how it
+    /// rotates and how its heads are normalised.
+    fn rope_head_params(self) -> Result<String, CodegenError> {
+        let ty = |w: Option<DType>| ctype(w.unwrap_or(DType::F32));
+        Ok(format!(
+            "const float* q, const float* k, const float* v, const int* pos, const float* inv_freq, float rscale, \
+             const int* slot_of, const {}* qnw, const {}* knw, float qeps, float keps",
+            ty(self.q)?,
+            ty(self.k)?
+        ))
+    }
+}
+
+/// The arguments [`HeadNorm::rope_head_params`] names, in the kernels' calls.
+const ROPE_HEAD_ARGS: &str = "q, k, v, pos, inv_freq, rscale, slot_of, qnw, knw, qeps, keps";
+
 pub(crate) fn ctype(d: DType) -> Result<&'static str, CodegenError> {
     match d {
         DType::F32 => Ok("float"),
@@ -406,11 +452,12 @@ impl KernelKey {
             KernelKey::GluMul { act } => format!("glu_mul_to_h16_{}", act_tag(act)),
             KernelKey::ToH16 => "f32_to_h16_rows".into(),
             KernelKey::Rope { cols, d, rot } => format!("rope_c{cols}_d{d}{}", rot_suffix(d, rot)),
-            KernelKey::RopeKv { heads, kv_heads, d, rot, rope_q, rope_k } => format!(
-                "rope_kv_h{heads}_kv{kv_heads}_d{d}{}_{}{}",
+            KernelKey::RopeKv { heads, kv_heads, d, rot, rope_q, rope_k, norm } => format!(
+                "rope_kv_h{heads}_kv{kv_heads}_d{d}{}_{}{}{}",
                 rot_suffix(d, rot),
                 u8::from(rope_q),
-                u8::from(rope_k)
+                u8::from(rope_k),
+                norm.suffix()
             ),
             KernelKey::Attention { heads, kv_heads, d, out, mixed_only, mask } => format!(
                 "attention_h{heads}_kv{kv_heads}_d{d}_to_{out}{}{}",
@@ -420,11 +467,12 @@ impl KernelKey {
             KernelKey::AttentionFa { heads, kv_heads, d, out, mask } => {
                 format!("attention_fa_h{heads}_kv{kv_heads}_d{d}_to_{out}{}", mask.suffix())
             }
-            KernelKey::AttentionRope1 { heads, kv_heads, d, rot, out, rope_q, rope_k, mask } => format!(
-                "attention_rope1_h{heads}_kv{kv_heads}_d{d}{}_to_{out}_{}{}{}",
+            KernelKey::AttentionRope1 { heads, kv_heads, d, rot, out, rope_q, rope_k, norm, mask } => format!(
+                "attention_rope1_h{heads}_kv{kv_heads}_d{d}{}_to_{out}_{}{}{}{}",
                 rot_suffix(d, rot),
                 u8::from(rope_q),
                 u8::from(rope_k),
+                norm.suffix(),
                 mask.suffix()
             ),
             KernelKey::Add => "add_f32".into(),
@@ -523,13 +571,11 @@ impl KernelKey {
                 "const float* x, const int* pos, const float* inv_freq, float scale, float* out".into(),
                 format!("rope<{cols}, {d}, {rot}>(x, pos, inv_freq, scale, out)"),
             ),
-            KernelKey::RopeKv { heads, kv_heads, d, rot, rope_q, rope_k } => (
-                "const float* q, const float* k, const float* v, const int* pos, const float* inv_freq, float scale, \
-                 const int* slot_of, float* qo, h16_t* kc, h16_t* vc"
-                    .into(),
+            KernelKey::RopeKv { heads, kv_heads, d, rot, rope_q, rope_k, norm } => (
+                format!("{}, float* qo, h16_t* kc, h16_t* vc", norm.rope_head_params()?),
                 format!(
-                    "rope_kv<{heads}, {kv_heads}, {d}, {rot}, {rope_q}, {rope_k}>(q, k, v, pos, inv_freq, scale, \
-                     slot_of, qo, kc, vc)"
+                    "rope_kv<{heads}, {kv_heads}, {d}, {rot}, {rope_q}, {rope_k}, {}>({ROPE_HEAD_ARGS}, qo, kc, vc)",
+                    norm.args()?
                 ),
             ),
             KernelKey::Attention { heads, kv_heads, d, out, mixed_only, mask } => {
@@ -543,17 +589,17 @@ impl KernelKey {
                     ),
                 )
             }
-            KernelKey::AttentionRope1 { heads, kv_heads, d, rot, out, rope_q, rope_k, mask } => {
+            KernelKey::AttentionRope1 { heads, kv_heads, d, rot, out, rope_q, rope_k, norm, mask } => {
                 let o = ctype(out)?;
                 (
                     format!(
-                        "const float* q, const float* k, const float* v, const int* pos, const float* inv_freq, \
-                         float rscale, const int* slot_of, h16_t* kc, h16_t* vc, const int* slots, \
-                         const int* seq_off, float scale, {o}* out"
+                        "{}, h16_t* kc, h16_t* vc, const int* slots, const int* seq_off, float scale, {o}* out",
+                        norm.rope_head_params()?
                     ),
                     format!(
-                        "attention_rope1<{heads}, {kv_heads}, {d}, {rot}, {o}, {rope_q}, {rope_k}, {}>(q, k, v, pos, \
-                         inv_freq, rscale, slot_of, kc, vc, slots, seq_off, scale, out)",
+                        "attention_rope1<{heads}, {kv_heads}, {d}, {rot}, {o}, {rope_q}, {rope_k}, {}, {}>(\
+                         {ROPE_HEAD_ARGS}, kc, vc, slots, seq_off, scale, out)",
+                        norm.args()?,
                         mask.args()
                     ),
                 )

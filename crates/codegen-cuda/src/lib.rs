@@ -12,7 +12,7 @@ mod lower;
 pub mod nvrtc;
 pub mod schedule;
 
-pub use keys::{KernelKey, Mask, NormIn, ALL_REDUCE_MAX_BLOCKS, ARGMAX_BLOCKS, MAP_INPUTS};
+pub use keys::{HeadNorm, KernelKey, Mask, NormIn, ALL_REDUCE_MAX_BLOCKS, ARGMAX_BLOCKS, MAP_INPUTS};
 pub use schedule::{Arg, Buffer, Count, Dim, Input, Launch, Step, GEMV_ROWS, NORM_IN_GEMV_ROWS, SKINNY_ROWS};
 
 use ir::Plan;

@@ -1,6 +1,6 @@
 //! Lowering of plan nodes and fusions to launches (the schedule module says which).
 
-use crate::keys::{intern, KernelKey, Mask, NormIn, MAP_INPUTS};
+use crate::keys::{intern, HeadNorm, KernelKey, Mask, NormIn, MAP_INPUTS};
 use crate::schedule::{
     launch, one, per_token, Arg, Builder, Count, Dim, FusedNorm, Input, Launch, Step, GEMV_ROWS, NORM_IN_GEMV_ROWS,
     ONE, SKINNY_ROWS,
@@ -33,7 +33,7 @@ pub(crate) fn fusion(b: &mut Builder, f: usize) -> Result<(), CodegenError> {
                 node(b, m)?;
             }
         }
-        (FusionKind::RopeAttention, [ropes @ .., a]) => attention(b, *a, ropes)?,
+        (FusionKind::RopeAttention, [pre @ .., a]) => attention(b, *a, pre)?,
         (kind, _) => return Err(CodegenError::Unsupported(format!("a malformed {} fusion", kind.name()))),
     }
     Ok(())
@@ -331,8 +331,27 @@ fn glu(
 /// sequence; the rest per row).
 const FA_ABOVE: usize = 32;
 
-/// RoPE (of the `ropes` fused into it) + KV write, then attention.
-fn attention(b: &mut Builder, i: usize, ropes: &[usize]) -> Result<(), CodegenError> {
+/// A fused per-head norm of q or k: its input, the weight and eps (members `pre` of a
+/// rope_attention fusion; `None` where `x`, a rope's input, is not one). A norm whose weight
+/// the kernels cannot read runs as its own launch.
+fn head_norm(b: &mut Builder, x: usize, pre: &[usize]) -> Result<Option<(usize, usize, f32)>, CodegenError> {
+    let Op::RmsNorm { eps } = b.plan.nodes[x].op else { return Ok(None) };
+    if !pre.contains(&x) {
+        return Ok(None);
+    }
+    let (input, w) = (b.plan.nodes[x].inputs[0], b.plan.nodes[x].inputs[1]);
+    if b.wdtype(w) != DType::F32 && b.wdtype(w) != b.half {
+        node(b, x)?;
+        return Ok(None);
+    }
+    Ok(Some((input, w, eps)))
+}
+
+/// RoPE (of the ropes fused into it, `pre`, and the per-head norms they rotate) + KV write,
+/// then attention.
+fn attention(b: &mut Builder, i: usize, pre: &[usize]) -> Result<(), CodegenError> {
+    let ropes: Vec<usize> = pre.iter().copied().filter(|&r| matches!(b.plan.nodes[r].op, Op::Rope { .. })).collect();
+    let ropes = &ropes[..];
     let n = &b.plan.nodes[i];
     let Op::Attention { heads, kv_heads, head_dim: d, scale, layer, window, softcap } = n.op else {
         unreachable!("an attention")
@@ -356,10 +375,16 @@ fn attention(b: &mut Builder, i: usize, ropes: &[usize]) -> Result<(), CodegenEr
     };
     let (rope_q, rope_k) = (absorbed(qn), absorbed(kn));
     let src = |j: usize, roped: bool| if roped { b.plan.nodes[j].inputs[0] } else { j };
-    let (q, k, v) = (b.f32_val(src(qn, rope_q))?, b.f32_val(src(kn, rope_k))?, b.f32_val(vn)?);
+    let (qs, ks) = (src(qn, rope_q), src(kn, rope_k));
+    let (nq, nk) = (head_norm(b, qs, pre)?, head_norm(b, ks, pre)?);
+    let (qs, ks) = (nq.map_or(qs, |n| n.0), nk.map_or(ks, |n| n.0));
+    let (q, k, v) = (b.f32_val(qs)?, b.f32_val(ks)?, b.f32_val(vn)?);
+    let norm = HeadNorm { q: nq.map(|n| b.wdtype(n.1)), k: nk.map(|n| b.wdtype(n.1)) };
     let qo = b.new_val(heads * d, DType::F32, Count::Tokens);
-    let key = KernelKey::RopeKv { heads, kv_heads, d, rot, rope_q, rope_k };
-    // q, k, v, where the token goes, how it rotates: what rope_kv and the one-token kernel read.
+    let key = KernelKey::RopeKv { heads, kv_heads, d, rot, rope_q, rope_k, norm };
+    // q, k, v, where the token goes, how it rotates and is normalised: what rope_kv and the
+    // one-token kernel read (`HeadNorm::rope_head_params`).
+    let weight = |n: Option<(usize, usize, f32)>| n.map_or(Arg::Null, |n| Arg::Weight(n.1));
     let head = [
         Arg::Buf(q),
         Arg::Buf(k),
@@ -368,6 +393,10 @@ fn attention(b: &mut Builder, i: usize, ropes: &[usize]) -> Result<(), CodegenEr
         freq,
         Arg::F32(rscale),
         Arg::Input(Input::SlotOf),
+        weight(nq),
+        weight(nk),
+        Arg::F32(nq.map_or(0.0, |n| n.2)),
+        Arg::F32(nk.map_or(0.0, |n| n.2)),
     ];
     let args = [&head[..], &[Arg::Buf(qo), Arg::KCache(layer), Arg::VCache(layer)]].concat();
     let rope = launch(key, args, [per_token(1, 1), ONE], 128);
@@ -388,7 +417,7 @@ fn attention(b: &mut Builder, i: usize, ropes: &[usize]) -> Result<(), CodegenEr
         let key = KernelKey::Attention { heads, kv_heads, d, out: o, mixed_only, mask };
         launch(key, args.clone(), [per_token(1, 1), Dim::Fixed(heads)], 256)
     };
-    let one = KernelKey::AttentionRope1 { heads, kv_heads, d, rot, out: o, rope_q, rope_k, mask };
+    let one = KernelKey::AttentionRope1 { heads, kv_heads, d, rot, out: o, rope_q, rope_k, norm, mask };
     let one_args = [
         &head[..],
         &[

@@ -25,8 +25,9 @@ fn of(g: &Graph, pred: impl Fn(&Op) -> bool) -> Vec<NodeIndex> {
     g.nodes().into_iter().filter(|&n| pred(&g.node(n).op)).collect()
 }
 
-/// RoPE into attention: the ropes of an attention's q and k that only it reads
-/// ([`FusionKind::RopeAttention`]); where q's and k's ropes differ, q's alone.
+/// RoPE into attention: the ropes of an attention's q and k that only it reads, with the
+/// per-head RMS norms they rotate ([`FusionKind::RopeAttention`]); where q's and k's ropes
+/// differ, q's alone.
 pub fn fuse_rope_attention(g: Graph, _: &PassCtx) -> Result<Graph, CompileError> {
     Ok(rope_attention(g))
 }
@@ -38,7 +39,12 @@ fn rope_attention(mut g: Graph) -> Graph {
             ins[..2].iter().copied().filter(|&r| matches!(g.node(r).op, Op::Rope { .. })).collect();
         let tries = [ropes.clone(), ropes.iter().take(1).copied().collect(), ropes.iter().skip(1).copied().collect()];
         for t in tries.into_iter().filter(|t| !t.is_empty()) {
-            if propose(&mut g, FusionKind::RopeAttention, [t, vec![a]].concat()) {
+            // The per-head norms the ropes rotate join where the rule takes them.
+            let norms: Vec<NodeIndex> =
+                t.iter().map(|&r| g.inputs(r)[0]).filter(|&n| matches!(g.node(n).op, Op::RmsNorm { .. })).collect();
+            if propose(&mut g, FusionKind::RopeAttention, [norms, t.clone(), vec![a]].concat())
+                || propose(&mut g, FusionKind::RopeAttention, [t, vec![a]].concat())
+            {
                 break;
             }
         }

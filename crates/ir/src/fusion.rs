@@ -30,9 +30,11 @@ pub enum FusionKind {
     /// gate (Gemma's `gelu_tanh`; [`glu_activation`]), each read only by the next member: one
     /// launch that never writes gate or up.
     Glu,
-    /// `[rope, (rope,) attention]`: RoPE of the attention's q and/or k, applied while the
-    /// attention writes the KV cache; each rope is read only by the attention, two ropes are
-    /// the same op.
+    /// `[(rms_norm,)* rope, (rope,) attention]`: RoPE of the attention's q and/or k, applied
+    /// while the attention writes the KV cache; each rope is read only by the attention, two
+    /// ropes are the same op. A rope's input may be a member too: an RMS norm over each head
+    /// (weight of the attention's head size: Qwen3's and Gemma 3's q/k norms) read only by
+    /// that rope, applied before the rotation.
     RopeAttention,
 }
 
@@ -137,18 +139,30 @@ pub fn check<N: Copy + PartialEq, V: View<N>>(v: &V, f: &Fusion<N>) -> Result<()
                 "needs gate and up linears (no bias) of one input, an activation of the gate, and their product",
             )
         }
-        (FusionKind::RopeAttention, [ropes @ .., a]) if (1..=2).contains(&ropes.len()) => {
+        (FusionKind::RopeAttention, [pre @ .., a]) => {
+            let Op::Attention { head_dim, .. } = *v.op(*a) else {
+                return ok(false, "ends with an attention");
+            };
             let ai = v.ins(*a);
-            let fits = matches!(v.op(*a), Op::Attention { .. })
-                && ropes.iter().all(|&r| {
-                    matches!(v.op(r), Op::Rope { .. })
-                        && only_read_by(r, *a)
-                        && (ai[0] == r) != (ai[1] == r)
-                        && ai[2] != r
-                })
-                && ropes.iter().all(|&r| v.op(r) == v.op(ropes[0]))
-                && (ropes.len() == 1 || ropes[0] != ropes[1]);
-            ok(fits, "needs ropes of q and/or k (the same op), read only by the attention")
+            let (ropes, norms): (Vec<N>, Vec<N>) = pre.iter().partition(|&&r| matches!(v.op(r), Op::Rope { .. }));
+            let rope_fits = |r: N| only_read_by(r, *a) && (ai[0] == r) != (ai[1] == r) && ai[2] != r;
+            let norm_fits = |n: N| {
+                matches!(v.op(n), Op::RmsNorm { .. })
+                    && v.width(v.ins(n)[1]) == head_dim
+                    && v.readers(n).len() == 1
+                    && ropes.iter().any(|&r| v.ins(r)[0] == n && only_read_by(n, r))
+            };
+            let fits = (1..=2).contains(&ropes.len())
+                && ropes.iter().all(|&r| rope_fits(r) && v.op(r) == v.op(ropes[0]))
+                && (ropes.len() == 1 || ropes[0] != ropes[1])
+                && norms.len() <= ropes.len()
+                && norms.iter().all(|&n| norm_fits(n))
+                && (norms.len() < 2 || norms[0] != norms[1]);
+            ok(
+                fits,
+                "needs ropes of q and/or k (the same op) read only by the attention, and per-head rms_norms read \
+                 only by them",
+            )
         }
         _ => Err(format!("{}: wrong number of nodes ({})", f.kind.name(), f.nodes.len())),
     }
