@@ -39,12 +39,21 @@ fn rope_attention(mut g: Graph) -> Graph {
             ins[..2].iter().copied().filter(|&r| matches!(g.node(r).op, Op::Rope { .. })).collect();
         let tries = [ropes.clone(), ropes.iter().take(1).copied().collect(), ropes.iter().skip(1).copied().collect()];
         for t in tries.into_iter().filter(|t| !t.is_empty()) {
-            // The per-head norms the ropes rotate join where the rule takes them.
+            // The per-head norms the ropes rotate join where the rule takes them: both, either,
+            // or none.
             let norms: Vec<NodeIndex> =
                 t.iter().map(|&r| g.inputs(r)[0]).filter(|&n| matches!(g.node(n).op, Op::RmsNorm { .. })).collect();
-            if propose(&mut g, FusionKind::RopeAttention, [norms, t.clone(), vec![a]].concat())
-                || propose(&mut g, FusionKind::RopeAttention, [t, vec![a]].concat())
-            {
+            let mut subsets = vec![norms.clone()];
+            if norms.len() == 2 {
+                subsets.extend([vec![norms[0]], vec![norms[1]]]);
+            }
+            if !norms.is_empty() {
+                subsets.push(vec![]);
+            }
+            let fused = subsets
+                .into_iter()
+                .any(|n| propose(&mut g, FusionKind::RopeAttention, [n, t.clone(), vec![a]].concat()));
+            if fused {
                 break;
             }
         }

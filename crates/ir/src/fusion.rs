@@ -149,7 +149,6 @@ pub fn check<N: Copy + PartialEq, V: View<N>>(v: &V, f: &Fusion<N>) -> Result<()
             let norm_fits = |n: N| {
                 matches!(v.op(n), Op::RmsNorm { .. })
                     && v.width(v.ins(n)[1]) == head_dim
-                    && v.readers(n).len() == 1
                     && ropes.iter().any(|&r| v.ins(r)[0] == n && only_read_by(n, r))
             };
             let fits = (1..=2).contains(&ropes.len())
