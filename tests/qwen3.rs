@@ -94,37 +94,34 @@ fn transformers_4_and_5_configs_bind_alike() {
     }
 }
 
-/// On CUDA a per-head norm is the row norm kernel over rows of one head, one block per head
-/// (per token: q's and k's heads on this rank), run as its own launch at every batch size,
-/// while the layer norms stay one block per token (and the tiny shape's batch-1 GEMVs still
-/// apply them themselves): the 8B shape and the tiny fixture's, tp 1 and 2.
+/// On CUDA the per-head q/k norms run inside the RoPE + KV-write kernels (the rope_attention
+/// fusion takes them: no norm launch of a head's width is left, and every layer's one-token
+/// and multi-token RoPE kernels normalise both q and k), while the layer norms stay one block
+/// per token (and the tiny shape's batch-1 GEMVs still apply them themselves): the 8B shape
+/// and the tiny fixture's, tp 1 and 2.
 #[test]
-fn cuda_normalises_each_head_as_a_row() {
+fn cuda_normalises_each_head_inside_the_rope_kernels() {
     let tiny = std::fs::read_to_string(repo_fixture("tiny-qwen3").join("config.json")).unwrap();
     let tiny: serde_json::Value = serde_json::from_str(&tiny).unwrap();
-    // config, layers, hidden, heads, kv heads, head_dim, whether batch-1 GEMVs must apply a
-    // layer norm (the 8B shape's weights are mostly above NORM_MAX_WEIGHT_BYTES)
-    for (config, layers, hidden, heads, kv, d, fused) in
-        [(qwen3_8b(), 36, 4096, 32, 8, 128, false), (tiny, 2, 64, 4, 2, 32, true)]
-    {
+    // config, layers, hidden, head_dim, whether batch-1 GEMVs must apply a layer norm (the 8B
+    // shape's weights are mostly above NORM_MAX_WEIGHT_BYTES)
+    for (config, layers, hidden, d, fused) in [(qwen3_8b(), 36, 4096, 128, false), (tiny, 2, 64, 32, true)] {
         for tp in [1, 2] {
             let program = codegen_cuda::emit(&plan(&config, tp)).unwrap();
-            let (mut head_blocks, mut fused_gemvs) = (vec![], 0);
+            let (mut normed_ropes, mut fused_gemvs) = (0, 0);
             let launches = program.steps.iter().flat_map(|s| match s {
                 Step::Kernels { variants, .. } => variants.clone(),
                 _ => vec![],
             });
-            for (bound, l) in launches.flat_map(|(b, ls)| ls.into_iter().map(move |l| (b, l))) {
+            for l in launches.flat_map(|(_, ls)| ls) {
                 match l.key {
-                    KernelKey::AddRmsNorm { h, add: false, .. } if h == d => {
-                        let Dim::Per(Count::Tokens, blocks, 1) = l.grid[0] else {
-                            panic!("{hidden} tp={tp}: head norm grid {:?}", l.grid)
-                        };
-                        assert_eq!(bound, usize::MAX, "{hidden} tp={tp}: a head norm left to GEMVs up to {bound} rows");
-                        head_blocks.push(blocks);
-                    }
+                    KernelKey::AddRmsNorm { h, .. } if h == d => panic!("{hidden} tp={tp}: a head norm launch"),
                     KernelKey::AddRmsNorm { h, .. } => {
                         assert_eq!((h, l.grid[0]), (hidden, Dim::Per(Count::Tokens, 1, 1)), "{hidden} tp={tp}")
+                    }
+                    KernelKey::RopeKv { norm, .. } | KernelKey::AttentionRope1 { norm, .. } => {
+                        assert!(norm.q.is_some() && norm.k.is_some(), "{hidden} tp={tp}: {:?}", l.key);
+                        normed_ropes += 1
                     }
                     KernelKey::Gemv { norm: Some(_), .. } | KernelKey::GemvGlu { norm: Some(_), .. } => {
                         fused_gemvs += 1
@@ -132,8 +129,9 @@ fn cuda_normalises_each_head_as_a_row() {
                     _ => {}
                 }
             }
-            let (q, k) = (heads / tp, (kv / tp).max(1));
-            assert_eq!(head_blocks, [q, k].repeat(layers), "{hidden} tp={tp}: blocks of each layer's q and k norms");
+            // Each layer: the one-token kernel, and rope_kv in both multi-token variants (per-row
+            // and tensor-core attention: heads of at most 128).
+            assert_eq!(normed_ropes, 3 * layers, "{hidden} tp={tp}: RoPE kernels that normalise");
             assert!(fused_gemvs > 0 || !fused, "{hidden} tp={tp}: no GEMV applies a layer norm");
         }
     }
