@@ -107,8 +107,8 @@ def check_api(msgs):
     expect_error(openai.BadRequestError, 400, "min_tokens", model=model, messages=msgs, extra_body={"min_tokens": -1})
     expect_error(openai.BadRequestError, 400, "response_format", model=model, messages=msgs,
                  response_format={"type": "bogus"})
-    expect_error(openai.BadRequestError, 400, "response_format", model=model, messages=msgs,
-                 response_format={"type": "json_object"})
+    expect_error(openai.BadRequestError, 400, "regex", model=model, messages=msgs,
+                 response_format={"type": "json_object"}, extra_body={"regex": "a+"})
     expect_error(openai.BadRequestError, 400, "tool_choice", model=model, messages=msgs, tool_choice="required")
     expect_error(openai.BadRequestError, 400, "top_logprobs", model=model, messages=msgs, top_logprobs=2)
     expect_error(openai.BadRequestError, 400, "stop_token_ids", model=model, messages=msgs,
@@ -162,6 +162,48 @@ def check_embeddings():
             assert e.param in ("input", "dimensions"), e
             continue
         raise AssertionError(f"no 400 for {bad}")
+
+
+def check_structured():
+    """Output formats through the package's own helpers: 50 answers parsed into a pydantic model
+    (nested object, enum, bounded list and numbers), 50 matching a regular expression."""
+    import re
+    from enum import Enum
+    from typing import List
+
+    from pydantic import BaseModel, Field
+
+    class Color(str, Enum):
+        red = "red"
+        green = "green"
+        blue = "blue"
+
+    class Address(BaseModel):
+        city: str = Field(max_length=24)
+        zip: int = Field(ge=10000, le=99999)
+
+    class Person(BaseModel):
+        name: str = Field(max_length=24)
+        age: int = Field(ge=0, le=120)
+        favorite: Color
+        address: Address
+        hobbies: List[str] = Field(max_length=3)
+
+    parse = getattr(client.chat.completions, "parse", None) or client.beta.chat.completions.parse
+    ask = [{"role": "user", "content": "Invent a person and describe them as JSON."}]
+    parsed = []
+    for seed in range(10):
+        r = parse(model=model, messages=ask, response_format=Person, n=5, seed=seed, temperature=0.8, max_tokens=160)
+        parsed += [c.message.parsed for c in r.choices]
+    assert len(parsed) == 50 and all(isinstance(p, Person) for p in parsed), parsed
+    assert len({p.model_dump_json() for p in parsed}) > 1
+    rx = r"[A-Z][a-z]{2,8} [0-9]{1,3}"
+    texts = []
+    for seed in range(5):
+        c = client.completions.create(model=model, prompt="Name and number:", n=10, seed=seed, max_tokens=24,
+                                      temperature=1.0, extra_body={"regex": rx})
+        texts += [ch.text for ch in c.choices]
+    assert len(texts) == 50 and all(re.fullmatch(rx, t) for t in texts), texts
 
 
 def check_errors(msgs):
@@ -224,6 +266,7 @@ if mode == "smollm2":
     assert len(c.choices[0].logprobs.tokens) == 3 and len(c.choices[0].logprobs.top_logprobs[0]) == 2
     check_api(msgs)
     check_embeddings()
+    check_structured()
     check_errors(msgs)
 elif mode == "unicode":
     for prompt in ["你好，世界！请介绍一下长城。", "Emoji: 😀🎉👍🏽 and 🇫🇷, 日本語も", "한국어 텍스트와 中文混合"]:

@@ -257,6 +257,7 @@ fn main() -> ExitCode {
                     max_context: 0,
                     graceful_shutdown_timeout: timeout,
                     pooling,
+                    grammars: None,
                 };
                 serve(&bundle, device, &engine, opts)
             }
@@ -477,12 +478,29 @@ fn serve(path: &Path, device: DeviceArgs, args: &EngineArgs, mut opts: server::S
     let tok = tokenizer(&b, path)?;
     let cfg = args.config(&b, dev)?;
     opts.max_context = cfg.max_context;
+    let eos = cfg.eos_ids.clone();
     let engine = Engine::new(backend, cfg).map_err(|e| e.to_string())?;
+    opts.grammars = grammars(&b, &eos, engine.vocab());
     if opts.model.is_empty() {
         let stem = path.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
         opts.model = stem.trim_end_matches(".bundle").to_string();
     }
     server::serve(engine, tok, opts)
+}
+
+/// The grammar engine over the bundle's tokenizer, for output formats; without it the server
+/// still runs and refuses them.
+fn grammars(b: &Bundle, eos: &[u32], vocab: usize) -> Option<std::sync::Arc<grammar::Grammars>> {
+    let path = b.tokenizer_dir()?.join("tokenizer.json");
+    let loaded =
+        std::fs::read(&path).map_err(|e| e.to_string()).and_then(|json| grammar::Grammars::load(&json, eos, vocab));
+    match loaded {
+        Ok(g) => Some(std::sync::Arc::new(g)),
+        Err(e) => {
+            eprintln!("warning: {}: no constrained decoding (output formats get a 400): {e}", path.display());
+            None
+        }
+    }
 }
 
 fn parse_ids(ids: &str) -> Result<Vec<Vec<u32>>, String> {

@@ -28,7 +28,7 @@ pub struct Snapshot {
 }
 
 enum Cmd {
-    Submit(Request, Sink, Sender<Result<ReqId, RuntimeError>>),
+    Submit(Box<Request>, Sink, Sender<Result<ReqId, RuntimeError>>),
     Abort(ReqId),
     AbortAll,
 }
@@ -63,7 +63,7 @@ impl EngineHandle {
     /// invalid.
     pub fn submit(&self, req: Request, sink: Sink) -> Result<ReqId, RuntimeError> {
         let (tx, rx) = channel();
-        self.send(Cmd::Submit(req, sink, tx))?;
+        self.send(Cmd::Submit(Box::new(req), sink, tx))?;
         rx.recv().map_err(|_| RuntimeError::Unsupported("the engine thread has stopped".into()))?
     }
 
@@ -124,7 +124,7 @@ fn serve(mut engine: Engine, rx: Receiver<Cmd>, snapshot: Arc<Mutex<Snapshot>>) 
         for cmd in first.into_iter().chain(std::iter::from_fn(|| rx.try_recv().ok())) {
             match cmd {
                 Cmd::Submit(req, sink, reply) => {
-                    let r = engine.submit(req);
+                    let r = engine.submit(*req);
                     if let Ok(id) = r {
                         sinks.insert(id, sink);
                     }

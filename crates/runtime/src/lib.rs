@@ -10,6 +10,7 @@
 pub mod alone;
 mod backend;
 pub mod bench;
+mod constraint;
 mod cpu;
 mod cuda;
 mod engine;
@@ -25,6 +26,7 @@ mod tp;
 mod worker;
 
 pub use backend::{check_batch, load, resolve, Backend, Device, RefBackend, StepSeq};
+pub use constraint::{Constraint, TokenConstraint};
 pub use cpu::CpuBackend;
 pub use cuda::tp::{Bootstrap, InProcess, TpCudaBackend};
 pub use cuda::CudaBackend;

@@ -24,6 +24,9 @@ pub struct Request {
     /// An embedding request: no tokens are generated (`max_tokens` is 0); the prompt's final
     /// hidden states pooled this way come back as one [`Event::Embedding`].
     pub embed: Option<Pooling>,
+    /// What the generated tokens must follow (a JSON schema, a regular expression, a
+    /// grammar): tokens it does not allow are never chosen.
+    pub constraint: Option<crate::Constraint>,
 }
 
 /// How an embedding pools the final hidden states (after the final norm) of its prompt.
@@ -57,6 +60,7 @@ impl Request {
             ignore_eos: false,
             logprobs: None,
             embed: None,
+            constraint: None,
         }
     }
 
@@ -89,6 +93,9 @@ impl Request {
         }
         if let Some((t, _)) = self.sampling.logit_bias.iter().find(|(t, _)| *t as usize >= vocab) {
             return bad(format!("logit_bias token id {t} is outside the vocabulary (size {vocab})"));
+        }
+        if self.constraint.is_some() && (self.ignore_eos || self.sampling.min_tokens > 0) {
+            return bad("a constrained request ends when its grammar does: not with ignore_eos or min_tokens".into());
         }
         if let Some(n) = self.logprobs.filter(|&n| n > 20) {
             return bad(format!("top logprobs must be at most 20, got {n}"));

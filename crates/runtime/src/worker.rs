@@ -124,7 +124,7 @@ fn step(backend: &mut dyn Backend, plan: &StepPlan, st: &mut State) -> Result<Ve
                 e.insert(RequestSampler::new(req.sampling.clone(), &req.prompt)?)
             }
         };
-        on_device &= req.logprobs.is_none();
+        on_device &= req.logprobs.is_none() && req.constraint.is_none();
         adjust.push(sampler.adjustments());
         rows.push(sampler.row());
     }
@@ -141,7 +141,16 @@ fn step(backend: &mut dyn Backend, plan: &StepPlan, st: &mut State) -> Result<Ve
         let rows = rows.iter().zip(&adjust);
         for (((req, r), logits), (row, adjust)) in sampled.zip(logits.chunks_exact(backend.vocab())).zip(rows) {
             let sampler = st.samplers.get_mut(&req).expect("sampler made above");
-            let (token, logprobs) = sampler.choose(logits, row, adjust, r.logprobs);
+            let (token, logprobs) = match &r.constraint {
+                Some(c) => {
+                    let mut masked = logits.to_vec();
+                    c.mask(&mut masked);
+                    let chosen = sampler.choose(&masked, row, adjust, r.logprobs);
+                    c.accept(chosen.0);
+                    chosen
+                }
+                None => sampler.choose(logits, row, adjust, r.logprobs),
+            };
             chosen.push(Sampled { token, logprobs });
         }
     }

@@ -72,6 +72,10 @@ pub struct Sampling {
     pub ignore_eos: bool,
     /// No eos or stop id before this many tokens (vLLM's and SGLang's `min_tokens`).
     pub min_tokens: Option<i64>,
+    /// SGLang's: the output is text this regular expression matches whole.
+    pub regex: Option<String>,
+    /// SGLang's: the output is JSON valid under this schema (a JSON string or the object).
+    pub json_schema: Option<Value>,
 }
 
 /// Parameters shared by the chat and completion endpoints.
@@ -99,6 +103,8 @@ pub struct Params {
     pub top_logprobs: Option<i64>,
     /// Token id (as a string) to a bias added to its logit, in [-100, 100].
     pub logit_bias: Option<serde_json::Map<String, Value>>,
+    /// OpenAI's output format: text, `json_object` or `json_schema` ([`crate::format`]).
+    pub response_format: Option<Value>,
 }
 
 /// What a request is checked against: the served model's context length and vocabulary.
@@ -126,6 +132,8 @@ pub struct Job {
     /// Completions' `echo`: each prompt's text, which its choices' text starts with (empty:
     /// no echo).
     pub echo: Vec<String>,
+    /// What every choice's output must follow (compiled per choice when it is submitted).
+    pub format: Option<crate::format::Format>,
 }
 
 fn int(v: Option<i64>, name: &'static str, lo: i64, hi: i64) -> Result<Option<usize>, ApiError> {
@@ -194,6 +202,13 @@ impl Params {
             ));
         }
         let p = &self.sampling;
+        let format = crate::format::parse(self.response_format.as_ref(), p.regex.as_deref(), p.json_schema.as_ref())?;
+        if format.is_some() && p.ignore_eos {
+            return Err(ApiError::bad("an output format ends the output: not with ignore_eos", Some("ignore_eos")));
+        }
+        if format.is_some() && p.min_tokens.is_some_and(|m| m > 0) {
+            return Err(ApiError::bad("an output format ends the output: not with min_tokens", Some("min_tokens")));
+        }
         let top_k = match p.top_k {
             Some(k) if k < -1 => {
                 return Err(ApiError::bad(format!("top_k must be -1, 0 or positive, got {k}"), Some("top_k")))
@@ -245,11 +260,12 @@ impl Params {
                     ignore_eos: p.ignore_eos,
                     logprobs: top_logprobs,
                     embed: None,
+                    constraint: None,
                 });
             }
         }
         let include_usage = self.stream_options.as_ref().is_some_and(|o| o.include_usage);
-        Ok(Job { requests, stops, n, stream: self.stream, include_usage, echo: vec![] })
+        Ok(Job { requests, stops, n, stream: self.stream, include_usage, echo: vec![], format })
     }
 }
 

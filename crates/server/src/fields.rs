@@ -19,7 +19,7 @@ pub enum Endpoint {
 
 /// The sampling and stopping fields (`api::Sampling`): at the top level of the OpenAI
 /// endpoints, in `sampling_params` of `/generate`.
-const SAMPLING: [&str; 12] = [
+const SAMPLING: [&str; 14] = [
     "temperature",
     "top_p",
     "top_k",
@@ -32,6 +32,8 @@ const SAMPLING: [&str; 12] = [
     "stop_token_ids",
     "ignore_eos",
     "min_tokens",
+    "regex",
+    "json_schema",
 ];
 
 /// `/generate`'s top-level fields; its `sampling_params` takes [`SAMPLING`] and
@@ -39,7 +41,8 @@ const SAMPLING: [&str; 12] = [
 const GENERATE: [&str; 4] = ["text", "input_ids", "sampling_params", "stream"];
 
 /// The other fields of both OpenAI endpoints that the server implements.
-const USED: [&str; 7] = ["model", "max_tokens", "n", "stream", "stream_options", "logprobs", "logit_bias"];
+const USED: [&str; 8] =
+    ["model", "max_tokens", "n", "stream", "stream_options", "logprobs", "logit_bias", "response_format"];
 
 /// The JSON type a field takes (null is always accepted: the default).
 #[derive(Clone, Copy)]
@@ -59,7 +62,9 @@ enum Ty {
 
 /// The types of the fields the server reads, checked before the body is typed so that a
 /// wrong type is a 400 naming its field.
-const TYPES: [(&str, Ty); 22] = [
+const TYPES: [(&str, Ty); 24] = [
+    ("regex", Ty::String),
+    ("response_format", Ty::Object),
     ("model", Ty::String),
     ("max_tokens", Ty::Integer),
     ("max_completion_tokens", Ty::Integer),
@@ -180,23 +185,6 @@ fn conditional(k: &str, v: &Value, body: &Map<String, Value>, endpoint: Endpoint
     let tools = body.get("tools").is_some_and(|t| !t.is_null() && t.as_array().is_none_or(|a| !a.is_empty()));
     // Unknown fields fall through to the last arm.
     Ok(match (k, endpoint) {
-        ("response_format", _) => {
-            let kind = v.get("type").and_then(Value::as_str);
-            match kind {
-                _ if v.is_null() => false,
-                Some("text") => false,
-                Some("json_object" | "json_schema") => true,
-                _ => {
-                    return Err(ApiError::bad(
-                        format!(
-                            "response_format.type must be text, json_object or json_schema, got {}",
-                            v.get("type").unwrap_or(&Value::Null)
-                        ),
-                        Some("response_format"),
-                    ))
-                }
-            }
-        }
         ("tools", Endpoint::Chat) => tools,
         ("tool_choice", Endpoint::Chat) => match v {
             Value::Null => false,
@@ -231,7 +219,7 @@ fn conditional(k: &str, v: &Value, body: &Map<String, Value>, endpoint: Endpoint
 
 /// Fields of OpenAI's API (or SGLang's / vLLM's extensions) that this server does not
 /// implement yet.
-const NOT_YET: [&str; 13] = [
+const NOT_YET: [&str; 10] = [
     "echo",
     "best_of",
     "tools",
@@ -239,9 +227,6 @@ const NOT_YET: [&str; 13] = [
     "parallel_tool_calls",
     "functions",
     "function_call",
-    "response_format",
-    "regex",
-    "json_schema",
     "ebnf",
     "prediction",
     "modalities",
@@ -250,15 +235,10 @@ const NOT_YET: [&str; 13] = [
 /// The 400 of a field the server does not implement (or know), naming it.
 fn refused(k: &str) -> ApiError {
     let what = match k {
-        "response_format"
-        | "tools"
-        | "tool_choice"
-        | "parallel_tool_calls"
-        | "functions"
-        | "function_call"
-        | "regex"
-        | "json_schema"
-        | "ebnf" => "structured outputs and tool calling are not supported yet",
+        "tools" | "tool_choice" | "parallel_tool_calls" | "functions" | "function_call" => {
+            "tool calling is not supported yet"
+        }
+        "ebnf" => "EBNF grammars are not supported yet (regex, json_schema and response_format are)",
         _ if NOT_YET.contains(&k) => "this value is not supported by this server",
         _ => "unrecognized request argument",
     };

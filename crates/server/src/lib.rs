@@ -11,6 +11,7 @@ pub mod embeddings;
 pub mod error;
 pub mod fields;
 pub mod fim;
+pub mod format;
 pub mod history;
 pub mod metrics;
 pub mod routes;
@@ -38,6 +39,9 @@ pub struct ServeOptions {
     pub graceful_shutdown_timeout: std::time::Duration,
     /// How `/v1/embeddings` pools an input's final hidden states.
     pub pooling: runtime::Pooling,
+    /// Constrained decoding against the served tokenizer (`None`: it could not be loaded, and
+    /// requests with an output format get a 400).
+    pub grammars: Option<Arc<grammar::Grammars>>,
 }
 
 /// Serves `engine` until SIGTERM or Ctrl-C: then it answers new requests with 503 while the
@@ -65,6 +69,7 @@ pub fn serve(engine: Engine, tok: Tokenizer, opts: ServeOptions) -> Result<(), S
             vocab,
             hidden,
             pooling: opts.pooling,
+            grammars: opts.grammars.clone(),
             engine: handle.clone(),
             detok: detok::Detokenizer::spawn(tok.clone()),
             tok,

@@ -52,6 +52,8 @@ pub struct AppState {
     pub hidden: usize,
     /// How `/v1/embeddings` pools an input's hidden states.
     pub pooling: runtime::Pooling,
+    /// Constrained decoding against the served tokenizer (`None`: it could not be loaded).
+    pub grammars: Option<Arc<grammar::Grammars>>,
     /// Prometheus metrics.
     pub metrics: Metrics,
     /// Unix time the server started (the model's `created`).
@@ -427,7 +429,11 @@ async fn run(st: &Arc<AppState>, job: Job, kind: Kind, ticket: Ticket) -> Result
     let start = Instant::now();
     let (tx, rx) = unbounded_channel();
     let mut guard = Guard::new(st.engine.clone());
-    for (i, r) in job.requests.into_iter().enumerate() {
+    for (i, mut r) in job.requests.into_iter().enumerate() {
+        if let Some(f) = job.format.clone() {
+            let g = st.grammars.clone();
+            r.constraint = Some(blocking(move || f.compile(g.as_deref())).await??);
+        }
         let sink = st.detok.open(i, job.stops.clone(), r.prompt.len(), tx.clone());
         let engine = st.engine.clone();
         let id = blocking(move || engine.submit(r, sink)).await??;

@@ -1,0 +1,113 @@
+//! What a request's output must follow: OpenAI's `response_format` (`json_object`, or
+//! `json_schema` with its `schema`), SGLang's `regex` and `json_schema` (a schema as a JSON
+//! string or object), at most one of them, turned into a [`grammar::Spec`] and compiled per
+//! choice against the served tokenizer (a schema or expression that does not compile is a 400
+//! naming the field).
+
+use crate::error::ApiError;
+use grammar::{Grammars, Spec};
+use runtime::Constraint;
+use serde_json::Value;
+
+/// A request's output format and the field that gave it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Format {
+    /// What the output must be.
+    pub spec: Spec,
+    /// The request field it came from (errors name it).
+    pub field: &'static str,
+}
+
+/// The format of a request with these fields (`None`: free text).
+pub fn parse(
+    response_format: Option<&Value>,
+    regex: Option<&str>,
+    json_schema: Option<&Value>,
+) -> Result<Option<Format>, ApiError> {
+    let mut found = vec![];
+    if let Some(rf) = response_format.filter(|v| !v.is_null()) {
+        if let Some(spec) = response(rf)? {
+            found.push(Format { spec, field: "response_format" });
+        }
+    }
+    if let Some(rx) = regex {
+        found.push(Format { spec: Spec::Regex(rx.to_string()), field: "regex" });
+    }
+    if let Some(s) = json_schema.filter(|v| !v.is_null()) {
+        found.push(Format { spec: Spec::JsonSchema(schema_value(s)?), field: "json_schema" });
+    }
+    if found.len() > 1 {
+        let names: Vec<&str> = found.iter().map(|f| f.field).collect();
+        return Err(ApiError::bad(
+            format!("give at most one of response_format, regex and json_schema, got {}", names.join(" and ")),
+            Some(found[1].field),
+        ));
+    }
+    Ok(found.pop())
+}
+
+/// OpenAI's `response_format`: `text` (none), `json_object`, `json_schema`.
+fn response(rf: &Value) -> Result<Option<Spec>, ApiError> {
+    let bad = |m: String| Err(ApiError::bad(m, Some("response_format")));
+    match rf.get("type").and_then(Value::as_str) {
+        Some("text") => Ok(None),
+        Some("json_object") => Ok(Some(Spec::JsonObject)),
+        Some("json_schema") => match rf.get("json_schema").and_then(|j| j.get("schema")) {
+            Some(s) if s.is_object() || s.is_boolean() => Ok(Some(Spec::JsonSchema(s.clone()))),
+            _ => bad("response_format json_schema needs `json_schema.schema`, a JSON schema object".into()),
+        },
+        _ => bad(format!(
+            "response_format.type must be text, json_object or json_schema, got {}",
+            rf.get("type").unwrap_or(&Value::Null)
+        )),
+    }
+}
+
+/// SGLang's `json_schema`: the schema as a JSON string, or the object itself.
+fn schema_value(v: &Value) -> Result<Value, ApiError> {
+    match v {
+        Value::String(s) => serde_json::from_str(s)
+            .map_err(|e| ApiError::bad(format!("json_schema is not valid JSON: {e}"), Some("json_schema"))),
+        Value::Object(_) | Value::Bool(_) => Ok(v.clone()),
+        _ => {
+            Err(ApiError::bad("json_schema must be a JSON schema (an object, or one as a string)", Some("json_schema")))
+        }
+    }
+}
+
+impl Format {
+    /// One choice's constraint; `grammars` is `None` when the served tokenizer could not be
+    /// loaded for constrained decoding.
+    pub fn compile(&self, grammars: Option<&Grammars>) -> Result<Constraint, ApiError> {
+        let g = grammars.ok_or_else(|| {
+            ApiError::bad("this server has no grammar engine for its tokenizer (see its log)", Some(self.field))
+        })?;
+        g.compile(&self.spec).map_err(|e| ApiError::bad(format!("{}: {e}", self.field), Some(self.field)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn each_field_gives_its_spec_and_two_are_refused() {
+        let obj = json!({"type": "object"});
+        assert_eq!(parse(None, None, None).unwrap(), None);
+        assert_eq!(parse(Some(&json!({"type": "text"})), None, None).unwrap(), None);
+        let f = parse(Some(&json!({"type": "json_object"})), None, None).unwrap().unwrap();
+        assert_eq!((f.spec, f.field), (Spec::JsonObject, "response_format"));
+        let rf = json!({"type": "json_schema", "json_schema": {"name": "x", "schema": obj}});
+        assert_eq!(parse(Some(&rf), None, None).unwrap().unwrap().spec, Spec::JsonSchema(obj.clone()));
+        let s = json!(obj.to_string());
+        assert_eq!(parse(None, None, Some(&s)).unwrap().unwrap().spec, Spec::JsonSchema(obj.clone()));
+        assert_eq!(parse(None, Some("a+"), None).unwrap().unwrap().spec, Spec::Regex("a+".into()));
+        let e = parse(Some(&json!({"type": "json_object"})), Some("a"), None).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("regex"));
+        let e = parse(Some(&json!({"type": "json_schema"})), None, None).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("response_format"));
+        let e = parse(None, None, Some(&json!("{not json"))).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("json_schema"));
+    }
+}
