@@ -380,20 +380,24 @@ impl HeadNorm {
 
     /// The template arguments `NQ, NK, NWQ, NWK`.
     fn args(self) -> Result<String, CodegenError> {
-        let ty = |w: Option<DType>| ctype(w.unwrap_or(DType::F32));
-        Ok(format!("{}, {}, {}, {}", self.q.is_some(), self.k.is_some(), ty(self.q)?, ty(self.k)?))
+        let (q, k) = self.weight_types()?;
+        Ok(format!("{}, {}, {q}, {k}", self.q.is_some(), self.k.is_some()))
     }
 
     /// The parameters RoPE + KV write kernels share: q, k and v, where the token goes, how it
     /// rotates and how its heads are normalised.
     fn rope_head_params(self) -> Result<String, CodegenError> {
-        let ty = |w: Option<DType>| ctype(w.unwrap_or(DType::F32));
+        let (q, k) = self.weight_types()?;
         Ok(format!(
             "const float* q, const float* k, const float* v, const int* pos, const float* inv_freq, float rscale, \
-             const int* slot_of, const {}* qnw, const {}* knw, float qeps, float keps",
-            ty(self.q)?,
-            ty(self.k)?
+             const int* slot_of, const {q}* qnw, const {k}* knw, float qeps, float keps"
         ))
+    }
+
+    /// The C types of q's and k's norm weights (`float` for an absent one: never read).
+    fn weight_types(self) -> Result<(&'static str, &'static str), CodegenError> {
+        let ty = |w: Option<DType>| ctype(w.unwrap_or(DType::F32));
+        Ok((ty(self.q)?, ty(self.k)?))
     }
 }
 

@@ -28,6 +28,8 @@ pub enum Spec {
 /// Grammars compiled against one tokenizer.
 pub struct Grammars {
     factory: Arc<ParserFactory>,
+    /// The end-of-sequence token set, as a mask: all an ended or failed parser allows.
+    eos: Vec<u32>,
 }
 
 impl std::fmt::Debug for Grammars {
@@ -49,7 +51,8 @@ impl Grammars {
         let env = bt.into_tok_env(Some(vocab)).map_err(|e| format!("the token trie: {e}"))?;
         let mut factory = ParserFactory::new_simple(&env).map_err(|e| format!("the grammar engine: {e}"))?;
         factory.quiet();
-        Ok(Grammars { factory: Arc::new(factory) })
+        let eos = env.tok_trie().eos_token_set().as_slice().to_vec();
+        Ok(Grammars { factory: Arc::new(factory), eos })
     }
 
     /// A fresh constraint for one output of `spec`; a schema, expression or grammar that does
@@ -66,8 +69,7 @@ impl Grammars {
         if let Some(e) = matcher.get_error() {
             return Err(e);
         }
-        let eos = self.factory.tok_env().tok_trie().eos_token_set();
-        Ok(Constraint::new(Llg { matcher, eos: eos.as_slice().to_vec() }))
+        Ok(Constraint::new(Llg { matcher, eos: self.eos.clone() }))
     }
 }
 
