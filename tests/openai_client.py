@@ -80,11 +80,9 @@ def check_api(msgs):
     # Everything else that would change the answer is a 400 naming the field.
     expect_error(openai.BadRequestError, 400, "messages", model=model, messages=[{"role": "wizard", "content": "hi"}])
     expect_error(openai.BadRequestError, 400, "messages", model=model, messages=[{"role": "user", "content": None}])
-    # Tool-calling turns of the history: SmolLM2's chat template renders none, so they are
-    # refused rather than dropped (tests/server.rs renders them through Qwen's).
-    call = {"id": "c1", "type": "function", "function": {"name": "answer", "arguments": '{"q": 1}'}}
-    turns = msgs + [{"role": "assistant", "content": None, "tool_calls": [call]},
-                    {"role": "tool", "content": "42", "tool_call_id": "c1"}]
+    # Malformed tool-calling turns of the history (check_tools sends good ones).
+    call = {"id": "c1", "type": "function", "function": {"name": "answer", "arguments": '{"q": '}}
+    turns = msgs + [{"role": "assistant", "content": None, "tool_calls": [call]}]
     expect_error(openai.BadRequestError, 400, "messages", model=model, messages=turns)
     # logit_bias: -100 on the greedy first token changes the answer; +100 on a token forces it.
     greedy = chat(messages=msgs, temperature=0, max_tokens=1, logprobs=True, top_logprobs=1)
@@ -206,6 +204,72 @@ def check_structured():
     assert len(texts) == 50 and all(re.fullmatch(rx, t) for t in texts), texts
 
 
+def streamed_calls(**kw):
+    """A streamed answer's content, calls (put together from delta.tool_calls as OpenAI's
+    documentation does) and finish reason."""
+    content, calls, finish = "", {}, None
+    for chunk in chat(stream=True, **kw):
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            for t in c.delta.tool_calls or []:
+                call = calls.setdefault(t.index, {"id": t.id, "name": "", "arguments": ""})
+                call["name"] += t.function.name or ""
+                call["arguments"] += t.function.arguments or ""
+            finish = c.finish_reason or finish
+    return content, [calls[i] for i in sorted(calls)], finish
+
+
+def check_tools():
+    """A tool-calling round trip through the package: tools -> tool_calls -> a `tool` message
+    -> the final answer, streamed and not. SmolLM2's chat template takes no tools: the server
+    tells the model about them in the system message and reads its calls back."""
+    import json
+
+    weather = {"type": "function", "function": {
+        "name": "get_weather", "description": "The current weather in a city.",
+        "parameters": {"type": "object", "properties": {
+            "city": {"type": "string", "maxLength": 20},
+            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"], "additionalProperties": False}}}
+    ask = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+    r = chat(messages=ask, tools=[weather], tool_choice="required", parallel_tool_calls=False, temperature=0,
+             max_tokens=60)
+    m = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and m.content is None and len(m.tool_calls) >= 1, r
+    call = m.tool_calls[0]
+    args = json.loads(call.function.arguments)
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_"), call
+    assert set(args) == {"city", "unit"} and args["unit"] in ("celsius", "fahrenheit") and len(args["city"]) <= 20
+    # Streamed: the same calls.
+    content, calls, finish = streamed_calls(messages=ask, tools=[weather], tool_choice="required", temperature=0,
+                                            parallel_tool_calls=False,
+                                            max_tokens=60)
+    assert finish == "tool_calls" and content == "", (content, finish)
+    assert [(c["name"], c["arguments"]) for c in calls] == [(t.function.name, t.function.arguments) for t in m.tool_calls]
+    # A named function, one call.
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = chat(messages=ask, tools=[weather], tool_choice=named, parallel_tool_calls=False, temperature=0.7, seed=1,
+             max_tokens=60)
+    assert [t.function.name for t in r.choices[0].message.tool_calls] == ["get_weather"], r
+    # The result goes back as a `tool` message; the model answers in text.
+    history = ask + [m.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 24 degrees celsius."}]
+    final = chat(messages=history, tools=[weather], tool_choice="none", temperature=0, max_tokens=40)
+    text = final.choices[0].message.content
+    assert final.choices[0].message.tool_calls is None and text and final.choices[0].finish_reason in ("stop", "length")
+    content, calls, finish = streamed_calls(messages=history, tools=[weather], tool_choice="none", temperature=0,
+                                            max_tokens=40)
+    assert content == text and calls == [] and finish == final.choices[0].finish_reason, (content, text)
+    # The history with its tool turns reached the model: the prompt is longer than without them.
+    plain = chat(messages=ask, temperature=0, max_tokens=1)
+    assert final.usage.prompt_tokens > plain.usage.prompt_tokens + 20, (final.usage, plain.usage)
+    # auto: whatever the model writes comes back as text or calls, never both lost.
+    r = chat(messages=ask, tools=[weather], tool_choice="auto", temperature=0, max_tokens=60)
+    c = r.choices[0]
+    assert (c.finish_reason == "tool_calls") == bool(c.message.tool_calls), c
+    assert c.message.content or c.message.tool_calls, c
+
+
 def check_errors(msgs):
     expect_error(openai.NotFoundError, 404, "model", "model_not_found", model="no-such-model", messages=msgs)
     expect_error(openai.BadRequestError, 400, "messages", model=model, messages=[])
@@ -267,6 +331,7 @@ if mode == "smollm2":
     check_api(msgs)
     check_embeddings()
     check_structured()
+    check_tools()
     check_errors(msgs)
 elif mode == "unicode":
     for prompt in ["你好，世界！请介绍一下长城。", "Emoji: 😀🎉👍🏽 and 🇫🇷, 日本語も", "한국어 텍스트와 中文混合"]:

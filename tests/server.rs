@@ -89,9 +89,9 @@ fn errors_have_status_type_param_and_message() {
         ("POST", chat, r#"{"messages": [{"role": "wizard", "content": "x"}]}"#.into(), 400, bad, Some("messages"), "role must be system, developer, user, assistant or tool"),
         ("POST", chat, r#"{"messages": [{"role": "user", "content": null}]}"#.into(), 400, bad, Some("messages"), "(user) has no content"),
         ("POST", chat, r#"{"messages": [{"role": "user"}]}"#.into(), 400, bad, Some("messages"), "(user) has no content"),
-        // SmolLM2's chat template renders no tool turns: refused, not dropped.
-        ("POST", chat, r#"{"messages": [{"role": "tool", "content": "1", "tool_call_id": "a"}]}"#.into(), 400, bad, Some("messages"), "does not render tool results"),
-        ("POST", chat, r#"{"messages": [{"role": "assistant", "content": null, "tool_calls": [{"id": "a"}]}]}"#.into(), 400, bad, Some("messages"), "does not render tool calls"),
+        // Malformed tool-calling turns (tests/tools.rs renders good ones).
+        ("POST", chat, r#"{"messages": [{"role": "tool", "content": "1"}]}"#.into(), 400, bad, Some("messages"), "needs a `tool_call_id`"),
+        ("POST", chat, r#"{"messages": [{"role": "assistant", "content": null, "tool_calls": [{"id": "a"}]}]}"#.into(), 400, bad, Some("messages"), "tool_calls[0].type"),
         ("POST", chat, r#"{"messages": [{"role": "user", "content": "x", "tool_calls": []}]}"#.into(), 400, bad, Some("messages"), "only assistant messages have tool_calls"),
         ("POST", chat, r#"{"messages": [{"role": "function", "content": "1"}]}"#.into(), 400, bad, Some("messages"), "user, assistant or tool"),
         ("POST", chat, format!(r#"{{{msgs}, "model": null}}"#), 400, bad, Some("model"), "model must be a string"),
@@ -102,7 +102,8 @@ fn errors_have_status_type_param_and_message() {
         ("POST", chat, format!(r#"{{{msgs}, "response_format": {{"type": "bogus"}}}}"#), 400, bad, Some("response_format"), "must be text, json_object or json_schema"),
         ("POST", chat, format!(r#"{{{msgs}, "response_format": {{"type": "json_schema", "json_schema": {{}}}}}}"#), 400, bad, Some("response_format"), "needs `json_schema.schema`"),
         ("POST", chat, format!(r#"{{{msgs}, "tool_choice": "required"}}"#), 400, bad, Some("tool_choice"), "needs tools"),
-        ("POST", chat, format!(r#"{{{msgs}, "tools": [{{"type": "function", "function": {{"name": "f"}}}}]}}"#), 400, bad, Some("tools"), "not supported yet"),
+        ("POST", chat, format!(r#"{{{msgs}, "tools": [{{"type": "function", "function": {{"name": "f"}}}}], "tool_choice": {{"type": "function", "function": {{"name": "g"}}}}}}"#), 400, bad, Some("tool_choice"), "not among the tools"),
+        ("POST", chat, format!(r#"{{{msgs}, "functions": [{{"name": "f"}}]}}"#), 400, bad, Some("functions"), "send `tools`"),
         ("POST", chat, format!(r#"{{{msgs}, "top_logprobs": 2}}"#), 400, bad, Some("top_logprobs"), "needs logprobs: true"),
         ("POST", chat, format!(r#"{{{msgs}, "stop_token_ids": [99999999]}}"#), 400, bad, Some("stop_token_ids"), "outside the vocabulary"),
         ("POST", chat, format!(r#"{{{msgs}, "frobnicate": 1}}"#), 400, bad, Some("frobnicate"), "unrecognized request argument"),
@@ -375,21 +376,6 @@ fn post(server: &Server, path: &str, body: &Value) -> Value {
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("{path}: not JSON ({e}): {text}"))
 }
 
-/// The `data:` payloads of a chunked server-sent-events body.
-fn sse_data(raw: &str) -> Vec<String> {
-    let mut body = String::new();
-    let mut rest = raw;
-    while let Some((size, after)) = rest.split_once("\r\n") {
-        let n = usize::from_str_radix(size.trim(), 16).unwrap_or_else(|e| panic!("chunk size `{size}`: {e}"));
-        if n == 0 {
-            break;
-        }
-        body += &after[..n];
-        rest = after[n..].strip_prefix("\r\n").expect("CRLF after a chunk");
-    }
-    body.lines().filter_map(|l| l.strip_prefix("data: ")).map(String::from).collect()
-}
-
 /// The engine itself (in this process, on the CPU) and the bundle's tokenizer: what the server
 /// must match.
 struct Reference {
@@ -648,7 +634,7 @@ fn max_running_requests_runs_one_at_a_time() {
 /// renders through the model's chat template (tiny-qwen2's, which takes tools): the prompt is
 /// the template's rendering of that history, the call's arguments (sent as a JSON string)
 /// as an object, as vLLM passes them (`history::tests` checks the parsing itself). Malformed
-/// turns are 400s naming `messages`; templates without tool turns: the error table.
+/// turns are 400s naming `messages`; templates without tool turns: tests/tools.rs.
 #[test]
 fn chat_history_with_tool_calls_renders_through_the_template() {
     let dir = scratch(env!("CARGO_TARGET_TMPDIR"), "server-tool-turns");

@@ -379,3 +379,18 @@ pub fn compile_checkpoint(model: &str, checkpoint: &Path, dir: &Path, tp: usize,
     compiler::compile(&opts).unwrap_or_else(|e| panic!("compiling {}: {e}", checkpoint.display()));
     out
 }
+
+/// The `data:` payloads of a chunked server-sent-events body.
+pub fn sse_data(raw: &str) -> Vec<String> {
+    let mut body = String::new();
+    let mut rest = raw;
+    while let Some((size, after)) = rest.split_once("\r\n") {
+        let n = usize::from_str_radix(size.trim(), 16).unwrap_or_else(|e| panic!("chunk size `{size}`: {e}"));
+        if n == 0 {
+            break;
+        }
+        body += &after[..n];
+        rest = after[n..].strip_prefix("\r\n").expect("CRLF after a chunk");
+    }
+    body.lines().filter_map(|l| l.strip_prefix("data: ")).map(String::from).collect()
+}

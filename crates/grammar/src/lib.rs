@@ -96,7 +96,7 @@ fn byte_level_decoder(tokenizer_json: &[u8]) -> Result<Vec<u8>, String> {
 /// options): `", "` between items and `": "` after keys, as Python's `json.dumps` writes them,
 /// and no other whitespace. llguidance's default allows any whitespace between tokens, which a
 /// model may emit without end; this keeps every output of a bounded schema bounded.
-fn json_layout(mut schema: Value) -> Value {
+pub fn json_layout(mut schema: Value) -> Value {
     if let Value::Object(map) = &mut schema {
         map.entry("x-guidance").or_insert_with(
             || serde_json::json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "}),

@@ -103,3 +103,35 @@ fn what_does_not_compile_is_an_error() {
     }
     assert!(g.compile(&Spec::Lark("start: \"a\" | \"b\"".into())).is_ok());
 }
+
+/// A Lark grammar with literals around an embedded JSON schema (the shape of the server's
+/// tool-call grammar): walks write the literals, then JSON of the schema, then end.
+#[test]
+fn lark_with_embedded_json_walks_to_its_end() {
+    let dir = fixture("tiny-qwen2");
+    let json = std::fs::read(dir.join("tokenizer.json")).unwrap();
+    let tok = text::Tokenizer::load(&dir).unwrap();
+    let g = Grammars::load(&json, &[976], 1024).unwrap();
+    let schema = grammar::json_layout(person());
+    // `<tool_call>` is a token of its own: llguidance reads it as a special token (by name).
+    let lark = format!("start: call (\"\\n\" call)*\ncall: <tool_call> \"\\n\" %json {schema} \"\\n\" </tool_call>\n");
+    // SmolLM2 has no such token: the same text, as a string.
+    let smol = fixture("smollm2-135m");
+    let smol_g = Grammars::load(&std::fs::read(smol.join("tokenizer.json")).unwrap(), &[2], 49152).unwrap();
+    let smol_tok = text::Tokenizer::load(&smol).unwrap();
+    let smol_lark = lark
+        .replace("<tool_call> \"\\n\"", "\"<tool_call>\\n\"")
+        .replace("\"\\n\" </tool_call>", "\"\\n</tool_call>\"");
+    assert_ne!(smol_lark, lark);
+    let mut rng = Rng(11);
+    for i in 0..24 {
+        let text = match i % 3 {
+            0 => walk(&smol_g, &Spec::Lark(smol_lark.clone()), &smol_tok, 2, 49152, &mut rng),
+            _ => walk(&g, &Spec::Lark(lark.clone()), &tok, 976, 1024, &mut rng),
+        };
+        for block in text.split("\n<tool_call>\n").map(|b| b.trim_start_matches("<tool_call>\n")) {
+            let body = block.strip_suffix("\n</tool_call>").unwrap_or_else(|| panic!("{text:?}"));
+            assert!(valid_person(body), "{text:?}");
+        }
+    }
+}

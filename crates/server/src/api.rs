@@ -134,6 +134,9 @@ pub struct Job {
     pub echo: Vec<String>,
     /// What every choice's output must follow (compiled per choice when it is submitted).
     pub format: Option<crate::format::Format>,
+    /// Chat with tools: tool calls are read back from each choice's output
+    /// ([`crate::tool_parse`]).
+    pub tool_calls: bool,
 }
 
 fn int(v: Option<i64>, name: &'static str, lo: i64, hi: i64) -> Result<Option<usize>, ApiError> {
@@ -265,7 +268,7 @@ impl Params {
             }
         }
         let include_usage = self.stream_options.as_ref().is_some_and(|o| o.include_usage);
-        Ok(Job { requests, stops, n, stream: self.stream, include_usage, echo: vec![], format })
+        Ok(Job { requests, stops, n, stream: self.stream, include_usage, echo: vec![], format, tool_calls: false })
     }
 }
 
@@ -274,15 +277,41 @@ impl Params {
 pub struct ChatRequest {
     /// The conversation.
     pub messages: Vec<Value>,
+    /// Functions the model may call ([`crate::tools`]).
+    pub tools: Option<Value>,
+    /// `none`, `auto`, `required` or a named function.
+    pub tool_choice: Option<Value>,
+    /// More than one call per answer (default true).
+    pub parallel_tool_calls: Option<Value>,
     /// Everything else.
     #[serde(flatten)]
     pub params: Params,
 }
 
 impl ChatRequest {
-    /// The messages for the chat template: roles checked, content as a string (text parts
-    /// joined), tool-calling turns checked against what the template renders (`history`).
-    pub fn template_messages(&self, turns: crate::history::ToolTurns) -> Result<Value, ApiError> {
+    /// The messages and extra variables (`tools`) for the chat template, with the request's
+    /// tools: the template takes them itself where it speaks the tool-call syntax (`syntax`),
+    /// else they and the history's tool-calling turns are written as text
+    /// ([`crate::history::generic`]).
+    pub fn template_input(
+        &self,
+        syntax: crate::history::ToolSyntax,
+        tools: Option<&crate::tools::Tools>,
+    ) -> Result<(Value, Option<Value>), ApiError> {
+        let messages = self.template_messages()?;
+        Ok(match syntax {
+            crate::history::ToolSyntax::Native => {
+                (Value::Array(messages), tools.map(|t| serde_json::json!({"tools": t.declared})))
+            }
+            crate::history::ToolSyntax::Generic => {
+                (Value::Array(crate::history::generic(messages, tools.map(|t| t.system_text()))), None)
+            }
+        })
+    }
+
+    /// The messages: roles checked, content as a string (text parts joined), tool-calling
+    /// turns checked (`history`), arguments parsed.
+    fn template_messages(&self) -> Result<Vec<Value>, ApiError> {
         if self.messages.is_empty() {
             return Err(ApiError::bad("messages must not be empty", Some("messages")));
         }
@@ -294,7 +323,7 @@ impl ChatRequest {
                 .ok_or_else(|| ApiError::bad(format!("messages[{i}] has no `role` string"), Some("messages")))?;
             match role {
                 "system" | "developer" | "user" | "assistant" => {}
-                "tool" => crate::history::tool_result(i, m, turns)?,
+                "tool" => crate::history::tool_result(i, m)?,
                 other => {
                     return Err(ApiError::bad(
                         format!("messages[{i}].role must be system, developer, user, assistant or tool, got `{other}`"),
@@ -315,7 +344,7 @@ impl ChatRequest {
                         Some("messages"),
                     ))
                 }
-                Some(c) => Some(crate::history::tool_calls(i, c, turns)?),
+                Some(c) => Some(crate::history::tool_calls(i, c)?),
                 None => None,
             };
             let content = match m.get("content") {
@@ -351,7 +380,7 @@ impl ChatRequest {
             }
             out.push(msg);
         }
-        Ok(Value::Array(out))
+        Ok(out)
     }
 
     /// The number of top logprobs asked for (`logprobs: true` with `top_logprobs`).

@@ -124,7 +124,9 @@ const HARMLESS: [&str; 4] = ["user", "metadata", "store", "service_tier"];
 /// Checks every top-level field of `body` (a JSON object) for `endpoint`.
 pub fn check(body: &Map<String, Value>, endpoint: Endpoint) -> Result<(), ApiError> {
     let own: &[&str] = match endpoint {
-        Endpoint::Chat => &["messages", "max_completion_tokens", "top_logprobs"],
+        Endpoint::Chat => {
+            &["messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"]
+        }
         Endpoint::Completions => &["prompt", "suffix"],
         Endpoint::Generate => return check_generate(body),
     };
@@ -182,19 +184,8 @@ fn check_types(fields: &Map<String, Value>) -> Result<(), ApiError> {
 /// and an error where the value is invalid.
 fn conditional(k: &str, v: &Value, body: &Map<String, Value>, endpoint: Endpoint) -> Result<bool, ApiError> {
     let null_or = |ok: &dyn Fn(&Value) -> bool| v.is_null() || ok(v);
-    let tools = body.get("tools").is_some_and(|t| !t.is_null() && t.as_array().is_none_or(|a| !a.is_empty()));
     // Unknown fields fall through to the last arm.
     Ok(match (k, endpoint) {
-        ("tools", Endpoint::Chat) => tools,
-        ("tool_choice", Endpoint::Chat) => match v {
-            Value::Null => false,
-            Value::String(s) if s == "none" || s == "auto" => false,
-            _ if !tools => {
-                return Err(ApiError::bad("tool_choice other than none or auto needs tools", Some("tool_choice")))
-            }
-            _ => true,
-        },
-        ("parallel_tool_calls", Endpoint::Chat) => tools,
         ("echo", Endpoint::Completions) => {
             let logprobs = body.get("logprobs").is_some_and(|l| !l.is_null());
             if v == &Value::Bool(true) && logprobs {
@@ -219,25 +210,12 @@ fn conditional(k: &str, v: &Value, body: &Map<String, Value>, endpoint: Endpoint
 
 /// Fields of OpenAI's API (or SGLang's / vLLM's extensions) that this server does not
 /// implement yet.
-const NOT_YET: [&str; 10] = [
-    "echo",
-    "best_of",
-    "tools",
-    "tool_choice",
-    "parallel_tool_calls",
-    "functions",
-    "function_call",
-    "ebnf",
-    "prediction",
-    "modalities",
-];
+const NOT_YET: [&str; 7] = ["echo", "best_of", "functions", "function_call", "ebnf", "prediction", "modalities"];
 
 /// The 400 of a field the server does not implement (or know), naming it.
 fn refused(k: &str) -> ApiError {
     let what = match k {
-        "tools" | "tool_choice" | "parallel_tool_calls" | "functions" | "function_call" => {
-            "tool calling is not supported yet"
-        }
+        "functions" | "function_call" => "deprecated by OpenAI and not supported: send `tools` and `tool_choice`",
         "ebnf" => "EBNF grammars are not supported yet (regex, json_schema and response_format are)",
         _ if NOT_YET.contains(&k) => "this value is not supported by this server",
         _ => "unrecognized request argument",

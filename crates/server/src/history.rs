@@ -1,26 +1,35 @@
 //! The tool-calling turns of a chat history: an assistant message's `tool_calls` and `tool`
-//! messages with their results, passed to the model's chat template as vLLM and SGLang pass
-//! them (arguments as JSON objects, not strings), where the template renders them; a history
-//! the template cannot render is refused rather than silently dropped.
+//! messages with their results. A chat template that speaks the tool-call syntax
+//! ([`crate::tool_parse`]) gets them as vLLM and SGLang pass them (arguments as JSON objects,
+//! not strings); for any other template they are written into the messages' text in that
+//! syntax ([`generic`]), as the template would have, so no turn is dropped.
 
 use crate::error::ApiError;
-use serde_json::Value;
+use crate::tool_parse::{CLOSE, OPEN};
+use serde_json::{json, Value};
 
-/// What the model's chat template renders of tool-calling turns.
+/// How the model's chat template takes tools and tool-calling turns.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct ToolTurns {
-    /// Assistant messages' `tool_calls`.
-    pub calls: bool,
-    /// `tool` messages (results).
-    pub results: bool,
+pub enum ToolSyntax {
+    /// It renders `tools`, assistant `tool_calls` and `tool` messages in the Hermes syntax
+    /// itself (Qwen2.5's and Qwen3's templates).
+    Native,
+    /// It renders none of them (or not in that syntax): the server writes them as text.
+    #[default]
+    Generic,
 }
 
-impl ToolTurns {
-    /// Read from the template's source: it renders calls if it reads `tool_calls`, results if it
-    /// compares a role with `tool`.
-    pub fn of_template(source: Option<&str>) -> ToolTurns {
+impl ToolSyntax {
+    /// Read from the template's source: native if it writes `<tool_call>`, reads `tool_calls`
+    /// and compares a role with `tool`.
+    pub fn of_template(source: Option<&str>) -> ToolSyntax {
         let s = source.unwrap_or_default();
-        ToolTurns { calls: s.contains("tool_calls"), results: s.contains("\"tool\"") || s.contains("'tool'") }
+        let results = s.contains("\"tool\"") || s.contains("'tool'");
+        if s.contains(OPEN) && s.contains("tool_calls") && results {
+            ToolSyntax::Native
+        } else {
+            ToolSyntax::Generic
+        }
     }
 }
 
@@ -30,10 +39,7 @@ fn bad(message: String) -> ApiError {
 
 /// Message `i`'s `tool_calls` (OpenAI's shape: `[{id, type: "function", function: {name,
 /// arguments}}]`, arguments a JSON string), checked, with the arguments parsed into objects.
-pub fn tool_calls(i: usize, calls: &Value, turns: ToolTurns) -> Result<Value, ApiError> {
-    if !turns.calls {
-        return Err(bad(format!("messages[{i}]: this model's chat template does not render tool calls")));
-    }
+pub fn tool_calls(i: usize, calls: &Value) -> Result<Value, ApiError> {
     let calls = calls
         .as_array()
         .filter(|a| !a.is_empty())
@@ -61,29 +67,78 @@ pub fn tool_calls(i: usize, calls: &Value, turns: ToolTurns) -> Result<Value, Ap
     Ok(Value::Array(out))
 }
 
-/// Checks a `tool` message (`i`) before its content is read: the template renders results and
-/// the message names the call it answers.
-pub fn tool_result(i: usize, m: &Value, turns: ToolTurns) -> Result<(), ApiError> {
-    if !turns.results {
-        return Err(bad(format!("messages[{i}]: this model's chat template does not render tool results")));
-    }
+/// Checks a `tool` message (`i`) before its content is read: it names the call it answers.
+pub fn tool_result(i: usize, m: &Value) -> Result<(), ApiError> {
     if !m.get("tool_call_id").is_some_and(Value::is_string) {
         return Err(bad(format!("messages[{i}] (tool) needs a `tool_call_id` string")));
     }
     Ok(())
 }
 
+/// One call as Qwen's template writes it after an assistant's text.
+fn call_text(call: &Value) -> String {
+    let f = &call["function"];
+    let body = json!({"name": f["name"], "arguments": f["arguments"]});
+    format!("{OPEN}\n{}\n{CLOSE}", text::python_json(&body))
+}
+
+/// `messages` (checked, arguments parsed) for a template that does not render tool-calling
+/// turns: each call written after its assistant message's text, each run of `tool` messages
+/// one user message of `<tool_response>` blocks; `system` (the tools' description, if any)
+/// appended to the first system message or sent as one.
+pub fn generic(messages: Vec<Value>, system: Option<String>) -> Vec<Value> {
+    let mut out: Vec<Value> = Vec::with_capacity(messages.len() + 1);
+    for mut m in messages {
+        let role = m["role"].as_str().unwrap_or_default().to_string();
+        let content = m["content"].as_str().unwrap_or_default().to_string();
+        if let Some(calls) = m.as_object_mut().and_then(|o| o.remove("tool_calls")) {
+            let mut text = content.clone();
+            for c in calls.as_array().into_iter().flatten() {
+                if !text.is_empty() {
+                    text.push('\n');
+                }
+                text += &call_text(c);
+            }
+            m["content"] = Value::String(text);
+        }
+        if role == "tool" {
+            let block = format!("<tool_response>\n{content}\n</tool_response>");
+            match out.last_mut() {
+                Some(prev) if prev.get("tool_turn").is_some() => {
+                    let joined = format!("{}\n{block}", prev["content"].as_str().unwrap_or_default());
+                    prev["content"] = Value::String(joined);
+                }
+                _ => out.push(json!({"role": "user", "content": block, "tool_turn": true})),
+            }
+            continue;
+        }
+        out.push(m);
+    }
+    for m in &mut out {
+        if let Some(o) = m.as_object_mut() {
+            o.remove("tool_turn");
+        }
+    }
+    if let Some(sys) = system {
+        match out.first_mut() {
+            Some(first) if first["role"] == "system" => {
+                let joined = format!("{}\n\n{sys}", first["content"].as_str().unwrap_or_default());
+                first["content"] = Value::String(joined);
+            }
+            _ => out.insert(0, json!({"role": "system", "content": sys})),
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use serde_json::json;
-
-    const BOTH: ToolTurns = ToolTurns { calls: true, results: true };
 
     #[test]
     fn arguments_become_objects() {
         let calls = json!([{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{\"x\": 1}"}}]);
-        let got = tool_calls(0, &calls, BOTH).unwrap();
+        let got = tool_calls(0, &calls).unwrap();
         assert_eq!(got[0]["function"]["arguments"], json!({"x": 1}));
         for (bad_calls, want) in [
             (json!([]), "non-empty list"),
@@ -92,18 +147,46 @@ mod tests {
             (json!([{"id": "c", "type": "tool", "function": {"name": "f", "arguments": "{}"}}]), ".type must be"),
             (json!([{"type": "function", "function": {"name": "f", "arguments": "{}"}}]), "tool_calls[0].id"),
         ] {
-            let e = tool_calls(2, &bad_calls, BOTH).unwrap_err();
+            let e = tool_calls(2, &bad_calls).unwrap_err();
             assert!(e.message.contains(want) && e.message.contains("messages[2]"), "{}", e.message);
         }
-        let e = tool_calls(0, &calls, ToolTurns { calls: false, results: true }).unwrap_err();
-        assert!(e.message.contains("does not render tool calls"), "{}", e.message);
     }
 
     #[test]
     fn templates_say_what_they_render() {
-        let qwen = "{%- for tool_call in message.tool_calls %}{%- elif message.role == \"tool\" %}";
-        assert_eq!(ToolTurns::of_template(Some(qwen)), BOTH);
-        assert_eq!(ToolTurns::of_template(Some("{{ message.content }}")), ToolTurns::default());
-        assert_eq!(ToolTurns::of_template(None), ToolTurns::default());
+        let qwen = "{{ '<tool_call>' }}{%- for tool_call in message.tool_calls %}{%- elif message.role == \"tool\" %}";
+        assert_eq!(ToolSyntax::of_template(Some(qwen)), ToolSyntax::Native);
+        // Tool calls rendered in another syntax (Llama 3.1's JSON): written as text.
+        let llama = "{%- for tool_call in message.tool_calls %}{%- elif message.role == \"tool\" %}";
+        assert_eq!(ToolSyntax::of_template(Some(llama)), ToolSyntax::Generic);
+        assert_eq!(ToolSyntax::of_template(Some("{{ message.content }}")), ToolSyntax::Generic);
+        assert_eq!(ToolSyntax::of_template(None), ToolSyntax::Generic);
+    }
+
+    #[test]
+    fn generic_writes_turns_as_text() {
+        let call =
+            |id: &str, x: i64| json!({"id": id, "type": "function", "function": {"name": "f", "arguments": {"x": x}}});
+        let messages = vec![
+            json!({"role": "user", "content": "q"}),
+            json!({"role": "assistant", "content": "", "tool_calls": [call("a", 1), call("b", 2)]}),
+            json!({"role": "tool", "content": "r1", "tool_call_id": "a"}),
+            json!({"role": "tool", "content": "r2", "tool_call_id": "b"}),
+            json!({"role": "assistant", "content": "done"}),
+        ];
+        let out = generic(messages.clone(), Some("TOOLS".into()));
+        let want = json!([
+            {"role": "system", "content": "TOOLS"},
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "content": "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"x\": 1}}\n</tool_call>\n<tool_call>\n{\"name\": \"f\", \"arguments\": {\"x\": 2}}\n</tool_call>"},
+            {"role": "user", "content": "<tool_response>\nr1\n</tool_response>\n<tool_response>\nr2\n</tool_response>"},
+            {"role": "assistant", "content": "done"},
+        ]);
+        assert_eq!(Value::Array(out), want);
+        let mut with_system = vec![json!({"role": "system", "content": "Be brief."})];
+        with_system.extend(messages);
+        let out = generic(with_system, Some("TOOLS".into()));
+        assert_eq!(out[0], json!({"role": "system", "content": "Be brief.\n\nTOOLS"}));
+        assert_eq!(out.len(), 5);
     }
 }

@@ -4,6 +4,7 @@
 //! touches device memory: it only talks to the engine through its handle.
 #![deny(missing_docs)]
 
+mod answer;
 pub mod api;
 pub mod detok;
 pub mod drain;
@@ -15,6 +16,8 @@ pub mod format;
 pub mod history;
 pub mod metrics;
 pub mod routes;
+pub mod tool_parse;
+pub mod tools;
 
 use runtime::{Engine, EngineHandle};
 use std::sync::atomic::AtomicU64;
@@ -63,7 +66,7 @@ pub fn serve(engine: Engine, tok: Tokenizer, opts: ServeOptions) -> Result<(), S
         let created = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
         let (vocab, hidden) = (engine.vocab(), engine.hidden_size());
         let fim = fim::Fim::detect(|t| tok.token_to_id(t));
-        let tool_turns = history::ToolTurns::of_template(tok.chat_template_source());
+        let tool_syntax = history::ToolSyntax::of_template(tok.chat_template_source());
         let handle = Arc::new(EngineHandle::spawn(engine));
         let state = Arc::new(routes::AppState {
             vocab,
@@ -74,7 +77,7 @@ pub fn serve(engine: Engine, tok: Tokenizer, opts: ServeOptions) -> Result<(), S
             detok: detok::Detokenizer::spawn(tok.clone()),
             tok,
             fim,
-            tool_turns,
+            tool_syntax,
             model: opts.model.clone(),
             api_key: opts.api_key.clone(),
             max_context: opts.max_context,

@@ -2,21 +2,22 @@
 //! metrics. Tokenization runs on tokio's blocking pool, detokenization on its own thread;
 //! handlers only move JSON.
 
+use crate::answer::{stream, Answer, Choice, Step};
 use crate::api::{
     check_model, ChatRequest, CompletionRequest, DetokenizeRequest, GenerateRequest, Job, ModelLimits, Prompt,
     TokenizeRequest, COMPLETIONS_MAX_TOKENS,
 };
-use crate::detok::{Delta, Detokenizer, TokenLogprob};
+use crate::detok::Detokenizer;
 use crate::drain::{Drain, Ticket};
 use crate::error::ApiError;
 use crate::fields::{self, Endpoint};
 use crate::fim::{self, Fim};
 use crate::metrics::Metrics;
+use crate::tool_parse::{CLOSE, OPEN};
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{Path, State};
 use axum::http::{header, HeaderMap, Method, StatusCode, Uri};
-use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -26,7 +27,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 use text::Tokenizer;
-use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+use tokio::sync::mpsc::unbounded_channel;
 
 /// What every handler shares.
 pub struct AppState {
@@ -38,8 +39,8 @@ pub struct AppState {
     pub tok: Arc<Tokenizer>,
     /// The model's fill-in-the-middle tokens, if its tokenizer has them (`suffix`).
     pub fim: Option<Fim>,
-    /// What the chat template renders of tool-calling turns.
-    pub tool_turns: crate::history::ToolTurns,
+    /// How the chat template takes tools and tool-calling turns.
+    pub tool_syntax: crate::history::ToolSyntax,
     /// The served model name.
     pub model: String,
     /// Required bearer token, if any.
@@ -252,13 +253,19 @@ async fn chat(State(st): St, headers: HeaderMap, body: Result<Bytes, BytesReject
         auth(&st, &headers)?;
         let req: ChatRequest = parse_for(body, Endpoint::Chat)?;
         req.params.check_model(&st.model)?;
-        let messages = req.template_messages(st.tool_turns)?;
+        let tools =
+            crate::tools::parse(req.tools.as_ref(), req.tool_choice.as_ref(), req.parallel_tool_calls.as_ref())?;
+        let (messages, extra) = req.template_input(st.tool_syntax, tools.as_ref())?;
         let top = req.top_logprobs()?;
         let tok = st.tok.clone();
-        let ids = blocking(move || tok.encode_chat(&messages, true))
+        let ids = blocking(move || tok.encode_chat_with(&messages, true, extra.as_ref()))
             .await?
             .map_err(|e| ApiError::bad(format!("chat template: {e}"), Some("messages")))?;
-        let job = req.params.job(vec![ids], top, st.limits(), "messages", None)?;
+        let mut job = req.params.job(vec![ids], top, st.limits(), "messages", None)?;
+        if let Some(t) = &tools {
+            let tokens = [OPEN, CLOSE].iter().all(|t| st.tok.token_to_id(t).is_some());
+            t.apply(&mut job, &req.params.sampling, tokens)?;
+        }
         run(&st, job, Kind::Chat, ticket).await
     }
     .await;
@@ -350,7 +357,7 @@ async fn tokenize(st: &AppState, prompt: Prompt) -> Result<Vec<Vec<u32>>, ApiErr
 
 /// The response format.
 #[derive(Debug, Clone, Copy, PartialEq)]
-enum Kind {
+pub(crate) enum Kind {
     Chat,
     Completion,
     Generate,
@@ -396,35 +403,6 @@ impl Drop for Guard {
     }
 }
 
-/// One choice as it accumulates.
-#[derive(Default)]
-struct Choice {
-    text: String,
-    logprobs: Vec<TokenLogprob>,
-    finish: Option<&'static str>,
-    usage: (usize, usize, usize),
-    first: Option<Instant>,
-    last: Option<Instant>,
-    tokens: usize,
-    role_sent: bool,
-}
-
-/// The request's choices, its guard, and what the format needs.
-struct Answer {
-    rx: UnboundedReceiver<(usize, Delta)>,
-    guard: Guard,
-    choices: Vec<Choice>,
-    kind: Kind,
-    n: usize,
-    id: String,
-    model: String,
-    created: u64,
-    start: Instant,
-    st: Arc<AppState>,
-    /// Counts the request as in flight until the response (or its stream) is dropped.
-    _ticket: Ticket,
-}
-
 async fn run(st: &Arc<AppState>, job: Job, kind: Kind, ticket: Ticket) -> Result<Response, ApiError> {
     let start = Instant::now();
     let (tx, rx) = unbounded_channel();
@@ -442,7 +420,7 @@ async fn run(st: &Arc<AppState>, job: Job, kind: Kind, ticket: Ticket) -> Result
     drop(tx);
     let prefix = if kind == Kind::Chat { "chatcmpl" } else { "cmpl" };
     let mut a = Answer {
-        choices: (0..guard.len()).map(|_| Choice::default()).collect(),
+        choices: (0..guard.len()).map(|_| Choice::new(job.tool_calls)).collect(),
         rx,
         guard,
         kind,
@@ -459,7 +437,8 @@ async fn run(st: &Arc<AppState>, job: Job, kind: Kind, ticket: Ticket) -> Result
     for (i, prompt) in job.echo.iter().flat_map(|p| std::iter::repeat_n(p, job.n)).enumerate() {
         a.choices[i].text = prompt.clone();
         if job.stream {
-            first.push(a.chunk(i, prompt.clone(), vec![], None).to_string());
+            let step = Step::text(prompt.clone());
+            first.extend(a.chunks(i, step).iter().map(Value::to_string));
         }
     }
     if job.stream {
@@ -469,168 +448,4 @@ async fn run(st: &Arc<AppState>, job: Job, kind: Kind, ticket: Ticket) -> Result
         a.apply(i, d);
     }
     Ok(Json(a.whole()).into_response())
-}
-
-impl Answer {
-    /// Records a delta; returns the text and logprobs it adds, and the finish reason if the
-    /// choice ended.
-    fn apply(&mut self, i: usize, d: Delta) -> (String, Vec<TokenLogprob>, Option<&'static str>) {
-        let now = Instant::now();
-        let c = &mut self.choices[i];
-        match d {
-            Delta::Text { text, tokens, logprobs } => {
-                c.first.get_or_insert(now);
-                c.last = Some(now);
-                c.tokens += tokens;
-                c.text += &text;
-                c.logprobs.extend(logprobs.iter().cloned());
-                (text, logprobs, None)
-            }
-            Delta::Done { reason, prompt_tokens, completion_tokens, cached_tokens } => {
-                c.finish = Some(reason);
-                c.usage = (prompt_tokens, completion_tokens, cached_tokens);
-                let ttft = c.first.map(|f| (f - self.start).as_secs_f64());
-                let tpot = match (c.first, c.last) {
-                    (Some(f), Some(l)) if c.tokens > 1 => Some((l - f).as_secs_f64() / (c.tokens - 1) as f64),
-                    _ => None,
-                };
-                self.st.metrics.finished(ttft, tpot);
-                self.guard.close(i);
-                (String::new(), vec![], Some(reason))
-            }
-        }
-    }
-
-    fn usage(&self) -> Value {
-        // A prompt counts once however many choices it has.
-        let prompt: usize = self.choices.iter().step_by(self.n.max(1)).map(|c| c.usage.0).sum();
-        let completion: usize = self.choices.iter().map(|c| c.usage.1).sum();
-        let cached: usize = self.choices.iter().step_by(self.n.max(1)).map(|c| c.usage.2).sum();
-        json!({
-            "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached},
-        })
-    }
-
-    fn logprobs(&self, lps: &[TokenLogprob], asked: bool) -> Value {
-        if !asked {
-            return Value::Null;
-        }
-        let bytes = |t: &str| t.as_bytes().to_vec();
-        match self.kind {
-            Kind::Chat => json!({"content": lps.iter().map(|l| json!({
-                "token": l.token, "logprob": l.logprob, "bytes": bytes(&l.token),
-                "top_logprobs": l.top.iter().map(|(t, p)| json!({"token": t, "logprob": p, "bytes": bytes(t)})).collect::<Vec<_>>(),
-            })).collect::<Vec<_>>()}),
-            _ => {
-                let mut offset = 0;
-                let offsets: Vec<usize> = lps
-                    .iter()
-                    .map(|l| {
-                        let o = offset;
-                        offset += l.token.len();
-                        o
-                    })
-                    .collect();
-                json!({
-                    "tokens": lps.iter().map(|l| &l.token).collect::<Vec<_>>(),
-                    "token_logprobs": lps.iter().map(|l| l.logprob).collect::<Vec<_>>(),
-                    "top_logprobs": lps.iter().map(|l| l.top.iter().map(|(t, p)| (t.clone(), json!(p))).collect::<serde_json::Map<_, _>>()).collect::<Vec<_>>(),
-                    "text_offset": offsets,
-                })
-            }
-        }
-    }
-
-    /// The non-streamed response.
-    fn whole(&self) -> Value {
-        let asked = self.choices.iter().any(|c| !c.logprobs.is_empty());
-        if self.kind == Kind::Generate {
-            let c = &self.choices[0];
-            return json!({"text": c.text, "meta_info": self.meta(c)});
-        }
-        let choices: Vec<Value> = self
-            .choices
-            .iter()
-            .enumerate()
-            .map(|(i, c)| {
-                let lp = self.logprobs(&c.logprobs, asked);
-                match self.kind {
-                    Kind::Chat => json!({"index": i, "message": {"role": "assistant", "content": c.text},
-                        "logprobs": lp, "finish_reason": c.finish}),
-                    _ => json!({"index": i, "text": c.text, "logprobs": lp, "finish_reason": c.finish}),
-                }
-            })
-            .collect();
-        let object = if self.kind == Kind::Chat { "chat.completion" } else { "text_completion" };
-        json!({"id": self.id, "object": object, "created": self.created, "model": self.model,
-            "choices": choices, "usage": self.usage()})
-    }
-
-    fn meta(&self, c: &Choice) -> Value {
-        json!({"id": self.id, "prompt_tokens": c.usage.0, "completion_tokens": c.usage.1, "cached_tokens": c.usage.2,
-            "finish_reason": c.finish.map(|r| json!({"type": r}))})
-    }
-
-    /// The streamed chunk for a delta.
-    fn chunk(&mut self, i: usize, text: String, lps: Vec<TokenLogprob>, finish: Option<&'static str>) -> Value {
-        let asked = !lps.is_empty();
-        match self.kind {
-            Kind::Generate => {
-                let c = &self.choices[i];
-                json!({"text": c.text, "meta_info": self.meta(c)})
-            }
-            Kind::Chat => {
-                let delta = if finish.is_some() {
-                    json!({})
-                } else if !std::mem::replace(&mut self.choices[i].role_sent, true) {
-                    json!({"role": "assistant", "content": text})
-                } else {
-                    json!({"content": text})
-                };
-                json!({"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                    "choices": [{"index": i, "delta": delta, "logprobs": self.logprobs(&lps, asked), "finish_reason": finish}]})
-            }
-            Kind::Completion => json!({"id": self.id, "object": "text_completion", "created": self.created,
-                "model": self.model, "choices": [{"index": i, "text": text,
-                "logprobs": self.logprobs(&lps, asked), "finish_reason": finish}]}),
-        }
-    }
-}
-
-/// Server-sent events: one chunk per delta, an optional usage chunk, then `[DONE]`.
-fn stream(a: Answer, include_usage: bool, first: Vec<String>) -> Response {
-    struct S {
-        a: Answer,
-        usage: bool,
-        ended: bool,
-        first: std::collections::VecDeque<String>,
-    }
-    let s = S { a, usage: include_usage, ended: false, first: first.into() };
-    let events = futures_util::stream::unfold(s, |mut s| async move {
-        if s.ended {
-            return None;
-        }
-        if let Some(data) = s.first.pop_front() {
-            return Some((Ok::<_, std::convert::Infallible>(SseEvent::default().data(data)), s));
-        }
-        let data = match s.a.rx.recv().await {
-            Some((i, d)) => {
-                let (text, lps, finish) = s.a.apply(i, d);
-                s.a.chunk(i, text, lps, finish).to_string()
-            }
-            None if s.usage && s.a.kind != Kind::Generate => {
-                s.usage = false;
-                json!({"id": s.a.id, "object": if s.a.kind == Kind::Chat { "chat.completion.chunk" } else { "text_completion" },
-                    "created": s.a.created, "model": s.a.model, "choices": [], "usage": s.a.usage()})
-                .to_string()
-            }
-            None => {
-                s.ended = true;
-                "[DONE]".to_string()
-            }
-        };
-        Some((Ok::<_, std::convert::Infallible>(SseEvent::default().data(data)), s))
-    });
-    Sse::new(events).keep_alive(KeepAlive::default()).into_response()
 }

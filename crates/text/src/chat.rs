@@ -62,6 +62,14 @@ fn py_json(v: &Json, indent: Option<usize>, depth: usize, out: &mut String) {
     }
 }
 
+/// `v` as Python's `json.dumps(v, ensure_ascii=False)` writes it (what templates' `tojson`
+/// gives): `", "` between items, `": "` after keys.
+pub fn python_json(v: &Json) -> String {
+    let mut out = String::new();
+    py_json(v, None, 0, &mut out);
+    out
+}
+
 fn tojson(v: Value, kwargs: minijinja::value::Kwargs) -> Result<String, Error> {
     let indent: Option<usize> = kwargs.get("indent")?;
     let _: Option<bool> = kwargs.get("ensure_ascii")?;

@@ -7,7 +7,7 @@
 pub mod chat;
 pub mod detok;
 
-pub use chat::ChatTemplate;
+pub use chat::{python_json, ChatTemplate};
 pub use detok::IncrementalDecoder;
 
 use serde_json::Value as Json;
@@ -131,7 +131,17 @@ impl Tokenizer {
     /// Renders the chat template and tokenizes it as HF does (no special tokens added: the
     /// template writes them).
     pub fn encode_chat(&self, messages: &Json, add_generation_prompt: bool) -> Result<Vec<u32>, TextError> {
-        let text = self.apply_chat_template(messages, add_generation_prompt, None)?;
+        self.encode_chat_with(messages, add_generation_prompt, None)
+    }
+
+    /// [`Tokenizer::encode_chat`] with `extra` template variables (such as `tools`).
+    pub fn encode_chat_with(
+        &self,
+        messages: &Json,
+        add_generation_prompt: bool,
+        extra: Option<&Json>,
+    ) -> Result<Vec<u32>, TextError> {
+        let text = self.apply_chat_template(messages, add_generation_prompt, extra)?;
         self.encode(&text, false)
     }
 }
