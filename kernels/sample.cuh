@@ -391,6 +391,22 @@ __device__ void argmax_rows(const float* logits, float* part_v, int* part_i, uns
   }
 }
 
+// Structured outputs: the tokens a row's constraint does not allow set to -inf before a choice,
+// as `runtime::constraint::apply` does. masks: the m masked rows' indices, then their masks of
+// `words` words each (token t allowed when bit t % 32 of word t / 32 is set; tokens past the
+// mask are not). grid: (m, ceil(V / SPAN)), block: 256.
+template <int V, int SPAN>
+__device__ void mask_logits(float* logits, const unsigned* masks, int m, int words) {
+  const int j = blockIdx.x;
+  const unsigned* mask = masks + m + (long)j * words;
+  float* x = logits + (long)masks[j] * V;
+  const int end = min(V, (int)(blockIdx.y + 1) * SPAN);
+  for (int t = blockIdx.y * SPAN + threadIdx.x; t < end; t += blockDim.x) {
+    const int k = t >> 5;
+    if (k >= words || !((mask[k] >> (t & 31)) & 1u)) x[t] = NEG_INF;
+  }
+}
+
 // Per-token changes to logit rows before a choice, as `runtime::sampler::Adjust::apply` makes
 // them, with the same single roundings: x' = (x > 0 ? x / div : x * mul) + add. adjust: [n][5]
 // (row, token, div, mul, add; row and token exact in f32). One thread per change; a row's

@@ -212,6 +212,13 @@ pub enum KernelKey {
         /// Vocabulary size.
         vocab: usize,
     },
+    /// Structured outputs: the logits of tokens a row's constraint does not allow set to -inf,
+    /// from a mask of `ceil(vocab / 32)` words per masked row, each block over [`MASK_SPAN`]
+    /// tokens of one row.
+    MaskLogits {
+        /// Vocabulary size.
+        vocab: usize,
+    },
     /// Greedy sampling of every row: the argmax of each row of `vocab` logits, split over
     /// [`ARGMAX_BLOCKS`] blocks per row.
     Argmax {
@@ -264,6 +271,9 @@ fn gemv_input(norm: Option<NormIn>) -> Result<(String, String), CodegenError> {
 /// Blocks per row of the split argmax (`argmax_rows` in `kernels/sample.cuh`): the runtime
 /// gives it this many partial results per row.
 pub const ARGMAX_BLOCKS: usize = 128;
+
+/// Tokens of a row one block of `mask_logits` (`kernels/sample.cuh`) covers.
+pub const MASK_SPAN: usize = 4096;
 
 /// The most blocks a one-shot all-reduce launches (`AR_MAXB` in `kernels/comm.cuh`).
 pub const ALL_REDUCE_MAX_BLOCKS: usize = 32;
@@ -488,6 +498,7 @@ impl KernelKey {
             KernelKey::Gather { h, x, out } => format!("gather_h{h}_{x}_to_{out}"),
             KernelKey::Sample { vocab } => format!("sample_v{vocab}"),
             KernelKey::AdjustLogits { vocab } => format!("adjust_logits_v{vocab}"),
+            KernelKey::MaskLogits { vocab } => format!("mask_logits_v{vocab}"),
             KernelKey::Argmax { vocab } => format!("argmax_v{vocab}"),
             KernelKey::AllReduce { ranks } => format!("all_reduce_r{ranks}"),
             KernelKey::AllGather { ranks } => format!("all_gather_r{ranks}"),
@@ -505,6 +516,7 @@ impl KernelKey {
                 | KernelKey::AllGather { .. }
                 | KernelKey::Sample { .. }
                 | KernelKey::AdjustLogits { .. }
+                | KernelKey::MaskLogits { .. }
                 | KernelKey::Argmax { .. }
         )
     }
@@ -644,6 +656,10 @@ impl KernelKey {
             KernelKey::AdjustLogits { vocab } => (
                 "float* logits, const float* adjust, int n".into(),
                 format!("adjust_logits<{vocab}>(logits, adjust, n)"),
+            ),
+            KernelKey::MaskLogits { vocab } => (
+                "float* logits, const unsigned* masks, int m, int words".into(),
+                format!("mask_logits<{vocab}, {MASK_SPAN}>(logits, masks, m, words)"),
             ),
             KernelKey::AllReduce { ranks } => (
                 "float* x, long n, const unsigned long long* table, int rank, long cap, unsigned* counters".into(),

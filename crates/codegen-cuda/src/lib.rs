@@ -12,7 +12,7 @@ mod lower;
 pub mod nvrtc;
 pub mod schedule;
 
-pub use keys::{HeadNorm, KernelKey, Mask, NormIn, ALL_REDUCE_MAX_BLOCKS, ARGMAX_BLOCKS, MAP_INPUTS};
+pub use keys::{HeadNorm, KernelKey, Mask, NormIn, ALL_REDUCE_MAX_BLOCKS, ARGMAX_BLOCKS, MAP_INPUTS, MASK_SPAN};
 pub use schedule::{Arg, Buffer, Count, Dim, Input, Launch, Step, GEMV_ROWS, NORM_IN_GEMV_ROWS, SKINNY_ROWS};
 
 use ir::Plan;
@@ -126,6 +126,7 @@ pub fn emit(plan: &Plan) -> Result<Program, CodegenError> {
         KernelKey::Sample { vocab: plan.vocab },
         KernelKey::Argmax { vocab: plan.vocab },
         KernelKey::AdjustLogits { vocab: plan.vocab },
+        KernelKey::MaskLogits { vocab: plan.vocab },
     ];
     for k in launched.chain(sampling).chain(one_shot).chain(gather) {
         if !kernels.contains(&k) {

@@ -6,7 +6,9 @@
 //! and the radix cache ([`crate::PagePool`], [`crate::RadixCache`]) stay on the host, shared
 //! by every backend.
 
+use crate::constraint::{apply, masks};
 use crate::sampler::{adjusted, pick, Adjust, RowSampling};
+use crate::Constraint;
 use crate::RuntimeError;
 use bundle::Bundle;
 use ir::{Interpreter, IrError, KvStore, Plan};
@@ -82,20 +84,31 @@ pub trait Backend: Send {
     fn hidden_size(&self) -> usize;
     /// Like `forward`, but returns each logits row's token, chosen by `rows` (one per logits
     /// row, see [`crate::sampler::pick`]) after each row's `adjust` (one list per row, or none
-    /// at all: [`crate::sampler::Adjust`]); a backend with a device overrides this to choose
-    /// there and copy back only the tokens.
+    /// at all: [`crate::sampler::Adjust`]) and the mask of its constraint (one entry per row,
+    /// or none at all: [`crate::constraint::masks`]); a backend with a device overrides this to
+    /// choose there and copy back only the tokens, computing the masks while the device runs
+    /// the forward pass.
     fn forward_sample(
         &mut self,
         batch: &[StepSeq],
         rows: &[RowSampling],
         adjust: &[Vec<Adjust>],
+        constraints: &[Option<Constraint>],
     ) -> Result<Vec<u32>, RuntimeError> {
         let logits = self.forward(batch)?;
+        let masks = masks(constraints);
         let rows = logits.chunks_exact(self.vocab()).zip(rows).enumerate();
         Ok(rows
-            .map(|(i, (l, r))| match adjust.get(i).filter(|a| !a.is_empty()) {
-                Some(a) => pick(&adjusted(l, a), r),
-                None => pick(l, r),
+            .map(|(i, (l, r))| {
+                let a = adjust.get(i).filter(|a| !a.is_empty());
+                match masks.get(i).and_then(Option::as_ref) {
+                    Some(m) => {
+                        let mut l = a.map_or_else(|| l.to_vec(), |a| adjusted(l, a));
+                        apply(m, &mut l);
+                        pick(&l, r)
+                    }
+                    None => a.map_or_else(|| pick(l, r), |a| pick(&adjusted(l, a), r)),
+                }
             })
             .collect())
     }

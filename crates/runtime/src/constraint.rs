@@ -2,6 +2,11 @@
 //! the server compiles them with llguidance, `crates/grammar`): before each of the request's
 //! tokens the worker asks which tokens are allowed and masks the others out of the logits, so
 //! that no sampling mode can choose them; after the choice it tells the constraint the token.
+//!
+//! The grammar work of a step is done in one place, [`masks`]: each constraint takes the token
+//! chosen at the last step ([`Constraint::accept`] only records it) and computes its next mask,
+//! the constraints of a step on threads of their own. A device backend calls it after it has
+//! launched the step's forward pass, so the masks are computed while the GPU runs.
 
 use std::sync::{Arc, Mutex};
 
@@ -14,30 +19,80 @@ pub trait TokenConstraint: Send {
     fn accept(&mut self, token: u32);
 }
 
+/// A constraint's state and the token chosen since it last computed a mask.
+struct Inner {
+    c: Box<dyn TokenConstraint>,
+    pending: Option<u32>,
+}
+
 /// A request's constraint, shared with the worker that runs it.
 #[derive(Clone)]
-pub struct Constraint(Arc<Mutex<Box<dyn TokenConstraint>>>);
+pub struct Constraint(Arc<Mutex<Inner>>);
 
 impl Constraint {
     /// Wraps a constraint's state.
     pub fn new(c: impl TokenConstraint + 'static) -> Constraint {
-        Constraint(Arc::new(Mutex::new(Box::new(c))))
+        Constraint(Arc::new(Mutex::new(Inner { c: Box::new(c), pending: None })))
+    }
+
+    /// The tokens allowed now (bit `t % 32` of word `t / 32`), after taking the token chosen
+    /// last.
+    pub fn allowed(&self) -> Vec<u32> {
+        let mut inner = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(t) = inner.pending.take() {
+            inner.c.accept(t);
+        }
+        inner.c.allowed()
     }
 
     /// Sets the logits of the tokens not allowed now to -inf.
     pub fn mask(&self, logits: &mut [f32]) {
-        let allowed = self.0.lock().unwrap_or_else(|e| e.into_inner()).allowed();
-        for (t, l) in logits.iter_mut().enumerate() {
-            if allowed.get(t / 32).is_none_or(|w| w >> (t % 32) & 1 == 0) {
-                *l = f32::NEG_INFINITY;
-            }
-        }
+        apply(&self.allowed(), logits);
     }
 
-    /// Tells the constraint the token chosen.
+    /// Records the token chosen; the constraint takes it when it next computes a mask.
     pub fn accept(&self, token: u32) {
-        self.0.lock().unwrap_or_else(|e| e.into_inner()).accept(token);
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).pending = Some(token);
     }
+}
+
+/// Sets the logits of the tokens `allowed` (a mask as [`Constraint::allowed`] gives it) does not
+/// allow to -inf.
+pub fn apply(allowed: &[u32], logits: &mut [f32]) {
+    for (t, l) in logits.iter_mut().enumerate() {
+        if allowed.get(t / 32).is_none_or(|w| w >> (t % 32) & 1 == 0) {
+            *l = f32::NEG_INFINITY;
+        }
+    }
+}
+
+/// The masks of a step's rows (`None` for a row without a constraint), computed on up to one
+/// thread per core: a constraint's mask costs from tens of microseconds to milliseconds, and a
+/// step may have hundreds of rows.
+pub fn masks(rows: &[Option<Constraint>]) -> Vec<Option<Vec<u32>>> {
+    let work: Vec<usize> = (0..rows.len()).filter(|&i| rows[i].is_some()).collect();
+    let mut out: Vec<Option<Vec<u32>>> = vec![None; rows.len()];
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(work.len());
+    if threads <= 1 {
+        for &i in &work {
+            out[i] = rows[i].as_ref().map(Constraint::allowed);
+        }
+        return out;
+    }
+    let per = work.len().div_ceil(threads);
+    let done: Vec<Vec<(usize, Vec<u32>)>> = std::thread::scope(|s| {
+        let handles: Vec<_> = work
+            .chunks(per)
+            .map(|chunk| {
+                s.spawn(move || chunk.iter().filter_map(|&i| Some((i, rows[i].as_ref()?.allowed()))).collect())
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap_or_default()).collect()
+    });
+    for (i, m) in done.into_iter().flatten() {
+        out[i] = Some(m);
+    }
+    out
 }
 
 impl std::fmt::Debug for Constraint {
@@ -85,5 +140,27 @@ mod tests {
         // Token 2 is allowed; tokens past the mask's 64 bits are not.
         assert_eq!((0..70).filter(|&t| logits[t].is_finite()).collect::<Vec<_>>(), [2]);
         assert_eq!(c.clone(), c);
+    }
+
+    #[test]
+    fn masks_of_many_rows_each_take_their_token() {
+        let rows: Vec<Option<Constraint>> =
+            (0..40u32).map(|i| (i % 3 != 0).then(|| Constraint::new(Script(vec![i, 63 - i])))).collect();
+        let bit = |m: &[u32], t: u32| m[t as usize / 32] >> (t % 32) & 1 == 1;
+        for (i, m) in masks(&rows).iter().enumerate() {
+            assert_eq!(m.is_some(), i % 3 != 0);
+            if let Some(m) = m {
+                assert!(bit(m, i as u32) && m.iter().map(|w| w.count_ones()).sum::<u32>() == 1);
+            }
+        }
+        for (i, c) in rows.iter().enumerate() {
+            if let Some(c) = c {
+                c.accept(i as u32);
+            }
+        }
+        // Each constraint took its own token (Script asserts it) and moved on.
+        for (i, m) in masks(&rows).iter().enumerate() {
+            assert_eq!(m.as_ref().map(|m| bit(m, 63 - i as u32)), (i % 3 != 0).then_some(true));
+        }
     }
 }

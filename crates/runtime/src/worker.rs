@@ -114,7 +114,7 @@ fn step(backend: &mut dyn Backend, plan: &StepPlan, st: &mut State) -> Result<Ve
         .map(|((s, t), r)| StepSeq { tokens: t, slots: &s.slots, rows: r })
         .collect();
     // One draw per sampled sequence and step, whichever side then chooses the token.
-    let (mut rows, mut adjust) = (Vec::new(), Vec::new());
+    let (mut rows, mut adjust, mut constraints) = (Vec::new(), Vec::new(), Vec::new());
     let mut on_device = true;
     for s in &plan.seqs {
         let Some(req) = &s.sample else { continue };
@@ -124,15 +124,21 @@ fn step(backend: &mut dyn Backend, plan: &StepPlan, st: &mut State) -> Result<Ve
                 e.insert(RequestSampler::new(req.sampling.clone(), &req.prompt)?)
             }
         };
-        on_device &= req.logprobs.is_none() && req.constraint.is_none();
+        on_device &= req.logprobs.is_none();
+        constraints.push(req.constraint.clone());
         adjust.push(sampler.adjustments());
         rows.push(sampler.row());
     }
     let mut chosen = Vec::with_capacity(rows.len());
     if on_device {
-        let ids = backend.forward_sample(&steps, &rows, &adjust)?;
+        // Rows without a constraint: no masks at all.
+        let constraints = if constraints.iter().any(Option::is_some) { constraints } else { vec![] };
+        let ids = backend.forward_sample(&steps, &rows, &adjust, &constraints)?;
         for (s, token) in plan.seqs.iter().filter(|s| s.sample.is_some()).zip(ids) {
             st.samplers.get_mut(&s.req).expect("sampler made above").record(token);
+            if let Some(c) = s.sample.as_ref().and_then(|r| r.constraint.as_ref()) {
+                c.accept(token);
+            }
             chosen.push(Sampled { token, logprobs: None });
         }
     } else {

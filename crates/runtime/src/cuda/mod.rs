@@ -9,7 +9,7 @@
 
 use crate::backend::{check_batch, Backend, StepSeq};
 use crate::sampler::{Adjust, RowSampling};
-use crate::RuntimeError;
+use crate::{Constraint, RuntimeError};
 use bundle::Bundle;
 use codegen_cuda::{Arg, Count, Dim, Input, KernelKey, Launch, Program, Step};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
@@ -65,6 +65,8 @@ pub struct CudaBackend {
     sample_params: CudaSlice<f32>,
     /// The step's logit adjustments (`Adjust::to_device`), grown on demand.
     adjust: CudaSlice<f32>,
+    /// The step's constraint masks (rows, then their masks: `mask_logits`), grown on demand.
+    masks: CudaSlice<u32>,
     /// The split argmax's partial results and per-row counters (`KernelKey::Argmax`).
     argmax: ArgmaxScratch,
     /// Logits rows of the last step.
@@ -206,6 +208,7 @@ impl CudaBackend {
         let tokens = stream.alloc_zeros::<i32>(1).map_err(driver("alloc"))?;
         let sample_params = stream.alloc_zeros::<f32>(5).map_err(driver("alloc"))?;
         let adjust = stream.alloc_zeros::<f32>(5).map_err(driver("alloc"))?;
+        let masks = stream.alloc_zeros::<u32>(1).map_err(driver("alloc"))?;
         let argmax = argmax_scratch(&stream, 1)?;
         let profile = Profile::from_env();
         let use_graphs =
@@ -229,6 +232,7 @@ impl CudaBackend {
             tokens,
             sample_params,
             adjust,
+            masks,
             argmax,
             last_rows: 0,
             graphs: HashMap::new(),
@@ -486,19 +490,22 @@ impl Backend for CudaBackend {
         batch: &[StepSeq],
         rows: &[RowSampling],
         adjust: &[Vec<Adjust>],
+        constraints: &[Option<Constraint>],
     ) -> Result<Vec<u32>, RuntimeError> {
         Profile::step_start(&self.profile);
         let p = self.pack(batch)?;
         check_rows(p.wanted, rows)?;
         self.execute(&p)?;
-        let ids = self.sample(rows, adjust);
+        // The GPU runs the step while the host computes the masks.
+        let masks = crate::constraint::masks(constraints);
+        let ids = self.sample(rows, adjust, &masks);
         Profile::step_end(&self.profile);
         ids
     }
 
     fn resample(&mut self, rows: &[RowSampling], adjust: &[Vec<Adjust>]) -> Result<Option<Vec<u32>>, RuntimeError> {
         check_rows(self.last_rows, rows)?;
-        self.sample(rows, adjust).map(Some)
+        self.sample(rows, adjust, &[]).map(Some)
     }
 }
 
@@ -572,14 +579,21 @@ impl CudaBackend {
     }
 
     /// The token of each of the first logit rows of the last step, one per entry of `rows`,
-    /// chosen on the GPU (`kernels/sample.cuh`) after the rows' `adjust`.
-    pub(crate) fn sample(&mut self, rows: &[RowSampling], adjust: &[Vec<Adjust>]) -> Result<Vec<u32>, RuntimeError> {
+    /// chosen on the GPU (`kernels/sample.cuh`) after the rows' constraint `masks` (one per
+    /// row, or none at all) and `adjust`.
+    pub(crate) fn sample(
+        &mut self,
+        rows: &[RowSampling],
+        adjust: &[Vec<Adjust>],
+        masks: &[Option<Vec<u32>>],
+    ) -> Result<Vec<u32>, RuntimeError> {
         let wanted = rows.len();
         if wanted == 0 {
             self.stream.synchronize().map_err(driver("running a step"))?;
             return Ok(vec![]);
         }
         let vocab = self.plan.vocab;
+        self.mask_logits(masks, wanted)?;
         self.adjust_logits(adjust, wanted)?;
         // All greedy (the usual case): the split argmax, no parameters to copy.
         let greedy = rows.iter().all(RowSampling::is_greedy);
@@ -612,6 +626,38 @@ impl CudaBackend {
         self.stream.memcpy_dtoh(&self.tokens.slice(0..wanted), &mut ids).map_err(driver("copying tokens"))?;
         self.stream.synchronize().map_err(driver("running a step"))?;
         Ok(ids.into_iter().map(|i| i as u32).collect())
+    }
+
+    /// Sets the logits of the tokens each masked row's constraint does not allow to -inf (one
+    /// launch for all rows): the rows' indices, then their masks of `ceil(vocab / 32)` words.
+    fn mask_logits(&mut self, masks: &[Option<Vec<u32>>], wanted: usize) -> Result<(), RuntimeError> {
+        let vocab = self.plan.vocab;
+        let words = vocab.div_ceil(32);
+        let masked: Vec<(usize, &Vec<u32>)> =
+            masks.iter().take(wanted).enumerate().filter_map(|(r, m)| Some((r, m.as_ref()?))).collect();
+        if masked.is_empty() {
+            return Ok(());
+        }
+        let m = masked.len();
+        let mut data = vec![0u32; m + m * words];
+        for (j, (r, mask)) in masked.iter().enumerate() {
+            data[j] = *r as u32;
+            let n = mask.len().min(words);
+            data[m + j * words..m + j * words + n].copy_from_slice(&mask[..n]);
+        }
+        if data.len() > self.masks.len() {
+            self.masks = self.stream.alloc_zeros::<u32>(data.len().next_power_of_two()).map_err(driver("alloc"))?;
+        }
+        self.stream
+            .memcpy_htod(&data, &mut self.masks.slice_mut(0..data.len()))
+            .map_err(driver("copying constraint masks"))?;
+        let mut out = self.bufs[self.program.output].slice_mut(0..wanted * vocab);
+        let mut b = self.stream.launch_builder(&self.funcs[&KernelKey::MaskLogits { vocab }]);
+        let (m32, w32) = (m as i32, words as i32);
+        b.arg(&mut out).arg(&self.masks).arg(&m32).arg(&w32);
+        let grid = (m as u32, vocab.div_ceil(codegen_cuda::MASK_SPAN) as u32, 1);
+        let cfg = LaunchConfig { grid_dim: grid, block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        unsafe { b.launch(cfg) }.map(|_| ()).map_err(driver("launching the constraint masks"))
     }
 
     /// Applies each row's adjustments to the last step's logits in place (one launch for all).

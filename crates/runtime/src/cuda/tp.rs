@@ -15,7 +15,7 @@
 use super::{check_rows, context, driver, placement, Compiled, CudaBackend, Packed};
 use crate::backend::{Backend, StepSeq};
 use crate::sampler::{Adjust, RowSampling};
-use crate::RuntimeError;
+use crate::{Constraint, RuntimeError};
 use bundle::Bundle;
 use codegen_cuda::{KernelKey, Step, ALL_REDUCE_MAX_BLOCKS};
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
@@ -245,10 +245,12 @@ impl Backend for TpCudaBackend {
         batch: &[StepSeq],
         rows: &[RowSampling],
         adjust: &[Vec<Adjust>],
+        constraints: &[Option<Constraint>],
     ) -> Result<Vec<u32>, RuntimeError> {
         let wanted = self.step(batch)?;
         check_rows(wanted, rows)?;
-        self.lead.sample(rows, adjust)
+        let masks = crate::constraint::masks(constraints);
+        self.lead.sample(rows, adjust, &masks)
     }
 
     fn resample(&mut self, rows: &[RowSampling], adjust: &[Vec<Adjust>]) -> Result<Option<Vec<u32>>, RuntimeError> {
