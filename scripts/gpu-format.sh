@@ -48,7 +48,27 @@ for n in 1 16 64; do
 done
 kill -TERM "$spid"
 wait "$spid"
-python3 scripts/gpu/verdict.py "$checks" 3 | tee "$work/verdict.txt"
+# The offline benchmark, 64 requests of 128 tokens sampled at temperature 1: unconstrained, then
+# every request carrying the JSON schema (no generated token may break it).
+io="--num-prompts 64 --input-len 128 --output-len 128 --temperature 1.0 --json"
+"$bin/engrun" bench "$qk.bundle" --device cuda $io 2>"$work/bench-free.err" | tail -1 | tee "$work/bench-free.json"
+"$bin/engrun" bench "$qk.bundle" --device cuda $io --json-schema scripts/gpu/array-schema.json 2>"$work/bench-schema.err" |
+  tail -1 | tee "$work/bench-schema.json"
+python3 - "$work" "$checks" <<'PY'
+import json, sys
+work, checks = sys.argv[1], sys.argv[2]
+try:
+    free, schema = (json.load(open(f"{work}/bench-{n}.json")) for n in ("free", "schema"))
+    bad, ratio = schema["format_violations"], schema["output_tok_s"] / free["output_tok_s"]
+except (OSError, ValueError, KeyError) as e:
+    bad, ratio = 1, 0.0
+    print(f"bench failed: {e}")
+print(json.dumps({"bench": "json_schema_b64", "ratio": round(ratio, 3), "format_violations": bad}))
+with open(checks, "a") as f:
+    f.write(json.dumps({"check": "bench_schema_b64", "value": bad, "limit": 0, "pass": bad == 0,
+                        "ratio": round(ratio, 3), "note": "generated tokens that break the schema"}) + "\n")
+PY
+python3 scripts/gpu/verdict.py "$checks" 4 | tee "$work/verdict.txt"
 status=${PIPESTATUS[0]}
 if [ -n "${OUT:-}" ]; then
   cp "$work/verdict.json" "$OUT/verdict-format${TAG:-}.json"

@@ -260,3 +260,39 @@ fn bench_reports_json() {
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("one JSON object");
     assert_eq!(v["cached_tokens"], 0, "{v}");
 }
+
+/// `engrun bench --regex` / `--json-schema`: every request carries the format, and every
+/// generated token is one the format allows (checked again after the run); a format that does
+/// not compile is an error naming it.
+#[test]
+fn bench_with_an_output_format() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = compile_fixture("tiny-qwen2", dir.path(), 1, None);
+    let schema = dir.path().join("schema.json");
+    std::fs::write(
+        &schema,
+        r#"{"type": "array", "minItems": 100, "items": {"type": "integer", "minimum": 0, "maximum": 99}}"#,
+    )
+    .unwrap();
+    let args = [
+        "bench",
+        s(&b),
+        "--num-prompts",
+        "6",
+        "--input-len",
+        "8",
+        "--output-len",
+        "24",
+        "--temperature",
+        "1.0",
+        "--json",
+    ];
+    for format in [&["--regex", "[a-z]{5000}"][..], &["--json-schema", s(&schema)]] {
+        let o = run("engrun", &[&args[..], format].concat());
+        assert!(o.status.success(), "{format:?}: {}", stderr(&o));
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("one JSON object");
+        assert_eq!((v["output_tokens"].as_u64(), v["format_violations"].as_u64()), (Some(6 * 24), Some(0)), "{v}");
+    }
+    let o = run("engrun", &[&args[..], &["--regex", "(unclosed"]].concat());
+    assert!(!o.status.success() && stderr(&o).contains("output format"), "{}", stderr(&o));
+}

@@ -20,10 +20,9 @@ base, n = sys.argv[1], int(sys.argv[2])
 max_tokens = int(sys.argv[3]) if len(sys.argv) > 3 else 128
 checks = sys.argv[4] if len(sys.argv) > 4 else None
 
-ITEM = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99},
-                                         "ok": {"type": "boolean"}},
-        "required": ["id", "ok"], "additionalProperties": False}
-SCHEMA = {"type": "array", "minItems": 200, "items": ITEM}
+# scripts/gpu/array-schema.json: an array of at least 200 {"id": 0-99, "ok": bool} (also what
+# scripts/gpu-format.sh gives `engrun bench --json-schema`).
+SCHEMA = json.load(open(__file__.rsplit("/", 1)[0] + "/array-schema.json"))
 # Every item as the server writes JSON (", " and ": ", no other whitespace).
 ITEMS = [f'{{"id": {i}, "ok": {b}}}' for i in range(100) for b in ("true", "false")]
 ITEM_RX = re.compile(r'\{"id": (0|[1-9][0-9]?), "ok": (true|false)\}')

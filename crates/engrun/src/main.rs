@@ -140,6 +140,14 @@ enum Cmd {
         /// largest magnitude. Exits non-zero on any other difference.
         #[arg(long, value_name = "TOL")]
         verify_alone: Option<f32>,
+        /// Every request's output follows this regular expression (SGLang's `regex`; choose
+        /// one that outlasts --output-len, such as `[a-z]{5000}`).
+        #[arg(long, conflicts_with_all = ["json_schema", "verify_alone"])]
+        regex: Option<String>,
+        /// Every request's output is JSON valid under the schema in this file (choose one that
+        /// outlasts --output-len).
+        #[arg(long, value_name = "FILE", conflicts_with = "verify_alone")]
+        json_schema: Option<PathBuf>,
         #[command(flatten)]
         engine: EngineArgs,
     },
@@ -278,6 +286,8 @@ fn main() -> ExitCode {
             sampling,
             json,
             verify_alone,
+            regex,
+            json_schema,
             engine,
         } => {
             let opts = runtime::bench::BenchOptions {
@@ -289,8 +299,10 @@ fn main() -> ExitCode {
                 seed,
                 warmup,
                 sampling: sampling.params(seed),
+                constraints: None,
             };
-            bench(&bundle, device, &engine, &opts, json, verify_alone)
+            bench_format(regex, json_schema)
+                .and_then(|format| bench(&bundle, device, &engine, opts, format, json, verify_alone))
         }
         Cmd::Probe { device, devices, host_mib, device_mib, matmul_size, reps, warmup, json } => {
             let gpus = match (device.as_str(), devices.is_empty()) {
@@ -630,11 +642,16 @@ fn bench(
     path: &Path,
     device: DeviceArgs,
     args: &EngineArgs,
-    opts: &runtime::bench::BenchOptions,
+    mut opts: runtime::bench::BenchOptions,
+    format: Option<grammar::Spec>,
     json: bool,
     verify_alone: Option<f32>,
 ) -> Result<(), String> {
     let (b, mut backend, dev) = open(path, &device)?;
+    if let Some(spec) = format {
+        opts.constraints = Some(constraints(&b, args, dev, backend.vocab(), spec)?);
+    }
+    let opts = &opts;
     let weight_bytes: usize = b.plan.weights().map(|(_, s, d)| s.iter().product::<usize>() * d.size()).sum();
     let matmul_params: usize = b
         .plan
@@ -653,9 +670,11 @@ fn bench(
     let (r, outs) = runtime::bench::run(&mut engine, opts, cost).map_err(|e| e.to_string())?;
     drop(engine);
     let alone = verify_alone.map(|tol| verify(path, &device, opts, &outs, tol)).transpose()?;
+    let violations = opts.constraints.as_ref().map(|c| format_violations(c, &outs)).transpose()?;
     if json {
         let mut v = serde_json::to_value(&r).map_err(|e| e.to_string())?;
         v["alone"] = serde_json::to_value(&alone).map_err(|e| e.to_string())?;
+        v["format_violations"] = serde_json::to_value(violations).map_err(|e| e.to_string())?;
         println!("{v}");
     } else {
         println!(
@@ -683,6 +702,12 @@ fn bench(
                 a.equal, a.tokens, a.near_ties, a.clear_mismatches, a.tol
             );
         }
+        if let Some(n) = violations {
+            println!("format      {n} tokens the output format forbids");
+        }
+    }
+    if violations.is_some_and(|n| n > 0) {
+        return Err(format!("{violations:?} generated tokens break the output format"));
     }
     match alone {
         Some(a) if !a.pass => {
@@ -690,6 +715,52 @@ fn bench(
         }
         _ => Ok(()),
     }
+}
+
+/// The output format of `bench --regex` / `--json-schema`, if any.
+fn bench_format(regex: Option<String>, json_schema: Option<PathBuf>) -> Result<Option<grammar::Spec>, String> {
+    Ok(match (regex, json_schema) {
+        (Some(rx), _) => Some(grammar::Spec::Regex(rx)),
+        (None, Some(path)) => {
+            let text = std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+            let schema = serde_json::from_str(&text).map_err(|e| format!("{}: not JSON: {e}", path.display()))?;
+            Some(grammar::Spec::JsonSchema(schema))
+        }
+        (None, None) => None,
+    })
+}
+
+/// `bench --regex` / `--json-schema`: a fresh constraint of `spec` per request, over the
+/// bundle's tokenizer with the model's end-of-sequence tokens (checked once here: a spec that
+/// does not compile is an error naming it).
+fn constraints(
+    b: &Bundle,
+    args: &EngineArgs,
+    dev: Device,
+    vocab: usize,
+    spec: grammar::Spec,
+) -> Result<runtime::bench::Constraints, String> {
+    let eos = args.config(b, dev)?.eos_ids;
+    let path = b.tokenizer_dir().ok_or("the bundle has no tokenizer: output formats need one")?.join("tokenizer.json");
+    let json = std::fs::read(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let g = grammar::Grammars::load(&json, &eos, vocab)?;
+    g.compile(&spec).map_err(|e| format!("the output format: {e}"))?;
+    Ok(runtime::bench::Constraints(std::sync::Arc::new(move || g.compile(&spec))))
+}
+
+/// The tokens of `outs` that a fresh constraint of the format, fed each output in turn, does
+/// not allow.
+fn format_violations(make: &runtime::bench::Constraints, outs: &[Vec<u32>]) -> Result<usize, String> {
+    let mut n = 0;
+    for out in outs {
+        let c = make.0()?;
+        for &t in out {
+            let allowed = c.allowed();
+            n += usize::from(allowed.get(t as usize / 32).is_none_or(|w| w >> (t % 32) & 1 == 0));
+            c.accept(t);
+        }
+    }
+    Ok(n)
 }
 
 /// `bench --verify-alone`: the workload's requests run alone on a fresh backend.

@@ -3,9 +3,20 @@
 //! batching; reports TTFT, TPOT, prefill and decode rates, cache hits, and decode's share of
 //! the measured memory bandwidth.
 
-use crate::{Engine, Event, ReqId, Request, RuntimeError, Sampler, SamplingParams};
+use crate::{Constraint, Engine, Event, ReqId, Request, RuntimeError, Sampler, SamplingParams};
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Instant;
+
+/// Makes a fresh constraint for each request (an output format every request carries).
+#[derive(Clone)]
+pub struct Constraints(pub Arc<dyn Fn() -> Result<Constraint, String> + Send + Sync>);
+
+impl std::fmt::Debug for Constraints {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Constraints")
+    }
+}
 
 /// What to run.
 #[derive(Debug, Clone)]
@@ -26,6 +37,9 @@ pub struct BenchOptions {
     pub warmup: usize,
     /// How every request samples (request i with seed `sampling.seed + i`).
     pub sampling: SamplingParams,
+    /// The output format every request follows, if any (eos then ends a request only where
+    /// the format allows it: choose one that outlasts the output length).
+    pub constraints: Option<Constraints>,
 }
 
 /// What was measured.
@@ -78,7 +92,8 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-/// The benchmark's requests: random token ids, greedy, eos ignored.
+/// The benchmark's requests: random token ids, greedy, eos ignored (with a format: each request
+/// its own constraint).
 pub fn requests(opts: &BenchOptions, vocab: usize) -> Result<Vec<Request>, RuntimeError> {
     if opts.num_prompts == 0
         || opts.input_len == 0
@@ -100,16 +115,20 @@ pub fn requests(opts: &BenchOptions, vocab: usize) -> Result<Vec<Request>, Runti
         lo + (rng.uniform() * (max - lo + 1) as f64) as usize % (max - lo + 1)
     };
     opts.sampling.validate()?;
-    Ok((0..opts.num_prompts)
+    (0..opts.num_prompts)
         .map(|i| {
             let n = len(&mut rng, opts.input_len, prefix.len() + 1);
             let out = len(&mut rng, opts.output_len, 1);
             let mut prompt = prefix.clone();
             prompt.extend((prefix.len()..n).map(|_| token(&mut rng)));
             let sampling = SamplingParams { seed: opts.sampling.seed.wrapping_add(i as u64), ..opts.sampling.clone() };
-            Request { ignore_eos: true, sampling, ..Request::greedy(prompt, out) }
+            let constraint = match &opts.constraints {
+                Some(make) => Some(make.0().map_err(RuntimeError::Invalid)?),
+                None => None,
+            };
+            Ok(Request { ignore_eos: constraint.is_none(), sampling, constraint, ..Request::greedy(prompt, out) })
         })
-        .collect())
+        .collect()
 }
 
 /// What the model moves and computes, for the fractions of the hardware limits.
