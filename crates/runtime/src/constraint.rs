@@ -66,33 +66,16 @@ pub fn apply(allowed: &[u32], logits: &mut [f32]) {
     }
 }
 
-/// The masks of a step's rows (`None` for a row without a constraint), computed on up to one
-/// thread per core: a constraint's mask costs from tens of microseconds to milliseconds, and a
-/// step may have hundreds of rows.
+/// The masks of a step's rows (`None` for a row without a constraint), computed on rayon's
+/// pool (one thread per core, kept between steps): a constraint's mask costs from tens of
+/// microseconds to milliseconds, and a step may have hundreds of rows.
 pub fn masks(rows: &[Option<Constraint>]) -> Vec<Option<Vec<u32>>> {
-    let work: Vec<usize> = (0..rows.len()).filter(|&i| rows[i].is_some()).collect();
-    let mut out: Vec<Option<Vec<u32>>> = vec![None; rows.len()];
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(work.len());
-    if threads <= 1 {
-        for &i in &work {
-            out[i] = rows[i].as_ref().map(Constraint::allowed);
-        }
-        return out;
+    use rayon::prelude::*;
+    match rows.iter().filter(|r| r.is_some()).count() {
+        0 => vec![None; rows.len()],
+        1 => rows.iter().map(|r| r.as_ref().map(Constraint::allowed)).collect(),
+        _ => rows.par_iter().map(|r| r.as_ref().map(Constraint::allowed)).collect(),
     }
-    let per = work.len().div_ceil(threads);
-    let done: Vec<Vec<(usize, Vec<u32>)>> = std::thread::scope(|s| {
-        let handles: Vec<_> = work
-            .chunks(per)
-            .map(|chunk| {
-                s.spawn(move || chunk.iter().filter_map(|&i| Some((i, rows[i].as_ref()?.allowed()))).collect())
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap_or_default()).collect()
-    });
-    for (i, m) in done.into_iter().flatten() {
-        out[i] = Some(m);
-    }
-    out
 }
 
 impl std::fmt::Debug for Constraint {
