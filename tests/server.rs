@@ -124,7 +124,7 @@ fn errors_have_status_type_param_and_message() {
         ("POST", "/detokenize", r#"{"tokens": [1], "model": "gpt-9"}"#.into(), 404, bad, Some("model"), "`gpt-9` does not exist"),
         ("POST", "/tokenize", r#"{"text": "x"}"#.into(), 400, bad, Some("text"), "unknown field `text`"),
         ("POST", "/generate", r#"{"text": "x", "return_logprob": true}"#.into(), 400, bad, Some("return_logprob"), "unrecognized"),
-        ("POST", "/generate", r#"{"text": "x", "sampling_params": {"ebnf": "a"}}"#.into(), 400, bad, Some("sampling_params.ebnf"), "not supported"),
+        ("POST", "/generate", r#"{"text": "x", "sampling_params": {"return_logprob": true}}"#.into(), 400, bad, Some("sampling_params.return_logprob"), "not supported"),
         ("POST", "/generate", r#"{"text": "x", "sampling_params": {"temperature": "0"}}"#.into(), 400, bad, Some("temperature"), "must be a number"),
         ("POST", chat, r#"{"model": "tiny"}"#.into(), 400, bad, None, "missing field `messages`"),
         ("POST", "/v1/completions", r#"{"model": "tiny"}"#.into(), 400, bad, None, "missing field `prompt`"),

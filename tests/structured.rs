@@ -41,16 +41,15 @@ fn validates(text: &str) -> Result<(), String> {
         return Err(format!("keys {keys:?}"));
     }
     let short = |v: &Value, n: usize| v.as_str().is_some_and(|s| s.chars().count() <= n);
-    let int_in = |v: &Value, lo: i64, hi: i64| v.as_i64().is_some_and(|x| (lo..=hi).contains(&x));
     let tags = o["tags"].as_array().ok_or("tags is not an array")?;
     let inner = o["inner"].as_object().ok_or("inner is not an object")?;
     let checks = [
         ("name", short(&o["name"], 8)),
         ("color", ["red", "green", "blue"].iter().any(|c| o["color"] == *c)),
-        ("size", int_in(&o["size"], 1, 99)),
+        ("size", json_int_in(&o["size"], 1, 99)),
         ("tags", tags.len() <= 3 && tags.iter().all(|t| short(t, 5))),
         ("inner", inner.len() == 2 && inner.get("ok").is_some_and(Value::is_boolean)),
-        ("inner.level", inner.get("level").is_some_and(|l| int_in(l, -5, 5))),
+        ("inner.level", inner.get("level").is_some_and(|l| json_int_in(l, -5, 5))),
     ];
     match checks.iter().find(|(_, ok)| !ok) {
         Some((what, _)) => Err(format!("{what} breaks the schema")),
@@ -110,6 +109,25 @@ fn outputs_follow_schemas_and_expressions_at_temperature_1() {
     for (text, finish) in choices(&r, "text") {
         assert!(rx.is_match(&text) && finish == "stop", "{text:?} ({finish})");
     }
+    // A grammar in GBNF (SGLang's `ebnf`, on /generate) and one in Lark (vLLM's
+    // `guided_grammar`, on /v1/completions).
+    let gbnf = "root ::= item (\",\" item){0,3}\nitem ::= [a-c]{1,4} \"=\" [0-9]{1,2} # a comment\n";
+    let rx = regex::Regex::new("^[a-c]{1,4}=[0-9]{1,2}(,[a-c]{1,4}=[0-9]{1,2}){0,3}$").unwrap();
+    for seed in 0..8 {
+        let body = json!({"text": "Pairs:", "sampling_params": {"ebnf": gbnf, "temperature": 1.0, "seed": seed, "max_new_tokens": 64}});
+        let (status, r) = post(&server, "/generate", &body);
+        let text = r["text"].as_str().unwrap_or_default();
+        assert!(status == 200 && rx.is_match(text), "{status} {text:?}: {r}");
+    }
+    let lark = "start: \"(\" NUM (\"+\" NUM)? (\"+\" NUM)? \")\"\nNUM: /[0-9]{1,3}/\n";
+    let rx = regex::Regex::new(r"^\([0-9]{1,3}(\+[0-9]{1,3}){0,2}\)$").unwrap();
+    let body =
+        json!({"prompt": "Sum:", "guided_grammar": lark, "temperature": 1.0, "n": 8, "max_tokens": 32, "seed": 5});
+    let (status, r) = post(&server, "/v1/completions", &body);
+    assert_eq!(status, 200, "{r}");
+    for (text, finish) in choices(&r, "text") {
+        assert!(rx.is_match(&text) && finish == "stop", "{text:?} ({finish})");
+    }
     // Any JSON object; one that runs out of tokens ends by length with what it has.
     let body = json!({"messages": msgs, "response_format": {"type": "json_object"}, "temperature": 1.0, "n": 4, "max_tokens": 400});
     let (_, r) = post(&server, "/v1/chat/completions", &body);
@@ -149,7 +167,10 @@ fn invalid_formats_are_400s_naming_their_field() {
         (json!({"regex": "a+", "response_format": {"type": "json_object"}}), "regex"),
         (json!({"regex": "a+", "ignore_eos": true}), "ignore_eos"),
         (json!({"regex": "a+", "min_tokens": 3}), "min_tokens"),
-        (json!({"ebnf": "root ::= \"a\""}), "ebnf"),
+        (json!({"ebnf": "root ::= ( \"a\""}), "ebnf"),
+        (json!({"ebnf": "item ::= \"a\""}), "ebnf"),
+        (json!({"guided_grammar": "start: undefined_rule"}), "guided_grammar"),
+        (json!({"ebnf": "root ::= \"a\"", "regex": "a"}), "ebnf"),
     ];
     for (extra, param) in cases {
         let (status, r) = chat(extra.clone());

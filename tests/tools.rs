@@ -33,7 +33,6 @@ fn validates(name: &str, arguments: &str) -> Result<(), String> {
     let a: Value = serde_json::from_str(arguments).map_err(|e| format!("arguments are not JSON ({e})"))?;
     let o = a.as_object().ok_or("arguments are not an object")?;
     let short = |v: &Value, n: usize| v.as_str().is_some_and(|s| s.chars().count() <= n);
-    let int_in = |v: &Value, lo: i64, hi: i64| v.as_i64().is_some_and(|x| (lo..=hi).contains(&x));
     let keys = |o: &serde_json::Map<String, Value>| {
         let mut k: Vec<String> = o.keys().cloned().collect();
         k.sort();
@@ -44,18 +43,18 @@ fn validates(name: &str, arguments: &str) -> Result<(), String> {
             keys(o) == ["city", "days", "unit"]
                 && short(&o["city"], 12)
                 && (o["unit"] == "celsius" || o["unit"] == "fahrenheit")
-                && int_in(&o["days"], 1, 7)
+                && json_int_in(&o["days"], 1, 7)
         }
         "plan_trip" => {
             let stops = o.get("stops").and_then(Value::as_array);
             keys(o) == ["budget", "direct", "stops"]
-                && int_in(&o["budget"], 0, 5000)
+                && json_int_in(&o["budget"], 0, 5000)
                 && o["direct"].is_boolean()
                 && stops.is_some_and(|s| {
                     s.len() <= 3
                         && s.iter().all(|x| {
                             x.as_object().is_some_and(|x| {
-                                keys(x) == ["name", "nights"] && short(&x["name"], 8) && int_in(&x["nights"], 1, 9)
+                                keys(x) == ["name", "nights"] && short(&x["name"], 8) && json_int_in(&x["nights"], 1, 9)
                             })
                         })
                 })

@@ -394,3 +394,9 @@ pub fn sse_data(raw: &str) -> Vec<String> {
     }
     body.lines().filter_map(|l| l.strip_prefix("data: ")).map(String::from).collect()
 }
+
+/// Whether `v` is a JSON integer in `[lo, hi]`: a number without a fraction (JSON Schema's
+/// integer; `-0` is one, and serde_json reads it as a float).
+pub fn json_int_in(v: &serde_json::Value, lo: i64, hi: i64) -> bool {
+    v.as_f64().is_some_and(|x| x.fract() == 0.0 && (lo as f64..=hi as f64).contains(&x))
+}

@@ -5,6 +5,7 @@
 //! each request (each choice) gets its own parser state.
 #![deny(missing_docs)]
 
+pub mod ebnf;
 use llguidance::api::TopLevelGrammar;
 use llguidance::{Matcher, ParserFactory};
 use runtime::{Constraint, TokenConstraint};

@@ -119,8 +119,10 @@ fn schema() -> impl Strategy<Value = S> {
     })
 }
 
+mod common;
+
 fn fixture() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny-qwen2")
+    common::fixture("tiny-qwen2")
 }
 
 /// tiny-qwen2's tokenizer (a cut of Qwen's), its grammar engine and its eos.
@@ -135,7 +137,8 @@ const EOS: u32 = 976;
 const VOCAB: usize = 1024;
 
 /// A walk's text: tokens chosen by `seed` among the allowed until end-of-sequence.
-fn walk(spec: &Spec, mut seed: u64) -> Result<String, String> {
+fn walk(spec: &Spec, seed: u64) -> Result<String, String> {
+    let mut rng = common::Rng(seed);
     let (g, tok) = engine();
     let c = g.compile(spec)?;
     let mut out = vec![];
@@ -146,10 +149,7 @@ fn walk(spec: &Spec, mut seed: u64) -> Result<String, String> {
         if allowed.is_empty() {
             return Err(format!("nothing allowed after {:?}", tok.decode(&out, false)));
         }
-        seed ^= seed << 13;
-        seed ^= seed >> 7;
-        seed ^= seed << 17;
-        let t = allowed[(seed % allowed.len() as u64) as usize];
+        let t = allowed[rng.below(allowed.len())];
         if t == EOS {
             return tok.decode(&out, false).map_err(|e| e.to_string());
         }

@@ -5,23 +5,11 @@
 //! output of the format. SmolLM2's tokenizer (byte-level, with an unusual decoder sequence) and
 //! Qwen's cut one.
 
+mod common;
+use common::{fixture, Rng};
+
 use grammar::{Grammars, Spec};
 use serde_json::{json, Value};
-use std::path::PathBuf;
-
-fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures").join(name)
-}
-
-struct Rng(u64);
-impl Rng {
-    fn below(&mut self, n: usize) -> usize {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        (self.0 % n as u64) as usize
-    }
-}
 
 /// One walk's text: tokens chosen at random among the allowed until end-of-sequence.
 fn walk(g: &Grammars, spec: &Spec, tok: &text::Tokenizer, eos: u32, vocab: usize, rng: &mut Rng) -> String {

@@ -76,6 +76,10 @@ pub struct Sampling {
     pub regex: Option<String>,
     /// SGLang's: the output is JSON valid under this schema (a JSON string or the object).
     pub json_schema: Option<Value>,
+    /// SGLang's: the output follows this grammar (llama.cpp's GBNF notation).
+    pub ebnf: Option<String>,
+    /// vLLM's: the output follows this grammar (GBNF, or Lark in llguidance's dialect).
+    pub guided_grammar: Option<String>,
 }
 
 /// Parameters shared by the chat and completion endpoints.
@@ -205,7 +209,13 @@ impl Params {
             ));
         }
         let p = &self.sampling;
-        let format = crate::format::parse(self.response_format.as_ref(), p.regex.as_deref(), p.json_schema.as_ref())?;
+        let format = crate::format::parse(crate::format::Fields {
+            response_format: self.response_format.as_ref(),
+            regex: p.regex.as_deref(),
+            json_schema: p.json_schema.as_ref(),
+            ebnf: p.ebnf.as_deref(),
+            guided_grammar: p.guided_grammar.as_deref(),
+        })?;
         if format.is_some() && p.ignore_eos {
             return Err(ApiError::bad("an output format ends the output: not with ignore_eos", Some("ignore_eos")));
         }

@@ -19,7 +19,7 @@ pub enum Endpoint {
 
 /// The sampling and stopping fields (`api::Sampling`): at the top level of the OpenAI
 /// endpoints, in `sampling_params` of `/generate`.
-const SAMPLING: [&str; 14] = [
+const SAMPLING: [&str; 16] = [
     "temperature",
     "top_p",
     "top_k",
@@ -34,6 +34,8 @@ const SAMPLING: [&str; 14] = [
     "min_tokens",
     "regex",
     "json_schema",
+    "ebnf",
+    "guided_grammar",
 ];
 
 /// `/generate`'s top-level fields; its `sampling_params` takes [`SAMPLING`] and
@@ -62,8 +64,10 @@ enum Ty {
 
 /// The types of the fields the server reads, checked before the body is typed so that a
 /// wrong type is a 400 naming its field.
-const TYPES: [(&str, Ty); 24] = [
+const TYPES: [(&str, Ty); 26] = [
     ("regex", Ty::String),
+    ("ebnf", Ty::String),
+    ("guided_grammar", Ty::String),
     ("response_format", Ty::Object),
     ("model", Ty::String),
     ("max_tokens", Ty::Integer),
@@ -210,13 +214,12 @@ fn conditional(k: &str, v: &Value, body: &Map<String, Value>, endpoint: Endpoint
 
 /// Fields of OpenAI's API (or SGLang's / vLLM's extensions) that this server does not
 /// implement yet.
-const NOT_YET: [&str; 7] = ["echo", "best_of", "functions", "function_call", "ebnf", "prediction", "modalities"];
+const NOT_YET: [&str; 6] = ["echo", "best_of", "functions", "function_call", "prediction", "modalities"];
 
 /// The 400 of a field the server does not implement (or know), naming it.
 fn refused(k: &str) -> ApiError {
     let what = match k {
         "functions" | "function_call" => "deprecated by OpenAI and not supported: send `tools` and `tool_choice`",
-        "ebnf" => "EBNF grammars are not supported yet (regex, json_schema and response_format are)",
         _ if NOT_YET.contains(&k) => "this value is not supported by this server",
         _ => "unrecognized request argument",
     };

@@ -1,8 +1,9 @@
 //! What a request's output must follow: OpenAI's `response_format` (`json_object`, or
-//! `json_schema` with its `schema`), SGLang's `regex` and `json_schema` (a schema as a JSON
-//! string or object), at most one of them, turned into a [`grammar::Spec`] and compiled per
-//! choice against the served tokenizer (a schema or expression that does not compile is a 400
-//! naming the field).
+//! `json_schema` with its `schema`), SGLang's `regex`, `json_schema` (a schema as a JSON
+//! string or object) and `ebnf` (a grammar in llama.cpp's GBNF notation), vLLM's
+//! `guided_grammar` (GBNF, or a Lark grammar in llguidance's dialect), at most one of them,
+//! turned into a [`grammar::Spec`] and compiled per choice against the served tokenizer (a
+//! schema, expression or grammar that does not compile is a 400 naming the field).
 
 use crate::error::ApiError;
 use grammar::{Grammars, Spec};
@@ -18,12 +19,24 @@ pub struct Format {
     pub field: &'static str,
 }
 
+/// The formats a request may give (each field is optional).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Fields<'a> {
+    /// OpenAI's `response_format`.
+    pub response_format: Option<&'a Value>,
+    /// SGLang's `regex`.
+    pub regex: Option<&'a str>,
+    /// SGLang's `json_schema`.
+    pub json_schema: Option<&'a Value>,
+    /// SGLang's `ebnf`.
+    pub ebnf: Option<&'a str>,
+    /// vLLM's `guided_grammar`.
+    pub guided_grammar: Option<&'a str>,
+}
+
 /// The format of a request with these fields (`None`: free text).
-pub fn parse(
-    response_format: Option<&Value>,
-    regex: Option<&str>,
-    json_schema: Option<&Value>,
-) -> Result<Option<Format>, ApiError> {
+pub fn parse(fields: Fields) -> Result<Option<Format>, ApiError> {
+    let Fields { response_format, regex, json_schema, ebnf, guided_grammar } = fields;
     let mut found = vec![];
     if let Some(rf) = response_format.filter(|v| !v.is_null()) {
         if let Some(spec) = response(rf)? {
@@ -36,14 +49,33 @@ pub fn parse(
     if let Some(s) = json_schema.filter(|v| !v.is_null()) {
         found.push(Format { spec: Spec::JsonSchema(schema_value(s)?), field: "json_schema" });
     }
+    for (text, field) in [(ebnf, "ebnf"), (guided_grammar, "guided_grammar")] {
+        if let Some(t) = text {
+            found.push(Format { spec: Spec::Lark(lark(t, field)?), field });
+        }
+    }
     if found.len() > 1 {
         let names: Vec<&str> = found.iter().map(|f| f.field).collect();
         return Err(ApiError::bad(
-            format!("give at most one of response_format, regex and json_schema, got {}", names.join(" and ")),
+            format!(
+                "give at most one of response_format, regex, json_schema, ebnf and guided_grammar, got {}",
+                names.join(" and ")
+            ),
             Some(found[1].field),
         ));
     }
     Ok(found.pop())
+}
+
+/// A grammar's text as llguidance's Lark: GBNF (it defines rules with `::=`, as llama.cpp's and
+/// SGLang's grammars do) translated, anything else taken as Lark (vLLM tells the two apart the
+/// same way).
+fn lark(text: &str, field: &'static str) -> Result<String, ApiError> {
+    if text.contains("::=") {
+        grammar::ebnf::gbnf_to_lark(text).map_err(|e| ApiError::bad(format!("{field}: {e}"), Some(field)))
+    } else {
+        Ok(text.to_string())
+    }
 }
 
 /// OpenAI's `response_format`: `text` (none), `json_object`, `json_schema`.
@@ -91,23 +123,38 @@ mod tests {
     use super::*;
     use serde_json::json;
 
+    fn rf(v: &Value) -> Fields<'_> {
+        Fields { response_format: Some(v), ..Fields::default() }
+    }
+
     #[test]
     fn each_field_gives_its_spec_and_two_are_refused() {
         let obj = json!({"type": "object"});
-        assert_eq!(parse(None, None, None).unwrap(), None);
-        assert_eq!(parse(Some(&json!({"type": "text"})), None, None).unwrap(), None);
-        let f = parse(Some(&json!({"type": "json_object"})), None, None).unwrap().unwrap();
+        assert_eq!(parse(Fields::default()).unwrap(), None);
+        assert_eq!(parse(rf(&json!({"type": "text"}))).unwrap(), None);
+        let f = parse(rf(&json!({"type": "json_object"}))).unwrap().unwrap();
         assert_eq!((f.spec, f.field), (Spec::JsonObject, "response_format"));
-        let rf = json!({"type": "json_schema", "json_schema": {"name": "x", "schema": obj}});
-        assert_eq!(parse(Some(&rf), None, None).unwrap().unwrap().spec, Spec::JsonSchema(obj.clone()));
+        let schema = json!({"type": "json_schema", "json_schema": {"name": "x", "schema": obj}});
+        assert_eq!(parse(rf(&schema)).unwrap().unwrap().spec, Spec::JsonSchema(obj.clone()));
         let s = json!(obj.to_string());
-        assert_eq!(parse(None, None, Some(&s)).unwrap().unwrap().spec, Spec::JsonSchema(obj.clone()));
-        assert_eq!(parse(None, Some("a+"), None).unwrap().unwrap().spec, Spec::Regex("a+".into()));
-        let e = parse(Some(&json!({"type": "json_object"})), Some("a"), None).unwrap_err();
+        let f = parse(Fields { json_schema: Some(&s), ..Fields::default() }).unwrap().unwrap();
+        assert_eq!(f.spec, Spec::JsonSchema(obj.clone()));
+        let f = parse(Fields { regex: Some("a+"), ..Fields::default() }).unwrap().unwrap();
+        assert_eq!(f.spec, Spec::Regex("a+".into()));
+        let e = parse(Fields { regex: Some("a"), ..rf(&json!({"type": "json_object"})) }).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("regex"));
-        let e = parse(Some(&json!({"type": "json_schema"})), None, None).unwrap_err();
+        let e = parse(rf(&json!({"type": "json_schema"}))).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("response_format"));
-        let e = parse(None, None, Some(&json!("{not json"))).unwrap_err();
+        let e = parse(Fields { json_schema: Some(&json!("{not json")), ..Fields::default() }).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("json_schema"));
+        // Grammars: GBNF translated, Lark as it is; a GBNF that does not parse names its field.
+        let f = parse(Fields { ebnf: Some("root ::= \"yes\" | \"no\""), ..Fields::default() }).unwrap().unwrap();
+        assert!(matches!(&f.spec, Spec::Lark(l) if l.contains("start")) && f.field == "ebnf", "{f:?}");
+        let f = parse(Fields { guided_grammar: Some("start: \"a\"+"), ..Fields::default() }).unwrap().unwrap();
+        assert_eq!((f.spec, f.field), (Spec::Lark("start: \"a\"+".into()), "guided_grammar"));
+        let e = parse(Fields { ebnf: Some("root ::= ( \"a\""), ..Fields::default() }).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("ebnf"));
+        let e = parse(Fields { ebnf: Some("root ::= \"a\""), regex: Some("a"), ..Fields::default() }).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("ebnf"));
     }
 }
