@@ -20,12 +20,26 @@ use std::collections::HashMap;
 
 /// The most repetitions `{m,n}` may ask for (llama.cpp's limit).
 const MAX_REPEAT: u32 = 2000;
+/// How deeply groups `( ... )` may nest: each may take a postfix operator, which the Lark
+/// text wraps in one more group, and llguidance refuses Lark nested about 30 deep.
+const MAX_NESTING: usize = 12;
+/// How long a chain of rules each using the next may be: llguidance's compiler recurses once
+/// per rule of a chain and overflows its thread's stack (aborting the server) somewhere between
+/// 500 and 1000.
+const MAX_RULE_DEPTH: usize = 100;
 
 /// The Lark text (llguidance's dialect) of the GBNF grammar `src`. A grammar that does not
 /// parse, has no `root` rule, uses a rule it does not define or defines one twice is an error
 /// saying what and where (`line:column`).
 pub fn gbnf_to_lark(src: &str) -> Result<String, String> {
-    let mut p = Parser { s: src.chars().collect(), i: 0, names: HashMap::new(), used: vec![] };
+    let mut p = Parser {
+        s: src.chars().collect(),
+        i: 0,
+        names: HashMap::new(),
+        used: vec![],
+        uses: HashMap::new(),
+        current: String::new(),
+    };
     let mut rules: Vec<(String, String, usize)> = vec![];
     p.skip();
     while p.i < p.s.len() {
@@ -35,6 +49,7 @@ pub fn gbnf_to_lark(src: &str) -> Result<String, String> {
         if !p.eat("::=") {
             return Err(p.error("`::=` after the rule name"));
         }
+        p.current = name.clone();
         let body = p.alternatives(0)?;
         if rules.iter().any(|(n, _, _)| *n == name) {
             return Err(format!("{}: rule `{name}` is defined twice", p.line_col(at)));
@@ -46,6 +61,9 @@ pub fn gbnf_to_lark(src: &str) -> Result<String, String> {
     }
     if let Some((name, at)) = p.used.iter().find(|(n, _)| !rules.iter().any(|(r, _, _)| r == n)) {
         return Err(format!("{}: rule `{name}` is used but not defined", p.line_col(*at)));
+    }
+    if rule_depth(&p.uses) > MAX_RULE_DEPTH {
+        return Err(format!("rules nest more than {MAX_RULE_DEPTH} deep (a chain of rules each using the next)"));
     }
     let mut out = String::new();
     for (name, body, _) in &rules {
@@ -61,6 +79,36 @@ struct Parser {
     names: HashMap<String, String>,
     /// Rules referenced, with where.
     used: Vec<(String, usize)>,
+    /// The rules each rule uses, by rule name.
+    uses: HashMap<String, Vec<String>>,
+    /// The rule being parsed.
+    current: String,
+}
+
+/// The depth of the walk from `root` through the rules each rule uses, first uses first, each
+/// rule entered once (how a compiler that recurses per rule reaches them).
+fn rule_depth(uses: &HashMap<String, Vec<String>>) -> usize {
+    let none = vec![];
+    let mut seen: std::collections::HashSet<&str> = std::collections::HashSet::from(["root"]);
+    let mut stack: Vec<(&str, usize)> = vec![("root", 0)];
+    let mut deepest = 0;
+    loop {
+        deepest = deepest.max(stack.len());
+        let Some((rule, next)) = stack.last_mut() else { break };
+        let children = uses.get(*rule).unwrap_or(&none);
+        match children.get(*next) {
+            Some(child) => {
+                *next += 1;
+                if seen.insert(child.as_str()) {
+                    stack.push((child.as_str(), 0));
+                }
+            }
+            None => {
+                stack.pop();
+            }
+        }
+    }
+    deepest
 }
 
 fn is_name(c: char) -> bool {
@@ -197,6 +245,9 @@ impl Parser {
                 Ok("/(?s:.)/".into())
             }
             Some('(') => {
+                if depth >= MAX_NESTING {
+                    return Err(format!("{}: groups nest more than {MAX_NESTING} deep", self.line_col(at)));
+                }
                 self.i += 1;
                 let inner = self.alternatives(depth + 1)?;
                 if self.peek() != Some(')') {
@@ -208,6 +259,7 @@ impl Parser {
             Some(c) if is_name(c) => {
                 let name = self.name().unwrap_or_default();
                 self.used.push((name.clone(), at));
+                self.uses.entry(self.current.clone()).or_default().push(name.clone());
                 Ok(self.lark_name(&name))
             }
             _ => Err(self.error("a string, a class, `.`, `(` or a rule name")),
@@ -307,7 +359,11 @@ impl Parser {
                 }
                 _ => return Ok(term),
             };
-            // An empty term repeated is empty.
+            // An empty term repeated is empty, and so is any term repeated at most 0 times
+            // (which llguidance does not take).
+            if op == "{0}" || op == "{0,0}" {
+                term.clear();
+            }
             if !term.is_empty() {
                 term = format!("({term}){op}");
             }
@@ -364,6 +420,22 @@ mod tests {
         assert!(lark.starts_with("start: \"[\" (/[^\\x{22}\\x{5C}\\x{7F}]/ | ) \"]\"\n"), "{lark}");
     }
 
+    /// `root ::= r1`, `r1 ::= r2`, ... `rN ::= "a"`.
+    fn deep_chain(n: usize) -> String {
+        let mut g = String::from("root ::= r1\n");
+        for i in 1..n {
+            g += &format!("r{i} ::= r{} | \"x\"\n", i + 1);
+        }
+        g + &format!("r{n} ::= \"a\" r1?\n")
+    }
+
+    #[test]
+    fn deep_but_allowed_chains_and_zero_repetitions_translate() {
+        assert!(gbnf_to_lark(&deep_chain(99)).is_ok());
+        let lark = gbnf_to_lark("root ::= \"a\"{0} \"b\" (\"c\"){0,0} \"d\"{1}").unwrap();
+        assert_eq!(lark, "start: \"b\" (\"d\"){1}\n");
+    }
+
     #[test]
     fn errors_say_what_and_where() {
         for (src, want) in [
@@ -378,6 +450,8 @@ mod tests {
             ("root = \"a\"", "1:6: expected `::=`"),
             ("root ::= [z-a]", "1:10: the range"),
             ("root ::= []", "1:10: an empty character class"),
+            (&format!("root ::= {}\"a\"{}", "(".repeat(13), ")".repeat(13)), "groups nest more than 12"),
+            (&deep_chain(120), "rules nest more than 100 deep"),
         ] {
             let e = gbnf_to_lark(src).unwrap_err();
             assert!(e.contains(want), "{src:?}: {e}");

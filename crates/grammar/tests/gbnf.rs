@@ -471,3 +471,31 @@ fn bad_grammars_are_errors_that_say_where() {
         }
     }
 }
+
+/// The deepest grammars the translation takes (rule chains 100 deep with root, each rule's
+/// groups nested 12 deep and repeated) compile in llguidance on a thread with the 64 MiB stack
+/// of the server's threads (its compiler recurses once per nested rule: on 2 MiB this one
+/// overflows, which aborts the process).
+#[test]
+fn the_deepest_grammars_compile_on_the_servers_stack() {
+    let mut chain = String::from("root ::= r1\n");
+    let groups = |inner: &str| format!("{}{inner}{}", "(\"b\" ".repeat(12), ")?".repeat(12));
+    for i in 1..99 {
+        chain += &format!("r{i} ::= {} | \"x\"\n", groups(&format!("r{}", i + 1)));
+    }
+    chain += "r99 ::= \"a\" r1?\n";
+    let nested = format!("root ::= {}\"a\"{}", "(\"b\" ".repeat(12), ")?".repeat(12));
+    let json = std::fs::read(fixture("tiny-qwen2").join("tokenizer.json")).unwrap();
+    std::thread::Builder::new()
+        .stack_size(64 << 20)
+        .spawn(move || {
+            let g = Grammars::load(&json, &[976], 1024).unwrap();
+            for src in [chain, nested] {
+                let lark = gbnf_to_lark(&src).unwrap();
+                g.compile(&Spec::Lark(lark)).unwrap_or_else(|e| panic!("{e}"));
+            }
+        })
+        .unwrap()
+        .join()
+        .unwrap();
+}

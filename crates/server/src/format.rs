@@ -67,10 +67,22 @@ pub fn parse(fields: Fields) -> Result<Option<Format>, ApiError> {
     Ok(found.pop())
 }
 
+/// The longest grammar text a request may give: llguidance's compiler recurses once per nested
+/// rule, and this bounds a Lark grammar's chains to what the server's 64 MiB stacks hold (GBNF
+/// is bounded by `grammar::ebnf` itself).
+const MAX_GRAMMAR_BYTES: usize = 64 << 10;
+
 /// A grammar's text as llguidance's Lark: GBNF (it defines rules with `::=`, as llama.cpp's and
 /// SGLang's grammars do) translated, anything else taken as Lark (vLLM tells the two apart the
 /// same way).
 fn lark(text: &str, field: &'static str) -> Result<String, ApiError> {
+    if text.len() > MAX_GRAMMAR_BYTES {
+        let n = text.len();
+        return Err(ApiError::bad(
+            format!("{field}: at most {MAX_GRAMMAR_BYTES} bytes of grammar, got {n}"),
+            Some(field),
+        ));
+    }
     if text.contains("::=") {
         grammar::ebnf::gbnf_to_lark(text).map_err(|e| ApiError::bad(format!("{field}: {e}"), Some(field)))
     } else {
@@ -154,6 +166,9 @@ mod tests {
         assert_eq!((f.spec, f.field), (Spec::Lark("start: \"a\"+".into()), "guided_grammar"));
         let e = parse(Fields { ebnf: Some("root ::= ( \"a\""), ..Fields::default() }).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("ebnf"));
+        let long = format!("start: {}", "\"a\" ".repeat(20_000));
+        let e = parse(Fields { guided_grammar: Some(&long), ..Fields::default() }).unwrap_err();
+        assert!(e.message.contains("at most 65536 bytes") && e.param.as_deref() == Some("guided_grammar"), "{e:?}");
         let e = parse(Fields { ebnf: Some("root ::= \"a\""), regex: Some("a"), ..Fields::default() }).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("ebnf"));
     }

@@ -51,7 +51,11 @@ pub struct ServeOptions {
 /// requests in flight finish ([`drain::Drain`]), closes the listener, aborts what is left, and
 /// returns.
 pub fn serve(engine: Engine, tok: Tokenizer, opts: ServeOptions) -> Result<(), String> {
+    // Grammars compile on the blocking pool, and llguidance's compiler recurses once per nested
+    // rule: 64 MiB stacks (reserved, not committed) keep a deep grammar an error, not an abort
+    // (`grammar::ebnf` bounds the depth of what it translates to what fits).
     let rt = tokio::runtime::Builder::new_multi_thread()
+        .thread_stack_size(64 << 20)
         .enable_all()
         .thread_name("http")
         .build()
