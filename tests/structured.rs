@@ -58,8 +58,7 @@ fn validates(text: &str) -> Result<(), String> {
 }
 
 fn post(server: &Server, path: &str, body: &Value) -> (u16, Value) {
-    let (status, text) = http(&server.addr, "POST", path, Some(&body.to_string()), &[]);
-    (status, serde_json::from_str(&text).unwrap_or_else(|e| panic!("not JSON ({e}): {text}")))
+    post_json(&server.addr, path, body)
 }
 
 /// Every choice's text and finish reason.

@@ -69,8 +69,7 @@ fn validates(name: &str, arguments: &str) -> Result<(), String> {
 }
 
 fn post(server: &Server, body: &Value) -> (u16, Value) {
-    let (status, text) = http(&server.addr, "POST", "/v1/chat/completions", Some(&body.to_string()), &[]);
-    (status, serde_json::from_str(&text).unwrap_or_else(|e| panic!("not JSON ({e}): {text}")))
+    post_json(&server.addr, "/v1/chat/completions", body)
 }
 
 /// Each choice's calls as (name, arguments), checked: finish `tool_calls`, no content, ids.

@@ -400,3 +400,9 @@ pub fn sse_data(raw: &str) -> Vec<String> {
 pub fn json_int_in(v: &serde_json::Value, lo: i64, hi: i64) -> bool {
     v.as_f64().is_some_and(|x| x.fract() == 0.0 && (lo as f64..=hi as f64).contains(&x))
 }
+
+/// POSTs `body` to `path` of the server at `addr`: the status and the JSON answer.
+pub fn post_json(addr: &str, path: &str, body: &serde_json::Value) -> (u16, serde_json::Value) {
+    let (status, text) = http(addr, "POST", path, Some(&body.to_string()), &[]);
+    (status, serde_json::from_str(&text).unwrap_or_else(|e| panic!("{path}: not JSON ({e}): {text}")))
+}

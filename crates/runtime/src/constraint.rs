@@ -60,10 +60,16 @@ impl Constraint {
 /// allow to -inf.
 pub fn apply(allowed: &[u32], logits: &mut [f32]) {
     for (t, l) in logits.iter_mut().enumerate() {
-        if allowed.get(t / 32).is_none_or(|w| w >> (t % 32) & 1 == 0) {
+        if !allows(allowed, t as u32) {
             *l = f32::NEG_INFINITY;
         }
     }
+}
+
+/// Whether the mask `allowed` (as [`Constraint::allowed`] gives it) allows token `t`; tokens
+/// past the mask are not allowed.
+pub fn allows(allowed: &[u32], t: u32) -> bool {
+    allowed.get(t as usize / 32).is_some_and(|w| w >> (t % 32) & 1 == 1)
 }
 
 /// The masks of a step's rows (`None` for a row without a constraint), computed on rayon's
@@ -71,11 +77,11 @@ pub fn apply(allowed: &[u32], logits: &mut [f32]) {
 /// microseconds to milliseconds, and a step may have hundreds of rows.
 pub fn masks(rows: &[Option<Constraint>]) -> Vec<Option<Vec<u32>>> {
     use rayon::prelude::*;
-    match rows.iter().filter(|r| r.is_some()).count() {
-        0 => vec![None; rows.len()],
-        1 => rows.iter().map(|r| r.as_ref().map(Constraint::allowed)).collect(),
-        _ => rows.par_iter().map(|r| r.as_ref().map(Constraint::allowed)).collect(),
+    // A step without constraints (the usual one) stays off the pool.
+    if rows.iter().all(Option::is_none) {
+        return vec![None; rows.len()];
     }
+    rows.par_iter().map(|r| r.as_ref().map(Constraint::allowed)).collect()
 }
 
 impl std::fmt::Debug for Constraint {

@@ -26,7 +26,7 @@ mod tp;
 mod worker;
 
 pub use backend::{check_batch, load, resolve, Backend, Device, RefBackend, StepSeq};
-pub use constraint::{Constraint, TokenConstraint};
+pub use constraint::{allows, Constraint, TokenConstraint};
 pub use cpu::CpuBackend;
 pub use cuda::tp::{Bootstrap, InProcess, TpCudaBackend};
 pub use cuda::CudaBackend;

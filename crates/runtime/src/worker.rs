@@ -131,8 +131,6 @@ fn step(backend: &mut dyn Backend, plan: &StepPlan, st: &mut State) -> Result<Ve
     }
     let mut chosen = Vec::with_capacity(rows.len());
     if on_device {
-        // Rows without a constraint: no masks at all.
-        let constraints = if constraints.iter().any(Option::is_some) { constraints } else { vec![] };
         let ids = backend.forward_sample(&steps, &rows, &adjust, &constraints)?;
         for (s, token) in plan.seqs.iter().filter(|s| s.sample.is_some()).zip(ids) {
             st.samplers.get_mut(&s.req).expect("sampler made above").record(token);

@@ -88,6 +88,8 @@ fn call_text(call: &Value) -> String {
 /// appended to the first system message or sent as one.
 pub fn generic(messages: Vec<Value>, system: Option<String>) -> Vec<Value> {
     let mut out: Vec<Value> = Vec::with_capacity(messages.len() + 1);
+    // The last message written is a user turn of tool results (the next result joins it).
+    let mut in_results = false;
     for mut m in messages {
         let role = m["role"].as_str().unwrap_or_default().to_string();
         let content = m["content"].as_str().unwrap_or_default().to_string();
@@ -104,20 +106,17 @@ pub fn generic(messages: Vec<Value>, system: Option<String>) -> Vec<Value> {
         if role == "tool" {
             let block = format!("<tool_response>\n{content}\n</tool_response>");
             match out.last_mut() {
-                Some(prev) if prev.get("tool_turn").is_some() => {
+                Some(prev) if in_results => {
                     let joined = format!("{}\n{block}", prev["content"].as_str().unwrap_or_default());
                     prev["content"] = Value::String(joined);
                 }
-                _ => out.push(json!({"role": "user", "content": block, "tool_turn": true})),
+                _ => out.push(json!({"role": "user", "content": block})),
             }
+            in_results = true;
             continue;
         }
+        in_results = false;
         out.push(m);
-    }
-    for m in &mut out {
-        if let Some(o) = m.as_object_mut() {
-            o.remove("tool_turn");
-        }
     }
     if let Some(sys) = system {
         match out.first_mut() {

@@ -71,6 +71,7 @@ pub fn serve(engine: Engine, tok: Tokenizer, opts: ServeOptions) -> Result<(), S
         let (vocab, hidden) = (engine.vocab(), engine.hidden_size());
         let fim = fim::Fim::detect(|t| tok.token_to_id(t));
         let tool_syntax = history::ToolSyntax::of_template(tok.chat_template_source());
+        let tool_tokens = [tool_parse::OPEN, tool_parse::CLOSE].iter().all(|t| tok.token_to_id(t).is_some());
         let handle = Arc::new(EngineHandle::spawn(engine));
         let state = Arc::new(routes::AppState {
             vocab,
@@ -82,6 +83,7 @@ pub fn serve(engine: Engine, tok: Tokenizer, opts: ServeOptions) -> Result<(), S
             tok,
             fim,
             tool_syntax,
+            tool_tokens,
             model: opts.model.clone(),
             api_key: opts.api_key.clone(),
             max_context: opts.max_context,

@@ -13,7 +13,6 @@ use crate::error::ApiError;
 use crate::fields::{self, Endpoint};
 use crate::fim::{self, Fim};
 use crate::metrics::Metrics;
-use crate::tool_parse::{CLOSE, OPEN};
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{Path, State};
@@ -41,6 +40,9 @@ pub struct AppState {
     pub fim: Option<Fim>,
     /// How the chat template takes tools and tool-calling turns.
     pub tool_syntax: crate::history::ToolSyntax,
+    /// The vocabulary has `<tool_call>` and `</tool_call>` as tokens of their own
+    /// ([`crate::tools::Tools::grammar`]).
+    pub tool_tokens: bool,
     /// The served model name.
     pub model: String,
     /// Required bearer token, if any.
@@ -263,8 +265,7 @@ async fn chat(State(st): St, headers: HeaderMap, body: Result<Bytes, BytesReject
             .map_err(|e| ApiError::bad(format!("chat template: {e}"), Some("messages")))?;
         let mut job = req.params.job(vec![ids], top, st.limits(), "messages", None)?;
         if let Some(t) = &tools {
-            let tokens = [OPEN, CLOSE].iter().all(|t| st.tok.token_to_id(t).is_some());
-            t.apply(&mut job, &req.params.sampling, tokens)?;
+            t.apply(&mut job, &req.params.sampling, st.tool_tokens)?;
         }
         run(&st, job, Kind::Chat, ticket).await
     }
