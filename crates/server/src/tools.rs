@@ -74,6 +74,7 @@ pub fn parse(
         return Err(bad("tools", format!("at most {MAX_TOOLS} tools, got {}", list.len())));
     }
     let mut functions: Vec<Function> = Vec::with_capacity(list.len());
+    let strict = list.iter().any(|t| t.pointer("/function/strict") == Some(&Value::Bool(true)));
     for (i, t) in list.iter().enumerate() {
         let f = function(i, t)?;
         if functions.iter().any(|g| g.name == f.name) {
@@ -93,6 +94,15 @@ pub fn parse(
             ToolChoice::Auto => Ok(None),
             _ => Err(bad("tool_choice", "tool_choice other than none or auto needs tools".into())),
         };
+    }
+    // `strict` asks that calls follow their schemas: only a grammar of calls alone does that.
+    if strict && choice == ToolChoice::Auto {
+        return Err(bad(
+            "tools",
+            "function.strict: true needs tool_choice required or a named function (with auto the \
+             model's calls are read back, not enforced)"
+                .into(),
+        ));
     }
     if let ToolChoice::Named(n) = &choice {
         if !functions.iter().any(|f| &f.name == n) {
@@ -232,6 +242,8 @@ mod tests {
         assert_eq!(parse(Some(&tools), Some(&json!("none")), None).unwrap(), None);
         assert_eq!(parse(None, Some(&json!("auto")), None).unwrap(), None);
         let named = json!({"type": "function", "function": {"name": "get_time"}});
+        let strict = json!([{"type": "function", "function": {"name": "get_time", "strict": true}}]);
+        assert!(parse(Some(&strict), Some(&named), None).unwrap().is_some());
         let t = parse(Some(&tools), Some(&named), Some(&json!(false))).unwrap().unwrap();
         assert_eq!((t.choice, t.parallel), (ToolChoice::Named("get_time".into()), false));
         for (tools, choice, parallel, field, want) in [
@@ -256,6 +268,13 @@ mod tests {
                 "parameters",
             ),
             (json!({"f": 1}), json!(null), json!(null), "tools", "a list of tools"),
+            (
+                json!([{"type": "function", "function": {"name": "f", "strict": true}}]),
+                json!("auto"),
+                json!(null),
+                "tools",
+                "strict",
+            ),
         ] {
             let e = parse(Some(&tools), Some(&choice), Some(&parallel)).unwrap_err();
             assert_eq!(e.param.as_deref(), Some(field), "{}", e.message);
