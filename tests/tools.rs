@@ -201,10 +201,10 @@ fn tools_and_turns_reach_the_prompt() {
         let (messages, extra) = parsed.template_input(syntax, Some(&tools)).unwrap();
         tok.apply_chat_template(&messages, true, extra.as_ref()).unwrap()
     };
-    use server::history::ToolSyntax;
-    assert_eq!(ToolSyntax::of_template(qwen.chat_template_source()), ToolSyntax::Native);
+    use server::dialect::{Dialect, ToolSyntax};
+    assert_eq!(ToolSyntax::of_template(qwen.chat_template_source()), ToolSyntax::Native(Dialect::Hermes));
     assert_eq!(ToolSyntax::of_template(plain.chat_template_source()), ToolSyntax::Generic);
-    let native = render(&qwen, ToolSyntax::Native);
+    let native = render(&qwen, ToolSyntax::Native(Dialect::Hermes));
     assert!(
         native.starts_with("<|im_start|>system\n# Tools\n") && native.contains("<tool_response>\n18 C\n"),
         "{native}"

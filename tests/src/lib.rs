@@ -206,10 +206,11 @@ pub fn check_backend_against_hf(name: &str, b: &mut runtime::Sequences, tol: f32
 }
 
 /// Runs `scripts/{script}` (a fetch script that caches under `$ENGINE_CACHE` and prints a path)
-/// and returns the path it printed.
-fn fetched(script: &str) -> PathBuf {
+/// with `args` and returns the path it printed.
+fn fetched_with(script: &str, args: &[&str]) -> PathBuf {
     let o = Command::new("bash")
         .arg(repo().join("scripts").join(script))
+        .args(args)
         .output()
         .unwrap_or_else(|e| panic!("running scripts/{script}: {e}"));
     assert!(o.status.success(), "scripts/{script} failed: {}", String::from_utf8_lossy(&o.stderr));
@@ -219,15 +220,21 @@ fn fetched(script: &str) -> PathBuf {
 /// SmolLM2-135M-Instruct's Q4_1 GGUF, fetched once by scripts/fetch-smollm2.sh.
 pub fn smollm2_gguf() -> PathBuf {
     static PATH: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
-    PATH.get_or_init(|| fetched("fetch-smollm2.sh")).clone()
+    PATH.get_or_init(|| fetched_with("fetch-smollm2.sh", &[])).clone()
 }
 
 /// A folder with Qwen's real tokenizer (`tokenizer.json`, `tokenizer_config.json` with its chat
-/// template), fetched once by scripts/fetch-qwen-tokenizer.sh. Its HF goldens are
+/// template), fetched once by scripts/fetch-tokenizer.sh. Its HF goldens are
 /// `fixture("qwen-tokenizer")/reference/tokenizer_goldens.json`.
 pub fn qwen_tokenizer() -> PathBuf {
-    static PATH: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
-    PATH.get_or_init(|| fetched("fetch-qwen-tokenizer.sh")).clone()
+    real_tokenizer("qwen3")
+}
+
+/// A folder with a model family's real tokenizer (`qwen3`, `llama3_2` or `mistral_nemo`: its
+/// `tokenizer.json` and `tokenizer_config.json` with the chat template), fetched once by
+/// scripts/fetch-tokenizer.sh.
+pub fn real_tokenizer(name: &str) -> PathBuf {
+    fetched_with("fetch-tokenizer.sh", &[name])
 }
 
 /// Compiles SmolLM2 (f32, with its tokenizer) into `dir`.

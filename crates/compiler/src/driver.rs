@@ -257,7 +257,23 @@ fn check_range(name: &str, dtype: DType, data: &[f32]) -> Result<(), CompileErro
     }
 }
 
-/// Copies the tokenizer files and writes `generation_config.json` with the eos ids.
+/// The id of `tokenizer_config.json`'s `eos_token` among `tokenizer.json`'s added tokens in
+/// `dir`, if both say.
+fn tokenizer_eos(dir: &Path) -> Option<u32> {
+    let read = |f: &str| -> Option<serde_json::Value> {
+        serde_json::from_str(&std::fs::read_to_string(dir.join(f)).ok()?).ok()
+    };
+    let eos = read("tokenizer_config.json")?.get("eos_token").cloned()?;
+    let eos = eos.get("content").cloned().unwrap_or(eos);
+    let eos = eos.as_str()?;
+    let tokenizer = read("tokenizer.json")?;
+    let added = tokenizer.get("added_tokens")?.as_array()?;
+    let t = added.iter().find(|t| t.get("content").and_then(|c| c.as_str()) == Some(eos))?;
+    t.get("id")?.as_u64().and_then(|id| u32::try_from(id).ok())
+}
+
+/// Copies the tokenizer files and writes `generation_config.json` with the eos ids (the
+/// checkpoint's, and the tokenizer's `eos_token`).
 fn write_tokenizer(w: &mut BundleWriter, dir: &Path, ckpt: &Checkpoint) -> Result<Vec<String>, CompileError> {
     let mut warnings = Vec::new();
     if !dir.is_dir() {
@@ -291,10 +307,15 @@ fn write_tokenizer(w: &mut BundleWriter, dir: &Path, ckpt: &Checkpoint) -> Resul
             None => vec![],
         }
     };
-    let cfg = GenerationConfig {
+    let mut cfg = GenerationConfig {
         eos_token_id: ids(pick("eos_token_id")),
         bos_token_id: ids(pick("bos_token_id")).first().copied(),
     };
+    // The tokenizer's own eos (what its chat template ends a turn with) stops generation too,
+    // as in vLLM, which stops at it and at the generation config's ids.
+    if let Some(id) = tokenizer_eos(dir).filter(|id| !cfg.eos_token_id.contains(id)) {
+        cfg.eos_token_id.push(id);
+    }
     if cfg.eos_token_id.is_empty() {
         warnings.push("no eos_token_id in the checkpoint config: generation stops only at --max-tokens".into());
     }

@@ -29,14 +29,17 @@ pub(crate) struct Choice {
     role_sent: bool,
     /// Chat with tools: reads the calls back.
     parser: Option<CallParser>,
+    /// The dialect they are written in (it makes their ids).
+    dialect: crate::dialect::Dialect,
     /// The calls so far, with their ids.
     calls: Vec<(String, Call)>,
 }
 
 impl Choice {
-    /// A choice whose calls are read back when `tool_calls`.
-    pub(crate) fn new(tool_calls: bool) -> Choice {
-        Choice { parser: tool_calls.then(CallParser::default), ..Choice::default() }
+    /// A choice whose calls are read back in `tool_calls`' dialect, if any.
+    pub(crate) fn new(tool_calls: Option<crate::dialect::Dialect>) -> Choice {
+        let dialect = tool_calls.unwrap_or_default();
+        Choice { parser: tool_calls.map(CallParser::new), dialect, ..Choice::default() }
     }
 
     /// Takes the parser's pieces: text into `step`, calls into the choice (their indices
@@ -47,7 +50,7 @@ impl Choice {
                 Piece::Text(t) => step.text += &t,
                 Piece::Call(c) => {
                     step.calls.push(self.calls.len());
-                    self.calls.push((format!("call_{:016x}", crate::api::random_seed()), c));
+                    self.calls.push((self.dialect.call_id(), c));
                 }
             }
         }

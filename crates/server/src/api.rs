@@ -138,9 +138,9 @@ pub struct Job {
     pub echo: Vec<String>,
     /// What every choice's output must follow (compiled per choice when it is submitted).
     pub format: Option<crate::format::Format>,
-    /// Chat with tools: tool calls are read back from each choice's output
+    /// Chat with tools: tool calls are read back from each choice's output in this dialect
     /// ([`crate::tool_parse`]).
-    pub tool_calls: bool,
+    pub tool_calls: Option<crate::dialect::Dialect>,
 }
 
 fn int(v: Option<i64>, name: &'static str, lo: i64, hi: i64) -> Result<Option<usize>, ApiError> {
@@ -278,7 +278,7 @@ impl Params {
             }
         }
         let include_usage = self.stream_options.as_ref().is_some_and(|o| o.include_usage);
-        Ok(Job { requests, stops, n, stream: self.stream, include_usage, echo: vec![], format, tool_calls: false })
+        Ok(Job { requests, stops, n, stream: self.stream, include_usage, echo: vec![], format, tool_calls: None })
     }
 }
 
@@ -305,15 +305,16 @@ impl ChatRequest {
     /// ([`crate::history::generic`]).
     pub fn template_input(
         &self,
-        syntax: crate::history::ToolSyntax,
+        syntax: crate::dialect::ToolSyntax,
         tools: Option<&crate::tools::Tools>,
     ) -> Result<(Value, Option<Value>), ApiError> {
-        let messages = self.template_messages()?;
+        let mut messages = self.template_messages()?;
         Ok(match syntax {
-            crate::history::ToolSyntax::Native => {
+            crate::dialect::ToolSyntax::Native(d) => {
+                d.history_ids(&mut messages);
                 (Value::Array(messages), tools.map(|t| serde_json::json!({"tools": t.declared})))
             }
-            crate::history::ToolSyntax::Generic => {
+            crate::dialect::ToolSyntax::Generic => {
                 (Value::Array(crate::history::generic(messages, tools.map(|t| t.system_text()))), None)
             }
         })

@@ -55,6 +55,7 @@ enum Msg {
         index: usize,
         stops: Vec<String>,
         prompt_tokens: usize,
+        keep_special: bool,
         out: Out,
     },
     Event {
@@ -108,8 +109,8 @@ impl Detokenizer {
                 let mut choices: HashMap<u64, Choice> = HashMap::new();
                 for m in rx {
                     match m {
-                        Msg::Open { key, index, stops, prompt_tokens, out } => {
-                            let dec = IncrementalDecoder::new(true);
+                        Msg::Open { key, index, stops, prompt_tokens, keep_special, out } => {
+                            let dec = IncrementalDecoder::new(!keep_special);
                             let c = Choice {
                                 index,
                                 stops,
@@ -139,10 +140,18 @@ impl Detokenizer {
         Detokenizer { tx, next: AtomicU64::new(0) }
     }
 
-    /// Registers a choice; returns the sink to give the engine for it.
-    pub fn open(&self, index: usize, stops: Vec<String>, prompt_tokens: usize, out: Out) -> runtime::Sink {
+    /// Registers a choice; returns the sink to give the engine for it. `keep_special` keeps
+    /// special tokens in its text (a tool dialect's markers may be ones).
+    pub fn open(
+        &self,
+        index: usize,
+        stops: Vec<String>,
+        prompt_tokens: usize,
+        keep_special: bool,
+        out: Out,
+    ) -> runtime::Sink {
         let key = self.next.fetch_add(1, Ordering::Relaxed);
-        let _ = self.tx.send(Msg::Open { key, index, stops, prompt_tokens, out });
+        let _ = self.tx.send(Msg::Open { key, index, stops, prompt_tokens, keep_special, out });
         let guard = CloseOnDrop { key, tx: self.tx.clone() };
         Box::new(move |event| {
             let _ = guard.tx.send(Msg::Event { key, event });

@@ -1,37 +1,12 @@
 //! The tool-calling turns of a chat history: an assistant message's `tool_calls` and `tool`
-//! messages with their results. A chat template that speaks the tool-call syntax
-//! ([`crate::tool_parse`]) gets them as vLLM and SGLang pass them (arguments as JSON objects,
-//! not strings); for any other template they are written into the messages' text in that
-//! syntax ([`generic`]), as the template would have, so no turn is dropped.
+//! messages with their results. A chat template that speaks a tool-call dialect
+//! ([`crate::dialect`]) gets them as vLLM and SGLang pass them (arguments as JSON objects,
+//! not strings); for any other template they are written into the messages' text in Hermes's
+//! syntax ([`generic`]), as Qwen's template would have, so no turn is dropped.
 
+use crate::dialect::{HERMES_CLOSE as CLOSE, HERMES_OPEN as OPEN};
 use crate::error::ApiError;
-use crate::tool_parse::{CLOSE, OPEN};
 use serde_json::{json, Value};
-
-/// How the model's chat template takes tools and tool-calling turns.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub enum ToolSyntax {
-    /// It renders `tools`, assistant `tool_calls` and `tool` messages in the Hermes syntax
-    /// itself (Qwen2.5's and Qwen3's templates).
-    Native,
-    /// It renders none of them (or not in that syntax): the server writes them as text.
-    #[default]
-    Generic,
-}
-
-impl ToolSyntax {
-    /// Read from the template's source: native if it writes `<tool_call>`, reads `tool_calls`
-    /// and compares a role with `tool`.
-    pub fn of_template(source: Option<&str>) -> ToolSyntax {
-        let s = source.unwrap_or_default();
-        let results = s.contains("\"tool\"") || s.contains("'tool'");
-        if s.contains(OPEN) && s.contains("tool_calls") && results {
-            ToolSyntax::Native
-        } else {
-            ToolSyntax::Generic
-        }
-    }
-}
 
 fn bad(message: String) -> ApiError {
     ApiError::bad(message, Some("messages"))
@@ -149,17 +124,6 @@ mod tests {
             let e = tool_calls(2, &bad_calls).unwrap_err();
             assert!(e.message.contains(want) && e.message.contains("messages[2]"), "{}", e.message);
         }
-    }
-
-    #[test]
-    fn templates_say_what_they_render() {
-        let qwen = "{{ '<tool_call>' }}{%- for tool_call in message.tool_calls %}{%- elif message.role == \"tool\" %}";
-        assert_eq!(ToolSyntax::of_template(Some(qwen)), ToolSyntax::Native);
-        // Tool calls rendered in another syntax (Llama 3.1's JSON): written as text.
-        let llama = "{%- for tool_call in message.tool_calls %}{%- elif message.role == \"tool\" %}";
-        assert_eq!(ToolSyntax::of_template(Some(llama)), ToolSyntax::Generic);
-        assert_eq!(ToolSyntax::of_template(Some("{{ message.content }}")), ToolSyntax::Generic);
-        assert_eq!(ToolSyntax::of_template(None), ToolSyntax::Generic);
     }
 
     #[test]

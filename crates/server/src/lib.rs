@@ -7,6 +7,7 @@
 mod answer;
 pub mod api;
 pub mod detok;
+pub mod dialect;
 pub mod drain;
 pub mod embeddings;
 pub mod error;
@@ -17,6 +18,7 @@ pub mod history;
 pub mod metrics;
 pub mod routes;
 pub mod tool_parse;
+mod tool_seq;
 pub mod tools;
 
 use runtime::{Engine, EngineHandle};
@@ -70,8 +72,9 @@ pub fn serve(engine: Engine, tok: Tokenizer, opts: ServeOptions) -> Result<(), S
         let created = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
         let (vocab, hidden) = (engine.vocab(), engine.hidden_size());
         let fim = fim::Fim::detect(|t| tok.token_to_id(t));
-        let tool_syntax = history::ToolSyntax::of_template(tok.chat_template_source());
-        let tool_tokens = [tool_parse::OPEN, tool_parse::CLOSE].iter().all(|t| tok.token_to_id(t).is_some());
+        let tool_syntax = dialect::ToolSyntax::of_template(tok.chat_template_source());
+        let tool_tokens: Option<Vec<u32>> =
+            tool_syntax.dialect().markers().iter().map(|t| tok.token_to_id(t)).collect();
         let handle = Arc::new(EngineHandle::spawn(engine));
         let state = Arc::new(routes::AppState {
             vocab,

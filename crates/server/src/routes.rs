@@ -39,10 +39,10 @@ pub struct AppState {
     /// The model's fill-in-the-middle tokens, if its tokenizer has them (`suffix`).
     pub fim: Option<Fim>,
     /// How the chat template takes tools and tool-calling turns.
-    pub tool_syntax: crate::history::ToolSyntax,
-    /// The vocabulary has `<tool_call>` and `</tool_call>` as tokens of their own
+    pub tool_syntax: crate::dialect::ToolSyntax,
+    /// The ids of the tool dialect's markers, where each is a token of its own
     /// ([`crate::tools::Tools::grammar`]).
-    pub tool_tokens: bool,
+    pub tool_tokens: Option<Vec<u32>>,
     /// The served model name.
     pub model: String,
     /// Required bearer token, if any.
@@ -265,7 +265,7 @@ async fn chat(State(st): St, headers: HeaderMap, body: Result<Bytes, BytesReject
             .map_err(|e| ApiError::bad(format!("chat template: {e}"), Some("messages")))?;
         let mut job = req.params.job(vec![ids], top, st.limits(), "messages", None)?;
         if let Some(t) = &tools {
-            t.apply(&mut job, &req.params.sampling, st.tool_tokens)?;
+            t.apply(&mut job, &req.params.sampling, st.tool_syntax.dialect(), st.tool_tokens.as_deref())?;
         }
         run(&st, job, Kind::Chat, ticket).await
     }
@@ -413,7 +413,8 @@ async fn run(st: &Arc<AppState>, job: Job, kind: Kind, ticket: Ticket) -> Result
             let g = st.grammars.clone();
             r.constraint = Some(blocking(move || f.compile(g.as_deref())).await??);
         }
-        let sink = st.detok.open(i, job.stops.clone(), r.prompt.len(), tx.clone());
+        let keep_special = job.tool_calls.is_some_and(|d| d.keeps_special());
+        let sink = st.detok.open(i, job.stops.clone(), r.prompt.len(), keep_special, tx.clone());
         let engine = st.engine.clone();
         let id = blocking(move || engine.submit(r, sink)).await??;
         guard.push(id);

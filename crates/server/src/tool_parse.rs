@@ -1,15 +1,15 @@
-//! Tool calls read back from what the model writes, as it streams: text outside
-//! `<tool_call>...</tool_call>` blocks is content, each block whose body is
-//! `{"name": ..., "arguments": {...}}` is a call (`arguments` as the JSON string OpenAI's API
-//! sends). A block that is not a call stays content, as the model wrote it. Text that may be
-//! the start of a block is held back until it is known not to be.
+//! Tool calls read back from what the model writes, as it streams, in its dialect
+//! ([`Dialect`]): text outside the calls is content; each call is `{"name": ..., "arguments":
+//! {...}}` (Llama's `parameters`), its `arguments` given out as the JSON string OpenAI's API
+//! sends. What looked like calls but is not stays content, as the model wrote it. Text that may
+//! be the start of calls is held back until it is known not to be.
+//!
+//! Hermes's blocks are read by [`Tagged`], Llama's and Mistral's sequences by
+//! [`crate::tool_seq::Seq`].
 
+use crate::dialect::{Dialect, HERMES_CLOSE as CLOSE, HERMES_OPEN as OPEN};
+use crate::tool_seq::Seq;
 use serde_json::Value;
-
-/// What opens a call.
-pub const OPEN: &str = "<tool_call>";
-/// What closes it.
-pub const CLOSE: &str = "</tool_call>";
 
 /// One parsed call.
 #[derive(Debug, Clone, PartialEq)]
@@ -30,81 +30,71 @@ pub enum Piece {
 }
 
 /// The parser of one choice's output.
-#[derive(Debug, Default)]
-pub struct CallParser {
-    /// Text not yet given out: a possible start of [`OPEN`], or a block's body so far.
-    buf: String,
-    /// Inside a block.
-    inside: bool,
-    /// Whitespace given out only if text (not a call) follows it.
-    space: String,
-    /// Calls given out so far.
-    pub calls: usize,
+#[derive(Debug)]
+pub enum CallParser {
+    /// Hermes's blocks.
+    Tagged(Tagged),
+    /// Llama's or Mistral's sequence.
+    Seq(Seq),
 }
 
-/// The body of a block as a call, if it is one.
-fn call(body: &str) -> Option<Call> {
+impl CallParser {
+    /// A parser of `dialect`.
+    pub fn new(dialect: Dialect) -> CallParser {
+        match dialect {
+            Dialect::Hermes => CallParser::Tagged(Tagged::default()),
+            d => CallParser::Seq(Seq::new(d)),
+        }
+    }
+
+    /// Feeds new text; returns the pieces it completes.
+    pub fn push(&mut self, text: &str) -> Vec<Piece> {
+        match self {
+            CallParser::Tagged(p) => p.push(text),
+            CallParser::Seq(p) => p.push(text),
+        }
+    }
+
+    /// The end of the output: what is held back, as calls or content.
+    pub fn finish(&mut self) -> Vec<Piece> {
+        match self {
+            CallParser::Tagged(p) => p.finish(),
+            CallParser::Seq(p) => p.finish(),
+        }
+    }
+}
+
+/// A JSON object as a call, if it is one: a string `name` and object `arguments` (or
+/// `parameters`, Llama's key; or a string holding an object, as some models write them).
+pub(crate) fn call(body: &str) -> Option<Call> {
     let v: Value = serde_json::from_str(body.trim()).ok()?;
     let name = v.get("name")?.as_str()?.to_string();
     let arguments = match v.get("arguments").or_else(|| v.get("parameters"))? {
         Value::Object(m) => Value::Object(m.clone()).to_string(),
-        // Some models write the arguments as a JSON string, as the API sends them.
         Value::String(s) if serde_json::from_str::<Value>(s).is_ok_and(|a| a.is_object()) => s.clone(),
         _ => return None,
     };
     Some(Call { name, arguments })
 }
 
-/// The length of the longest end of `s` that starts [`OPEN`].
-fn open_prefix(s: &str) -> usize {
-    (1..OPEN.len().min(s.len() + 1))
+/// The length of the longest end of `s` that starts `marker` (held back: it may be one).
+pub(crate) fn marker_prefix(s: &str, marker: &str) -> usize {
+    (1..marker.len().min(s.len() + 1))
         .rev()
-        .find(|&n| s.is_char_boundary(s.len() - n) && OPEN.starts_with(&s[s.len() - n..]))
+        .find(|&n| s.is_char_boundary(s.len() - n) && marker.starts_with(&s[s.len() - n..]))
         .unwrap_or(0)
 }
 
-impl CallParser {
-    /// Feeds new text; returns the pieces it completes.
-    pub fn push(&mut self, text: &str) -> Vec<Piece> {
-        self.buf.push_str(text);
-        let mut out = vec![];
-        loop {
-            if self.inside {
-                let Some(end) = self.buf.find(CLOSE) else { break };
-                let body: String = self.buf.drain(..end + CLOSE.len()).collect();
-                self.inside = false;
-                self.block(&body[..end], true, &mut out);
-            } else if let Some(start) = self.buf.find(OPEN) {
-                let before: String = self.buf.drain(..start + OPEN.len()).collect();
-                self.text(&before[..start], &mut out);
-                self.inside = true;
-            } else {
-                let keep = open_prefix(&self.buf);
-                let done: String = self.buf.drain(..self.buf.len() - keep).collect();
-                self.text(&done, &mut out);
-                break;
-            }
-        }
-        out
-    }
+/// Content as it is given out around calls: whitespace alone is held, and given out only if
+/// text follows it (or the output ends with no call); text's trailing whitespace waits too.
+#[derive(Debug, Default)]
+pub(crate) struct Content {
+    space: String,
+}
 
-    /// The end of the output: an unclosed block is a call if its body is one (the output
-    /// ended right after it), else content.
-    pub fn finish(&mut self) -> Vec<Piece> {
-        let mut out = vec![];
-        let rest = std::mem::take(&mut self.buf);
-        if std::mem::take(&mut self.inside) {
-            self.block(&rest, false, &mut out);
-        } else {
-            self.text(&rest, &mut out);
-        }
-        if self.calls == 0 && !self.space.is_empty() {
-            out.push(Piece::Text(std::mem::take(&mut self.space)));
-        }
-        out
-    }
-
-    fn text(&mut self, t: &str, out: &mut Vec<Piece>) {
+impl Content {
+    /// Gives out `t` (less what it holds back).
+    pub(crate) fn text(&mut self, t: &str, out: &mut Vec<Piece>) {
         if t.trim().is_empty() {
             self.space.push_str(t);
             return;
@@ -115,28 +105,91 @@ impl CallParser {
         out.push(Piece::Text(lead + trimmed));
     }
 
+    /// Gives out a call: the whitespace before it is dropped.
+    pub(crate) fn call(&mut self, c: Call, out: &mut Vec<Piece>) {
+        self.space.clear();
+        out.push(Piece::Call(c));
+    }
+
+    /// The end: held whitespace goes out if there was no call.
+    pub(crate) fn finish(&mut self, calls: usize, out: &mut Vec<Piece>) {
+        if calls == 0 && !self.space.is_empty() {
+            out.push(Piece::Text(std::mem::take(&mut self.space)));
+        }
+    }
+}
+
+/// Hermes's parser: `<tool_call>...</tool_call>` blocks among text.
+#[derive(Debug, Default)]
+pub struct Tagged {
+    /// Text not yet given out: a possible start of [`OPEN`], or a block's body so far.
+    buf: String,
+    /// Inside a block.
+    inside: bool,
+    content: Content,
+    /// Calls given out so far.
+    calls: usize,
+}
+
+impl Tagged {
+    fn push(&mut self, text: &str) -> Vec<Piece> {
+        self.buf.push_str(text);
+        let mut out = vec![];
+        loop {
+            if self.inside {
+                let Some(end) = self.buf.find(CLOSE) else { break };
+                let body: String = self.buf.drain(..end + CLOSE.len()).collect();
+                self.inside = false;
+                self.block(&body[..end], true, &mut out);
+            } else if let Some(start) = self.buf.find(OPEN) {
+                let before: String = self.buf.drain(..start + OPEN.len()).collect();
+                self.content.text(&before[..start], &mut out);
+                self.inside = true;
+            } else {
+                let keep = marker_prefix(&self.buf, OPEN);
+                let done: String = self.buf.drain(..self.buf.len() - keep).collect();
+                self.content.text(&done, &mut out);
+                break;
+            }
+        }
+        out
+    }
+
+    /// An unclosed block is a call if its body is one (the output ended right after it),
+    /// else content.
+    fn finish(&mut self) -> Vec<Piece> {
+        let mut out = vec![];
+        let rest = std::mem::take(&mut self.buf);
+        if std::mem::take(&mut self.inside) {
+            self.block(&rest, false, &mut out);
+        } else {
+            self.content.text(&rest, &mut out);
+        }
+        self.content.finish(self.calls, &mut out);
+        out
+    }
+
     fn block(&mut self, body: &str, closed: bool, out: &mut Vec<Piece>) {
         match call(body) {
             Some(c) => {
-                self.space.clear();
                 self.calls += 1;
-                out.push(Piece::Call(c));
+                self.content.call(c, out);
             }
             None => {
                 let close = if closed { CLOSE } else { "" };
-                self.text(&format!("{OPEN}{body}{close}"), out);
+                self.content.text(&format!("{OPEN}{body}{close}"), out);
             }
         }
     }
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    /// The pieces of `text` fed in chunks of `n` bytes (at char boundaries), merged.
-    fn parse(text: &str, n: usize) -> Vec<Piece> {
-        let mut p = CallParser::default();
+    /// The pieces of `text` in `dialect` fed in chunks of `n` chars, merged.
+    pub(crate) fn parse_in(dialect: Dialect, text: &str, n: usize) -> Vec<Piece> {
+        let mut p = CallParser::new(dialect);
         let mut out: Vec<Piece> = vec![];
         let chars: Vec<char> = text.chars().collect();
         for chunk in chars.chunks(n) {
@@ -153,7 +206,7 @@ mod tests {
         merged
     }
 
-    fn call(name: &str, arguments: &str) -> Piece {
+    pub(crate) fn call(name: &str, arguments: &str) -> Piece {
         Piece::Call(Call { name: name.into(), arguments: arguments.into() })
     }
 
@@ -176,18 +229,17 @@ mod tests {
         ];
         for (text, want) in cases {
             for n in [1, 2, 3, 5, 1000] {
-                assert_eq!(parse(text, n), want, "{text:?} in chunks of {n}");
+                assert_eq!(parse_in(Dialect::Hermes, text, n), want, "{text:?} in chunks of {n}");
             }
         }
     }
 
     #[test]
     fn text_that_may_open_a_block_waits() {
-        let mut p = CallParser::default();
+        let mut p = CallParser::new(Dialect::Hermes);
         assert_eq!(p.push("Hi <tool"), vec![Piece::Text("Hi".into())]);
         assert_eq!(p.push("box>"), vec![Piece::Text(" <toolbox>".into())]);
         assert_eq!(p.push("<tool_call>{\"name\": \"f\", \"arguments\": {}}"), vec![]);
         assert_eq!(p.push("</tool_call>"), vec![call("f", "{}")]);
-        assert_eq!(p.calls, 1);
     }
 }

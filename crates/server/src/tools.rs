@@ -4,13 +4,13 @@
 //! syntax, [`Tools::system_text`]); and the grammar that makes `required` and named choices
 //! always produce valid calls ([`Tools::grammar`]).
 //!
-//! The syntax is Hermes's (Qwen2.5, Qwen3 and most fine-tunes): each call is
-//! `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`; `tool_parse` reads it back.
+//! The syntax is the model's dialect ([`Dialect`]: Hermes's `<tool_call>` blocks, Llama's JSON
+//! objects, Mistral's `[TOOL_CALLS]` list); `tool_parse` reads it back.
 
 use crate::api::{Job, Sampling};
+use crate::dialect::{Dialect, HERMES_CLOSE as CLOSE, HERMES_OPEN as OPEN};
 use crate::error::ApiError;
 use crate::format::Format;
-use crate::tool_parse::{CLOSE, OPEN};
 use serde_json::{json, Value};
 
 /// Most tools one request may declare (OpenAI's limit).
@@ -159,48 +159,67 @@ impl Tools {
         })
     }
 
-    /// The Lark grammar (llguidance's dialect) of an answer that is only calls, one call when
-    /// the choice is named or calls are not parallel; `None` for `auto`. Each call's body is
-    /// JSON whose `name` is a callable function's and whose `arguments` follow its schema.
-    /// `tokens`: the vocabulary has `<tool_call>` and `</tool_call>` as tokens of their own,
-    /// which the grammar engine reads as special tokens (named in the grammar), as models
-    /// trained on the syntax write them; else they are text.
-    pub fn grammar(&self, tokens: bool) -> Option<String> {
+    /// The Lark grammar (llguidance's dialect) of an answer that is only calls in `dialect`,
+    /// one call when the choice is named or calls are not parallel; `None` for `auto`. Each
+    /// call is JSON whose `name` is a callable function's and whose arguments follow its
+    /// schema. `markers`: the token ids of the dialect's markers ([`Dialect::markers`]) where
+    /// each is a token of its own, which the grammar names as tokens (models trained on the
+    /// syntax write them so; the grammar engine reads them as special tokens); else they are
+    /// text.
+    pub fn grammar(&self, dialect: Dialect, markers: Option<&[u32]>) -> Option<String> {
         if self.choice == ToolChoice::Auto {
             return None;
         }
+        let args = dialect.arguments_key();
         let bodies: Vec<Value> = self
             .callable()
             .map(|f| {
-                json!({"type": "object", "properties": {"name": {"const": f.name}, "arguments": f.parameters},
-                    "required": ["name", "arguments"], "additionalProperties": false})
+                json!({"type": "object", "properties": {"name": {"const": f.name}, args: f.parameters},
+                    "required": ["name", args], "additionalProperties": false})
             })
             .collect();
         let body = grammar::json_layout(json!({"anyOf": bodies}));
         let many = self.parallel && matches!(self.choice, ToolChoice::Required);
-        let start = if many { "start: call (\"\\n\" call)*" } else { "start: call" };
         let lit = |s: &str| Value::String(s.to_string()).to_string();
-        let (open, close) = if tokens {
-            (format!("{OPEN} \"\\n\""), format!("\"\\n\" {CLOSE}"))
-        } else {
-            (lit(&format!("{OPEN}\n")), lit(&format!("\n{CLOSE}")))
+        let token = |i: usize, s: &str| markers.map_or_else(|| lit(s), |ids| format!("<[{}]>", ids[i]));
+        let (start, call) = match dialect {
+            Dialect::Hermes => {
+                let start = if many { "start: call (\"\\n\" call)*" } else { "start: call" };
+                let (open, close) = (token(0, OPEN), token(1, CLOSE));
+                (start.to_string(), format!("{open} \"\\n\" %json {body} \"\\n\" {close}"))
+            }
+            Dialect::Llama => {
+                let start = if many { "start: call (\"; \" call)*" } else { "start: call" };
+                (start.to_string(), format!("%json {body}"))
+            }
+            Dialect::Mistral => {
+                let calls = if many { "call (\", \" call)*" } else { "call" };
+                let open = token(0, crate::dialect::MISTRAL_CALLS);
+                (format!("start: {open} \"[\" {calls} \"]\""), format!("%json {body}"))
+            }
         };
-        Some(format!("{start}\ncall: {open} %json {body} {close}\n"))
+        Some(format!("{start}\ncall: {call}\n"))
     }
 
     /// Sets `job` up for these tools: its choices' calls are read back, and `required` or a
     /// named choice is enforced by [`Tools::grammar`] (which ends the output: not with
     /// `ignore_eos` or `min_tokens`, nor with another output format).
-    /// `tokens` as for [`Tools::grammar`].
-    pub fn apply(&self, job: &mut Job, sampling: &Sampling, tokens: bool) -> Result<(), ApiError> {
-        job.tool_calls = true;
+    /// `dialect` and `markers` as for [`Tools::grammar`].
+    pub fn apply(
+        &self,
+        job: &mut Job,
+        sampling: &Sampling,
+        dialect: Dialect,
+        markers: Option<&[u32]>,
+    ) -> Result<(), ApiError> {
+        job.tool_calls = Some(dialect);
         if let Some(f) = &job.format {
             return Err(bad(
                 f.field,
                 format!("{} with tools needs tool_choice none (the answer is either calls or that format)", f.field),
             ));
         }
-        let Some(g) = self.grammar(tokens) else { return Ok(()) };
+        let Some(g) = self.grammar(dialect, markers) else { return Ok(()) };
         if sampling.ignore_eos {
             return Err(bad("ignore_eos", "tool_choice required or named ends the output: not with ignore_eos".into()));
         }
@@ -283,21 +302,29 @@ mod tests {
     }
 
     #[test]
-    fn grammar_follows_the_choice() {
+    fn grammar_follows_the_choice_and_the_dialect() {
         let tools = json!([tool("get_weather"), tool("get_time")]);
         let auto = parse(Some(&tools), None, None).unwrap().unwrap();
-        assert_eq!(auto.grammar(true), None);
+        assert_eq!(auto.grammar(Dialect::Hermes, Some(&[5, 6])), None);
         let req = parse(Some(&tools), Some(&json!("required")), None).unwrap().unwrap();
-        let g = req.grammar(false).unwrap();
-        assert!(g.starts_with("start: call (\"\\n\" call)*\ncall: \"<tool_call>\\n\" %json {"), "{g}");
-        assert!(g.ends_with("} \"\\n</tool_call>\"\n"), "{g}");
-        let g = req.grammar(true).unwrap();
-        assert!(g.contains("\ncall: <tool_call> \"\\n\" %json {") && g.ends_with("} \"\\n\" </tool_call>\n"), "{g}");
-        assert!(g.contains("get_weather") && g.contains("get_time"), "{g}");
+        let g = req.grammar(Dialect::Hermes, None).unwrap();
+        assert!(g.starts_with("start: call (\"\\n\" call)*\ncall: \"<tool_call>\" \"\\n\" %json {"), "{g}");
+        assert!(g.ends_with("} \"\\n\" \"</tool_call>\"\n"), "{g}");
+        let g = req.grammar(Dialect::Hermes, Some(&[5, 6])).unwrap();
+        assert!(g.contains("\ncall: <[5]> \"\\n\" %json {") && g.ends_with("} \"\\n\" <[6]>\n"), "{g}");
+        assert!(g.contains("get_weather") && g.contains("get_time") && g.contains("\"arguments\""), "{g}");
+        let g = req.grammar(Dialect::Llama, None).unwrap();
+        assert!(g.starts_with("start: call (\"; \" call)*\ncall: %json {") && g.contains("\"parameters\""), "{g}");
+        assert!(!g.contains("\"arguments\""), "{g}");
+        let g = req.grammar(Dialect::Mistral, Some(&[9])).unwrap();
+        assert!(g.starts_with("start: <[9]> \"[\" call (\", \" call)* \"]\"\ncall: %json {"), "{g}");
+        let g = req.grammar(Dialect::Mistral, None).unwrap();
+        assert!(g.starts_with("start: \"[TOOL_CALLS]\" \"[\" call"), "{g}");
         let one = parse(Some(&tools), Some(&json!("required")), Some(&json!(false))).unwrap().unwrap();
-        assert!(one.grammar(true).unwrap().starts_with("start: call\n"));
+        assert!(one.grammar(Dialect::Hermes, None).unwrap().starts_with("start: call\n"));
+        assert!(one.grammar(Dialect::Mistral, None).unwrap().starts_with("start: \"[TOOL_CALLS]\" \"[\" call \"]\"\n"));
         let named = json!({"type": "function", "function": {"name": "get_time"}});
-        let g = parse(Some(&tools), Some(&named), None).unwrap().unwrap().grammar(true).unwrap();
+        let g = parse(Some(&tools), Some(&named), None).unwrap().unwrap().grammar(Dialect::Llama, None).unwrap();
         assert!(g.starts_with("start: call\n") && g.contains("get_time") && !g.contains("get_weather"), "{g}");
     }
 
