@@ -8,7 +8,9 @@ use e2e::*;
 fn smollm2_gguf_matches_hf() {
     let dir = tempfile::tempdir().unwrap();
     let b = bundle::Bundle::open(&smollm2_bundle(dir.path())).unwrap();
-    assert_eq!(b.generation_config().unwrap().eos_token_id, vec![2]);
+    // The config's eos (`<|im_end|>`, 2) and its tokenizer_config's `eos_token` (`<|im_start|>`,
+    // 1): generation stops at both, as in vLLM.
+    assert_eq!(b.generation_config().unwrap().eos_token_id, vec![2, 1]);
     let mut backend = seqs(runtime::RefBackend::new(&b).unwrap());
     check_backend_against_hf("smollm2-135m", &mut backend, 1e-3);
     let mut cpu = seqs(runtime::CpuBackend::new(&b).unwrap());
