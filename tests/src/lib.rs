@@ -239,12 +239,18 @@ pub fn real_tokenizer(name: &str) -> PathBuf {
 
 /// Compiles SmolLM2 (f32, with its tokenizer) into `dir`.
 pub fn smollm2_bundle(dir: &Path) -> PathBuf {
-    let out = dir.join("smollm2.bundle");
+    smollm2_bundle_as(dir, Some(ir::DType::F32))
+}
+
+/// Compiles SmolLM2 (with its tokenizer) into `dir`: dequantized to `dtype`, or with `None`
+/// kept in the GGUF's blocks.
+pub fn smollm2_bundle_as(dir: &Path, dtype: Option<ir::DType>) -> PathBuf {
+    let out = dir.join(format!("smollm2-{}.bundle", dtype.map_or("blocks".into(), |d| d.to_string())));
     let opts = compiler::CompileOptions {
         model: repo().join("models/llama.yaml"),
         checkpoint: smollm2_gguf(),
         tp: 1,
-        dtype: Some(ir::DType::F32),
+        dtype,
         tokenizer: Some(fixture("smollm2-135m")),
         out: out.clone(),
         dump_after: None,

@@ -222,15 +222,34 @@ impl WeightFile {
         Ok((dtype, shape, &self.map[start..start + data.len()]))
     }
 
-    /// A tensor as f32 values, checked against the expected shape.
-    pub fn f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, BundleError> {
-        let (dtype, got, bytes) = self.raw(name)?;
-        if got != shape {
-            return Err(BundleError::Malformed {
-                path: self.path.display().to_string(),
-                message: format!("tensor `{name}` has shape {got:?}, the plan expects {shape:?}"),
-            });
+    /// A tensor's bytes, checked against the plan's dtype and shape: a dense tensor is stored
+    /// as its dtype and shape, a block type's as `U8` rows of its blocks (`[.., row bytes]`).
+    pub fn bytes_as(&self, name: &str, dtype: DType, shape: &[usize]) -> Result<&[u8], BundleError> {
+        let st = self.tensors()?;
+        let bad = |message: String| BundleError::Malformed { path: self.path.display().to_string(), message };
+        let view = st.tensor(name).map_err(|e| bad(format!("tensor `{name}`: {e}")))?;
+        let row = shape.last().and_then(|&k| dtype.bytes(k));
+        let want = match (dtype.is_block(), row) {
+            (false, _) => shape.to_vec(),
+            (true, Some(row)) => [&shape[..shape.len() - 1], &[row]].concat(),
+            (true, None) => return Err(bad(format!("tensor `{name}`: {shape:?} is not whole {dtype} blocks"))),
+        };
+        let stored = format!("{:?}", view.dtype());
+        if stored != dtype.safetensors_name() || view.shape() != want {
+            return Err(bad(format!(
+                "tensor `{name}` is {stored} {:?}; the plan's {dtype} {shape:?} is stored as {} {want:?}",
+                view.shape(),
+                dtype.safetensors_name()
+            )));
         }
-        Ok(dtype.to_f32(bytes))
+        let data = view.data();
+        let start = data.as_ptr() as usize - self.map.as_ptr() as usize;
+        Ok(&self.map[start..start + data.len()])
+    }
+
+    /// A tensor as f32 values (a block type dequantized), checked against the plan's dtype
+    /// and shape.
+    pub fn f32(&self, name: &str, shape: &[usize], dtype: DType) -> Result<Vec<f32>, BundleError> {
+        Ok(dtype.to_f32(self.bytes_as(name, dtype, shape)?))
     }
 }

@@ -19,7 +19,20 @@ pub struct TensorEntry {
 
 impl TensorEntry {
     fn bytes(&self) -> usize {
-        self.shape.iter().product::<usize>() * self.dtype.size()
+        let n = self.stored_shape().iter().product::<usize>();
+        if self.dtype.is_block() {
+            n
+        } else {
+            n * self.dtype.size()
+        }
+    }
+
+    /// The shape in the file: a block type's rows are stored as their bytes (`U8`).
+    fn stored_shape(&self) -> Vec<usize> {
+        match (self.shape.split_last(), self.dtype.is_block()) {
+            (Some((&k, outer)), true) => [outer, &[self.dtype.bytes(k).unwrap_or(0)]].concat(),
+            _ => self.shape.clone(),
+        }
     }
 }
 
@@ -103,7 +116,7 @@ impl BundleWriter {
             let end = offset + t.bytes();
             header.insert(
                 t.name.clone(),
-                serde_json::json!({"dtype": t.dtype.safetensors_name(), "shape": t.shape, "data_offsets": [offset, end]}),
+                serde_json::json!({"dtype": t.dtype.safetensors_name(), "shape": t.stored_shape(), "data_offsets": [offset, end]}),
             );
             offset = end;
         }

@@ -2,7 +2,7 @@
 //! sizes: elementwise add / mul / silu, rms_norm, rope, one attention row, embedding.
 //! Semantics are those of `ir::Op` (the reference interpreter is their oracle).
 
-use crate::{new_module, JitError};
+use crate::{new_module, JitError, Opt};
 use cranelift_codegen::ir::condcodes::IntCC;
 use cranelift_codegen::ir::{types, AbiParam, FuncRef, InstBuilder, MemFlagsData, Signature, UserFuncName, Value};
 use cranelift_frontend::{FunctionBuilder, FunctionBuilderContext};
@@ -31,15 +31,27 @@ pub(crate) struct Env {
     pub(crate) expf: FuncRef,
 }
 
-/// Compiles one function with `ptrs` pointer parameters followed by `ints` i64 parameters.
+/// Compiles one function with `ptrs` pointer parameters followed by `ints` i64 parameters,
+/// optimised for speed.
 pub(crate) fn compile(
     name: &str,
     ptrs: usize,
     ints: usize,
     body: impl FnOnce(&mut FunctionBuilder, &Env),
 ) -> Result<Compiled, JitError> {
+    compile_opt(name, (ptrs, ints), Opt::Speed, body)
+}
+
+/// [`compile`] with the optimisation `opt`. `ENGINE_JIT_DISASM=TEXT` prints the machine code of
+/// every kernel whose name contains TEXT to stderr.
+pub(crate) fn compile_opt(
+    name: &str,
+    (ptrs, ints): (usize, usize),
+    opt: Opt,
+    body: impl FnOnce(&mut FunctionBuilder, &Env),
+) -> Result<Compiled, JitError> {
     let err = |m: String| JitError::Compile { kernel: name.to_string(), message: m };
-    let mut module = new_module()?;
+    let mut module = new_module(opt)?;
     let ptr = module.target_config().pointer_type();
     let mut ctx = module.make_context();
     ctx.func.signature.params.extend((0..ptrs).map(|_| AbiParam::new(ptr)));
@@ -64,7 +76,12 @@ pub(crate) fn compile(
         b.seal_all_blocks();
         b.finalize(target);
     }
+    let disasm = std::env::var("ENGINE_JIT_DISASM").is_ok_and(|k| name.contains(&k));
+    ctx.set_disasm(disasm);
     module.define_function(id, &mut ctx).map_err(|e| err(format!("{e:?}")))?;
+    if let Some(v) = ctx.compiled_code().and_then(|c| c.vcode.as_ref()).filter(|_| disasm) {
+        eprintln!("{name}:\n{v}");
+    }
     module.clear_context(&mut ctx);
     module.finalize_definitions().map_err(|e| err(e.to_string()))?;
     Ok(Compiled { code: module.get_finalized_function(id), _module: module })
@@ -468,16 +485,23 @@ impl AttentionKernel {
 
 /// `fn(table, ids, out, rows)`: rows of an f32 or bf16 table gathered into f32.
 pub struct EmbeddingKernel {
-    c: Compiled,
+    /// The gather of dense rows; `None` for a block type's table (rows dequantized in Rust).
+    c: Option<Compiled>,
     h: usize,
     dtype: DType,
 }
 
 impl EmbeddingKernel {
-    /// Compiles the gather for rows of `h` stored as `dtype`.
+    /// Compiles the gather for rows of `h` stored as `dtype` (a block type's rows in the CPU
+    /// layout of [`crate::blocks`]).
     pub fn compile(h: usize, dtype: DType) -> Result<EmbeddingKernel, JitError> {
+        if dtype.is_block() && h.is_multiple_of(ir::BLOCK) {
+            return Ok(EmbeddingKernel { c: None, h, dtype });
+        }
         if !matches!(dtype, DType::F32 | DType::BF16) {
-            return Err(JitError::Unsupported(format!("embedding: {dtype} tables are not supported by the CPU JIT")));
+            return Err(JitError::Unsupported(format!(
+                "embedding: {dtype} tables of {h} columns are not supported by the CPU JIT"
+            )));
         }
         let es = dtype.size();
         let c = compile(&format!("embedding_{h}_{dtype}"), 3, 1, |b, env| {
@@ -500,20 +524,28 @@ impl EmbeddingKernel {
                 }
             });
         })?;
-        Ok(EmbeddingKernel { c, h, dtype })
+        Ok(EmbeddingKernel { c: Some(c), h, dtype })
     }
 
     /// Gathers rows `ids` of `table` (`vocab × h` values of the kernel's dtype) into `out`.
     /// Ids must be checked against the vocabulary by the caller.
     pub fn run(&self, table: &[u8], ids: &[i32], out: &mut [f32]) {
-        let vocab = table.len() / (self.h * self.dtype.size());
+        let row = crate::blocks::row_bytes(self.h, self.dtype);
+        let vocab = table.len() / row;
         assert!(
             out.len() == ids.len() * self.h && ids.iter().all(|&i| i >= 0 && (i as usize) < vocab),
             "embedding sizes"
         );
+        let Some(c) = &self.c else {
+            for (&id, o) in ids.iter().zip(out.chunks_exact_mut(self.h)) {
+                let id = id as usize;
+                crate::blocks::dequant_row(self.dtype, &table[id * row..(id + 1) * row], o);
+            }
+            return;
+        };
         // SAFETY: the signature matches `compile`; ids are in range and sizes were checked.
         unsafe {
-            let f: unsafe extern "C" fn(*const u8, *const i32, *mut f32, i64) = std::mem::transmute(self.c.code);
+            let f: unsafe extern "C" fn(*const u8, *const i32, *mut f32, i64) = std::mem::transmute(c.code);
             f(table.as_ptr(), ids.as_ptr(), out.as_mut_ptr(), ids.len() as i64)
         }
     }

@@ -7,6 +7,7 @@
 //! ops of the plan follow (see `docs/perf.md` and the CPU backend issue).
 #![deny(missing_docs)]
 
+pub mod blocks;
 mod kernels;
 mod linear;
 mod map;
@@ -44,11 +45,23 @@ extern "C" fn engine_expf(x: f32) -> f32 {
     x.exp()
 }
 
-/// A JIT module set up for speed on the host CPU, with the math functions kernels call.
-pub(crate) fn new_module() -> Result<JITModule, JitError> {
+/// How Cranelift optimises a kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Opt {
+    /// `opt_level=speed`: the e-graph pass (GVN, LICM, rewrites), which also re-places every
+    /// pure instruction at its uses.
+    Speed,
+    /// `opt_level=none`: instructions stay in the order the kernel emits them (the block
+    /// kernels', whose dequantization the e-graph pass spreads into spills).
+    None,
+}
+
+/// A JIT module set up for the host CPU, with the math functions kernels call.
+pub(crate) fn new_module(opt: Opt) -> Result<JITModule, JitError> {
     let host = |e: &dyn std::fmt::Display| JitError::Host(e.to_string());
     let mut flags = settings::builder();
-    for (k, v) in [("opt_level", "speed"), ("use_colocated_libcalls", "false"), ("is_pic", "false")] {
+    let level = if opt == Opt::Speed { "speed" } else { "none" };
+    for (k, v) in [("opt_level", level), ("use_colocated_libcalls", "false"), ("is_pic", "false")] {
         flags.set(k, v).map_err(|e| host(&e))?;
     }
     let isa =

@@ -315,6 +315,12 @@ pub(crate) struct Schedule {
 
 /// Lowers `plan` to fused launches with buffers assigned.
 pub(crate) fn schedule(plan: &Plan) -> Result<Schedule, CodegenError> {
+    if let Some((name, _, d)) = plan.weights().find(|(_, _, d)| d.is_block()) {
+        return Err(CodegenError::Unsupported(format!(
+            "weight `{name}` is {d}: the CUDA kernels read f32, bf16 and f16 weights (the CPU backends read {d}; \
+             for CUDA compile with --dtype bf16)"
+        )));
+    }
     let n = plan.nodes.len();
     let mut consumers = vec![vec![]; n];
     for (i, node) in plan.nodes.iter().enumerate() {

@@ -2,7 +2,7 @@
 //! single file or sharded as `model-0000K-of-0000N.safetensors` + `model.safetensors.index.json`)
 //! or a GGUF file (see [`crate::gguf`]), presented alike: a config and tensors under HF names.
 
-use crate::gguf::{hf_name, Gguf};
+use crate::gguf::{ggml_name, hf_name, Gguf};
 use crate::CompileError;
 use ir::DType;
 use std::collections::BTreeMap;
@@ -31,6 +31,11 @@ impl TensorInfo {
     /// The safetensors dtype, when it is one the engine reads (bf16, f16, f32).
     pub fn dtype(&self) -> Option<DType> {
         DType::from_safetensors_name(&self.dtype_name).filter(|d| d.is_float())
+    }
+
+    /// The block type (GGUF Q8_0, Q4_0, Q4_1) the tensor is stored in, if any.
+    pub fn block(&self) -> Option<DType> {
+        [DType::Q8_0, DType::Q4_0, DType::Q4_1].into_iter().find(|d| crate::gguf::ggml_name(*d) == self.dtype_name)
     }
 }
 
@@ -92,7 +97,7 @@ impl Checkpoint {
             // they are reported as unused.
             let name = hf_name(&t.name).unwrap_or_else(|| t.name.clone());
             let info = TensorInfo {
-                dtype_name: t.ty.name().to_string(),
+                dtype_name: ggml_name(t.ty),
                 shape: t.shape.clone(),
                 readable: true,
                 location: Location::Gguf(t.name.clone()),
@@ -151,6 +156,14 @@ impl Checkpoint {
             .dtype()
             .ok_or_else(|| CompileError::UnsupportedDtype { name: name.to_string(), dtype: info.dtype_name.clone() })?;
         Ok(dtype.to_f32(view.data()))
+    }
+
+    /// A GGUF tensor's blocks (its rows in HF's order), when it is stored in a block type.
+    pub fn read_blocks(&self, name: &str) -> Result<(DType, Vec<u8>), CompileError> {
+        match (self.tensors.get(name).map(|t| &t.location), &self.gguf) {
+            (Some(Location::Gguf(gname)), Some(g)) => g.read_raw(gname),
+            _ => Err(ckpt_err(&self.path, format!("tensor `{name}` is not a GGUF tensor"))),
+        }
     }
 
     /// The most common float dtype among the tensors (the checkpoint's storage type).

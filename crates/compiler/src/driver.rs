@@ -58,7 +58,8 @@ pub fn compile(opts: &CompileOptions) -> Result<CompileReport, CompileError> {
     let model = spec::bind(&spec, &ckpt.config)?;
     let mut warnings = validate_checkpoint(&model, &ckpt)?;
     let dtype = opts.dtype.or_else(|| config_dtype(&ckpt.config)).or_else(|| ckpt.main_dtype()).unwrap_or(DType::BF16);
-    let (plan, dump) = build_plan(&model, dtype, (opts.tp, opts.lm_head), opts.dump_after.as_deref())?;
+    let kept = kept_blocks(&model, &ckpt, opts.dtype);
+    let (plan, dump) = build_plan(&model, (dtype, &kept), (opts.tp, opts.lm_head), opts.dump_after.as_deref())?;
 
     let mut w = BundleWriter::create(&opts.out)?;
     let plan_json = serde_json::to_string_pretty(&plan).map_err(|e| CompileError::Usage(e.to_string()))?;
@@ -87,15 +88,24 @@ pub fn compile(opts: &CompileOptions) -> Result<CompileReport, CompileError> {
     Ok(CompileReport { out, plan, warnings, dump })
 }
 
-/// Lowers a bound model and runs the pass pipeline; returns the plan and, with `dump_after`,
-/// the graph text after that pass.
+/// The weights that stay in their checkpoint's block type (GGUF Q8_0 / Q4_0 / Q4_1), by
+/// name: all of them unless `--dtype` asks for dequantized weights.
+fn kept_blocks(model: &BoundModel, ckpt: &Checkpoint, dtype: Option<DType>) -> BTreeMap<String, DType> {
+    if dtype.is_some() {
+        return BTreeMap::new();
+    }
+    model.weights.iter().filter_map(|w| Some((w.name.clone(), ckpt.info(&w.tensor)?.block()?))).collect()
+}
+
+/// Lowers a bound model (weights in `dtype`, or the block type `kept` names) and runs the
+/// pass pipeline; returns the plan and, with `dump_after`, the graph text after that pass.
 fn build_plan(
     model: &BoundModel,
-    dtype: DType,
+    (dtype, kept): (DType, &BTreeMap<String, DType>),
     (tp, lm_head): (usize, LmHead),
     dump_after: Option<&str>,
 ) -> Result<(Plan, Option<String>), CompileError> {
-    let graph = lower::lower(model, dtype, dtype)?;
+    let graph = lower::lower(model, dtype, dtype, kept)?;
     let ctx = PassCtx { tp, model, lm_head };
     let mut dump = None;
     let graph = passes::run(graph, &ctx, |name, g| {
@@ -126,7 +136,7 @@ pub fn plan_for_config(
     }
     let spec = ModelSpec::load(model_yaml)?;
     let model = spec::bind(&spec, config)?;
-    Ok(build_plan(&model, dtype, (tp, LmHead::default()), None)?.0)
+    Ok(build_plan(&model, (dtype, &BTreeMap::new()), (tp, LmHead::default()), None)?.0)
 }
 
 /// Checks that every tensor the model names exists with its shape and a supported dtype.
@@ -205,6 +215,9 @@ fn write_rank_weights(
             .find(|bw| bw.name == source)
             .ok_or_else(|| CompileError::Usage(format!("plan weight `{source}` is not in the model")))
             .and_then(|bw| {
+                if dtype.is_block() {
+                    return read_blocks(ckpt, bw, dtype, (shape, tp, rank));
+                }
                 let data = read_weight(ckpt, bw)?;
                 // The plan's shape says whether this rank holds a slice (a replicated lm_head
                 // keeps its whole shape even where the model marks it column-parallel).
@@ -238,6 +251,34 @@ fn read_weight(ckpt: &Checkpoint, bw: &spec::BoundWeight) -> Result<Vec<f32>, Co
             data[start * cols..end * cols].to_vec()
         }
     })
+}
+
+/// A weight kept in its block type: its blocks, this rank's slice of them.
+fn read_blocks(
+    ckpt: &Checkpoint,
+    bw: &spec::BoundWeight,
+    dtype: DType,
+    (shape, tp, rank): (&[usize], usize, usize),
+) -> Result<Vec<u8>, CompileError> {
+    let (stored, bytes) = ckpt.read_blocks(&bw.tensor)?;
+    if stored != dtype {
+        return Err(CompileError::Usage(format!(
+            "weight `{}` is {stored} in the checkpoint, the plan says {dtype}",
+            bw.name
+        )));
+    }
+    let bytes = match bw.rows {
+        None => bytes,
+        Some((start, end)) => {
+            let row = bytes.len() / ckpt.info(&bw.tensor).map_or(1, |t| t.shape[0].max(1));
+            bytes[start * row..end * row].to_vec()
+        }
+    };
+    if shape == bw.shape {
+        Ok(bytes)
+    } else {
+        shard::cut_blocks(bw, &bytes, dtype, tp, rank)
+    }
 }
 
 /// The largest finite f16 value.

@@ -8,6 +8,7 @@
 //! layout; [`Gguf::read_f32`] undoes that).
 
 use crate::CompileError;
+use ir::DType;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -38,58 +39,23 @@ impl MetaValue {
     }
 }
 
-/// The tensor element types this reader dequantizes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum GgmlType {
-    /// 32-bit float.
-    F32,
-    /// 16-bit float.
-    F16,
-    /// Blocks of 32: f16 scale, 16 bytes of 4-bit values, value = (q - 8) * d.
-    Q4_0,
-    /// Blocks of 32: f16 scale and min, 16 bytes of 4-bit values, value = q * d + m.
-    Q4_1,
-    /// Blocks of 32: f16 scale, 32 int8 values, value = q * d.
-    Q8_0,
-    /// bfloat16.
-    BF16,
+/// The element type of GGUF type id `id`, when the engine reads it: F32, F16, BF16 and the
+/// block types of [`ir::quant`].
+fn dtype_of_id(id: u32) -> Option<DType> {
+    Some(match id {
+        0 => DType::F32,
+        1 => DType::F16,
+        2 => DType::Q4_0,
+        3 => DType::Q4_1,
+        8 => DType::Q8_0,
+        30 => DType::BF16,
+        _ => return None,
+    })
 }
 
-impl GgmlType {
-    fn from_id(id: u32) -> Option<GgmlType> {
-        Some(match id {
-            0 => GgmlType::F32,
-            1 => GgmlType::F16,
-            2 => GgmlType::Q4_0,
-            3 => GgmlType::Q4_1,
-            8 => GgmlType::Q8_0,
-            30 => GgmlType::BF16,
-            _ => return None,
-        })
-    }
-
-    /// (elements per block, bytes per block).
-    fn block(self) -> (usize, usize) {
-        match self {
-            GgmlType::F32 => (1, 4),
-            GgmlType::F16 | GgmlType::BF16 => (1, 2),
-            GgmlType::Q4_0 => (32, 18),
-            GgmlType::Q4_1 => (32, 20),
-            GgmlType::Q8_0 => (32, 34),
-        }
-    }
-
-    /// Its name as llama.cpp spells it.
-    pub fn name(self) -> &'static str {
-        match self {
-            GgmlType::F32 => "F32",
-            GgmlType::F16 => "F16",
-            GgmlType::Q4_0 => "Q4_0",
-            GgmlType::Q4_1 => "Q4_1",
-            GgmlType::Q8_0 => "Q8_0",
-            GgmlType::BF16 => "BF16",
-        }
-    }
+/// A type's name as llama.cpp spells it (`Q4_1`, `F32`).
+pub fn ggml_name(d: DType) -> String {
+    d.to_string().to_uppercase()
 }
 
 /// A tensor of the file.
@@ -100,7 +66,7 @@ pub struct GgufTensor {
     /// Dimensions as HF orders them (slowest first).
     pub shape: Vec<usize>,
     /// Element type.
-    pub ty: GgmlType,
+    pub ty: DType,
     offset: usize,
 }
 
@@ -255,7 +221,7 @@ impl Gguf {
             let mut dims = (0..n_dims).map(|_| r.u64().map(|d| d as usize)).collect::<Result<Vec<_>, _>>()?;
             dims.reverse();
             let type_id = r.u32()?;
-            let ty = GgmlType::from_id(type_id).ok_or_else(|| {
+            let ty = dtype_of_id(type_id).ok_or_else(|| {
                 r.err(format!("tensor `{name}` has quantization type {type_id}, which is not supported (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1)"))
             })?;
             let offset = r.u64()? as usize;
@@ -275,12 +241,11 @@ impl Gguf {
 
     fn bytes(&self, t: &GgufTensor) -> Result<&[u8], CompileError> {
         let n: usize = t.shape.iter().product();
-        let (per, size) = t.ty.block();
-        if !n.is_multiple_of(per) {
-            return Err(self.err(format!("tensor `{}` has {n} elements, not whole {}-element blocks", t.name, per)));
-        }
+        let size = t.ty.bytes(n).ok_or_else(|| {
+            self.err(format!("tensor `{}` has {n} elements, not whole {}-element blocks", t.name, ir::BLOCK))
+        })?;
         let start = self.data_start + t.offset;
-        let end = start + n / per * size;
+        let end = start + size;
         self.map.get(start..end).ok_or_else(|| {
             self.err(format!(
                 "tensor `{}` lies past the end of the file (bytes {start}..{end} of {}): the file is truncated",
@@ -365,8 +330,15 @@ impl Gguf {
 
     /// A tensor as f32 values in HF layout (Q and K rows un-permuted for llama).
     pub fn read_f32(&self, name: &str) -> Result<Vec<f32>, CompileError> {
+        let (ty, bytes) = self.read_raw(name)?;
+        Ok(ty.to_f32(&bytes))
+    }
+
+    /// A tensor's element type and bytes as stored (a block type's blocks), its rows in HF's
+    /// order (Q and K rows un-permuted for llama).
+    pub fn read_raw(&self, name: &str) -> Result<(DType, Vec<u8>), CompileError> {
         let t = self.tensors.get(name).ok_or_else(|| self.err(format!("tensor `{name}` is missing")))?;
-        let mut v = dequantize(t.ty, self.bytes(t)?);
+        let mut v = self.bytes(t)?.to_vec();
         let heads = if name.ends_with("attn_q.weight") {
             self.meta_int(&format!("{}.attention.head_count", self.architecture()?))
         } else if name.ends_with("attn_k.weight") {
@@ -377,46 +349,21 @@ impl Gguf {
             None
         };
         if let (Some(h), true) = (heads, self.architecture()? == "llama") {
-            v = unpermute_rows(&v, &t.shape, h as usize);
+            v = unpermute_rows(&v, t.shape[0], h as usize);
         }
-        Ok(v)
-    }
-}
-
-/// Dequantizes `bytes` of type `ty` to f32.
-pub fn dequantize(ty: GgmlType, bytes: &[u8]) -> Vec<f32> {
-    let f16 = |b: &[u8]| half::f16::from_le_bytes([b[0], b[1]]).to_f32();
-    match ty {
-        GgmlType::F32 => ir::DType::F32.to_f32(bytes),
-        GgmlType::F16 => ir::DType::F16.to_f32(bytes),
-        GgmlType::BF16 => ir::DType::BF16.to_f32(bytes),
-        GgmlType::Q8_0 => {
-            bytes.chunks_exact(34).flat_map(|b| b[2..].iter().map(move |&q| q as i8 as f32 * f16(b))).collect()
-        }
-        GgmlType::Q4_0 | GgmlType::Q4_1 => {
-            let mut out = Vec::with_capacity(bytes.len() / 18 * 32);
-            let (size, qs) = if ty == GgmlType::Q4_0 { (18, 2) } else { (20, 4) };
-            for b in bytes.chunks_exact(size) {
-                let d = f16(b);
-                let (m, off) = if ty == GgmlType::Q4_0 { (0.0, 8.0) } else { (f16(&b[2..]), 0.0) };
-                let q = &b[qs..];
-                out.extend(q.iter().map(|&x| ((x & 0x0F) as f32 - off) * d + m));
-                out.extend(q.iter().map(|&x| ((x >> 4) as f32 - off) * d + m));
-            }
-            out
-        }
+        Ok((t.ty, v))
     }
 }
 
 /// Undoes llama.cpp's `permute(w, n_head)`: rows of each head were reordered from
 /// `[half, 2]` (interleaved pairs) to `[2, half]`... in reverse, i.e. GGUF stores
 /// `w.reshape(h, 2, d/2, ...).swapaxes(1, 2)`; this restores HF's rotate-half row order.
-fn unpermute_rows(v: &[f32], shape: &[usize], heads: usize) -> Vec<f32> {
-    let rows = shape[0];
-    let cols: usize = shape[1..].iter().product();
+/// `v` holds `rows` rows of equal byte length (whole blocks of a block type).
+fn unpermute_rows(v: &[u8], rows: usize, heads: usize) -> Vec<u8> {
+    let cols = v.len() / rows;
     let per_head = rows / heads;
     let half = per_head / 2;
-    let mut out = vec![0.0; v.len()];
+    let mut out = vec![0; v.len()];
     for h in 0..heads {
         for i in 0..half {
             for j in 0..2 {
@@ -443,29 +390,9 @@ mod tests {
     }
 
     #[test]
-    fn dequantizes_blocks() {
-        let d = half::f16::from_f32(0.5).to_le_bytes();
-        let m = half::f16::from_f32(-1.0).to_le_bytes();
-        let mut q41 = vec![d[0], d[1], m[0], m[1]];
-        q41.extend((0..16u8).map(|i| i | ((15 - i) << 4)));
-        let v = dequantize(GgmlType::Q4_1, &q41);
-        assert_eq!(v[0], -1.0);
-        assert_eq!(v[15], 15.0 * 0.5 - 1.0);
-        assert_eq!(v[16], 15.0 * 0.5 - 1.0);
-        assert_eq!(v[31], -1.0);
-        let mut q40 = vec![d[0], d[1]];
-        q40.extend([0x80u8; 16]);
-        let v = dequantize(GgmlType::Q4_0, &q40);
-        assert_eq!((v[0], v[16]), (-4.0, 0.0));
-        let mut q8 = vec![d[0], d[1]];
-        q8.extend((0..32).map(|i| (i as i8 - 16) as u8));
-        assert_eq!(dequantize(GgmlType::Q8_0, &q8)[0], -8.0);
-    }
-
-    #[test]
     fn unpermute_inverts_llama_cpp_permute() {
         // 1 head of 4 rows, 1 column: HF rows [a0, a1, b0, b1] are stored as [a0, b0, a1, b1].
-        let stored = [0.0, 2.0, 1.0, 3.0];
-        assert_eq!(unpermute_rows(&stored, &[4, 1], 1), vec![0.0, 1.0, 2.0, 3.0]);
+        let stored = [0, 2, 1, 3];
+        assert_eq!(unpermute_rows(&stored, 4, 1), vec![0, 1, 2, 3]);
     }
 }

@@ -8,7 +8,7 @@ use ir::{DType, Graph, NodeIndex, Op, RopeScaling};
 use ir::{Fun, Scalar};
 use spec::expr::{BinOp, UnOp};
 use spec::{BoundModel, Expr, GraphItem, Located, Statement, Value};
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 /// A value during lowering: a node, or a weight that does not exist for this config.
 #[derive(Clone, Copy)]
@@ -21,6 +21,7 @@ struct Lowerer<'a> {
     model: &'a BoundModel,
     g: Graph,
     weight_dtype: DType,
+    kept: &'a BTreeMap<String, DType>,
     vars: HashMap<String, NodeIndex>,
     weights: HashMap<String, NodeIndex>,
     inputs: HashMap<&'static str, NodeIndex>,
@@ -28,12 +29,19 @@ struct Lowerer<'a> {
     next_kv_layer: usize,
 }
 
-/// Lowers `model` into a graph with activations in `act` and weights stored in `weight_dtype`.
-pub fn lower(model: &BoundModel, act: DType, weight_dtype: DType) -> Result<Graph, CompileError> {
+/// Lowers `model` into a graph with activations in `act` and weights stored in `weight_dtype`,
+/// except those `kept` in their checkpoint's block type (by weight name).
+pub fn lower(
+    model: &BoundModel,
+    act: DType,
+    weight_dtype: DType,
+    kept: &BTreeMap<String, DType>,
+) -> Result<Graph, CompileError> {
     let mut l = Lowerer {
         model,
         g: Graph::new(act),
         weight_dtype,
+        kept,
         vars: HashMap::new(),
         weights: HashMap::new(),
         inputs: HashMap::new(),
@@ -200,8 +208,8 @@ impl Lowerer<'_> {
             if let Some(&n) = self.weights.get(&w.name) {
                 return Ok(Term::Node(n));
             }
-            let op =
-                Op::Weight { name: w.name.clone(), shape: w.shape.clone(), dtype: self.weight_dtype, derived: None };
+            let dtype = self.kept.get(&w.name).copied().unwrap_or(self.weight_dtype);
+            let op = Op::Weight { name: w.name.clone(), shape: w.shape.clone(), dtype, derived: None };
             let n = self.g.add(op, &[], w.name.clone()).map_err(|e| e.to_string())?;
             self.weights.insert(w.name.clone(), n);
             return Ok(Term::Node(n));

@@ -2,6 +2,7 @@
 //! uses it for shapes and the bundle emitter for data, so both agree by construction.
 
 use crate::CompileError;
+use ir::DType;
 use spec::{BoundWeight, ShardKind};
 use std::ops::Range;
 
@@ -68,16 +69,41 @@ pub fn shape(w: &BoundWeight, tp: usize) -> Result<Vec<usize>, CompileError> {
 
 /// Cuts `rank`'s slice out of the full tensor `data` (row-major, shape `w.shape`).
 pub fn cut(w: &BoundWeight, data: &[f32], tp: usize, rank: usize) -> Result<Vec<f32>, CompileError> {
+    cut_units(w, data, tp, rank, Some)
+}
+
+/// Cuts `rank`'s slice out of the blocks of a block-type tensor (`data`: its bytes, rows of
+/// whole blocks); a slice that would split a block is an error.
+pub fn cut_blocks(w: &BoundWeight, data: &[u8], dtype: DType, tp: usize, rank: usize) -> Result<Vec<u8>, CompileError> {
+    cut_units(w, data, tp, rank, |n| dtype.bytes(n)).map_err(|e| match e {
+        CompileError::Usage(m) => CompileError::Usage(format!(
+            "{m}: `{}` is {dtype}, whose blocks of {} cannot be split at --tp {tp} (compile with --dtype f32 or bf16)",
+            w.name,
+            ir::BLOCK
+        )),
+        e => e,
+    })
+}
+
+/// [`cut`] over `data` whose element offset `n` is at `unit(n)` (`None`: not a boundary).
+fn cut_units<T: Copy>(
+    w: &BoundWeight,
+    data: &[T],
+    tp: usize,
+    rank: usize,
+    unit: impl Fn(usize) -> Option<usize>,
+) -> Result<Vec<T>, CompileError> {
     let Some(sl) = slice(w, tp, rank)? else {
         return Ok(data.to_vec());
     };
     let inner: usize = w.shape[sl.dim + 1..].iter().product();
     let outer: usize = w.shape[..sl.dim].iter().product();
     let size = w.shape[sl.dim];
-    let mut out = Vec::with_capacity(outer * sl.range.len() * inner);
+    let at = |n: usize| unit(n).ok_or_else(|| CompileError::Usage(format!("element {n} of `{}`", w.name)));
+    let mut out = Vec::with_capacity(data.len() / tp.max(1));
     for o in 0..outer {
         let base = o * size * inner;
-        out.extend_from_slice(&data[base + sl.range.start * inner..base + sl.range.end * inner]);
+        out.extend_from_slice(&data[at(base + sl.range.start * inner)?..at(base + sl.range.end * inner)?]);
     }
     Ok(out)
 }
@@ -108,6 +134,19 @@ mod tests {
         let row = w(vec![4, 6], ShardKind::Row, None);
         let p0 = cut(&row, &data, 2, 0).unwrap();
         assert_eq!(p0, vec![0., 1., 2., 6., 7., 8., 12., 13., 14., 18., 19., 20.]);
+    }
+
+    #[test]
+    fn block_slices_keep_whole_blocks() {
+        let data: Vec<u8> = (0..4 * 2 * 20).map(|v| v as u8).collect(); // 4 rows of 2 Q4_1 blocks
+        let row = w(vec![4, 64], ShardKind::Row, None);
+        let p1 = cut_blocks(&row, &data, ir::DType::Q4_1, 2, 1).unwrap();
+        assert_eq!(p1.len(), 80);
+        assert_eq!(p1[..20], data[20..40]);
+        let col = w(vec![4, 64], ShardKind::Column, None);
+        assert_eq!(cut_blocks(&col, &data, ir::DType::Q4_1, 2, 1).unwrap(), data[80..]);
+        let err = cut_blocks(&row, &data, ir::DType::Q4_1, 4, 1).unwrap_err().to_string();
+        assert!(err.contains("q4_1") && err.contains("--tp 4"), "{err}");
     }
 
     #[test]

@@ -21,7 +21,7 @@ fn llama_config(extra: serde_json::Value) -> serde_json::Value {
 
 fn ropes(cfg: serde_json::Value) -> Vec<(f64, RopeScaling, usize)> {
     let m = spec::bind(&spec("llama.yaml"), &cfg).unwrap();
-    let g = compiler::lower::lower(&m, DType::F32, DType::BF16).unwrap();
+    let g = compiler::lower::lower(&m, DType::F32, DType::BF16, &Default::default()).unwrap();
     g.verify().unwrap();
     g.nodes()
         .into_iter()
@@ -74,7 +74,7 @@ fn rope_scaling_types_from_both_styles() {
         &llama_config(json!({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}})),
     )
     .unwrap();
-    let err = compiler::lower::lower(&m, DType::F32, DType::F32).unwrap_err().to_string();
+    let err = compiler::lower::lower(&m, DType::F32, DType::F32, &Default::default()).unwrap_err().to_string();
     assert!(err.contains("unsupported rope scaling type `dynamic`") && err.contains("llama.yaml:"), "{err}");
 }
 
@@ -87,7 +87,7 @@ fn smollm2_config_binds_tied_and_biasless() {
     assert_eq!(m.param("rope_theta"), Some(&spec::Value::Float(100000.0)));
     assert_eq!(m.weight("lm_head", None).unwrap().name, "model.embed_tokens.weight", "tied lm_head is the embedding");
     assert!(m.weight("q_bias", Some(0)).is_none(), "no attention bias");
-    let g = compiler::lower::lower(&m, DType::F32, DType::F32).unwrap();
+    let g = compiler::lower::lower(&m, DType::F32, DType::F32, &Default::default()).unwrap();
     g.verify().unwrap();
     let plan = g.to_plan().unwrap();
     assert_eq!(plan.kv.layers, 30);
@@ -101,7 +101,7 @@ fn statement_errors_name_the_line() {
     let lower = |text: &str| {
         let s = spec::ModelSpec::parse(text, "bad.yaml").unwrap();
         let m = spec::bind(&s, &llama_config(json!({}))).unwrap();
-        compiler::lower::lower(&m, DType::F32, DType::F32).unwrap_err().to_string()
+        compiler::lower::lower(&m, DType::F32, DType::F32, &Default::default()).unwrap_err().to_string()
     };
     let err = lower(&src.replace("rms_norm(x, attn_norm, eps=eps)", "rms_norm(x, attn_norm, epsilon=eps)"));
     assert!(err.contains("bad.yaml:") && err.contains("no attribute `epsilon`"), "{err}");

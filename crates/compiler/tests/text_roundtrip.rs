@@ -67,7 +67,7 @@ fn every_plan_the_compiler_prints_reads_back() {
                     seen += &text;
                     plans += 1;
                     for lm_head in [LmHead::Vocab, LmHead::Replicated] {
-                        let graph = compiler::lower::lower(&bound, dtype, dtype).unwrap();
+                        let graph = compiler::lower::lower(&bound, dtype, dtype, &Default::default()).unwrap();
                         let ctx = PassCtx { tp, model: &bound, lm_head };
                         passes::run(graph, &ctx, |pass, g| {
                             let text = g.to_plan().unwrap().to_text();

@@ -29,7 +29,8 @@ enum Cmd {
         /// Tensor-parallel ranks to shard the weights for.
         #[arg(long, default_value_t = 1)]
         tp: usize,
-        /// Weight dtype: bf16, f16 or f32 (default: the checkpoint's).
+        /// Weight dtype: bf16, f16 or f32 (default: the checkpoint's; a GGUF's Q8_0 / Q4_0 / Q4_1
+        /// tensors then stay in their blocks, which the CPU backends read and CUDA does not).
         #[arg(long, value_parser = parse_dtype)]
         dtype: Option<DType>,
         /// Directory with tokenizer.json / tokenizer_config.json (default: a GGUF's own
@@ -216,7 +217,7 @@ fn inspect(path: &std::path::Path, graph: bool) -> Result<(), String> {
         kv.head_dim,
         2 * kv.layers * kv.row() * 4
     );
-    let bytes: usize = b.plan.weights().map(|(_, s, d)| s.iter().product::<usize>() * d.size()).sum();
+    let bytes: usize = b.plan.weight_bytes();
     println!("weights    {} tensors, {:.1} MiB per rank", b.plan.weights().count(), bytes as f64 / (1 << 20) as f64);
     let gen = b.generation_config().map_err(|e| e.to_string())?;
     match b.tokenizer_dir() {

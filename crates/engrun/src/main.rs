@@ -652,7 +652,7 @@ fn bench(
         opts.constraints = Some(constraints(&b, args, dev, backend.vocab(), spec)?);
     }
     let opts = &opts;
-    let weight_bytes: usize = b.plan.weights().map(|(_, s, d)| s.iter().product::<usize>() * d.size()).sum();
+    let weight_bytes: usize = b.plan.weight_bytes();
     let matmul_params: usize = b
         .plan
         .nodes

@@ -4,6 +4,7 @@
 
 use crate::op::Op;
 use crate::plan::Plan;
+use crate::DType;
 use crate::IrError;
 
 /// The KV cache of one sequence: per layer, K and V rows (`kv_heads * head_dim` floats) for
@@ -70,10 +71,11 @@ pub struct Interpreter {
 }
 
 impl Interpreter {
-    /// Prepares `plan`; `load(name, shape)` returns a weight's values as f32, row-major.
+    /// Prepares `plan`; `load(name, shape, dtype)` returns a weight's values as f32, row-major
+    /// (a block type dequantized: [`crate::quant::dequantize`]).
     pub fn new(
         plan: Plan,
-        mut load: impl FnMut(&str, &[usize]) -> Result<Vec<f32>, String>,
+        mut load: impl FnMut(&str, &[usize], DType) -> Result<Vec<f32>, String>,
     ) -> Result<Interpreter, IrError> {
         if plan.tp != 1 {
             return Err(IrError::Unsupported(format!(
@@ -84,8 +86,9 @@ impl Interpreter {
         let mut weights = Vec::with_capacity(plan.nodes.len());
         for n in &plan.nodes {
             weights.push(match &n.op {
-                Op::Weight { name, shape, .. } => {
-                    let w = load(name, shape).map_err(|m| IrError::Weight { name: name.clone(), message: m })?;
+                Op::Weight { name, shape, dtype, .. } => {
+                    let w =
+                        load(name, shape, *dtype).map_err(|m| IrError::Weight { name: name.clone(), message: m })?;
                     let want: usize = shape.iter().product();
                     if w.len() != want {
                         return Err(IrError::Weight {

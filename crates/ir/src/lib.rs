@@ -9,6 +9,7 @@ pub mod graph;
 pub mod interp;
 pub mod op;
 pub mod plan;
+pub mod quant;
 pub mod rope;
 pub mod scalar;
 pub mod text;
@@ -22,7 +23,7 @@ pub use petgraph::stable_graph::NodeIndex;
 pub use plan::{KvLayout, Plan, PlanNode};
 pub use rope::RopeScaling;
 pub use scalar::{Fun, Scalar};
-pub use types::{DType, Dim, TensorType};
+pub use types::{DType, Dim, TensorType, BLOCK};
 
 /// Errors of graph construction, verification and interpretation.
 #[derive(Debug, Clone, thiserror::Error)]

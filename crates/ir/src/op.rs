@@ -228,10 +228,15 @@ impl Op {
                 _ => Err(self.err(format!("{what} must be a float [T, n] activation, got {t}"))),
             }
         };
+        // A matrix: dense floats, or whole blocks of a block type along its rows.
         let mat = |t: &TensorType, what: &str| -> Result<(usize, usize), IrError> {
             match t.shape.as_slice() {
-                [Dim::N(a), Dim::N(b)] if t.dtype.is_float() => Ok((*a, *b)),
-                _ => Err(self.err(format!("{what} must be a float [n, k] weight, got {t}"))),
+                [Dim::N(a), Dim::N(b)]
+                    if t.dtype.is_float() || (t.dtype.is_block() && b.is_multiple_of(crate::BLOCK)) =>
+                {
+                    Ok((*a, *b))
+                }
+                _ => Err(self.err(format!("{what} must be a float (or whole-block quantized) [n, k] weight, got {t}"))),
             }
         };
         let vec = |t: &TensorType, n: usize, what: &str| -> Result<(), IrError> {

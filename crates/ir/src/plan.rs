@@ -95,6 +95,11 @@ impl Plan {
         })
     }
 
+    /// Bytes of the weights the plan reads per rank, as stored (block types as blocks).
+    pub fn weight_bytes(&self) -> usize {
+        self.weights().map(|(_, s, d)| d.bytes(s.iter().product()).unwrap_or(0)).sum()
+    }
+
     /// The program as text, one node per line:
     /// `%7 = linear(%5, @model.layers.0.mlp.up_proj.weight) : [T, 192] bf16  # L0.up`.
     /// Weights are declared first (`@name : [64] bf16`; a derived one `@name : [64] f32 =

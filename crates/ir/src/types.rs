@@ -15,14 +15,54 @@ pub enum DType {
     BF16,
     /// 32-bit signed integer (token ids, positions).
     I32,
+    /// GGUF's Q8_0 block type, a weight's storage only: blocks of 32 along the last
+    /// dimension, each an f16 scale `d` and 32 `i8` values `q`; `w = q·d`.
+    #[serde(rename = "q8_0")]
+    Q8_0,
+    /// GGUF's Q4_0: blocks of 32, each an f16 `d` and 16 bytes of 4-bit `q` (byte `i` holds
+    /// element `i` in its low nibble and element `i + 16` in its high one); `w = (q - 8)·d`.
+    #[serde(rename = "q4_0")]
+    Q4_0,
+    /// GGUF's Q4_1: blocks of 32, each an f16 `d`, an f16 `m` and the nibbles of Q4_0;
+    /// `w = fma(q, d, m)` (one rounding; gguf-py's `d·q + m` rounds twice: within one ulp).
+    #[serde(rename = "q4_1")]
+    Q4_1,
 }
 
+/// The block types' shared block length (elements).
+pub const BLOCK: usize = 32;
+
 impl DType {
-    /// Size of one element in bytes.
+    /// Size of one element in bytes, for the dense types (a block type has no size per
+    /// element: see [`DType::bytes`]; asking is a bug of the caller, and panics).
     pub fn size(self) -> usize {
         match self {
             DType::F32 | DType::I32 => 4,
             DType::F16 | DType::BF16 => 2,
+            DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => panic!("{self} is a block type: use DType::bytes"),
+        }
+    }
+
+    /// Bytes of one block of a block type ([`BLOCK`] elements), `None` for the dense types.
+    pub fn block_bytes(self) -> Option<usize> {
+        match self {
+            DType::Q8_0 => Some(34),
+            DType::Q4_0 => Some(18),
+            DType::Q4_1 => Some(20),
+            DType::F32 | DType::F16 | DType::BF16 | DType::I32 => None,
+        }
+    }
+
+    /// Whether this is a block (quantized) type.
+    pub fn is_block(self) -> bool {
+        self.block_bytes().is_some()
+    }
+
+    /// Bytes that `n` elements take (for a block type `n` must be whole blocks: `None` if not).
+    pub fn bytes(self, n: usize) -> Option<usize> {
+        match self.block_bytes() {
+            Some(b) => n.is_multiple_of(BLOCK).then_some(n / BLOCK * b),
+            None => Some(n * self.size()),
         }
     }
 
@@ -36,9 +76,9 @@ impl DType {
         }
     }
 
-    /// Whether this is a floating-point type.
+    /// Whether this is a dense floating-point type (elementwise ops read it).
     pub fn is_float(self) -> bool {
-        !matches!(self, DType::I32)
+        matches!(self, DType::F32 | DType::F16 | DType::BF16)
     }
 }
 
@@ -49,6 +89,9 @@ impl fmt::Display for DType {
             DType::F16 => "f16",
             DType::BF16 => "bf16",
             DType::I32 => "i32",
+            DType::Q8_0 => "q8_0",
+            DType::Q4_0 => "q4_0",
+            DType::Q4_1 => "q4_1",
         })
     }
 }
@@ -117,9 +160,11 @@ impl fmt::Display for TensorType {
 }
 
 impl DType {
-    /// Decodes little-endian values of this type into f32 (integers are converted).
+    /// Decodes little-endian values of this type into f32 (integers are converted, blocks
+    /// dequantized: [`crate::quant::dequantize`]).
     pub fn to_f32(self, bytes: &[u8]) -> Vec<f32> {
         match self {
+            DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => crate::quant::dequantize(self, bytes),
             DType::F32 => bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
             DType::I32 => bytes.chunks_exact(4).map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]) as f32).collect(),
             DType::BF16 => bytes.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
@@ -127,11 +172,16 @@ impl DType {
         }
     }
 
-    /// Encodes f32 values as little-endian values of this type (round to nearest even).
+    /// Encodes f32 values as little-endian values of this type (round to nearest even); a
+    /// block type is quantized ([`crate::quant::quantize`]).
     pub fn from_f32(self, values: &[f32]) -> Vec<u8> {
+        if self.is_block() {
+            return crate::quant::quantize(self, values);
+        }
         let mut out = Vec::with_capacity(values.len() * self.size());
         for &v in values {
             match self {
+                DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => unreachable!("handled above"),
                 DType::F32 => out.extend_from_slice(&v.to_le_bytes()),
                 DType::I32 => out.extend_from_slice(&(v as i32).to_le_bytes()),
                 DType::BF16 => out.extend_from_slice(&half::bf16::from_f32(v).to_le_bytes()),
@@ -141,9 +191,10 @@ impl DType {
         out
     }
 
-    /// The safetensors spelling (`BF16`, `F16`, `F32`, `I32`).
+    /// The safetensors spelling (`BF16`, `F16`, `F32`, `I32`; a block type's bytes are `U8`).
     pub fn safetensors_name(self) -> &'static str {
         match self {
+            DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => "U8",
             DType::F32 => "F32",
             DType::F16 => "F16",
             DType::BF16 => "BF16",

@@ -237,8 +237,9 @@ impl RefBackend {
     /// Loads rank 0's weights of `bundle` as f32.
     pub fn new(bundle: &Bundle) -> Result<RefBackend, RuntimeError> {
         let weights = bundle.weights(0)?;
-        let interp =
-            Interpreter::new(bundle.plan.clone(), |name, shape| weights.f32(name, shape).map_err(|e| e.to_string()))?;
+        let interp = Interpreter::new(bundle.plan.clone(), |name, shape, dtype| {
+            weights.f32(name, shape, dtype).map_err(|e| e.to_string())
+        })?;
         let kv = HostKv::new(interp.plan());
         Ok(RefBackend { interp, kv })
     }

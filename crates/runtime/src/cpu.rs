@@ -108,6 +108,10 @@ impl CpuBackend {
         let mut weights = Vec::with_capacity(plan.nodes.len());
         for (i, n) in plan.nodes.iter().enumerate() {
             weights.push(match &n.op {
+                Op::Weight { name, shape, dtype, .. } if dtype.is_block() => {
+                    let bytes = file.bytes_as(name, *dtype, shape)?;
+                    Some(Weight::Raw(codegen_cpu::blocks::repack(*dtype, bytes), *dtype))
+                }
                 Op::Weight { name, shape, .. } => {
                     let (dtype, got, bytes) = file.raw(name)?;
                     if got != *shape {

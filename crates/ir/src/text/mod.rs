@@ -351,10 +351,10 @@ fn tensor_type(s: &str) -> Result<(TensorType, &str), String> {
 }
 
 fn dtype(s: &str) -> Result<DType, String> {
-    [DType::F32, DType::F16, DType::BF16, DType::I32]
+    [DType::F32, DType::F16, DType::BF16, DType::I32, DType::Q8_0, DType::Q4_0, DType::Q4_1]
         .into_iter()
         .find(|d| d.to_string() == s)
-        .ok_or_else(|| format!("unknown dtype `{s}` (f32, f16, bf16 or i32)"))
+        .ok_or_else(|| format!("unknown dtype `{s}` (f32, f16, bf16, i32, q8_0, q4_0 or q4_1)"))
 }
 
 fn number<T: FromStr>(key: &str, v: &str) -> Result<T, String> {

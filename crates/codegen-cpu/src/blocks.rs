@@ -1,0 +1,162 @@
+//! Block (quantized) weights on the CPU: the layout the kernels read, repacked once at load from
+//! GGUF's blocks (`ir::quant`), and the Cranelift code that opens a block: its `d` and `m`, and
+//! its values `q` as f32, four at a time, exact (`w = q·d + m` as `ir::quant::value` defines).
+//!
+//! Layout, per block of 32 weights along a row (rows stay whole and in order):
+//! - Q4_0 and Q4_1: 24 bytes: `d` (f32), `m` (f32; Q4_0's is `-8·d`), then GGUF's 16 bytes of
+//!   nibbles (weight `i` in byte `i`'s low nibble, weight `i + 16` in its high one);
+//! - Q8_0: 36 bytes: `d` (f32), then the 32 `i8` values.
+//!
+//! The scales are widened to f32 once here because Cranelift has no f16 conversion on x86.
+
+use cranelift_codegen::ir::{types, ConstantData, Endianness, InstBuilder, MemFlagsData, Value};
+use cranelift_frontend::FunctionBuilder;
+use ir::quant::{block_params, nibbles, value};
+use ir::{DType, BLOCK};
+
+/// Bytes of one block in the CPU layout.
+pub fn layout_bytes(dtype: DType) -> usize {
+    if dtype == DType::Q8_0 {
+        36
+    } else {
+        24
+    }
+}
+
+/// Bytes of a weight row of `k` values: dense, or whole blocks in the CPU layout.
+pub fn row_bytes(k: usize, dtype: DType) -> usize {
+    if dtype.is_block() {
+        k / BLOCK * layout_bytes(dtype)
+    } else {
+        k * dtype.size()
+    }
+}
+
+/// Repacks whole GGUF blocks of `dtype` into the CPU layout.
+pub fn repack(dtype: DType, gguf: &[u8]) -> Vec<u8> {
+    let size = dtype.block_bytes().unwrap_or_else(|| panic!("{dtype} is not a block type"));
+    let mut out = Vec::with_capacity(gguf.len() / size * layout_bytes(dtype));
+    for b in gguf.chunks_exact(size) {
+        let (d, m, at) = block_params(dtype, b);
+        out.extend(d.to_le_bytes());
+        if dtype != DType::Q8_0 {
+            out.extend(m.to_le_bytes());
+        }
+        out.extend(&b[at..]);
+    }
+    out
+}
+
+/// Dequantizes a row (whole blocks, CPU layout) into `out` (32 values per block).
+pub fn dequant_row(dtype: DType, row: &[u8], out: &mut [f32]) {
+    let f32_at = |b: &[u8], at: usize| f32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]);
+    for (b, o) in row.chunks_exact(layout_bytes(dtype)).zip(out.chunks_exact_mut(BLOCK)) {
+        let d = f32_at(b, 0);
+        if dtype == DType::Q8_0 {
+            for (o, &q) in o.iter_mut().zip(&b[4..]) {
+                *o = value(dtype, q, d, 0.0);
+            }
+        } else {
+            let m = f32_at(b, 4);
+            for (o, q) in o.iter_mut().zip(nibbles(&b[8..])) {
+                *o = value(dtype, q, d, m);
+            }
+        }
+    }
+}
+
+/// Reads of the weights: unaligned, never written, so placed next to their use.
+fn loadf() -> MemFlagsData {
+    MemFlagsData::new().with_notrap().with_readonly().with_can_move()
+}
+
+fn lanes() -> MemFlagsData {
+    MemFlagsData::new().with_endianness(Endianness::Little)
+}
+
+/// Emits the dequantization of blocks: the shuffle masks, made once per function.
+pub(crate) struct Dequant {
+    dtype: DType,
+    /// `pshufb` masks: group `g` of 4 bytes into the four i32 lanes (Q4: each byte in its
+    /// lane's low byte; Q8: in its high byte, so the lane is `q·2²⁴` as a signed integer).
+    masks: [Value; 4],
+    /// Sixteen bytes of 0x0F.
+    low4: Value,
+}
+
+/// One block of one weight row, opened: its scales splat, its value bytes in registers.
+pub(crate) struct Open {
+    /// The scale, splat (Q8_0's times 2⁻²⁴, as its values come out times 2²⁴).
+    pub(crate) d: Value,
+    /// The offset `m`, splat (the 4-bit types).
+    pub(crate) m: Value,
+    src: [Value; 2],
+}
+
+impl Dequant {
+    /// The constants for `dtype` (a block type).
+    pub(crate) fn new(b: &mut FunctionBuilder, dtype: DType) -> Dequant {
+        let at = if dtype == DType::Q8_0 { 3 } else { 0 };
+        let masks = [0u8, 1, 2, 3].map(|g| {
+            let bytes: Vec<u8> = (0..16).map(|i| if i % 4 == at { 4 * g + i as u8 / 4 } else { 0x80 }).collect();
+            let c = b.func.dfg.constants.insert(ConstantData::from(bytes));
+            b.ins().vconst(types::I8X16, c)
+        });
+        let f = b.ins().iconst(types::I8, 0x0F);
+        let low4 = b.ins().splat(types::I8X16, f);
+        Dequant { dtype, masks, low4 }
+    }
+
+    /// Opens the block at `p` (CPU layout).
+    pub(crate) fn open(&self, b: &mut FunctionBuilder, p: Value) -> Open {
+        let d = b.ins().load(types::F32, loadf(), p, 0);
+        if self.dtype == DType::Q8_0 {
+            // The lanes hold q·2²⁴: d·2⁻²⁴ makes the product q·d, rounded once.
+            let k = b.ins().f32const(1.0 / 16_777_216.0);
+            let d = b.ins().fmul(d, k);
+            let d = b.ins().splat(types::F32X4, d);
+            let lo = b.ins().load(types::I8X16, loadf(), p, 4);
+            let hi = b.ins().load(types::I8X16, loadf(), p, 20);
+            return Open { d, m: d, src: [lo, hi] };
+        }
+        let m = b.ins().load(types::F32, loadf(), p, 4);
+        let (d, m) = (b.ins().splat(types::F32X4, d), b.ins().splat(types::F32X4, m));
+        let qs = b.ins().load(types::I8X16, loadf(), p, 8);
+        // Weights 0-15 (the low nibbles) and 16-31 (the high ones, moved down) as bytes.
+        let lo = b.ins().band(qs, self.low4);
+        let wide = b.ins().bitcast(types::I16X8, lanes(), qs);
+        let shifted = b.ins().ushr_imm_u(wide, 4);
+        let hi = b.ins().bitcast(types::I8X16, lanes(), shifted);
+        let hi = b.ins().band(hi, self.low4);
+        Open { d, m, src: [lo, hi] }
+    }
+
+    /// Whether weights have an offset `m` (`w = q·d + m`: the 4-bit types).
+    pub(crate) fn has_offset(&self) -> bool {
+        self.dtype != DType::Q8_0
+    }
+
+    /// Values `q` of weights `4g .. 4g + 4` (g < 8) of an open block as an f32x4, exact (Q8_0's
+    /// times 2²⁴, which its `d` undoes): `w = q·d + m`.
+    pub(crate) fn values(&self, b: &mut FunctionBuilder, blk: &Open, g: usize) -> Value {
+        let bytes = b.ins().x86_pshufb(blk.src[g / 4], self.masks[g % 4]);
+        let q = b.ins().bitcast(types::I32X4, lanes(), bytes);
+        b.ins().fcvt_from_sint(types::F32X4, q)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn repacked_rows_dequantize_as_the_ir_does() {
+        let x: Vec<f32> = (0..128).map(|i| ((i * 53 % 41) as f32 - 20.0) / 9.0).collect();
+        for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
+            let gguf = dtype.from_f32(&x);
+            let mut out = vec![0.0; x.len()];
+            dequant_row(dtype, &repack(dtype, &gguf), &mut out);
+            assert_eq!(out, dtype.to_f32(&gguf), "{dtype}");
+        }
+    }
+}
