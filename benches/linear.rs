@@ -1,8 +1,10 @@
-//! The CPU JIT linear kernel on SmolLM2-135M's shapes: weight bytes streamed per second, the
-//! number that bounds batch-1 decode (compare with the machine's copy bandwidth in
-//! docs/perf.md). `cargo bench -p benches --bench linear`.
+//! The CPU JIT linear kernel on SmolLM2-135M's shapes, dense and block (GGUF Q4_1 / Q8_0, as
+//! its GGUF stores them) weights: weight bytes streamed per second (what bounds batch-1 decode
+//! when the kernel keeps up: compare with the machine's copy bandwidth in docs/perf.md) and
+//! multiply-adds per second. `cargo bench -p benches --bench linear` (`-- q4_1` to run only
+//! the dtypes whose name contains `q4_1`).
 
-use codegen_cpu::{LinearKernel, Pool};
+use codegen_cpu::{blocks, LinearKernel, Pool};
 use ir::DType;
 use std::time::Instant;
 
@@ -16,12 +18,20 @@ fn main() {
         ("lm_head 576x49152", 576, 49152),
     ];
     println!("threads available: {threads}");
-    println!("{:<20} {:>5} {:>6} {:>4} {:>10} {:>9}", "shape", "dtype", "batch", "thr", "us/call", "GB/s(w)");
+    let only = std::env::args().nth(1).filter(|a| !a.starts_with('-'));
+    println!(
+        "{:<20} {:>5} {:>6} {:>4} {:>10} {:>9} {:>8}",
+        "shape", "dtype", "batch", "thr", "us/call", "GB/s(w)", "GMAC/s"
+    );
     for (name, k, n) in shapes {
-        for dtype in [DType::F32, DType::BF16] {
+        for dtype in [DType::F32, DType::BF16, DType::Q4_1, DType::Q8_0] {
+            if only.as_ref().is_some_and(|o| !dtype.to_string().contains(o.as_str())) {
+                continue;
+            }
             let kernel = LinearKernel::compile(k, n, dtype).expect("compiles");
             let w = dtype.from_f32(&(0..n * k).map(|i| ((i % 97) as f32 - 48.0) / 97.0).collect::<Vec<_>>());
-            for batch in [1, 8] {
+            let w = if dtype.is_block() { blocks::repack(dtype, &w) } else { w };
+            for batch in [1, 8, 64] {
                 let x: Vec<f32> = (0..batch * k).map(|i| ((i % 13) as f32) / 13.0).collect();
                 let mut out = vec![0.0; batch * n];
                 for thr in [1, threads] {
@@ -36,9 +46,10 @@ fn main() {
                         best = best.min(t.elapsed().as_secs_f64() / reps as f64);
                     }
                     println!(
-                        "{name:<20} {dtype:>5} {batch:>6} {thr:>4} {:>10.1} {:>9.2}",
+                        "{name:<20} {dtype:>5} {batch:>6} {thr:>4} {:>10.1} {:>9.2} {:>8.2}",
                         best * 1e6,
-                        w.len() as f64 / best / 1e9
+                        w.len() as f64 / best / 1e9,
+                        (batch * n * k) as f64 / best / 1e9
                     );
                     if threads == 1 {
                         break;

@@ -361,8 +361,9 @@ fn bad_gguf_files() {
     };
     let magic = write("magic.gguf", gguf_bytes(b"GGJT", 0, 256));
     c.compile_fails(&llama, &magic, &[], &["magic.gguf", "wrong magic", "GGUF"]);
-    let quant = write("quant.gguf", gguf_bytes(b"GGUF", 12, 256));
-    c.compile_fails(&llama, &quant, &[], &["quant.gguf", "token_embd.weight", "quantization type 12", "not supported"]);
+    // 16 is IQ2_XXS, a type the engine does not read.
+    let quant = write("quant.gguf", gguf_bytes(b"GGUF", 16, 256));
+    c.compile_fails(&llama, &quant, &[], &["quant.gguf", "token_embd.weight", "quantization type 16", "not supported"]);
     let truncated = write("truncated.gguf", gguf_bytes(b"GGUF", 0, 100));
     c.compile_fails(&llama, &truncated, &[], &["truncated.gguf", "token_embd.weight", "truncated"]);
     let mut header_cut = gguf_bytes(b"GGUF", 0, 256);

@@ -232,7 +232,10 @@ impl WeightFile {
         let want = match (dtype.is_block(), row) {
             (false, _) => shape.to_vec(),
             (true, Some(row)) => [&shape[..shape.len() - 1], &[row]].concat(),
-            (true, None) => return Err(bad(format!("tensor `{name}`: {shape:?} is not whole {dtype} blocks"))),
+            (true, None) => {
+                let len = dtype.block().map_or(1, |(len, _)| len);
+                return Err(bad(format!("tensor `{name}`: {shape:?} is not whole {dtype} blocks of {len}")));
+            }
         };
         let stored = format!("{:?}", view.dtype());
         if stored != dtype.safetensors_name() || view.shape() != want {

@@ -27,6 +27,20 @@ impl TensorEntry {
         }
     }
 
+    /// A block type's rows must be whole blocks of its length (32, or a k-quant's 256).
+    fn check_blocks(&self, rel: &str) -> Result<(), BundleError> {
+        match (self.dtype.block(), self.shape.last()) {
+            (Some((len, _)), Some(&k)) if !k.is_multiple_of(len) => Err(BundleError::Malformed {
+                path: rel.to_string(),
+                message: format!(
+                    "tensor `{}` is {} {:?}: its rows of {k} are not whole {len}-element blocks",
+                    self.name, self.dtype, self.shape
+                ),
+            }),
+            _ => Ok(()),
+        }
+    }
+
     /// The shape in the file: a block type's rows are stored as their bytes (`U8`).
     fn stored_shape(&self) -> Vec<usize> {
         match (self.shape.split_last(), self.dtype.is_block()) {
@@ -113,6 +127,7 @@ impl BundleWriter {
         let mut header = serde_json::Map::new();
         let mut offset = 0usize;
         for t in tensors {
+            t.check_blocks(rel)?;
             let end = offset + t.bytes();
             header.insert(
                 t.name.clone(),
@@ -193,4 +208,30 @@ fn check_rel(rel: &str) -> Result<(), BundleError> {
 
 pub(crate) fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::WeightFile;
+
+    /// A k-quant's rows are stored as the bytes of their super-blocks of 256 and read back as
+    /// the plan's shape; rows that are not whole super-blocks are refused on both sides.
+    #[test]
+    fn k_quant_rows_are_stored_as_their_super_blocks() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut w = BundleWriter::create(&dir.path().join("b")).unwrap();
+        let entry = |shape: &[usize]| TensorEntry { name: "w".into(), dtype: DType::Q4_K, shape: shape.to_vec() };
+        let err = w.write_safetensors("bad.safetensors", &[entry(&[2, 128])], |_| Ok(vec![])).unwrap_err();
+        assert!(err.to_string().contains("not whole 256-element blocks"), "{err}");
+        let data: Vec<u8> = (0..2 * 288).map(|v| v as u8).collect();
+        w.write_safetensors("w.safetensors", &[entry(&[2, 512])], |_| Ok(data.clone())).unwrap();
+        let out = w.finish("m", BTreeMap::new(), 1, DType::F32).unwrap();
+        let f = WeightFile::open(&out.join("w.safetensors")).unwrap();
+        assert_eq!(f.bytes_as("w", DType::Q4_K, &[2, 512]).unwrap(), data);
+        let err = f.bytes_as("w", DType::Q6_K, &[2, 512]).unwrap_err().to_string();
+        assert!(err.contains("U8 [2, 420]"), "{err}");
+        let err = f.bytes_as("w", DType::Q4_K, &[2, 500]).unwrap_err().to_string();
+        assert!(err.contains("not whole q4_k blocks of 256"), "{err}");
+    }
 }

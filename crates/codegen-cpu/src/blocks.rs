@@ -14,6 +14,12 @@ use cranelift_frontend::FunctionBuilder;
 use ir::quant::{block_params, nibbles, value};
 use ir::{DType, BLOCK};
 
+/// Whether the kernels read `dtype` as blocks (Q8_0, Q4_0, Q4_1); the other block types (the
+/// k-quants) are dequantized to f32 at load.
+pub fn reads(dtype: DType) -> bool {
+    matches!(dtype, DType::Q8_0 | DType::Q4_0 | DType::Q4_1)
+}
+
 /// Bytes of one block in the CPU layout.
 pub fn layout_bytes(dtype: DType) -> usize {
     if dtype == DType::Q8_0 {
@@ -34,7 +40,7 @@ pub fn row_bytes(k: usize, dtype: DType) -> usize {
 
 /// Repacks whole GGUF blocks of `dtype` into the CPU layout.
 pub fn repack(dtype: DType, gguf: &[u8]) -> Vec<u8> {
-    let size = dtype.block_bytes().unwrap_or_else(|| panic!("{dtype} is not a block type"));
+    let (_, size) = dtype.block().unwrap_or_else(|| panic!("{dtype} is not a block type"));
     let mut out = Vec::with_capacity(gguf.len() / size * layout_bytes(dtype));
     for b in gguf.chunks_exact(size) {
         let (d, m, at) = block_params(dtype, b);
@@ -107,20 +113,27 @@ impl Dequant {
         Dequant { dtype, masks, low4 }
     }
 
-    /// Opens the block at `p` (CPU layout).
-    pub(crate) fn open(&self, b: &mut FunctionBuilder, p: Value) -> Open {
+    /// Opens the block at `p` (CPU layout): its scales and, with `values`, its value bytes
+    /// (for [`Dequant::values`]).
+    pub(crate) fn open(&self, b: &mut FunctionBuilder, p: Value, values: bool) -> Open {
         let d = b.ins().load(types::F32, loadf(), p, 0);
         if self.dtype == DType::Q8_0 {
             // The lanes hold q·2²⁴: d·2⁻²⁴ makes the product q·d, rounded once.
             let k = b.ins().f32const(1.0 / 16_777_216.0);
             let d = b.ins().fmul(d, k);
             let d = b.ins().splat(types::F32X4, d);
+            if !values {
+                return Open { d, m: d, src: [d, d] };
+            }
             let lo = b.ins().load(types::I8X16, loadf(), p, 4);
             let hi = b.ins().load(types::I8X16, loadf(), p, 20);
             return Open { d, m: d, src: [lo, hi] };
         }
         let m = b.ins().load(types::F32, loadf(), p, 4);
         let (d, m) = (b.ins().splat(types::F32X4, d), b.ins().splat(types::F32X4, m));
+        if !values {
+            return Open { d, m, src: [d, m] };
+        }
         let qs = b.ins().load(types::I8X16, loadf(), p, 8);
         // Weights 0-15 (the low nibbles) and 16-31 (the high ones, moved down) as bytes.
         let lo = b.ins().band(qs, self.low4);

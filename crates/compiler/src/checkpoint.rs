@@ -33,9 +33,9 @@ impl TensorInfo {
         DType::from_safetensors_name(&self.dtype_name).filter(|d| d.is_float())
     }
 
-    /// The block type (GGUF Q8_0, Q4_0, Q4_1) the tensor is stored in, if any.
+    /// The block type (GGUF Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) the tensor is stored in, if any.
     pub fn block(&self) -> Option<DType> {
-        [DType::Q8_0, DType::Q4_0, DType::Q4_1].into_iter().find(|d| crate::gguf::ggml_name(*d) == self.dtype_name)
+        DType::ALL.into_iter().filter(|d| d.is_block()).find(|d| crate::gguf::ggml_name(*d) == self.dtype_name)
     }
 }
 

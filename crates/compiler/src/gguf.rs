@@ -1,5 +1,5 @@
 //! GGUF v3 checkpoints (llama.cpp's format): the header, metadata, tensor infos, and
-//! dequantization of F32 / F16 / BF16 / Q8_0 / Q4_0 / Q4_1 tensors to f32.
+//! dequantization of F32 / F16 / BF16 / Q8_0 / Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K tensors to f32.
 //!
 //! A GGUF file is turned into what the rest of the compiler expects from a HF checkpoint: a
 //! `config.json`-like object built from the metadata ([`Gguf::hf_config`]) and tensors under HF
@@ -48,6 +48,9 @@ fn dtype_of_id(id: u32) -> Option<DType> {
         2 => DType::Q4_0,
         3 => DType::Q4_1,
         8 => DType::Q8_0,
+        12 => DType::Q4_K,
+        13 => DType::Q5_K,
+        14 => DType::Q6_K,
         30 => DType::BF16,
         _ => return None,
     })
@@ -222,7 +225,7 @@ impl Gguf {
             dims.reverse();
             let type_id = r.u32()?;
             let ty = dtype_of_id(type_id).ok_or_else(|| {
-                r.err(format!("tensor `{name}` has quantization type {type_id}, which is not supported (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1)"))
+                r.err(format!("tensor `{name}` has quantization type {type_id}, which is not supported (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K)"))
             })?;
             let offset = r.u64()? as usize;
             tensors.insert(name.clone(), GgufTensor { name, shape: dims, ty, offset });
@@ -242,7 +245,8 @@ impl Gguf {
     fn bytes(&self, t: &GgufTensor) -> Result<&[u8], CompileError> {
         let n: usize = t.shape.iter().product();
         let size = t.ty.bytes(n).ok_or_else(|| {
-            self.err(format!("tensor `{}` has {n} elements, not whole {}-element blocks", t.name, ir::BLOCK))
+            let len = t.ty.block().map_or(1, |(len, _)| len);
+            self.err(format!("tensor `{}` has {n} elements, not whole {}-element {} blocks", t.name, len, t.ty))
         })?;
         let start = self.data_start + t.offset;
         let end = start + size;

@@ -73,13 +73,14 @@ pub fn cut(w: &BoundWeight, data: &[f32], tp: usize, rank: usize) -> Result<Vec<
 }
 
 /// Cuts `rank`'s slice out of the blocks of a block-type tensor (`data`: its bytes, rows of
-/// whole blocks); a slice that would split a block is an error.
+/// whole blocks of that type's length, 32 or a k-quant's 256); a slice that would split a
+/// block is an error.
 pub fn cut_blocks(w: &BoundWeight, data: &[u8], dtype: DType, tp: usize, rank: usize) -> Result<Vec<u8>, CompileError> {
     cut_units(w, data, tp, rank, |n| dtype.bytes(n)).map_err(|e| match e {
         CompileError::Usage(m) => CompileError::Usage(format!(
             "{m}: `{}` is {dtype}, whose blocks of {} cannot be split at --tp {tp} (compile with --dtype f32 or bf16)",
             w.name,
-            ir::BLOCK
+            dtype.block().map_or(1, |(len, _)| len)
         )),
         e => e,
     })
@@ -147,6 +148,13 @@ mod tests {
         assert_eq!(cut_blocks(&col, &data, ir::DType::Q4_1, 2, 1).unwrap(), data[80..]);
         let err = cut_blocks(&row, &data, ir::DType::Q4_1, 4, 1).unwrap_err().to_string();
         assert!(err.contains("q4_1") && err.contains("--tp 4"), "{err}");
+        // A k-quant's super-blocks of 256: rows of 512 split in two, not in four.
+        let data: Vec<u8> = (0..2 * 2 * 144).map(|v| v as u8).collect(); // 2 rows of 2 Q4_K blocks
+        let row = w(vec![2, 512], ShardKind::Row, None);
+        let p1 = cut_blocks(&row, &data, ir::DType::Q4_K, 2, 1).unwrap();
+        assert_eq!((p1[..144].to_vec(), p1[144..].to_vec()), (data[144..288].to_vec(), data[432..].to_vec()));
+        let err = cut_blocks(&row, &data, ir::DType::Q4_K, 4, 1).unwrap_err().to_string();
+        assert!(err.contains("q4_k") && err.contains("blocks of 256"), "{err}");
     }
 
     #[test]

@@ -29,8 +29,9 @@ enum Cmd {
         /// Tensor-parallel ranks to shard the weights for.
         #[arg(long, default_value_t = 1)]
         tp: usize,
-        /// Weight dtype: bf16, f16 or f32 (default: the checkpoint's; a GGUF's Q8_0 / Q4_0 / Q4_1
-        /// tensors then stay in their blocks, which the CPU backends read and CUDA does not).
+        /// Weight dtype: bf16, f16 or f32 (default: the checkpoint's; a GGUF's block tensors, Q8_0,
+        /// Q4_0, Q4_1, Q4_K, Q5_K and Q6_K, then stay in their blocks, which the CPU backends read
+        /// and CUDA does not).
         #[arg(long, value_parser = parse_dtype)]
         dtype: Option<DType>,
         /// Directory with tokenizer.json / tokenizer_config.json (default: a GGUF's own

@@ -228,14 +228,12 @@ impl Op {
                 _ => Err(self.err(format!("{what} must be a float [T, n] activation, got {t}"))),
             }
         };
-        // A matrix: dense floats, or whole blocks of a block type along its rows.
+        // A matrix: dense floats, or whole blocks of a block type along its rows (k a multiple
+        // of that type's block length: 32, or a k-quant's 256).
         let mat = |t: &TensorType, what: &str| -> Result<(usize, usize), IrError> {
+            let whole = |k: usize| t.dtype.block().is_some_and(|(len, _)| k.is_multiple_of(len));
             match t.shape.as_slice() {
-                [Dim::N(a), Dim::N(b)]
-                    if t.dtype.is_float() || (t.dtype.is_block() && b.is_multiple_of(crate::BLOCK)) =>
-                {
-                    Ok((*a, *b))
-                }
+                [Dim::N(a), Dim::N(b)] if t.dtype.is_float() || whole(*b) => Ok((*a, *b)),
                 _ => Err(self.err(format!("{what} must be a float (or whole-block quantized) [n, k] weight, got {t}"))),
             }
         };
@@ -376,6 +374,24 @@ mod tests {
         let v = TensorType::fixed(&[100], DType::F32);
         let e = Op::AllGather { ranks: 2 }.infer(&[&v], DType::F32).unwrap_err().to_string();
         assert!(e.contains("must be [d, n] over 2 ranks"), "{e}");
+    }
+
+    #[test]
+    fn block_weights_are_whole_blocks_of_their_type() {
+        let lin = Op::Linear { bias: false };
+        for (dtype, k, ok) in [
+            (DType::Q4_0, 32, true),
+            (DType::Q4_0, 48, false),
+            (DType::Q4_K, 512, true),
+            (DType::Q5_K, 256, true),
+            (DType::Q6_K, 128, false),
+            (DType::Q4_K, 288, false),
+        ] {
+            let x = TensorType::new(vec![Dim::T, Dim::N(k)], DType::F32);
+            let w = TensorType::fixed(&[8, k], dtype);
+            let r = lin.infer(&[&x, &w], DType::F32);
+            assert_eq!(r.is_ok(), ok, "{w}: {r:?}");
+        }
     }
 
     #[test]

@@ -1,6 +1,15 @@
-//! The block (quantized) weight types' values: what a block of GGUF's Q8_0, Q4_0 and Q4_1
-//! means, declared once. The reference interpreter dequantizes with [`dequantize`]; every
-//! backend kernel that reads blocks must produce exactly these f32 weights.
+//! The block (quantized) weight types' values: what a block of GGUF's Q8_0, Q4_0, Q4_1 and of
+//! its k-quants Q4_K, Q5_K, Q6_K means, declared once. The reference interpreter dequantizes
+//! with [`dequantize`]; every backend kernel that reads blocks must produce exactly these f32
+//! weights.
+//!
+//! The k-quants are dequantized as llama.cpp's gguf-py does (`gguf.quants.Q4_K` etc., float32
+//! numpy, the order of operations of ggml's `dequantize_row_q4_K`): `(d·sc)·q - dmin·m`, each
+//! operation rounded to f32 on its own. Their products are exact in f32 (an f16 scale's 11
+//! significant bits times a 6- or 7-bit sub-block scale times a value of at most 6 bits fit in
+//! f32's 24), so a Q4_K / Q5_K value is the one rounding of the difference and a Q6_K value is
+//! exact: bit for bit gguf-py's (and ggml's, fused multiply-add or not;
+//! `tests/fixtures/tiny-kquant/reference/dequant_samples.json` holds gguf-py's values).
 
 use crate::types::{DType, BLOCK};
 
@@ -41,24 +50,105 @@ pub fn value(ty: DType, q: u8, d: f32, m: f32) -> f32 {
     }
 }
 
-/// Dequantizes whole blocks of a block type to f32.
+/// The 6-bit scale `sc` and min `m` of sub-block `j` (0..8) of a Q4_K or Q5_K super-block,
+/// from its 12 bytes of scales `s` (llama.cpp's `get_scale_min_k4`): sub-blocks 0..3 are the
+/// low 6 bits of `s[j]` (scale) and `s[j + 4]` (min); sub-blocks 4..7 take their low 4 bits
+/// from `s[j + 4]` (scale: low nibble, min: high nibble) and their high 2 bits from the top
+/// bits of `s[j - 4]` (scale) and `s[j]` (min).
+pub fn scale_min_k4(j: usize, s: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (s[j] & 63, s[j + 4] & 63)
+    } else {
+        ((s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4), (s[j + 4] >> 4) | ((s[j] >> 6) << 4))
+    }
+}
+
+/// One Q4_K super-block (144 bytes: f16 `d` at 0, f16 `dmin` at 2, 12 bytes of scales at 4,
+/// 128 bytes `qs` at 16) into 256 values. Sub-block `j` (0..8, 32 values each) has the scale
+/// and min [`scale_min_k4`]`(j)`; its value `l` is `q = (qs[32·(j/2) + l] >> 4·(j%2)) & 15`
+/// (the low nibbles of 32 bytes, then their high nibbles) and
+/// `w = (d·sc)·q - dmin·m` (exact products, the difference rounded to f32).
+fn q4_k(b: &[u8], out: &mut Vec<f32>) {
+    let (d, dmin, scales, qs) = (f16_at(b, 0), f16_at(b, 2), &b[4..16], &b[16..144]);
+    for j in 0..8 {
+        let (sc, m) = scale_min_k4(j, scales);
+        let (dj, mj) = (d * sc as f32, dmin * m as f32);
+        let shift = 4 * (j % 2);
+        out.extend(qs[32 * (j / 2)..][..32].iter().map(|&x| dj * ((x >> shift) & 0x0F) as f32 - mj));
+    }
+}
+
+/// One Q5_K super-block (176 bytes: Q4_K's `d`, `dmin` and 12 bytes of scales, then 32 bytes
+/// `qh` at 16 and 128 bytes `qs` at 48) into 256 values: Q4_K's sub-blocks, scales and nibbles,
+/// with a fifth bit, bit `j` of `qh[l]`, for value `l` of sub-block `j`:
+/// `q = ((qs[32·(j/2) + l] >> 4·(j%2)) & 15) | (((qh[l] >> j) & 1) << 4)`,
+/// `w = (d·sc)·q - dmin·m` (exact products, the difference rounded to f32).
+fn q5_k(b: &[u8], out: &mut Vec<f32>) {
+    let (d, dmin, scales, qh, qs) = (f16_at(b, 0), f16_at(b, 2), &b[4..16], &b[16..48], &b[48..176]);
+    for j in 0..8 {
+        let (sc, m) = scale_min_k4(j, scales);
+        let (dj, mj) = (d * sc as f32, dmin * m as f32);
+        let shift = 4 * (j % 2);
+        out.extend(qs[32 * (j / 2)..][..32].iter().zip(qh).map(|(&x, &h)| {
+            let q = ((x >> shift) & 0x0F) | (((h >> j) & 1) << 4);
+            dj * q as f32 - mj
+        }));
+    }
+}
+
+/// One Q6_K super-block (210 bytes: 128 bytes `ql` at 0, 64 bytes `qh` at 128, sixteen `i8`
+/// scales `sc` at 192, f16 `d` at 208) into 256 values, in two halves of 128 (`c` = 0, 1)
+/// of four rows of 32 (`r` = 0..4): value `l` of row `r` of half `c` (element
+/// `e = 128·c + 32·r + l`) has the low 4 bits `(ql[64·c + 32·(r%2) + l] >> 4·(r/2)) & 15`,
+/// the high 2 bits `(qh[32·c + l] >> 2·r) & 3`, `q` = their 6-bit number minus 32, and
+/// `w = (d·sc[e/16])·q` (exact in f32).
+fn q6_k(b: &[u8], out: &mut Vec<f32>) {
+    let (ql, qh, scales, d) = (&b[..128], &b[128..192], &b[192..208], f16_at(b, 208));
+    for c in 0..2 {
+        for r in 0..4 {
+            for l in 0..32 {
+                let lo = (ql[64 * c + 32 * (r % 2) + l] >> (4 * (r / 2))) & 0x0F;
+                let hi = (qh[32 * c + l] >> (2 * r)) & 3;
+                let q = (lo | (hi << 4)) as i32 - 32;
+                let sc = scales[(128 * c + 32 * r + l) / 16] as i8;
+                out.push(d * sc as f32 * q as f32);
+            }
+        }
+    }
+}
+
+/// Dequantizes whole blocks of a block type to f32 (trailing bytes short of a block are
+/// ignored: callers pass whole blocks, [`DType::bytes`]).
 pub fn dequantize(ty: DType, bytes: &[u8]) -> Vec<f32> {
-    let size = ty.block_bytes().unwrap_or_else(|| panic!("{ty} is not a block type"));
-    let mut out = Vec::with_capacity(bytes.len() / size * BLOCK);
+    let (len, size) = ty.block().unwrap_or_else(|| panic!("{ty} is not a block type"));
+    let mut out = Vec::with_capacity(bytes.len() / size * len);
     for b in bytes.chunks_exact(size) {
-        let (d, m, at) = block_params(ty, b);
-        if ty == DType::Q8_0 {
-            out.extend(b[at..].iter().map(|&q| value(ty, q, d, m)));
-        } else {
-            out.extend(nibbles(&b[at..]).iter().map(|&q| value(ty, q, d, m)));
+        match ty {
+            DType::Q8_0 => {
+                let (d, m, at) = block_params(ty, b);
+                out.extend(b[at..].iter().map(|&q| value(ty, q, d, m)));
+            }
+            DType::Q4_0 | DType::Q4_1 => {
+                let (d, m, at) = block_params(ty, b);
+                out.extend(nibbles(&b[at..]).iter().map(|&q| value(ty, q, d, m)));
+            }
+            DType::Q4_K => q4_k(b, &mut out),
+            DType::Q5_K => q5_k(b, &mut out),
+            DType::Q6_K => q6_k(b, &mut out),
+            DType::F32 | DType::F16 | DType::BF16 | DType::I32 => unreachable!("not a block type"),
         }
     }
     out
 }
 
 /// Quantizes f32 values (whole blocks) as llama.cpp's reference quantizers do
-/// (`quantize_row_q8_0_ref`, `..._q4_0_ref`, `..._q4_1_ref`): for making test weights.
+/// (`quantize_row_q8_0_ref`, `..._q4_0_ref`, `..._q4_1_ref`): for making test weights. The
+/// k-quants are only read, never made here (their quantizers search scales iteratively):
+/// asking for one panics.
 pub fn quantize(ty: DType, values: &[f32]) -> Vec<u8> {
+    if matches!(ty, DType::Q4_K | DType::Q5_K | DType::Q6_K) {
+        panic!("quantizing to {ty} is not implemented (the engine reads k-quants, it does not make them)");
+    }
     assert!(values.len().is_multiple_of(BLOCK), "{} values are not whole blocks of {BLOCK}", values.len());
     let f16 = |v: f32| half::f16::from_f32(v).to_le_bytes();
     let mut out = Vec::new();
@@ -113,6 +203,41 @@ mod tests {
         let mut q8 = vec![d[0], d[1]];
         q8.extend([0xF0u8; 32]);
         assert_eq!(dequantize(DType::Q8_0, &q8)[0], -8.0);
+    }
+
+    /// gguf-py's dequantization of two super-blocks per k-quant (`scripts/make-kquant-gguf.py`:
+    /// one with the fixture's scales, one of random bytes, its f16 scales included), bit for bit.
+    #[test]
+    fn k_quants_dequantize_as_gguf_py_does() {
+        let path =
+            concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures/tiny-kquant/reference/dequant_samples.json");
+        let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{path}: {e}"));
+        let samples: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let hex = |s: &str, n: usize| -> Vec<u32> {
+            (0..s.len() / n).map(|i| u32::from_str_radix(&s[i * n..(i + 1) * n], 16).unwrap()).collect()
+        };
+        for ty in [DType::Q4_K, DType::Q5_K, DType::Q6_K] {
+            let s = &samples[ty.to_string()];
+            let bytes: Vec<u8> = hex(s["hex"].as_str().unwrap(), 2).into_iter().map(|b| b as u8).collect();
+            let want = hex(s["bits"].as_str().unwrap(), 8);
+            let (len, size) = ty.block().unwrap();
+            assert_eq!((bytes.len(), want.len()), (2 * size, 2 * len), "{ty}");
+            let got = dequantize(ty, &bytes);
+            assert_eq!(got.len(), want.len(), "{ty}");
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert_eq!(g.to_bits(), *w, "{ty} value {i}: ours {g:e}, gguf-py's {:e}", f32::from_bits(*w));
+            }
+        }
+    }
+
+    #[test]
+    fn k_quant_scales_and_mins_unpack_as_get_scale_min_k4() {
+        // Sub-blocks 0..3: low 6 bits of bytes 0..3 (scales) and 4..7 (mins); 4..7: a nibble of
+        // bytes 8..11 and the top 2 bits of bytes 0..3 (scales) or 4..7 (mins).
+        let s = [0xC1, 0x02, 0x03, 0x04, 0x85, 0x06, 0x07, 0x08, 0x9A, 0x0B, 0x0C, 0x0D];
+        assert_eq!(scale_min_k4(0, &s), (1, 5));
+        assert_eq!(scale_min_k4(4, &s), (0x0A | 0x30, 0x09 | 0x20));
+        assert_eq!(scale_min_k4(5, &s), (0x0B, 0x00));
     }
 
     #[test]

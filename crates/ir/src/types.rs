@@ -27,41 +27,77 @@ pub enum DType {
     /// `w = fma(q, d, m)` (one rounding; gguf-py's `d·q + m` rounds twice: within one ulp).
     #[serde(rename = "q4_1")]
     Q4_1,
+    /// GGUF's Q4_K: super-blocks of 256 (144 bytes): f16 `d` and `dmin`, 12 bytes packing
+    /// eight 6-bit sub-block scales `sc` and mins `m`, 128 bytes of 4-bit `q`; each sub-block
+    /// of 32 is `w = (d·sc)·q - dmin·m` ([`crate::quant`] says where each bit is).
+    #[serde(rename = "q4_k")]
+    #[allow(non_camel_case_types)] // GGUF's spelling
+    Q4_K,
+    /// GGUF's Q5_K: super-blocks of 256 (176 bytes): Q4_K's `d`, `dmin` and scales, 32 bytes
+    /// of each value's fifth bit, 128 bytes of its low 4 bits; `w = (d·sc)·q - dmin·m`.
+    #[serde(rename = "q5_k")]
+    #[allow(non_camel_case_types)] // GGUF's spelling
+    Q5_K,
+    /// GGUF's Q6_K: super-blocks of 256 (210 bytes): 128 bytes of low 4 bits, 64 of high 2
+    /// bits, sixteen `i8` scales `sc` (one per 16 values), f16 `d`; `w = (d·sc)·(q - 32)`.
+    #[serde(rename = "q6_k")]
+    #[allow(non_camel_case_types)] // GGUF's spelling
+    Q6_K,
 }
 
-/// The block types' shared block length (elements).
+/// The block length (elements) of the legacy block types Q8_0, Q4_0 and Q4_1 (the k-quants'
+/// super-blocks are 256: [`DType::block`]).
 pub const BLOCK: usize = 32;
 
 impl DType {
+    /// Every element type, dense first (the text parser's and the checkpoint reader's list).
+    pub const ALL: [DType; 10] = [
+        DType::F32,
+        DType::F16,
+        DType::BF16,
+        DType::I32,
+        DType::Q8_0,
+        DType::Q4_0,
+        DType::Q4_1,
+        DType::Q4_K,
+        DType::Q5_K,
+        DType::Q6_K,
+    ];
+
     /// Size of one element in bytes, for the dense types (a block type has no size per
     /// element: see [`DType::bytes`]; asking is a bug of the caller, and panics).
     pub fn size(self) -> usize {
         match self {
             DType::F32 | DType::I32 => 4,
             DType::F16 | DType::BF16 => 2,
-            DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => panic!("{self} is a block type: use DType::bytes"),
+            _ => panic!("{self} is a block type: use DType::bytes"),
         }
     }
 
-    /// Bytes of one block of a block type ([`BLOCK`] elements), `None` for the dense types.
-    pub fn block_bytes(self) -> Option<usize> {
+    /// A block type's block: its length in elements and its size in bytes (GGUF's
+    /// `GGML_QUANT_SIZES`); `None` for the dense types.
+    pub fn block(self) -> Option<(usize, usize)> {
         match self {
-            DType::Q8_0 => Some(34),
-            DType::Q4_0 => Some(18),
-            DType::Q4_1 => Some(20),
+            DType::Q8_0 => Some((BLOCK, 34)),
+            DType::Q4_0 => Some((BLOCK, 18)),
+            DType::Q4_1 => Some((BLOCK, 20)),
+            DType::Q4_K => Some((256, 144)),
+            DType::Q5_K => Some((256, 176)),
+            DType::Q6_K => Some((256, 210)),
             DType::F32 | DType::F16 | DType::BF16 | DType::I32 => None,
         }
     }
 
     /// Whether this is a block (quantized) type.
     pub fn is_block(self) -> bool {
-        self.block_bytes().is_some()
+        self.block().is_some()
     }
 
-    /// Bytes that `n` elements take (for a block type `n` must be whole blocks: `None` if not).
+    /// Bytes that `n` elements take (for a block type `n` must be whole blocks of its length:
+    /// `None` if not).
     pub fn bytes(self, n: usize) -> Option<usize> {
-        match self.block_bytes() {
-            Some(b) => n.is_multiple_of(BLOCK).then_some(n / BLOCK * b),
+        match self.block() {
+            Some((len, b)) => n.is_multiple_of(len).then_some(n / len * b),
             None => Some(n * self.size()),
         }
     }
@@ -92,6 +128,9 @@ impl fmt::Display for DType {
             DType::Q8_0 => "q8_0",
             DType::Q4_0 => "q4_0",
             DType::Q4_1 => "q4_1",
+            DType::Q4_K => "q4_k",
+            DType::Q5_K => "q5_k",
+            DType::Q6_K => "q6_k",
         })
     }
 }
@@ -164,7 +203,9 @@ impl DType {
     /// dequantized: [`crate::quant::dequantize`]).
     pub fn to_f32(self, bytes: &[u8]) -> Vec<f32> {
         match self {
-            DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => crate::quant::dequantize(self, bytes),
+            DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::Q4_K | DType::Q5_K | DType::Q6_K => {
+                crate::quant::dequantize(self, bytes)
+            }
             DType::F32 => bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
             DType::I32 => bytes.chunks_exact(4).map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]) as f32).collect(),
             DType::BF16 => bytes.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
@@ -173,7 +214,8 @@ impl DType {
     }
 
     /// Encodes f32 values as little-endian values of this type (round to nearest even); a
-    /// block type is quantized ([`crate::quant::quantize`]).
+    /// block type is quantized ([`crate::quant::quantize`]: Q8_0, Q4_0 and Q4_1; a k-quant
+    /// panics).
     pub fn from_f32(self, values: &[f32]) -> Vec<u8> {
         if self.is_block() {
             return crate::quant::quantize(self, values);
@@ -181,7 +223,9 @@ impl DType {
         let mut out = Vec::with_capacity(values.len() * self.size());
         for &v in values {
             match self {
-                DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => unreachable!("handled above"),
+                DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::Q4_K | DType::Q5_K | DType::Q6_K => {
+                    unreachable!("handled above")
+                }
                 DType::F32 => out.extend_from_slice(&v.to_le_bytes()),
                 DType::I32 => out.extend_from_slice(&(v as i32).to_le_bytes()),
                 DType::BF16 => out.extend_from_slice(&half::bf16::from_f32(v).to_le_bytes()),
@@ -194,7 +238,7 @@ impl DType {
     /// The safetensors spelling (`BF16`, `F16`, `F32`, `I32`; a block type's bytes are `U8`).
     pub fn safetensors_name(self) -> &'static str {
         match self {
-            DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => "U8",
+            DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::Q4_K | DType::Q5_K | DType::Q6_K => "U8",
             DType::F32 => "F32",
             DType::F16 => "F16",
             DType::BF16 => "BF16",
@@ -226,5 +270,20 @@ mod tests {
             assert_eq!(back[..3], v[..3], "{d}");
         }
         assert_eq!(DType::BF16.to_f32(&DType::BF16.from_f32(&[1.003_906_3]))[0], 1.0);
+    }
+
+    #[test]
+    fn k_quants_are_super_blocks_of_256() {
+        for (d, name, bytes) in [(DType::Q4_K, "q4_k", 144), (DType::Q5_K, "q5_k", 176), (DType::Q6_K, "q6_k", 210)] {
+            assert_eq!((d.to_string(), serde_json::to_string(&d).unwrap()), (name.into(), format!("\"{name}\"")));
+            assert_eq!(serde_json::from_str::<DType>(&format!("\"{name}\"")).unwrap(), d);
+            assert_eq!((d.block(), d.bytes(512), d.bytes(32)), (Some((256, bytes)), Some(2 * bytes), None));
+            assert!(d.is_block() && !d.is_float());
+        }
+        assert_eq!(
+            (DType::Q4_1.block(), DType::Q4_1.bytes(64), DType::F16.block()),
+            (Some((BLOCK, 20)), Some(40), None)
+        );
+        assert_eq!(DType::ALL.iter().filter(|d| d.is_block()).count(), 6);
     }
 }

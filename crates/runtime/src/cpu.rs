@@ -110,7 +110,13 @@ impl CpuBackend {
             weights.push(match &n.op {
                 Op::Weight { name, shape, dtype, .. } if dtype.is_block() => {
                     let bytes = file.bytes_as(name, *dtype, shape)?;
-                    Some(Weight::Raw(codegen_cpu::blocks::repack(*dtype, bytes), *dtype))
+                    if codegen_cpu::blocks::reads(*dtype) {
+                        Some(Weight::Raw(codegen_cpu::blocks::repack(*dtype, bytes), *dtype))
+                    } else {
+                        // Blocks the kernels do not read (the k-quants): f32 weights, exactly
+                        // the interpreter's (`ir::quant::dequantize`).
+                        Some(Weight::Raw(DType::F32.from_f32(&dtype.to_f32(bytes)), DType::F32))
+                    }
                 }
                 Op::Weight { name, shape, .. } => {
                     let (dtype, got, bytes) = file.raw(name)?;

@@ -346,15 +346,15 @@ fn tensor_type(s: &str) -> Result<(TensorType, &str), String> {
             .collect::<Result<Vec<Dim>, String>>()?
     };
     let rest = rest.strip_prefix(' ').ok_or("expected ` DTYPE` after the shape")?;
-    let len = rest.find(|c: char| !c.is_ascii_alphanumeric()).unwrap_or(rest.len());
+    let len = rest.find(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).unwrap_or(rest.len());
     Ok((TensorType::new(shape, dtype(&rest[..len])?), &rest[len..]))
 }
 
 fn dtype(s: &str) -> Result<DType, String> {
-    [DType::F32, DType::F16, DType::BF16, DType::I32, DType::Q8_0, DType::Q4_0, DType::Q4_1]
-        .into_iter()
-        .find(|d| d.to_string() == s)
-        .ok_or_else(|| format!("unknown dtype `{s}` (f32, f16, bf16, i32, q8_0, q4_0 or q4_1)"))
+    DType::ALL.into_iter().find(|d| d.to_string() == s).ok_or_else(|| {
+        let names: Vec<String> = DType::ALL.iter().map(DType::to_string).collect();
+        format!("unknown dtype `{s}` ({})", names.join(", "))
+    })
 }
 
 fn number<T: FromStr>(key: &str, v: &str) -> Result<T, String> {
@@ -495,6 +495,24 @@ fuse rope_attention {
 
     /// A weight name holding `, %1, ` and another weight's name: the shorter name is tried
     /// first, and when the rest of the arguments then fails to parse, the longer one.
+    /// The k-quant weight types read back, and a dtype the parser does not know is named.
+    #[test]
+    fn k_quant_weights_read_back() {
+        let text = r#"plan tp=1 act=f32 vocab=16 kv(layers=0, kv_heads=0, head_dim=0)
+@table : [16, 256] q5_k
+@up : [512, 256] q4_k
+@down : [256, 512] q6_k
+%0 = tokens() : [T] i32  # tokens
+%1 = embedding(%0, @table) : [T, 256] f32  # x
+%2 = linear(%1, @up) : [T, 512] f32  # u
+%3 = linear(%2, @down) : [T, 256] f32  # d
+%4 = logits(%3, @table) : [R, 16] f32  # logits  (output)
+"#;
+        assert_eq!(round_trip(text), text);
+        let e = parse(&text.replace("q6_k", "q3_k")).unwrap_err().to_string();
+        assert!(e.contains("unknown dtype `q3_k`") && e.contains("q4_k, q5_k, q6_k"), "{e}");
+    }
+
     #[test]
     fn weight_names_may_look_like_arguments() {
         let text = SMALL

@@ -1,0 +1,150 @@
+#!/usr/bin/env python3
+"""Writes tests/fixtures/tiny-kquant/: a tiny 1-layer llama GGUF whose weights are GGUF k-quants,
+its dequantized twin, and llama.cpp's dequantization of sample super-blocks, all made with
+llama.cpp's own Python package (gguf-py: `gguf.GGUFWriter`, `gguf.quants.dequantize`).
+
+  kquant.gguf   architecture "llama": hidden 256, 1 layer, 4 query / 2 KV heads of 64,
+                intermediate 512, vocabulary 320, RoPE base 10000, rms eps 1e-5, context 2048;
+                no tokenizer metadata (the tests feed token ids). Weights as a Q4_K_M file
+                stores them: q/k/v/o, gate, up in Q4_K, down in Q6_K; the embedding
+                (token_embd, tied to the lm_head: no output.weight) in Q5_K; the three norms
+                F32 (1 + 0.1 N(0, 1)). A quantized tensor's bytes are random (numpy seed 0)
+                except its f16 super-block scales, set to normal values that keep activations
+                finite: Q4_K / Q5_K `d` and `dmin` log-uniform in [1e-3, 1e-2], Q6_K `d` in
+                [1e-4, 1e-3] (its i8 sub-block scales reach 127 where the others' reach 63).
+  dequant.gguf  the same model, every tensor F32: gguf-py's `gguf.quants.dequantize` of the same
+                bytes (the norms as they are).
+  reference/dequant_samples.json
+                per type (`q4_k`, `q5_k`, `q6_k`): `hex`, the raw bytes of two super-blocks (the
+                first of the fixture's tensor of that type, then one whose every byte is random,
+                f16 scales included, drawn until they are finite: negative, subnormal or large
+                scales), and gguf-py's 512 dequantized values, as `values` (floats) and `bits`
+                (the float32 bit patterns, 8 hex digits each, the exact values), plus `source`.
+
+Seeded and deterministic. Run with llama.cpp's gguf-py on the path (numpy is in the reference
+environment of make-references.py):
+
+  PYTHONPATH=/path/to/llama.cpp/gguf-py ~/.cache/engine/refenv/bin/python scripts/make-kquant-gguf.py [--out DIR]
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+
+import gguf
+from gguf import GGMLQuantizationType as Q
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB = 256, 4, 2, 64, 512, 320
+
+# The f16 scales of each type: (byte offset, low, high) of every scale to set.
+SCALES = {
+    Q.Q4_K: [(0, 1e-3, 1e-2), (2, 1e-3, 1e-2)],
+    Q.Q5_K: [(0, 1e-3, 1e-2), (2, 1e-3, 1e-2)],
+    Q.Q6_K: [(208, 1e-4, 1e-3)],
+}
+
+
+def blocks(rng: np.random.Generator, qtype: Q, rows: int, cols: int) -> np.ndarray:
+    """Random super-blocks of `qtype` for a [rows, cols] tensor, as [rows, row bytes] uint8."""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    n = rows * cols // block
+    b = rng.integers(0, 256, size=(n, size), dtype=np.uint8)
+    for at, lo, hi in SCALES[qtype]:
+        s = np.exp(rng.uniform(np.log(lo), np.log(hi), size=n)).astype(np.float16)
+        b[:, at:at + 2] = s.view(np.uint8).reshape(n, 2)
+    return b.reshape(rows, cols // block * size)
+
+
+def random_block(rng: np.random.Generator, qtype: Q) -> np.ndarray:
+    """One super-block of random bytes whose dequantized values are all finite."""
+    _, size = gguf.GGML_QUANT_SIZES[qtype]
+    while True:
+        b = rng.integers(0, 256, size=(1, size), dtype=np.uint8)
+        if np.isfinite(gguf.quants.dequantize(b, qtype)).all():
+            return b
+
+
+def gguf_version() -> str:
+    """gguf-py's version, from the pyproject.toml beside the package (it is used from a checkout)."""
+    toml = Path(gguf.__file__).resolve().parent.parent / "pyproject.toml"
+    lines = toml.read_text().splitlines() if toml.is_file() else []
+    return next((l.split('"')[1] for l in lines if l.startswith("version")), "(unknown version)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "tests/fixtures/tiny-kquant"))
+    out = Path(ap.parse_args().out)
+    (out / "reference").mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+
+    # (GGUF name, HF-order shape [rows, cols], type); GGUF stores rows of `cols`.
+    spec = [
+        ("token_embd.weight", (VOCAB, HIDDEN), Q.Q5_K),
+        ("blk.0.attn_norm.weight", (HIDDEN,), Q.F32),
+        ("blk.0.attn_q.weight", (HEADS * HEAD_DIM, HIDDEN), Q.Q4_K),
+        ("blk.0.attn_k.weight", (KV_HEADS * HEAD_DIM, HIDDEN), Q.Q4_K),
+        ("blk.0.attn_v.weight", (KV_HEADS * HEAD_DIM, HIDDEN), Q.Q4_K),
+        ("blk.0.attn_output.weight", (HIDDEN, HEADS * HEAD_DIM), Q.Q4_K),
+        ("blk.0.ffn_norm.weight", (HIDDEN,), Q.F32),
+        ("blk.0.ffn_gate.weight", (FFN, HIDDEN), Q.Q4_K),
+        ("blk.0.ffn_up.weight", (FFN, HIDDEN), Q.Q4_K),
+        ("blk.0.ffn_down.weight", (HIDDEN, FFN), Q.Q6_K),
+        ("output_norm.weight", (HIDDEN,), Q.F32),
+    ]
+    tensors = []
+    for name, shape, qtype in spec:
+        if qtype == Q.F32:
+            tensors.append((name, qtype, (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)))
+        else:
+            tensors.append((name, qtype, blocks(rng, qtype, *shape)))
+
+    def write(path: Path, dequantized: bool) -> None:
+        w = gguf.GGUFWriter(str(path), "llama")
+        w.add_block_count(1)
+        w.add_context_length(2048)
+        w.add_embedding_length(HIDDEN)
+        w.add_feed_forward_length(FFN)
+        w.add_head_count(HEADS)
+        w.add_head_count_kv(KV_HEADS)
+        w.add_rope_dimension_count(HEAD_DIM)
+        w.add_rope_freq_base(10000.0)
+        w.add_layer_norm_rms_eps(1e-5)
+        w.add_vocab_size(VOCAB)
+        for name, qtype, data in tensors:
+            if qtype == Q.F32:
+                w.add_tensor(name, data)
+            elif dequantized:
+                w.add_tensor(name, gguf.quants.dequantize(data, qtype).astype(np.float32))
+            else:
+                w.add_tensor(name, data, raw_dtype=qtype)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+
+    write(out / "kquant.gguf", dequantized=False)
+    write(out / "dequant.gguf", dequantized=True)
+
+    samples = {"source": f"gguf-py {gguf_version()} gguf.quants.dequantize (numpy {np.__version__}), "
+                         "scripts/make-kquant-gguf.py"}
+    for qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
+        _, size = gguf.GGML_QUANT_SIZES[qtype]
+        first = next(d for _, t, d in tensors if t == qtype).reshape(-1, size)[:1]
+        raw = np.concatenate([first, random_block(rng, qtype)])
+        values = gguf.quants.dequantize(raw, qtype).astype(np.float32).reshape(-1)
+        samples[qtype.name.lower()] = {
+            "hex": raw.tobytes().hex(),
+            "values": [float(v) for v in values],
+            "bits": "".join(f"{b:08x}" for b in values.view(np.uint32)),
+        }
+    (out / "reference/dequant_samples.json").write_text(json.dumps(samples, indent=1) + "\n")
+    for p in sorted(out.rglob("*")):
+        if p.is_file():
+            print(f"{p.relative_to(out)}: {p.stat().st_size} bytes")
+
+
+if __name__ == "__main__":
+    main()

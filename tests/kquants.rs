@@ -1,0 +1,111 @@
+//! GGUF's k-quants (Q4_K, Q5_K, Q6_K) end to end, on `tests/fixtures/tiny-kquant`
+//! (`scripts/make-kquant-gguf.py`, made with llama.cpp's gguf-py): a 1-layer llama whose linears
+//! are Q4_K (down Q6_K) and whose tied embedding is Q5_K, against its twin `dequant.gguf`, every
+//! tensor F32 as gguf-py dequantizes it. Kept in their blocks, the reference interpreter and the
+//! CPU backend give the twin's logits; `engc compile --dtype f32` dequantizes to the same weights.
+
+use e2e::*;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+/// 20 ids of the vocabulary of 320, then 3 decode steps.
+const PROMPT: [u32; 20] = [1, 17, 250, 3, 99, 319, 42, 7, 128, 64, 200, 11, 0, 5, 301, 77, 150, 33, 260, 8];
+const DECODE: [u32; 3] = [45, 318, 2];
+
+fn gguf(name: &str) -> PathBuf {
+    fixture("tiny-kquant").join(name)
+}
+
+/// Compiles a GGUF of the fixture with `models/llama.yaml` (no tokenizer: the tests feed ids).
+fn compile(name: &str, dir: &Path, dtype: Option<ir::DType>) -> PathBuf {
+    let out = dir.join(format!("{name}.bundle"));
+    let opts = compiler::CompileOptions {
+        model: repo().join("models/llama.yaml"),
+        checkpoint: gguf(name),
+        tp: 1,
+        dtype,
+        tokenizer: None,
+        out: out.clone(),
+        dump_after: None,
+        lm_head: compiler::LmHead::default(),
+    };
+    compiler::compile(&opts).unwrap_or_else(|e| panic!("compiling {name}: {e}"));
+    out
+}
+
+fn dtypes(b: &bundle::Bundle) -> BTreeMap<String, String> {
+    b.plan.weights().map(|(name, _, d)| (name.to_string(), d.to_string())).collect()
+}
+
+/// The logits of `PROMPT` then `DECODE` on `backend`.
+fn logits(backend: impl runtime::Backend + 'static) -> Vec<Vec<f32>> {
+    prefill_then_decode(&mut seqs(backend), &PROMPT, &DECODE)
+}
+
+/// Every step within `tol` (relative) of `want`; returns the largest error.
+fn check(what: &str, got: &[Vec<f32>], want: &[Vec<f32>], tol: f32) -> f32 {
+    assert_eq!(got.len(), want.len());
+    let mut worst = 0.0f32;
+    for (step, (g, w)) in got.iter().zip(want).enumerate() {
+        let err = rel_err(g, w);
+        assert!(err < tol, "{what}, step {step}: rel err {err}");
+        worst = worst.max(err);
+    }
+    eprintln!("{what}: largest rel err {worst:e} (bit-identical: {})", got == want);
+    worst
+}
+
+/// The reference logits: the interpreter on the dequantized twin, finite and not all alike.
+fn reference(dir: &Path) -> Vec<Vec<f32>> {
+    let f = bundle::Bundle::open(&compile("dequant.gguf", dir, None)).unwrap();
+    assert!(dtypes(&f).values().all(|d| d == "f32"), "{:?}", dtypes(&f));
+    let want = logits(runtime::RefBackend::new(&f).unwrap());
+    assert_eq!(want[0].len(), PROMPT.len() * 320);
+    for row in &want {
+        assert!(row.iter().all(|v| v.is_finite()), "non-finite reference logits");
+        let spread = row.iter().fold(f32::MIN, |m, &v| m.max(v)) - row.iter().fold(f32::MAX, |m, &v| m.min(v));
+        assert!(spread > 1e-3, "flat reference logits");
+    }
+    want
+}
+
+/// Kept in their blocks: the plan says q4_k / q5_k / q6_k per weight, the interpreter (which
+/// dequantizes with `ir::quant`) and the CPU backend (which dequantizes them to f32 at load)
+/// give the logits of the twin whose weights gguf-py dequantized.
+#[test]
+fn k_quants_kept_in_blocks_match_gguf_py_dequantized() {
+    let dir = tempfile::tempdir().unwrap();
+    let want = reference(dir.path());
+    let q = bundle::Bundle::open(&compile("kquant.gguf", dir.path(), None)).unwrap();
+    let d = dtypes(&q);
+    let of = |name: &str| d.get(name).map_or("(none)", String::as_str);
+    assert_eq!(of("model.embed_tokens.weight"), "q5_k");
+    assert_eq!(of("model.layers.0.mlp.down_proj.weight"), "q6_k");
+    for w in
+        ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj"]
+    {
+        assert_eq!(of(&format!("model.layers.0.{w}.weight")), "q4_k", "{w}");
+    }
+    assert_eq!(of("model.norm.weight"), "f32");
+    let got = logits(runtime::RefBackend::new(&q).unwrap());
+    check("reference interpreter on the k-quant bundle", &got, &want, 1e-4);
+    let got = logits(runtime::CpuBackend::new(&q).unwrap());
+    check("CPU backend on the k-quant bundle", &got, &want, 1e-4);
+}
+
+/// `engc compile --dtype f32` dequantizes the k-quants to gguf-py's values.
+#[test]
+fn engc_dequantizes_k_quants_to_gguf_py_values() {
+    let dir = tempfile::tempdir().unwrap();
+    let want = reference(dir.path());
+    let out = dir.path().join("kquant-f32.bundle");
+    let yaml = repo().join("models/llama.yaml");
+    let k = gguf("kquant.gguf");
+    let s = |p: &Path| p.to_str().unwrap().to_string();
+    let o = run("engc", &["compile", &s(&yaml), "--checkpoint", &s(&k), "--dtype", "f32", "-o", &s(&out)]);
+    assert!(o.status.success(), "engc compile --dtype f32: {}", stderr(&o));
+    let b = bundle::Bundle::open(&out).unwrap();
+    assert!(dtypes(&b).values().all(|d| d == "f32"), "{:?}", dtypes(&b));
+    let got = logits(runtime::RefBackend::new(&b).unwrap());
+    check("engc --dtype f32 of the k-quant GGUF", &got, &want, 1e-4);
+}
