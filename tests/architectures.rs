@@ -76,6 +76,7 @@ fn fused_tensor_parts_are_named_by_their_rows() {
         tokenizer: None,
         out: dir.join("bad.bundle"),
         dump_after: None,
+        quant: None,
         lm_head: compiler::LmHead::default(),
     };
     let err = compiler::compile(&opts).unwrap_err().to_string();

@@ -80,6 +80,7 @@ fn bundle(name: &str, dir: &std::path::Path) -> std::path::PathBuf {
         tokenizer: Some(real_tokenizer(name)),
         out: out.clone(),
         dump_after: None,
+        quant: None,
         lm_head: compiler::LmHead::default(),
     };
     compiler::compile(&opts).unwrap_or_else(|e| panic!("compiling tiny-vocab131k with {name}: {e}"));

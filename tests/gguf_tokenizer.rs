@@ -389,6 +389,7 @@ fn unknown_tokenizer_model_is_a_clear_error() {
         tokenizer: None,
         out: dir.path().join("bare.bundle"),
         dump_after: None,
+        quant: None,
         lm_head: compiler::LmHead::default(),
     })
     .unwrap();

@@ -27,6 +27,7 @@ fn compile(name: &str, dir: &Path, dtype: Option<ir::DType>) -> PathBuf {
         tokenizer: None,
         out: out.clone(),
         dump_after: None,
+        quant: None,
         lm_head: compiler::LmHead::default(),
     };
     compiler::compile(&opts).unwrap_or_else(|e| panic!("compiling {name}: {e}"));

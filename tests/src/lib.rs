@@ -53,6 +53,7 @@ pub fn compile_fixture_with(
         tokenizer,
         out: out.clone(),
         dump_after: None,
+        quant: None,
         lm_head,
     };
     compiler::compile(&opts).unwrap_or_else(|e| panic!("compiling {name}: {e}"));
@@ -254,6 +255,7 @@ pub fn smollm2_bundle_as(dir: &Path, dtype: Option<ir::DType>) -> PathBuf {
         tokenizer: Some(fixture("smollm2-135m")),
         out: out.clone(),
         dump_after: None,
+        quant: None,
         lm_head: compiler::LmHead::default(),
     };
     let report = compiler::compile(&opts).unwrap_or_else(|e| panic!("{e}"));
@@ -387,6 +389,7 @@ pub fn compile_checkpoint(model: &str, checkpoint: &Path, dir: &Path, tp: usize,
         tokenizer: None,
         out: out.clone(),
         dump_after: None,
+        quant: None,
         lm_head: compiler::LmHead::default(),
     };
     compiler::compile(&opts).unwrap_or_else(|e| panic!("compiling {}: {e}", checkpoint.display()));

@@ -1,6 +1,6 @@
 //! Block (quantized) weights on the CPU: the layout the kernels read, repacked once at load from
-//! GGUF's blocks (`ir::quant`), and the Cranelift code that opens a block: its `d` and `m`, and
-//! its values `q` as f32, four at a time, exact (`w = q·d + m` as `ir::quant::value` defines).
+//! GGUF's blocks (`ir::quant`), and the Cranelift code that turns a block into f32 weights in
+//! registers, four at a time, exactly as `ir::quant::value` defines them.
 //!
 //! Layout, per block of 32 weights along a row (rows stay whole and in order):
 //! - Q4_0 and Q4_1: 24 bytes: `d` (f32), `m` (f32; Q4_0's is `-8·d`), then GGUF's 16 bytes of
@@ -93,9 +93,9 @@ pub(crate) struct Dequant {
 /// One block of one weight row, opened: its scales splat, its value bytes in registers.
 pub(crate) struct Open {
     /// The scale, splat (Q8_0's times 2⁻²⁴, as its values come out times 2²⁴).
-    pub(crate) d: Value,
+    d: Value,
     /// The offset `m`, splat (the 4-bit types).
-    pub(crate) m: Value,
+    m: Value,
     src: [Value; 2],
 }
 
@@ -113,27 +113,20 @@ impl Dequant {
         Dequant { dtype, masks, low4 }
     }
 
-    /// Opens the block at `p` (CPU layout): its scales and, with `values`, its value bytes
-    /// (for [`Dequant::values`]).
-    pub(crate) fn open(&self, b: &mut FunctionBuilder, p: Value, values: bool) -> Open {
+    /// Opens the block at `p` (CPU layout): its scales, its value bytes.
+    pub(crate) fn open(&self, b: &mut FunctionBuilder, p: Value) -> Open {
         let d = b.ins().load(types::F32, loadf(), p, 0);
         if self.dtype == DType::Q8_0 {
             // The lanes hold q·2²⁴: d·2⁻²⁴ makes the product q·d, rounded once.
             let k = b.ins().f32const(1.0 / 16_777_216.0);
             let d = b.ins().fmul(d, k);
             let d = b.ins().splat(types::F32X4, d);
-            if !values {
-                return Open { d, m: d, src: [d, d] };
-            }
             let lo = b.ins().load(types::I8X16, loadf(), p, 4);
             let hi = b.ins().load(types::I8X16, loadf(), p, 20);
             return Open { d, m: d, src: [lo, hi] };
         }
         let m = b.ins().load(types::F32, loadf(), p, 4);
         let (d, m) = (b.ins().splat(types::F32X4, d), b.ins().splat(types::F32X4, m));
-        if !values {
-            return Open { d, m, src: [d, m] };
-        }
         let qs = b.ins().load(types::I8X16, loadf(), p, 8);
         // Weights 0-15 (the low nibbles) and 16-31 (the high ones, moved down) as bytes.
         let lo = b.ins().band(qs, self.low4);
@@ -144,17 +137,18 @@ impl Dequant {
         Open { d, m, src: [lo, hi] }
     }
 
-    /// Whether weights have an offset `m` (`w = q·d + m`: the 4-bit types).
-    pub(crate) fn has_offset(&self) -> bool {
-        self.dtype != DType::Q8_0
-    }
-
-    /// Values `q` of weights `4g .. 4g + 4` (g < 8) of an open block as an f32x4, exact (Q8_0's
-    /// times 2²⁴, which its `d` undoes): `w = q·d + m`.
-    pub(crate) fn values(&self, b: &mut FunctionBuilder, blk: &Open, g: usize) -> Value {
+    /// Weights `4g .. 4g + 4` (g < 8) of an open block as an f32x4, exactly
+    /// `ir::quant::value`: `fma(q, d, m)` for the 4-bit types, `(q·2²⁴)·(d·2⁻²⁴)` = `q·d`
+    /// rounded once for Q8_0.
+    pub(crate) fn group(&self, b: &mut FunctionBuilder, blk: &Open, g: usize) -> Value {
         let bytes = b.ins().x86_pshufb(blk.src[g / 4], self.masks[g % 4]);
         let q = b.ins().bitcast(types::I32X4, lanes(), bytes);
-        b.ins().fcvt_from_sint(types::F32X4, q)
+        let f = b.ins().fcvt_from_sint(types::F32X4, q);
+        if self.dtype == DType::Q8_0 {
+            b.ins().fmul(f, blk.d)
+        } else {
+            b.ins().fma(f, blk.d, blk.m)
+        }
     }
 }
 

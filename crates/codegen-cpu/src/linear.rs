@@ -1,7 +1,7 @@
 //! `out[t, j] = Σₖ x[t, k] · w[j, k]`: the linear kernel, specialised to `k` (input features),
 //! `n` (output features) and the weight dtype, and split across threads by output rows.
 
-use crate::blocks::{self, Dequant, Open};
+use crate::blocks::{self, Dequant};
 use crate::kernels::{at, compile_opt, counted, hsum, Compiled};
 use crate::{JitError, Opt, Pool};
 use cranelift_codegen::ir::{types, InstBuilder, MemFlagsData, Value};
@@ -9,10 +9,10 @@ use cranelift_frontend::{FunctionBuilder, Variable};
 use ir::{DType, BLOCK};
 
 /// `fn(x, w, out, rows, j0, j1)`: rows `0..rows` of x, output features `j0..j1`.
-/// `fn(x, sx, w, out, scratch, rows, j0, j1)`: `sx` holds, for the 4-bit block types, each
-/// row's sums of x over every block (lane-wise, [`block_x_sums`]); `scratch`, for the block
-/// types, room for the values of four weight rows as f32 (`4·k`); null where unused.
-type LinearFn = unsafe extern "C" fn(*const f32, *const f32, *const u8, *mut f32, *mut f32, i64, i64, i64);
+type LinearFn = unsafe extern "C" fn(*const f32, *const u8, *mut f32, i64, i64, i64);
+
+/// `fn(w, out, j0, j1)`: weight rows `j0..j1` of a block type as f32 rows at `out`.
+type ExpandFn = unsafe extern "C" fn(*const u8, *mut f32, i64, i64);
 
 /// Rows of x per kernel call: 16 rows of a 4096-wide layer are 256 KiB of f32.
 const ROW_BLOCK: usize = 16;
@@ -25,7 +25,22 @@ pub struct LinearKernel {
     wdtype: DType,
     // Owns the code `f` points into.
     _code: Compiled,
+    /// For a block type: its rows dequantized and the f32 kernel, for calls of 4 rows or more.
+    expand: Option<Expand>,
 }
+
+/// A block type's weight rows dequantized to f32 (exactly: `ir::quant::value`) and the f32
+/// kernel over them: the same sums as the block kernel (batch-invariance holds across the two),
+/// the f32 kernel optimised for speed (the block kernel cannot be: [`LinearKernel::compile`]).
+struct Expand {
+    f: ExpandFn,
+    dense: Box<LinearKernel>,
+    _code: Compiled,
+}
+
+/// Calls with at least this many rows run on the weights dequantized: a row's block kernel
+/// costs about what dequantizing them costs.
+const EXPAND_ROWS: usize = 4;
 
 fn flags() -> MemFlagsData {
     MemFlagsData::trusted()
@@ -79,53 +94,48 @@ fn load_w1(b: &mut FunctionBuilder, wdtype: DType, p: Value, off: usize) -> Valu
 /// share the call: the kernel is batch-invariant, and a sequence gives the same logits alone
 /// as in any batch.
 fn build(b: &mut FunctionBuilder, p: &[Value], k: usize, n: usize, wdtype: DType) {
-    let (x, sx, w, out, scratch, rows, j0, j1) = (p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7]);
+    let (x, w, out, rows, j0, j1) = (p[0], p[1], p[2], p[3], p[4], p[5]);
     let zero = b.ins().iconst(types::I64, 0);
-    let rows4 = b.ins().band_imm_s(rows, !3);
     let deq = wdtype.is_block().then(|| Dequant::new(b, wdtype));
+    // Block weights take rows one by one (four rows and more run on them dequantized).
+    let rows4 = if deq.is_some() { zero } else { b.ins().band_imm_s(rows, !3) };
     let d = Dims { k, n, wdtype, row_bytes: blocks::row_bytes(k, wdtype), deq };
     let span = b.ins().isub(j1, j0);
     let quads = b.ins().band_imm_s(span, !3);
     let quads_end = b.ins().iadd(j0, quads);
     counted(b, j0, quads_end, 4, |b, j| {
-        // Block weights with rows in fours: the quad's values expanded once into `scratch`,
-        // read by every four rows (the same values as opening the blocks: the same sums).
-        let q4 = d.deq.as_ref().map(|deq| {
-            let one = b.ins().iconst(types::I64, 1);
-            let any = b.ins().umin(rows4, one);
-            counted(b, zero, any, 1, |b, _| expand_quad(b, &d, deq, j, [w, scratch]));
-            scratch
-        });
         counted(b, zero, rows4, 4, |b, t| {
-            for f in [0, 2] {
-                let jf = b.ins().iadd_imm_s(j, f as i64);
-                let q = q4.map(|s| b.ins().iadd_imm_s(s, (f * k * 4) as i64));
-                emit_block(b, &d, (4, 2), t, jf, [x, sx, w, out], q);
-            }
+            emit_block(b, &d, (4, 2), t, j, [x, w, out]);
+            let j2 = b.ins().iadd_imm_s(j, 2);
+            emit_block(b, &d, (4, 2), t, j2, [x, w, out]);
         });
-        counted(b, rows4, rows, 1, |b, t| emit_block(b, &d, (1, 4), t, j, [x, sx, w, out], None));
+        counted(b, rows4, rows, 1, |b, t| emit_block(b, &d, (1, 4), t, j, [x, w, out]));
     });
     counted(b, quads_end, j1, 1, |b, j| {
-        counted(b, zero, rows4, 4, |b, t| emit_block(b, &d, (4, 1), t, j, [x, sx, w, out], None));
-        counted(b, rows4, rows, 1, |b, t| emit_block(b, &d, (1, 1), t, j, [x, sx, w, out], None));
+        counted(b, zero, rows4, 4, |b, t| emit_block(b, &d, (4, 1), t, j, [x, w, out]));
+        counted(b, rows4, rows, 1, |b, t| emit_block(b, &d, (1, 1), t, j, [x, w, out]));
     });
 }
 
-/// Writes the values `q` of weight rows `j..j + 4` as f32 (row-major, `4·k`) at `scratch`.
-fn expand_quad(b: &mut FunctionBuilder, d: &Dims, deq: &Dequant, j: Value, [w, scratch]: [Value; 2]) {
-    let wrow = at(b, w, j, d.row_bytes as i64);
-    let (zero, end) = (b.ins().iconst(types::I64, 0), b.ins().iconst(types::I64, (d.k / BLOCK) as i64));
-    counted(b, zero, end, 1, |b, blk| {
-        let bp = at(b, wrow, blk, blocks::layout_bytes(d.wdtype) as i64);
-        let sp = at(b, scratch, blk, (BLOCK * 4) as i64);
-        for f in 0..4 {
-            let fp = b.ins().iadd_imm_s(bp, (f * d.row_bytes) as i64);
-            let open = deq.open(b, fp, true);
+/// The body of an [`ExpandFn`]: weight rows `j0..j1` of a block type as f32 (row-major) at `out`.
+fn build_expand(b: &mut FunctionBuilder, p: &[Value], k: usize, wdtype: DType) {
+    let (w, out, j0, j1) = (p[0], p[1], p[2], p[3]);
+    let deq = Dequant::new(b, wdtype);
+    let row_bytes = blocks::row_bytes(k, wdtype);
+    let (zero, nblk) = (b.ins().iconst(types::I64, 0), b.ins().iconst(types::I64, (k / BLOCK) as i64));
+    counted(b, j0, j1, 1, |b, j| {
+        let wrow = at(b, w, j, row_bytes as i64);
+        let rel = b.ins().isub(j, j0);
+        let orow = at(b, out, rel, (k * 4) as i64);
+        counted(b, zero, nblk, 1, |b, blk| {
+            let bp = at(b, wrow, blk, blocks::layout_bytes(wdtype) as i64);
+            let op = at(b, orow, blk, (BLOCK * 4) as i64);
+            let open = deq.open(b, bp);
             for g in 0..BLOCK / 4 {
-                let q = deq.values(b, &open, g);
-                b.ins().store(flags(), q, sp, ((f * d.k + g * 4) * 4) as i32);
+                let wv = deq.group(b, &open, g);
+                b.ins().store(flags(), wv, op, (g * 16) as i32);
             }
-        }
+        });
     });
 }
 
@@ -157,25 +167,12 @@ struct Dims {
 
 /// `out[t + r, j + f]` for `r < rows`, `f < feats`, from the sums of [`dense_sums`] or
 /// [`block_sums`] (indexed `r * feats + f`).
-/// `q`: for block weights, the features' values expanded as f32 by [`expand_quad`] (else the
-/// blocks are opened here).
-fn emit_block(
-    b: &mut FunctionBuilder,
-    d: &Dims,
-    (rows, feats): (usize, usize),
-    t: Value,
-    j: Value,
-    p: [Value; 4],
-    q: Option<Value>,
-) {
-    let [x, sx, w, out] = p;
+fn emit_block(b: &mut FunctionBuilder, d: &Dims, (rows, feats): (usize, usize), t: Value, j: Value, p: [Value; 3]) {
+    let [x, w, out] = p;
     let wrow = at(b, w, j, d.row_bytes as i64);
     let xt = at(b, x, t, (d.k * 4) as i64);
     let sums = match &d.deq {
-        Some(deq) => {
-            let sxt = at(b, sx, t, (d.k / BLOCK * 16) as i64);
-            block_sums(b, d, deq, (rows, feats), wrow, [xt, sxt], q)
-        }
+        Some(deq) => block_sums(b, d, deq, (rows, feats), wrow, xt),
         None => dense_sums(b, d, (rows, feats), wrow, xt),
     };
     for r in 0..rows {
@@ -259,82 +256,31 @@ fn dense_sums(b: &mut FunctionBuilder, d: &Dims, (rows, feats): (usize, usize), 
     sums
 }
 
-/// Block weights, each (row, feature) one f32x4 accumulator over the blocks: `acc += d·Σ q·x
-/// (+ m·Σ x)`, the block's products summed in steps of 4 along k, whatever the rows and
-/// features of the call (the values `q`, `d` and `m` are the block's own: no weight is rounded
-/// on the way). Features are opened one after the other (few live registers; out-of-order
-/// execution overlaps their chains).
+/// Block weights, opened in registers: each (row, feature) one f32x4 accumulator stepping 4
+/// along k over the exact weights (`ir::quant::value`), then a horizontal sum: the order of
+/// [`dense_sums`] over the same weights dequantized. Features are opened one after the other
+/// (few live registers; out-of-order execution overlaps their chains).
 fn block_sums(
     b: &mut FunctionBuilder,
     d: &Dims,
     deq: &Dequant,
     (rows, feats): (usize, usize),
     wrow: Value,
-    [xt, sxt]: [Value; 2],
-    expanded: Option<Value>,
+    xt: Value,
 ) -> Vec<Value> {
     let acc = zeros(b, rows * feats);
-    let nblk = d.k / BLOCK;
-    let (zero, end) = (b.ins().iconst(types::I64, 0), b.ins().iconst(types::I64, nblk as i64));
+    let (zero, end) = (b.ins().iconst(types::I64, 0), b.ins().iconst(types::I64, (d.k / BLOCK) as i64));
     counted(b, zero, end, 1, |b, blk| {
         let bp = at(b, wrow, blk, blocks::layout_bytes(d.wdtype) as i64);
         let xp = at(b, xt, blk, (BLOCK * 4) as i64);
-        let sxp = at(b, sxt, blk, 16);
-        let x = |b: &mut FunctionBuilder, r: usize, g: usize| {
-            b.ins().load(types::F32X4, read(), xp, ((r * d.k + g * 4) * 4) as i32)
-        };
-        let feature = |b: &mut FunctionBuilder, f: usize| b.ins().iadd_imm_s(bp, (f * d.row_bytes) as i64);
-        // Σ x over the block, per row, for the offsets m.
-        let sx: Vec<Value> = (0..rows * usize::from(deq.has_offset()))
-            .map(|r| b.ins().load(types::F32X4, read(), sxp, (r * nblk * 16) as i32))
-            .collect();
-        // dot[f][r] = Σ q·x over the block, in steps of 4.
-        let mut dot: Vec<Vec<Value>> = vec![Vec::with_capacity(rows); feats];
-        let mut step = |b: &mut FunctionBuilder, f: usize, q: Value, xs: &[Value]| {
-            for (r, &xv) in xs.iter().enumerate() {
-                match dot[f].get_mut(r) {
-                    Some(p) => *p = b.ins().fma(xv, q, *p),
-                    None => dot[f].push(b.ins().fmul(xv, q)),
-                }
-            }
-        };
-        let opened: Vec<Open> = match expanded {
-            // Expanded values: every x of a step loaded once for all the features.
-            Some(e) => {
-                let ep = at(b, e, blk, (BLOCK * 4) as i64);
-                for g in 0..BLOCK / 4 {
-                    let xs: Vec<Value> = (0..rows).map(|r| x(b, r, g)).collect();
-                    for f in 0..feats {
-                        let q = b.ins().load(types::F32X4, read(), ep, ((f * d.k + g * 4) * 4) as i32);
-                        step(b, f, q, &xs);
-                    }
-                }
-                (0..feats)
-                    .map(|f| {
-                        let p = feature(b, f);
-                        deq.open(b, p, false)
-                    })
-                    .collect()
-            }
-            // Blocks opened here: one feature after the other (its value bytes in registers).
-            None => (0..feats)
-                .map(|f| {
-                    let p = feature(b, f);
-                    let open = deq.open(b, p, true);
-                    for g in 0..BLOCK / 4 {
-                        let q = deq.values(b, &open, g);
-                        let xs: Vec<Value> = (0..rows).map(|r| x(b, r, g)).collect();
-                        step(b, f, q, &xs);
-                    }
-                    open
-                })
-                .collect(),
-        };
-        for (f, open) in opened.iter().enumerate() {
-            for r in 0..rows {
-                fma_into(b, acc[r * feats + f], dot[f][r], open.d);
-                if let Some(&s) = sx.get(r) {
-                    fma_into(b, acc[r * feats + f], s, open.m);
+        for f in 0..feats {
+            let fp = b.ins().iadd_imm_s(bp, (f * d.row_bytes) as i64);
+            let open = deq.open(b, fp);
+            for g in 0..BLOCK / 4 {
+                let wv = deq.group(b, &open, g);
+                for r in 0..rows {
+                    let xv = b.ins().load(types::F32X4, read(), xp, ((r * d.k + g * 4) * 4) as i32);
+                    fma_into(b, acc[r * feats + f], xv, wv);
                 }
             }
         }
@@ -345,23 +291,6 @@ fn block_sums(
             hsum(b, v)
         })
         .collect()
-}
-
-/// For each row of `x` (`k` wide) and each block of 32: the sums of x over the block, lane by
-/// lane (`s[l] = Σ_g x[4g + l]`, g in order), as the block kernels add `m·Σx`.
-fn block_x_sums(x: &[f32], k: usize) -> Vec<f32> {
-    let mut out = Vec::with_capacity(x.len() / 8);
-    for blk in x.chunks_exact(BLOCK) {
-        let mut s = [blk[0], blk[1], blk[2], blk[3]];
-        for g in blk[4..].chunks_exact(4) {
-            for l in 0..4 {
-                s[l] += g[l];
-            }
-        }
-        out.extend(s);
-    }
-    debug_assert_eq!(out.len(), x.len() / k * (k / BLOCK) * 4);
-    out
 }
 
 impl LinearKernel {
@@ -380,12 +309,23 @@ impl LinearKernel {
         // SmolLM2 Q4_1 decode 47 vs 55 tok/s, prefill 142 vs 205 on 2 cores); dense ones gain
         // from it (f32 prefill 283 vs 186).
         let opt = if wdtype.is_block() { Opt::None } else { Opt::Speed };
-        let c = compile_opt(&format!("linear_k{k}_n{n}_{wdtype}"), (5, 3), opt, |b, env| {
+        let c = compile_opt(&format!("linear_k{k}_n{n}_{wdtype}"), (3, 3), opt, |b, env| {
             build(b, &env.params, k, n, wdtype)
         })?;
         // SAFETY: the function was compiled with exactly this signature.
         let f = unsafe { std::mem::transmute::<*const u8, LinearFn>(c.code) };
-        Ok(LinearKernel { f, k, n, wdtype, _code: c })
+        let expand = match wdtype.is_block() {
+            true => {
+                let code = compile_opt(&format!("expand_k{k}_{wdtype}"), (2, 2), Opt::None, |b, env| {
+                    build_expand(b, &env.params, k, wdtype)
+                })?;
+                // SAFETY: the function was compiled with exactly this signature.
+                let f = unsafe { std::mem::transmute::<*const u8, ExpandFn>(code.code) };
+                Some(Expand { f, dense: Box::new(LinearKernel::compile(k, n, DType::F32)?), _code: code })
+            }
+            false => None,
+        };
+        Ok(LinearKernel { f, k, n, wdtype, _code: c, expand })
     }
 
     /// `out[t, j] = x[t] · w[j]` for every row of `x` (`rows × k` floats) and every `j` in
@@ -400,41 +340,57 @@ impl LinearKernel {
         let parts = if self.n * self.k * rows < 32 * 1024 { 1 } else { pool.threads().min(self.n) };
         let chunk = self.n.div_ceil(parts);
         let out_ptr = out.as_mut_ptr() as usize;
-        let sx = match self.wdtype.is_block() && self.wdtype != DType::Q8_0 {
-            true => block_x_sums(x, self.k),
-            false => Vec::new(),
-        };
         pool.run(parts, &|i| {
             let (j0, j1) = (i * chunk, ((i + 1) * chunk).min(self.n));
-            SCRATCH.with_borrow_mut(|scratch| {
-                if self.wdtype.is_block() && scratch.len() < 4 * self.k {
-                    scratch.resize(4 * self.k, 0.0);
-                }
-                // Rows in blocks that stay in cache while every weight row of the part streams
-                // past them (the kernel is batch-invariant, so blocking changes no result).
-                for r0 in (0..rows).step_by(ROW_BLOCK) {
-                    let nr = ROW_BLOCK.min(rows - r0);
-                    if j0 < j1 {
-                        // SAFETY: sizes were checked above; parts write disjoint columns j0..j1
-                        // of out; rows r0..r0 + nr are inside x, sx and out; the scratch holds
-                        // 4·k floats where the kernel uses it (block types) and is this
-                        // thread's own.
-                        unsafe {
-                            let xb = x.as_ptr().add(r0 * self.k);
-                            let sxb = if sx.is_empty() { std::ptr::null() } else { sx.as_ptr().add(r0 * self.k / 8) };
-                            let ob = (out_ptr as *mut f32).add(r0 * self.n);
-                            let sp = scratch.as_mut_ptr();
-                            (self.f)(xb, sxb, w.as_ptr(), ob, sp, nr as i64, j0 as i64, j1 as i64)
-                        }
-                    }
-                }
-            })
+            match &self.expand {
+                Some(e) if rows >= EXPAND_ROWS => self.run_expanded(e, x, w, out_ptr, (j0, j1)),
+                _ => self.run_rows(self.f, x, w.as_ptr(), out_ptr, (j0, j1)),
+            }
         });
+    }
+
+    /// Output features `j0..j1` of every row of x by `f`, over weights `w` (row `j` at `w +
+    /// j·row bytes`).
+    fn run_rows(&self, f: LinearFn, x: &[f32], w: *const u8, out: usize, (j0, j1): (usize, usize)) {
+        let rows = x.len() / self.k;
+        // Rows in blocks that stay in cache while every weight row of the part streams past
+        // them (the kernel is batch-invariant, so blocking changes no result).
+        for r0 in (0..rows).step_by(ROW_BLOCK) {
+            let nr = ROW_BLOCK.min(rows - r0);
+            if j0 < j1 {
+                // SAFETY: `run` checked the sizes; callers give disjoint columns j0..j1 of out
+                // and weight rows j0..j1 at `w`; rows r0..r0 + nr are inside x and out.
+                unsafe {
+                    let xb = x.as_ptr().add(r0 * self.k);
+                    let ob = (out as *mut f32).add(r0 * self.n);
+                    f(xb, w, ob, nr as i64, j0 as i64, j1 as i64)
+                }
+            }
+        }
+    }
+
+    /// Output features `j0..j1` from block weights dequantized, a few rows at a time, into this
+    /// thread's scratch, then the f32 kernel over them.
+    fn run_expanded(&self, e: &Expand, x: &[f32], w: &[u8], out: usize, (j0, j1): (usize, usize)) {
+        // About 128 KiB of f32 weights at a time: they stay in cache for every row.
+        let per = (32 * 1024 / self.k).max(4) / 4 * 4;
+        SCRATCH.with_borrow_mut(|scratch| {
+            scratch.resize(per * self.k, 0.0);
+            for c0 in (j0..j1).step_by(per) {
+                let c1 = (c0 + per).min(j1);
+                // SAFETY: rows c0..c1 of w exist (`run` checked its size); the scratch holds
+                // `per` rows of k floats.
+                unsafe { (e.f)(w.as_ptr(), scratch.as_mut_ptr(), c0 as i64, c1 as i64) };
+                // The f32 kernel finds row j at `base + j·k·4`: row c0 at the scratch's start.
+                let base = (scratch.as_ptr() as *const u8).wrapping_sub(c0 * self.k * 4);
+                self.run_rows(e.dense.f, x, base, out, (c0, c1));
+            }
+        })
     }
 }
 
 thread_local! {
-    /// Each thread's room for the values of four block-weight rows ([`expand_quad`]).
+    /// Each thread's room for block weights dequantized ([`LinearKernel::run_expanded`]).
     static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 

@@ -27,6 +27,8 @@ struct Shared {
     stop: AtomicBool,
     lock: Mutex<()>,
     wake: Condvar,
+    /// A worker's part that panicked: its payload, re-raised on the calling thread.
+    panic: Mutex<Option<Box<dyn std::any::Any + Send>>>,
 }
 
 // SAFETY: `job` is written only by the calling thread while no worker runs a part (before the
@@ -51,6 +53,7 @@ impl Pool {
             stop: AtomicBool::new(false),
             lock: Mutex::new(()),
             wake: Condvar::new(),
+            panic: Mutex::new(None),
         });
         let workers = (1..threads.clamp(1, 255))
             .map(|i| {
@@ -96,8 +99,13 @@ impl Pool {
             let _g = s.lock.lock().unwrap_or_else(|e| e.into_inner());
             s.wake.notify_all();
         }
-        let _wait = WaitAll(s);
-        part(0);
+        {
+            let _wait = WaitAll(s);
+            part(0);
+        }
+        if let Some(payload) = s.panic.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            std::panic::resume_unwind(payload);
+        }
     }
 }
 
@@ -114,8 +122,11 @@ fn work(s: &Shared, i: usize) {
             // SAFETY: published before `call`; unchanged until this part reports done.
             let part = unsafe { *s.job.get() };
             if let Some(part) = part {
-                // A panicking part still reports, so the caller never waits forever.
-                let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| part(i)));
+                // A panicking part still reports, so the caller never waits forever, and the
+                // caller panics with its payload.
+                if let Err(payload) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| part(i))) {
+                    *s.panic.lock().unwrap_or_else(|e| e.into_inner()) = Some(payload);
+                }
             }
             s.pending.fetch_sub(1, SeqCst);
         }
@@ -182,6 +193,20 @@ impl Drop for Pool {
 mod tests {
     use super::*;
     use std::sync::atomic::AtomicUsize;
+
+    #[test]
+    fn a_worker_part_that_panics_panics_the_caller_and_the_pool_goes_on() {
+        let pool = Pool::new(2);
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            pool.run(2, &|i| assert!(i == 0, "part {i} fails"));
+        }));
+        assert!(r.is_err());
+        let n = AtomicUsize::new(0);
+        pool.run(2, &|_| {
+            n.fetch_add(1, SeqCst);
+        });
+        assert_eq!(n.load(SeqCst), 2);
+    }
 
     #[test]
     fn every_part_runs_once_per_call_and_parked_workers_wake() {

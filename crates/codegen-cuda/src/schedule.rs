@@ -317,8 +317,8 @@ pub(crate) struct Schedule {
 pub(crate) fn schedule(plan: &Plan) -> Result<Schedule, CodegenError> {
     if let Some((name, _, d)) = plan.weights().find(|(_, _, d)| d.is_block()) {
         return Err(CodegenError::Unsupported(format!(
-            "weight `{name}` is {d}: the CUDA kernels read f32, bf16 and f16 weights (the CPU backends read {d}; \
-             for CUDA compile with --dtype bf16)"
+            "weight `{name}` is {d}: the CUDA kernels read f32, bf16 and f16 weights (the CPU backends read {d}; for CUDA, compile with --dtype bf16 \
+             and without --quant)"
         )));
     }
     let n = plan.nodes.len();

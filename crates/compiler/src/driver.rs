@@ -1,7 +1,7 @@
 //! `engc compile`: model YAML + checkpoint → bundle, as one readable sequence of stages.
 
 use crate::checkpoint::Checkpoint;
-use crate::passes::{self, LmHead, PassCtx};
+use crate::passes::{self, LmHead, PassCtx, Quant};
 use crate::{lower, shard, CompileError};
 use bundle::{BundleWriter, GenerationConfig, TensorEntry};
 use ir::{DType, Plan};
@@ -29,6 +29,8 @@ pub struct CompileOptions {
     pub dump_after: Option<String>,
     /// How a tensor-parallel bundle holds the lm_head.
     pub lm_head: LmHead,
+    /// A quantization of the linears' weights (`--quant`).
+    pub quant: Option<Quant>,
 }
 
 /// What a successful compile produced.
@@ -59,7 +61,8 @@ pub fn compile(opts: &CompileOptions) -> Result<CompileReport, CompileError> {
     let mut warnings = validate_checkpoint(&model, &ckpt)?;
     let dtype = opts.dtype.or_else(|| config_dtype(&ckpt.config)).or_else(|| ckpt.main_dtype()).unwrap_or(DType::BF16);
     let kept = kept_blocks(&model, &ckpt, opts.dtype);
-    let (plan, dump) = build_plan(&model, (dtype, &kept), (opts.tp, opts.lm_head), opts.dump_after.as_deref())?;
+    let ctx = (opts.tp, opts.lm_head, opts.quant);
+    let (plan, dump) = build_plan(&model, (dtype, &kept), ctx, opts.dump_after.as_deref())?;
 
     let mut w = BundleWriter::create(&opts.out)?;
     let plan_json = serde_json::to_string_pretty(&plan).map_err(|e| CompileError::Usage(e.to_string()))?;
@@ -102,11 +105,11 @@ fn kept_blocks(model: &BoundModel, ckpt: &Checkpoint, dtype: Option<DType>) -> B
 fn build_plan(
     model: &BoundModel,
     (dtype, kept): (DType, &BTreeMap<String, DType>),
-    (tp, lm_head): (usize, LmHead),
+    (tp, lm_head, quant): (usize, LmHead, Option<Quant>),
     dump_after: Option<&str>,
 ) -> Result<(Plan, Option<String>), CompileError> {
     let graph = lower::lower(model, dtype, dtype, kept)?;
-    let ctx = PassCtx { tp, model, lm_head };
+    let ctx = PassCtx { tp, model, lm_head, quant };
     let mut dump = None;
     let graph = passes::run(graph, &ctx, |name, g| {
         if dump_after == Some(name) {
@@ -136,7 +139,7 @@ pub fn plan_for_config(
     }
     let spec = ModelSpec::load(model_yaml)?;
     let model = spec::bind(&spec, config)?;
-    Ok(build_plan(&model, (dtype, &BTreeMap::new()), (tp, LmHead::default()), None)?.0)
+    Ok(build_plan(&model, (dtype, &BTreeMap::new()), (tp, LmHead::default(), None), None)?.0)
 }
 
 /// Checks that every tensor the model names exists with its shape and a supported dtype.
@@ -215,6 +218,9 @@ fn write_rank_weights(
             .find(|bw| bw.name == source)
             .ok_or_else(|| CompileError::Usage(format!("plan weight `{source}` is not in the model")))
             .and_then(|bw| {
+                if dtype == DType::F8_E4M3 {
+                    return quantize_fp8(ckpt, bw, (shape, tp, rank));
+                }
                 if dtype.is_block() {
                     return read_blocks(ckpt, bw, dtype, (shape, tp, rank));
                 }
@@ -278,6 +284,22 @@ fn read_blocks(
         Ok(bytes)
     } else {
         shard::cut_blocks(bw, &bytes, dtype, tp, rank)
+    }
+}
+
+/// A linear's weight quantized by `--quant fp8`: the whole tensor, one scale per output
+/// channel, then this rank's blocks of it (a row-parallel slice keeps its rows' scales).
+fn quantize_fp8(
+    ckpt: &Checkpoint,
+    bw: &spec::BoundWeight,
+    (shape, tp, rank): (&[usize], usize, usize),
+) -> Result<Vec<u8>, CompileError> {
+    let k = bw.shape.last().copied().unwrap_or(0);
+    let bytes = ir::quant::quantize_fp8_rows(&read_weight(ckpt, bw)?, k);
+    if shape == bw.shape {
+        Ok(bytes)
+    } else {
+        shard::cut_blocks(bw, &bytes, DType::F8_E4M3, tp, rank)
     }
 }
 

@@ -17,7 +17,7 @@ pub mod select;
 pub mod shard;
 
 pub use driver::{compile, plan_for_config, CompileOptions, CompileReport};
-pub use passes::LmHead;
+pub use passes::{LmHead, Quant};
 pub use select::{find_model, model_dirs};
 
 /// Errors of compilation. Each names the file, tensor or pass it concerns.

@@ -13,6 +13,22 @@ pub struct PassCtx<'a> {
     pub model: &'a BoundModel,
     /// How a column-parallel lm_head is held.
     pub lm_head: LmHead,
+    /// The quantization asked for the linears' weights (`quantize_linears`).
+    pub quant: Option<Quant>,
+}
+
+/// A quantization of the linears' weights, made by the compiler.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Quant {
+    /// FP8 E4M3 with one f32 scale per output channel (`ir::DType::F8_E4M3`).
+    Fp8,
+}
+
+impl Quant {
+    /// Parses `fp8`.
+    pub fn parse(s: &str) -> Option<Quant> {
+        (s == "fp8").then_some(Quant::Fp8)
+    }
 }
 
 /// How the ranks of a tensor-parallel bundle hold an lm_head that the model YAML marks
@@ -44,6 +60,7 @@ pub type Pass = fn(Graph, &PassCtx) -> Result<Graph, CompileError>;
 /// The pipeline, in order.
 pub const PIPELINE: &[(&str, Pass)] = &[
     ("tensor_parallel", tensor_parallel),
+    ("quantize_linears", quantize_linears),
     ("fuse_elementwise", fuse::fuse_elementwise),
     ("fold_weights", fuse::fold_weights),
     ("fuse_rope_attention", fusion::fuse_rope_attention),
@@ -142,5 +159,31 @@ pub fn tensor_parallel(mut g: Graph, ctx: &PassCtx) -> Result<Graph, CompileErro
         g.replace_uses(n, r, r);
     }
     g.tp = tp;
+    Ok(g)
+}
+/// With `--quant fp8`: every weight read only as a linear's weight (not embeddings, norms or
+/// the lm_head, which `logits` reads), dense, `[n, k]` with `k` whole blocks of 32 on its rank,
+/// becomes `f8_e4m3` (the compiler writes it with one scale per output channel); the others
+/// stay as they are.
+pub fn quantize_linears(mut g: Graph, ctx: &PassCtx) -> Result<Graph, CompileError> {
+    let Some(Quant::Fp8) = ctx.quant else {
+        return Ok(g);
+    };
+    let mut uses: std::collections::HashMap<ir::NodeIndex, bool> = std::collections::HashMap::new();
+    for n in g.nodes() {
+        let linear = matches!(g.node(n).op, Op::Linear { .. });
+        for (slot, &i) in g.inputs(n).iter().enumerate() {
+            let only_linear = uses.entry(i).or_insert(true);
+            *only_linear &= linear && slot == 1;
+        }
+    }
+    for (w, only_linear) in uses {
+        if let Op::Weight { shape, dtype, derived: None, .. } = &mut g.node_mut(w).op {
+            if only_linear && dtype.is_float() && shape.len() == 2 && shape[1].is_multiple_of(ir::BLOCK) {
+                *dtype = ir::DType::F8_E4M3;
+            }
+        }
+    }
+    g.reinfer().map_err(|e| CompileError::Pass { pass: "quantize_linears".into(), source: e })?;
     Ok(g)
 }

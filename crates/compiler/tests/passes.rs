@@ -65,7 +65,7 @@ fn run_pass(name: &str, text: &str, model: &spec::BoundModel) -> Result<String, 
     })?;
     let g = ir::text::parse(text).map_err(|e| format!("parsing: {e}"))?;
     g.verify().map_err(|e| format!("verifying the input: {e}"))?;
-    let ctx = PassCtx { tp: g.tp, model, lm_head: LmHead::Vocab };
+    let ctx = PassCtx { tp: g.tp, model, lm_head: LmHead::Vocab, quant: Some(compiler::Quant::Fp8) };
     let g = pass(g, &ctx).map_err(|e| format!("running {name}: {e}"))?;
     g.verify().map_err(|e| format!("verifying after {name}: {e}"))?;
     Ok(g.to_plan().map_err(|e| format!("printing after {name}: {e}"))?.to_text())

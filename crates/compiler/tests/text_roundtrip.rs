@@ -68,7 +68,7 @@ fn every_plan_the_compiler_prints_reads_back() {
                     plans += 1;
                     for lm_head in [LmHead::Vocab, LmHead::Replicated] {
                         let graph = compiler::lower::lower(&bound, dtype, dtype, &Default::default()).unwrap();
-                        let ctx = PassCtx { tp, model: &bound, lm_head };
+                        let ctx = PassCtx { tp, model: &bound, lm_head, quant: None };
                         passes::run(graph, &ctx, |pass, g| {
                             let text = g.to_plan().unwrap().to_text();
                             round_trip(&text, &format!("{what}, {lm_head:?} lm_head, after {pass}"));

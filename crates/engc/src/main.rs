@@ -3,7 +3,7 @@
 
 use bundle::Bundle;
 use clap::{Parser, Subcommand};
-use compiler::{CompileOptions, LmHead};
+use compiler::{CompileOptions, LmHead, Quant};
 use ir::{DType, Op};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -49,6 +49,11 @@ enum Cmd {
         /// replicated (each computes all the logits).
         #[arg(long, default_value = "vocab", value_parser = parse_lm_head)]
         lm_head: LmHead,
+        /// Quantize the linears' weights (not embeddings, norms or the lm_head): fp8 (E4M3,
+        /// one f32 scale per output channel; the CPU backends dequantize it at load, CUDA does
+        /// not read it yet).
+        #[arg(long, value_parser = parse_quant)]
+        quant: Option<Quant>,
     },
     /// Compile the CUDA kernels of a bundle (or of a model shape: --model and --config) with
     /// NVRTC, to check them without a GPU.
@@ -85,6 +90,10 @@ fn parse_dtype(s: &str) -> Result<DType, String> {
     DType::parse_float(s).ok_or_else(|| format!("unknown dtype `{s}` (expected bf16, f16 or f32)"))
 }
 
+fn parse_quant(s: &str) -> Result<Quant, String> {
+    Quant::parse(s).ok_or_else(|| format!("unknown quantization `{s}` (expected fp8)"))
+}
+
 fn parse_lm_head(s: &str) -> Result<LmHead, String> {
     LmHead::parse(s).ok_or_else(|| format!("unknown lm_head layout `{s}` (expected vocab or replicated)"))
 }
@@ -92,10 +101,11 @@ fn parse_lm_head(s: &str) -> Result<LmHead, String> {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.cmd {
-        Cmd::Compile { model, checkpoint, tp, dtype, tokenizer, out, dump_after, lm_head } => {
+        Cmd::Compile { model, checkpoint, tp, dtype, tokenizer, out, dump_after, lm_head, quant } => {
             match model.map_or_else(|| pick_model(&checkpoint), Ok) {
                 Ok(model) => {
-                    let opts = CompileOptions { model, checkpoint, tp, dtype, tokenizer, out, dump_after, lm_head };
+                    let opts =
+                        CompileOptions { model, checkpoint, tp, dtype, tokenizer, out, dump_after, lm_head, quant };
                     compile(&opts)
                 }
                 Err(e) => Err(e),

@@ -1,5 +1,5 @@
-//! The block (quantized) weight types' values: what a block of GGUF's Q8_0, Q4_0, Q4_1 and of
-//! its k-quants Q4_K, Q5_K, Q6_K means, declared once. The reference interpreter dequantizes
+//! The block (quantized) weight types' values: what a block of GGUF's Q8_0, Q4_0, Q4_1, of
+//! its k-quants Q4_K, Q5_K, Q6_K, and of FP8 E4M3 with f32 scales means, declared once. The reference interpreter dequantizes
 //! with [`dequantize`]; every backend kernel that reads blocks must produce exactly these f32
 //! weights.
 //!
@@ -135,7 +135,64 @@ pub fn dequantize(ty: DType, bytes: &[u8]) -> Vec<f32> {
             DType::Q4_K => q4_k(b, &mut out),
             DType::Q5_K => q5_k(b, &mut out),
             DType::Q6_K => q6_k(b, &mut out),
+            DType::F8_E4M3 => {
+                let s = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                out.extend(b[4..].iter().map(|&q| e4m3_to_f32(q) * s));
+            }
             DType::F32 | DType::F16 | DType::BF16 | DType::I32 => unreachable!("not a block type"),
+        }
+    }
+    out
+}
+
+/// An FP8 E4M3 value as f32 (exact: every E4M3 value is an f32; 0x7F and 0xFF are NaN).
+pub fn e4m3_to_f32(q: u8) -> f32 {
+    let (e, m) = ((q >> 3) & 0x0F, q & 7);
+    let mag = match (e, m) {
+        (15, 7) => f32::NAN,
+        (0, _) => m as f32 / 512.0,
+        _ => (8 + m) as f32 * f32::powi(2.0, e as i32 - 10),
+    };
+    if q & 0x80 != 0 {
+        -mag
+    } else {
+        mag
+    }
+}
+
+/// The E4M3 value nearest `v` (ties to even), saturated to ±448; NaN to 0x7F.
+pub fn f32_to_e4m3(v: f32) -> u8 {
+    if v.is_nan() {
+        return 0x7F;
+    }
+    let sign = if v.is_sign_negative() { 0x80 } else { 0 };
+    let a = v.abs();
+    if a >= 448.0 {
+        return sign | 0x7E;
+    }
+    if a < 1.0 / 64.0 {
+        // Subnormal: steps of 2^-9 (the code is the step count; 8 steps is the first normal).
+        return sign | (a * 512.0).round_ties_even() as u8;
+    }
+    // Normal: 2^e·(1 + m/8). The mantissa rounded in [8, 16] carries into the exponent by
+    // itself (up to 448, 0x7E).
+    let e = (a.to_bits() >> 23) as i32 - 127;
+    let m = (a * f32::powi(2.0, 3 - e)).round_ties_even() as i32 - 8;
+    let code = ((e + 7) << 3) + m;
+    sign | code as u8
+}
+
+/// Quantizes rows of `k` values (whole blocks) to FP8 E4M3 with one scale per row (each
+/// block of the row carries it): `s = max|row| / 448`, `q = e4m3(w / s)`.
+pub fn quantize_fp8_rows(values: &[f32], k: usize) -> Vec<u8> {
+    assert!(k.is_multiple_of(BLOCK) && values.len().is_multiple_of(k), "rows of {k} are not whole blocks");
+    let mut out = Vec::with_capacity(values.len() / BLOCK * 36);
+    for row in values.chunks_exact(k) {
+        let amax = row.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+        let s = if amax > 0.0 { amax / 448.0 } else { 1.0 };
+        for blk in row.chunks_exact(BLOCK) {
+            out.extend(s.to_le_bytes());
+            out.extend(blk.iter().map(|&w| f32_to_e4m3(w / s)));
         }
     }
     out
@@ -148,6 +205,9 @@ pub fn dequantize(ty: DType, bytes: &[u8]) -> Vec<f32> {
 pub fn quantize(ty: DType, values: &[f32]) -> Vec<u8> {
     if matches!(ty, DType::Q4_K | DType::Q5_K | DType::Q6_K) {
         panic!("quantizing to {ty} is not implemented (the engine reads k-quants, it does not make them)");
+    }
+    if ty == DType::F8_E4M3 {
+        return quantize_fp8_rows(values, BLOCK);
     }
     assert!(values.len().is_multiple_of(BLOCK), "{} values are not whole blocks of {BLOCK}", values.len());
     let f16 = |v: f32| half::f16::from_f32(v).to_le_bytes();
@@ -249,6 +309,42 @@ mod tests {
             let back = dequantize(ty, &quantize(ty, &x));
             let err = x.iter().zip(&back).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
             assert!(err <= bound * 1.01, "{ty}: max error {err}");
+        }
+    }
+
+    #[test]
+    fn e4m3_codes_round_trip_and_round_to_nearest_even() {
+        for c in (0..=255u8).filter(|c| c & 0x7F != 0x7F) {
+            assert_eq!(f32_to_e4m3(e4m3_to_f32(c)), c, "code {c:#04x}");
+        }
+        assert!(e4m3_to_f32(0x7F).is_nan() && e4m3_to_f32(0xFF).is_nan());
+        let cases = [
+            (1.0, 0x38),
+            (448.0, 0x7E),
+            (460.0, 0x7E),
+            (1e9, 0x7E),
+            (-1e9, 0xFE),
+            (f32::INFINITY, 0x7E),
+            (2f32.powi(-9), 0x01),
+            (2f32.powi(-11), 0x00),
+            (15.0 / 1024.0, 0x08),
+        ];
+        for (v, c) in cases {
+            assert_eq!(f32_to_e4m3(v), c, "{v}");
+        }
+        // Ties go to the even code: 1.0625 between 1.0 (0x38) and 1.125; 17 between 16 (0x58) and 18.
+        assert_eq!((f32_to_e4m3(1.0625), f32_to_e4m3(17.0), f32_to_e4m3(1.0626)), (0x38, 0x58, 0x39));
+    }
+
+    #[test]
+    fn fp8_rows_keep_one_scale_per_row_within_a_sixteenth() {
+        let x: Vec<f32> = (0..128).map(|i| ((i * 37 % 29) as f32 - 14.0) / 7.0 * (1 + i / 64) as f32).collect();
+        let q = quantize_fp8_rows(&x, 64);
+        assert_eq!(q.len(), 4 * 36);
+        assert_eq!(q[..4], q[36..40], "every block of a row carries the row's scale");
+        assert_eq!(f32::from_le_bytes([q[72], q[73], q[74], q[75]]), 4.0 / 448.0);
+        for (a, b) in x.iter().zip(dequantize(DType::F8_E4M3, &q)) {
+            assert!((a - b).abs() <= a.abs() / 16.0 + 1e-6, "{a} vs {b}");
         }
     }
 }

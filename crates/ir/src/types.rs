@@ -43,6 +43,12 @@ pub enum DType {
     #[serde(rename = "q6_k")]
     #[allow(non_camel_case_types)] // GGUF's spelling
     Q6_K,
+    /// FP8 E4M3 (OCP: 4 exponent bits, bias 7, 3 mantissa bits, no infinities, ±448 at most)
+    /// in blocks of 32 along the row, each led by its f32 scale `s` (36 bytes); `w = e4m3(q)·s`.
+    /// One scale per block holds a per-channel, per-tensor or 128x128 block-wise scale exactly.
+    #[serde(rename = "f8_e4m3")]
+    #[allow(non_camel_case_types)] // the format's spelling
+    F8_E4M3,
 }
 
 /// The block length (elements) of the legacy block types Q8_0, Q4_0 and Q4_1 (the k-quants'
@@ -51,7 +57,7 @@ pub const BLOCK: usize = 32;
 
 impl DType {
     /// Every element type, dense first (the text parser's and the checkpoint reader's list).
-    pub const ALL: [DType; 10] = [
+    pub const ALL: [DType; 11] = [
         DType::F32,
         DType::F16,
         DType::BF16,
@@ -62,6 +68,7 @@ impl DType {
         DType::Q4_K,
         DType::Q5_K,
         DType::Q6_K,
+        DType::F8_E4M3,
     ];
 
     /// Size of one element in bytes, for the dense types (a block type has no size per
@@ -84,6 +91,7 @@ impl DType {
             DType::Q4_K => Some((256, 144)),
             DType::Q5_K => Some((256, 176)),
             DType::Q6_K => Some((256, 210)),
+            DType::F8_E4M3 => Some((BLOCK, 36)),
             DType::F32 | DType::F16 | DType::BF16 | DType::I32 => None,
         }
     }
@@ -131,6 +139,7 @@ impl fmt::Display for DType {
             DType::Q4_K => "q4_k",
             DType::Q5_K => "q5_k",
             DType::Q6_K => "q6_k",
+            DType::F8_E4M3 => "f8_e4m3",
         })
     }
 }
@@ -203,7 +212,7 @@ impl DType {
     /// dequantized: [`crate::quant::dequantize`]).
     pub fn to_f32(self, bytes: &[u8]) -> Vec<f32> {
         match self {
-            DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::Q4_K | DType::Q5_K | DType::Q6_K => {
+            DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::Q4_K | DType::Q5_K | DType::Q6_K | DType::F8_E4M3 => {
                 crate::quant::dequantize(self, bytes)
             }
             DType::F32 => bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
@@ -223,7 +232,7 @@ impl DType {
         let mut out = Vec::with_capacity(values.len() * self.size());
         for &v in values {
             match self {
-                DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::Q4_K | DType::Q5_K | DType::Q6_K => {
+                DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::Q4_K | DType::Q5_K | DType::Q6_K | DType::F8_E4M3 => {
                     unreachable!("handled above")
                 }
                 DType::F32 => out.extend_from_slice(&v.to_le_bytes()),
@@ -238,7 +247,7 @@ impl DType {
     /// The safetensors spelling (`BF16`, `F16`, `F32`, `I32`; a block type's bytes are `U8`).
     pub fn safetensors_name(self) -> &'static str {
         match self {
-            DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::Q4_K | DType::Q5_K | DType::Q6_K => "U8",
+            DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::Q4_K | DType::Q5_K | DType::Q6_K | DType::F8_E4M3 => "U8",
             DType::F32 => "F32",
             DType::F16 => "F16",
             DType::BF16 => "BF16",
@@ -284,6 +293,7 @@ mod tests {
             (DType::Q4_1.block(), DType::Q4_1.bytes(64), DType::F16.block()),
             (Some((BLOCK, 20)), Some(40), None)
         );
-        assert_eq!(DType::ALL.iter().filter(|d| d.is_block()).count(), 6);
+        assert_eq!(DType::ALL.iter().filter(|d| d.is_block()).count(), 7);
+        assert_eq!((DType::F8_E4M3.block(), DType::F8_E4M3.to_string()), (Some((BLOCK, 36)), "f8_e4m3".into()));
     }
 }
