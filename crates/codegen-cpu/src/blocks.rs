@@ -4,20 +4,21 @@
 //!
 //! Layout, per block of 32 weights along a row (rows stay whole and in order):
 //! - Q4_0 and Q4_1: 24 bytes: `d` (f32), `m` (f32; Q4_0's is `-8·d`), then GGUF's 16 bytes of
-//!   nibbles (weight `i` in byte `i`'s low nibble, weight `i + 16` in its high one);
+//!   nibbles (weight `i` in byte `i`'s low nibble, weight `i + 16` in its high one); a Q4_K
+//!   super-block becomes eight such blocks (`d·sc`, `-(dmin·m)`: `ir::quant::q4_k_sub_blocks`);
 //! - Q8_0: 36 bytes: `d` (f32), then the 32 `i8` values.
 //!
 //! The scales are widened to f32 once here because Cranelift has no f16 conversion on x86.
 
 use cranelift_codegen::ir::{types, ConstantData, Endianness, InstBuilder, MemFlagsData, Value};
 use cranelift_frontend::FunctionBuilder;
-use ir::quant::{block_params, nibbles, value};
+use ir::quant::{block_params, nibbles, q4_k_sub_blocks, value};
 use ir::{DType, BLOCK};
 
-/// Whether the kernels read `dtype` as blocks (Q8_0, Q4_0, Q4_1); the other block types (the
-/// k-quants) are dequantized to f32 at load.
+/// Whether the kernels read `dtype` as blocks (Q8_0, Q4_0, Q4_1, and Q4_K as Q4_1 blocks of
+/// its sub-blocks); the other block types are dequantized to f32 at load.
 pub fn reads(dtype: DType) -> bool {
-    matches!(dtype, DType::Q8_0 | DType::Q4_0 | DType::Q4_1)
+    matches!(dtype, DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::Q4_K)
 }
 
 /// Bytes of one block in the CPU layout.
@@ -43,6 +44,14 @@ pub fn repack(dtype: DType, gguf: &[u8]) -> Vec<u8> {
     let (_, size) = dtype.block().unwrap_or_else(|| panic!("{dtype} is not a block type"));
     let mut out = Vec::with_capacity(gguf.len() / size * layout_bytes(dtype));
     for b in gguf.chunks_exact(size) {
+        if dtype == DType::Q4_K {
+            for (d, m, q) in q4_k_sub_blocks(b) {
+                out.extend(d.to_le_bytes());
+                out.extend(m.to_le_bytes());
+                out.extend((0..BLOCK / 2).map(|i| q[i] | (q[i + BLOCK / 2] << 4)));
+            }
+            continue;
+        }
         let (d, m, at) = block_params(dtype, b);
         out.extend(d.to_le_bytes());
         if dtype != DType::Q8_0 {
@@ -155,6 +164,20 @@ impl Dequant {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn repacked_q4_k_rows_dequantize_as_the_ir_does() {
+        // Two super-blocks of deterministic bytes with small normal f16 d and dmin.
+        let mut gguf: Vec<u8> = (0..288u32).map(|i| (i.wrapping_mul(2654435761) >> 13) as u8).collect();
+        for sb in gguf.chunks_exact_mut(144) {
+            sb[..2].copy_from_slice(&half::f16::from_f32(3e-3).to_le_bytes());
+            sb[2..4].copy_from_slice(&half::f16::from_f32(1e-3).to_le_bytes());
+        }
+        let mut out = vec![0.0; 512];
+        dequant_row(DType::Q4_K, &repack(DType::Q4_K, &gguf), &mut out);
+        let want = DType::Q4_K.to_f32(&gguf);
+        assert!(out.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "Q4_K repacked differs");
+    }
 
     #[test]
     fn repacked_rows_dequantize_as_the_ir_does() {

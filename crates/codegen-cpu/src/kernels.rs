@@ -495,7 +495,7 @@ impl EmbeddingKernel {
     /// Compiles the gather for rows of `h` stored as `dtype` (a block type's rows in the CPU
     /// layout of [`crate::blocks`]).
     pub fn compile(h: usize, dtype: DType) -> Result<EmbeddingKernel, JitError> {
-        if dtype.is_block() && h.is_multiple_of(ir::BLOCK) {
+        if crate::blocks::reads(dtype) && h.is_multiple_of(ir::BLOCK) {
             return Ok(EmbeddingKernel { c: None, h, dtype });
         }
         if !matches!(dtype, DType::F32 | DType::BF16) {

@@ -297,11 +297,11 @@ impl LinearKernel {
     /// Compiles the kernel for `k` input features, `n` output features and weights stored as
     /// `wdtype` (f32, bf16, or a block type in the CPU layout of [`crate::blocks`]).
     pub fn compile(k: usize, n: usize, wdtype: DType) -> Result<LinearKernel, JitError> {
-        let blocks_ok = wdtype.is_block() && k.is_multiple_of(BLOCK);
+        let blocks_ok = blocks::reads(wdtype) && k.is_multiple_of(BLOCK);
         if !matches!(wdtype, DType::F32 | DType::BF16) && !blocks_ok {
             return Err(JitError::Unsupported(format!(
                 "linear: {wdtype} weights of {k} columns are not supported by the CPU JIT (f32, bf16, and \
-                 q8_0 / q4_0 / q4_1 in whole blocks are)"
+                 q8_0 / q4_0 / q4_1 / q4_k in whole blocks are)"
             )));
         }
         // Block kernels keep the order they are emitted in (`Opt::None`): the e-graph pass moves

@@ -40,8 +40,9 @@ pub fn nibbles(qs: &[u8]) -> [u8; BLOCK] {
     q
 }
 
-/// One weight from its block's `d`, `m` ([`block_params`]) and its value `q` (Q8_0's `q` is
-/// the `i8`'s byte): the one formula every reader of blocks computes.
+/// One weight from its block's `d`, `m` ([`block_params`], or a Q4_K sub-block's:
+/// [`q4_k_sub_blocks`]) and its value `q` (Q8_0's `q` is the `i8`'s byte): the one formula
+/// every reader of these blocks computes.
 pub fn value(ty: DType, q: u8, d: f32, m: f32) -> f32 {
     if ty == DType::Q8_0 {
         q as i8 as f32 * d
@@ -63,18 +64,27 @@ pub fn scale_min_k4(j: usize, s: &[u8]) -> (u8, u8) {
     }
 }
 
-/// One Q4_K super-block (144 bytes: f16 `d` at 0, f16 `dmin` at 2, 12 bytes of scales at 4,
-/// 128 bytes `qs` at 16) into 256 values. Sub-block `j` (0..8, 32 values each) has the scale
-/// and min [`scale_min_k4`]`(j)`; its value `l` is `q = (qs[32·(j/2) + l] >> 4·(j%2)) & 15`
-/// (the low nibbles of 32 bytes, then their high nibbles) and
-/// `w = (d·sc)·q - dmin·m` (exact products, the difference rounded to f32).
-fn q4_k(b: &[u8], out: &mut Vec<f32>) {
+/// The eight sub-blocks of a Q4_K super-block (144 bytes: f16 `d` at 0, f16 `dmin` at 2, 12
+/// bytes of scales at 4, 128 bytes `qs` at 16): sub-block `j` (32 values) has the scale and
+/// min [`scale_min_k4`]`(j)`, its value `l` is `q = (qs[32·(j/2) + l] >> 4·(j%2)) & 15` (the
+/// low nibbles of 32 bytes, then their high nibbles). Each comes as `(d·sc, -(dmin·m), q)`,
+/// both products exact in f32, so that `w = fma(q, d·sc, -(dmin·m))` ([`value`]): one rounding,
+/// equal to llama.cpp's `(d·sc)·q - dmin·m`, whose product `(d·sc)·q` is exact too. The CPU
+/// kernels read these sub-blocks as Q4_1 blocks.
+pub fn q4_k_sub_blocks(b: &[u8]) -> [(f32, f32, [u8; BLOCK]); 8] {
     let (d, dmin, scales, qs) = (f16_at(b, 0), f16_at(b, 2), &b[4..16], &b[16..144]);
-    for j in 0..8 {
+    std::array::from_fn(|j| {
         let (sc, m) = scale_min_k4(j, scales);
-        let (dj, mj) = (d * sc as f32, dmin * m as f32);
         let shift = 4 * (j % 2);
-        out.extend(qs[32 * (j / 2)..][..32].iter().map(|&x| dj * ((x >> shift) & 0x0F) as f32 - mj));
+        let q = std::array::from_fn(|l| (qs[32 * (j / 2) + l] >> shift) & 0x0F);
+        (d * sc as f32, -(dmin * m as f32), q)
+    })
+}
+
+/// One Q4_K super-block into 256 values ([`q4_k_sub_blocks`]).
+fn q4_k(b: &[u8], out: &mut Vec<f32>) {
+    for (dj, mj, q) in q4_k_sub_blocks(b) {
+        out.extend(q.iter().map(|&q| value(DType::Q4_K, q, dj, mj)));
     }
 }
 
