@@ -73,6 +73,9 @@ pub struct CpuBackend {
     pool: Pool,
     /// Distinct RoPE (inverse frequencies, cos/sin scale) of the plan; layers share them.
     rope_freqs: Vec<(Vec<f32>, f32)>,
+    /// Each node's output buffer of the last step, reused by the next: fresh allocations of a
+    /// prefill's large activations came back as new pages to fault in and zero, ~10% of it.
+    spare: std::sync::Mutex<Vec<Vec<f32>>>,
 }
 
 fn matrix_dtype(d: DType) -> DType {
@@ -202,7 +205,8 @@ impl CpuBackend {
             steps.push(step);
         }
         let kv = HostKv::new(&plan);
-        Ok(CpuBackend { plan, steps, weights, kv, pool: Pool::new(threads), rope_freqs })
+        let spare = std::sync::Mutex::new(Vec::new());
+        Ok(CpuBackend { plan, steps, weights, kv, pool: Pool::new(threads), rope_freqs, spare })
     }
 
     fn raw(&self, node: usize) -> &[u8] {
@@ -322,17 +326,26 @@ impl CpuBackend {
         let tables: Vec<Vec<f32>> =
             self.rope_freqs.iter().map(|(inv, scale)| rope_tables(inv, *scale, &positions)).collect();
         let mut vals: Vec<Vec<f32>> = Vec::with_capacity(self.plan.nodes.len());
+        let mut spare = std::mem::take(&mut *self.spare.lock().unwrap_or_else(|e| e.into_inner()));
+        spare.resize_with(self.plan.nodes.len(), Vec::new);
+        // Node i's output of `len` zeros, in the last step's buffer of node i.
+        let mut buf = |i: usize, len: usize| {
+            let mut v = std::mem::take(&mut spare[i]);
+            v.clear();
+            v.resize(len, 0.0);
+            v
+        };
         for (i, n) in self.plan.nodes.iter().enumerate() {
             let cols = n.ty.last().unwrap_or(0);
             let input = |j: usize| vals[n.inputs[j]].as_slice();
             let out = match (&self.steps[i], &n.op) {
                 (Step::Embedding(k), _) => {
-                    let mut o = vec![0.0; t_len * cols];
+                    let mut o = buf(i, t_len * cols);
                     k.run(self.raw(n.inputs[1]), &ids, &mut o);
                     o
                 }
                 (Step::Linear(k, bias), _) => {
-                    let mut o = vec![0.0; t_len * cols];
+                    let mut o = buf(i, t_len * cols);
                     k.run(&self.pool, input(0), self.raw(n.inputs[1]), &mut o);
                     if let Some(add) = bias {
                         let b = self.vector(n.inputs[2]);
@@ -349,24 +362,24 @@ impl CpuBackend {
                     if hidden {
                         return Ok(sel);
                     }
-                    let mut o = vec![0.0; rows.len() * cols];
+                    let mut o = buf(i, rows.len() * cols);
                     k.run(&self.pool, &sel, self.raw(n.inputs[1]), &mut o);
                     o
                 }
                 (Step::RmsNorm(k), _) => {
-                    let mut o = vec![0.0; t_len * cols];
+                    let mut o = buf(i, t_len * cols);
                     k.run(input(0), self.vector(n.inputs[1]), &mut o);
                     o
                 }
                 (Step::Rope(k, idx), _) => {
-                    let mut o = vec![0.0; t_len * cols];
+                    let mut o = buf(i, t_len * cols);
                     k.run(input(0), &tables[*idx], &mut o);
                     o
                 }
                 (Step::Attention(k), Op::Attention { heads, kv_heads, head_dim, layer, window, .. }) => {
                     let dims = (*heads, *kv_heads, *head_dim);
                     let (q_row, kv_row) = (heads * head_dim, kv_heads * head_dim);
-                    let mut o = Vec::with_capacity(t_len * q_row);
+                    let mut o = buf(i, 0);
                     for (c, &off) in batch.iter().zip(&offsets) {
                         for (i, &slot) in c.slots[c.start()..].iter().enumerate() {
                             let (src, dst) = ((off + i) * kv_row, slot as usize * kv_row);
@@ -381,7 +394,7 @@ impl CpuBackend {
                 (Step::Binary(k), _) => {
                     let a = input(0);
                     let b = if n.inputs.len() > 1 { input(1) } else { a };
-                    let mut o = vec![0.0; a.len()];
+                    let mut o = buf(i, a.len());
                     k.run(a, b, &mut o);
                     o
                 }
@@ -392,7 +405,7 @@ impl CpuBackend {
                         .map(|&j| if self.weights[j].is_some() { self.vector(j) } else { vals[j].as_slice() })
                         .collect();
                     let rows = ins.iter().map(|x| x.len()).max().unwrap_or(0) / cols.max(1);
-                    let mut o = vec![0.0; rows * cols];
+                    let mut o = buf(i, rows * cols);
                     k.run(&ins, &mut o);
                     o
                 }
@@ -411,7 +424,9 @@ impl CpuBackend {
             };
             vals.push(out);
         }
-        Ok(vals.swap_remove(self.plan.output))
+        let out = vals.swap_remove(self.plan.output);
+        *self.spare.lock().unwrap_or_else(|e| e.into_inner()) = vals;
+        Ok(out)
     }
 
     /// Causal GQA attention of one sequence's queries over its slots of the pool (the last
