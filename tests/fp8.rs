@@ -14,19 +14,11 @@ const DECODE: [u32; 3] = [45, 310, 2];
 
 fn compile(dir: &Path, tp: usize, quant: Option<compiler::Quant>) -> PathBuf {
     let out = dir.join(format!("q3-tp{tp}-{}.bundle", if quant.is_some() { "fp8" } else { "bf16" }));
-    let opts = compiler::CompileOptions {
-        model: repo().join("models/qwen3.yaml"),
-        checkpoint: fixture("tiny-qwen3"),
-        tp,
-        dtype: Some(ir::DType::BF16),
-        tokenizer: None,
-        out: out.clone(),
-        dump_after: None,
-        quant,
-        lm_head: compiler::LmHead::default(),
-    };
-    compiler::compile(&opts).unwrap_or_else(|e| panic!("compiling: {e}"));
-    out
+    compile_to("qwen3", &fixture("tiny-qwen3"), &out, |o| {
+        o.tp = tp;
+        o.dtype = Some(ir::DType::BF16);
+        o.quant = quant;
+    })
 }
 
 #[test]

@@ -18,20 +18,7 @@ fn gguf(name: &str) -> PathBuf {
 
 /// Compiles a GGUF of the fixture with `models/llama.yaml` (no tokenizer: the tests feed ids).
 fn compile(name: &str, dir: &Path, dtype: Option<ir::DType>) -> PathBuf {
-    let out = dir.join(format!("{name}.bundle"));
-    let opts = compiler::CompileOptions {
-        model: repo().join("models/llama.yaml"),
-        checkpoint: gguf(name),
-        tp: 1,
-        dtype,
-        tokenizer: None,
-        out: out.clone(),
-        dump_after: None,
-        quant: None,
-        lm_head: compiler::LmHead::default(),
-    };
-    compiler::compile(&opts).unwrap_or_else(|e| panic!("compiling {name}: {e}"));
-    out
+    compile_to("llama", &gguf(name), &dir.join(format!("{name}.bundle")), |o| o.dtype = dtype)
 }
 
 fn dtypes(b: &bundle::Bundle) -> BTreeMap<String, String> {

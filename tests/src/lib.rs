@@ -380,20 +380,34 @@ pub fn repo_fixture(name: &str) -> PathBuf {
 pub fn compile_checkpoint(model: &str, checkpoint: &Path, dir: &Path, tp: usize, dtype: Option<ir::DType>) -> PathBuf {
     let name = checkpoint.file_name().map_or_else(|| "model".into(), |n| n.to_string_lossy().into_owned());
     let ranks = if tp == 1 { String::new() } else { format!("-tp{tp}") };
-    let out = dir.join(format!("{name}{ranks}.bundle"));
-    let opts = compiler::CompileOptions {
+    compile_to(model, checkpoint, &dir.join(format!("{name}{ranks}.bundle")), |o| {
+        o.tp = tp;
+        o.dtype = dtype;
+    })
+}
+
+/// Compiles `checkpoint` with `models/{model}.yaml` and no tokenizer into the bundle `out`: one
+/// rank, the checkpoint's dtype, nothing quantized, except what `with` changes.
+pub fn compile_to(
+    model: &str,
+    checkpoint: &Path,
+    out: &Path,
+    with: impl FnOnce(&mut compiler::CompileOptions),
+) -> PathBuf {
+    let mut opts = compiler::CompileOptions {
         model: repo().join(format!("models/{model}.yaml")),
         checkpoint: checkpoint.to_path_buf(),
-        tp,
-        dtype,
+        tp: 1,
+        dtype: None,
         tokenizer: None,
-        out: out.clone(),
+        out: out.to_path_buf(),
         dump_after: None,
         quant: None,
         lm_head: compiler::LmHead::default(),
     };
+    with(&mut opts);
     compiler::compile(&opts).unwrap_or_else(|e| panic!("compiling {}: {e}", checkpoint.display()));
-    out
+    out.to_path_buf()
 }
 
 /// The `data:` payloads of a chunked server-sent-events body.

@@ -215,11 +215,13 @@ impl WeightFile {
                 path: self.path.display().to_string(),
                 message: format!("tensor `{name}` has unsupported dtype {:?}", view.dtype()),
             })?;
-        let shape = view.shape().to_vec();
-        let data = view.data();
-        // Re-borrow from the map so the slice outlives the SafeTensors view.
+        Ok((dtype, view.shape().to_vec(), self.in_map(view.data())))
+    }
+
+    /// `data` (a view's bytes) re-borrowed from the map, so that it outlives the view.
+    fn in_map(&self, data: &[u8]) -> &[u8] {
         let start = data.as_ptr() as usize - self.map.as_ptr() as usize;
-        Ok((dtype, shape, &self.map[start..start + data.len()]))
+        &self.map[start..start + data.len()]
     }
 
     /// A tensor's bytes, checked against the plan's dtype and shape: a dense tensor is stored
@@ -245,9 +247,7 @@ impl WeightFile {
                 dtype.safetensors_name()
             )));
         }
-        let data = view.data();
-        let start = data.as_ptr() as usize - self.map.as_ptr() as usize;
-        Ok(&self.map[start..start + data.len()])
+        Ok(self.in_map(view.data()))
     }
 
     /// A tensor as f32 values (a block type dequantized), checked against the plan's dtype

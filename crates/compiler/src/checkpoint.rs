@@ -33,9 +33,11 @@ impl TensorInfo {
         DType::from_safetensors_name(&self.dtype_name).filter(|d| d.is_float())
     }
 
-    /// The block type (GGUF Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) the tensor is stored in, if any.
+    /// The GGUF block type (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) a GGUF tensor is stored in, if
+    /// any (a safetensors tensor has none: its F8_E4M3 is not a block of ours).
     pub fn block(&self) -> Option<DType> {
-        DType::ALL.into_iter().filter(|d| d.is_block()).find(|d| crate::gguf::ggml_name(*d) == self.dtype_name)
+        let gguf = matches!(self.location, Location::Gguf(_));
+        DType::ALL.into_iter().filter(|d| gguf && d.is_block()).find(|d| ggml_name(*d) == self.dtype_name)
     }
 }
 

@@ -280,6 +280,17 @@ fn read_blocks(
             bytes[start * row..end * row].to_vec()
         }
     };
+    rank_blocks(bw, bytes, dtype, (shape, tp, rank))
+}
+
+/// This rank's part of a block-type weight's blocks (all of them where the plan's shape is the
+/// whole tensor's).
+fn rank_blocks(
+    bw: &spec::BoundWeight,
+    bytes: Vec<u8>,
+    dtype: DType,
+    (shape, tp, rank): (&[usize], usize, usize),
+) -> Result<Vec<u8>, CompileError> {
     if shape == bw.shape {
         Ok(bytes)
     } else {
@@ -296,11 +307,7 @@ fn quantize_fp8(
 ) -> Result<Vec<u8>, CompileError> {
     let k = bw.shape.last().copied().unwrap_or(0);
     let bytes = ir::quant::quantize_fp8_rows(&read_weight(ckpt, bw)?, k);
-    if shape == bw.shape {
-        Ok(bytes)
-    } else {
-        shard::cut_blocks(bw, &bytes, DType::F8_E4M3, tp, rank)
-    }
+    rank_blocks(bw, bytes, DType::F8_E4M3, (shape, tp, rank))
 }
 
 /// The largest finite f16 value.
