@@ -31,12 +31,27 @@ transformers' float32 outputs on one long random prompt. The Llama ones (and tin
                        fused qkv_proj and gate_up_proj, partial_rotary_factor 0.5 (RoPE on the
                        first 16 of each head's 32), longrope (8 short / 8 long factors, original
                        context 512 < max 2048), untied, a 600-token prompt (the long factors)
+  tiny-qwen3-moe/      Qwen3MoeForCausalLM: hidden 64, 3 layers, 4 / 2 heads of 32, per-head q/k
+                       norms; layers 0 and 2 sparse (8 experts of 32, top 2 of the softmax,
+                       renormalised: norm_topk_prob), layer 1 a dense MLP of 96 (mlp_only_layers
+                       [1]), RoPE base 1e6, untied, a 300-token prompt
+  tiny-mixtral/        MixtralForCausalLM: hidden 64, 2 layers, 4 / 2 heads of 32, 8 experts of
+                       48, top 2 (renormalised), no window, RoPE base 1e6, untied, 300 tokens
+  tiny-gpt-oss/        GptOssForCausalLM: hidden 64, 4 layers (sliding, full, sliding, full),
+                       window 48, 4 / 2 heads of 32 with q/k/v/o biases and per-head sinks
+                       (4 + 2 N(0, 1)), 8 experts of 32 with biases, router with a bias (softmax
+                       over the top 2 logits), clamped SwiGLU (limit 7, alpha 1.702; gate_up_proj
+                       0.4 N(0, 1), so that 1-5% of the values pass the limit), yarn (base 1.5e5,
+                       factor 4, original context 512, beta 32 / 1, not truncated), untied, 300
+                       tokens
 
 Files of a fixture: config.json and model.safetensors (as `save_pretrained` writes them), and
   reference.json         prompt ids, the logit positions, the greedy continuation, versions;
-                         for the last four also `features_move_logits_by`: how far, relative,
-                         the logits at the positions move with one feature turned off (the
-                         fixture's `features`: the same weights, one config field changed)
+                         for tiny-gemma2 and after also `features_move_logits_by`: how far,
+                         relative, the logits at the positions move with one feature turned off
+                         (the fixture's `features`: the same weights, one config field changed);
+                         for the MoE ones `router_margin_min`: the smallest gap between the k-th
+                         and (k + 1)-th router logit over the prompt and greedy tokens
   reference.safetensors  float32 `logits` [positions, vocab] at `positions` of the prompt, and
                          `greedy_logits` [steps, vocab]: the logits each greedy token was picked
                          from (row 0 is the prompt's last position)
@@ -71,14 +86,20 @@ from transformers import (
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    GptOssConfig,
+    GptOssForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 VOCAB = 512
@@ -196,6 +217,62 @@ PHI3 = dict(
     rope_parameters=phi3_rope(0.5, SHORT8, LONG8),
 )
 
+# The MoE fixtures: 8 experts, 2 per token, 4 / 2 heads of 32, untied.
+MOE = dict(COMMON, num_experts_per_tok=2, tie_word_embeddings=False)
+
+# Qwen3-MoE: 3 layers, layer 1 a dense MLP (`mlp_only_layers`, intermediate 96), layers 0 and 2
+# sparse (experts of 32), top-k weights renormalised, per-head q/k norms as Qwen3's.
+QWEN3_MOE = dict(
+    MOE,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_experts=8,
+    moe_intermediate_size=32,
+    mlp_only_layers=[1],
+    decoder_sparse_step=1,
+    norm_topk_prob=True,
+    rms_norm_eps=1e-6,
+    attention_bias=False,
+    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+)
+
+# Mixtral: 2 layers, experts of 48, no window.
+MIXTRAL = dict(
+    MOE,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_local_experts=8,
+    sliding_window=None,
+    rms_norm_eps=1e-5,
+    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+)
+
+# gpt-oss: 4 layers (the config's default `layer_types`: sliding, full, sliding, full), a 48-token
+# window, experts of 32 with biases and the clamped SwiGLU (swiglu_limit 7, alpha 1.702),
+# attention biases and sinks, yarn as the config's default (beta 32 / 1, not truncated) scaled
+# down to factor 4 over an original context of 512.
+GPT_OSS_YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 150000.0,
+    "factor": 4.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 512,
+}
+GPT_OSS = dict(
+    MOE,
+    intermediate_size=32,
+    num_hidden_layers=4,
+    num_local_experts=8,
+    sliding_window=48,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-5,
+    attention_bias=True,
+    swiglu_limit=7.0,
+    rope_parameters=GPT_OSS_YARN,
+)
+
 FIXTURES = {
     "long-plain": dict(prompt=700, rope_theta=10000.0, max_position_embeddings=1024, rope_scaling=None),
     "rope-linear": dict(
@@ -289,6 +366,31 @@ FIXTURES = {
         },
         scaling="longrope",
     ),
+    "tiny-qwen3-moe": dict(
+        arch="qwen3_moe",
+        prompt=300,
+        config=QWEN3_MOE,
+        features={
+            "norm_topk_prob": dict(norm_topk_prob=False),
+            # Layer 1 sparse too: its experts and router are new random weights.
+            "mlp_only_layers": dict(mlp_only_layers=[]),
+        },
+        scaling=None,
+    ),
+    "tiny-mixtral": dict(
+        arch="mixtral", prompt=300, config=MIXTRAL, features={"top_k": dict(num_experts_per_tok=1)}, scaling=None
+    ),
+    "tiny-gpt-oss": dict(
+        arch="gpt_oss",
+        prompt=300,
+        config=GPT_OSS,
+        features={
+            "sliding_window": dict(sliding_window=1024),
+            "swiglu_limit": dict(swiglu_limit=1e9),
+            "yarn": dict(rope_parameters={"rope_type": "default", "rope_theta": 150000.0}),
+        },
+        scaling="yarn",
+    ),
 }
 
 ARCHS = {
@@ -298,6 +400,9 @@ ARCHS = {
     "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
     "mistral": (MistralConfig, MistralForCausalLM),
     "phi3": (Phi3Config, Phi3ForCausalLM),
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+    "mixtral": (MixtralConfig, MixtralForCausalLM),
+    "gpt_oss": (GptOssConfig, GptOssForCausalLM),
 }
 
 # The Qwen3 fixture's config: BASE's sizes (head_dim 32 while hidden / heads is 16) without the
@@ -321,20 +426,39 @@ def make_config(spec, change=None):
     return LlamaConfig(**BASE, max_position_embeddings=spec["max_position_embeddings"], rope_parameters=params)
 
 
+# MoE routers (Qwen3-MoE's and Mixtral's `mlp.gate`, gpt-oss's `mlp.router` and its bias): wide
+# enough that the top-k choice is clear-cut. gpt-oss's attention sinks (one logit per head) and its
+# experts' gate_up_proj (wide enough that gate and up values pass swiglu_limit 7).
+ROUTER = ("mlp.gate.weight", "mlp.router.weight", "mlp.router.bias")
+ROUTER_STD = 0.3
+SINK_MEAN = 4.0
+SINK_STD = 2.0
+GPT_OSS_GATE_UP_STD = 0.4
+
+
 def make_model(config, seed):
     """Random weights, rounded to bf16 and held in float32. q and k are larger than the rest so
     that attention scores (and with them the rotary positions) move the logits clearly (Phi-3's
     fused qkv_proj: its q and k rows). Per-head q/k norm weights (Qwen3, Gemma-3) spread wider
     than the other norms', so that they matter. Gemma's norms multiply by (1 + weight): their
-    weights are stored around 0, the others' around 1."""
+    weights are stored around 0, the others' around 1. MoE routers, gpt-oss's sinks and expert
+    gate_up_proj: see ROUTER above."""
     torch.manual_seed(seed)
     cls = next(m for c, m in ARCHS.values() if type(config) is c)
-    model = cls._from_config(config, attn_implementation="eager", dtype=torch.float32)
+    # MoE models: the experts' plain loop (the modeling file's own forward), not grouped_mm.
+    moe = dict(experts_implementation="eager") if hasattr(config, "num_experts_per_tok") else {}
+    model = cls._from_config(config, attn_implementation="eager", dtype=torch.float32, **moe)
     model.eval()
     one = 0.0 if isinstance(config, (Gemma2Config, Gemma3TextConfig)) else 1.0
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith(("q_norm.weight", "k_norm.weight")):
+            if name.endswith(ROUTER):
+                p.copy_(ROUTER_STD * torch.randn_like(p))
+            elif name.endswith("self_attn.sinks"):
+                p.copy_(SINK_MEAN + SINK_STD * torch.randn_like(p))
+            elif isinstance(config, GptOssConfig) and name.endswith("experts.gate_up_proj"):
+                p.copy_(GPT_OSS_GATE_UP_STD * torch.randn_like(p))
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.copy_(one + 0.3 * torch.randn_like(p))
             elif name.endswith("norm.weight"):
                 p.copy_(one + 0.1 * torch.randn_like(p))
@@ -370,6 +494,26 @@ def greedy(model, ids, steps):
     return tokens, torch.stack(rows)
 
 
+def router_margin(model, ids):
+    """The smallest gap, over the tokens of `ids` and the MoE layers, between the k-th and the
+    (k + 1)-th largest router logit (`None` without a router): how far the top-k choice is from a
+    tie. Qwen3-MoE and Mixtral pick from the softmax of the logits, which keeps their order."""
+    gaps = []
+
+    def hook(module, inputs, output):
+        top = output[0].float().topk(module.top_k + 1, dim=-1).values
+        gaps.append(float((top[:, -2] - top[:, -1]).min()))
+
+    routers = [m for n, m in model.named_modules() if n.endswith(("mlp.gate", "mlp.router"))]
+    handles = [m.register_forward_hook(hook) for m in routers]
+    try:
+        logits_of(model, ids)
+    finally:
+        for h in handles:
+            h.remove()
+    return min(gaps) if gaps else None
+
+
 def write_fixture(out, name, spec, seed):
     config = make_config(spec)
     model = make_model(config, seed)
@@ -380,6 +524,8 @@ def write_fixture(out, name, spec, seed):
     all_logits = logits_of(model, prompt)
     tokens, greedy_logits = greedy(model, prompt, GREEDY_STEPS)
     assert torch.equal(greedy_logits[0], all_logits[-1])
+    # Before the bf16 round trip of save_pretrained below, which also rounds the rotary tables.
+    router_gap = router_margin(model, prompt + tokens[:-1])
 
     d = out / name
     shutil.rmtree(d, ignore_errors=True)
@@ -393,9 +539,11 @@ def write_fixture(out, name, spec, seed):
 
     def moved_by(change):
         """How far, relative, the logits at `positions` move with the config changed and the same
-        weights."""
+        weights (a change that adds weights, as Qwen3-MoE's `mlp_only_layers` does, keeps the new
+        model's random ones for those)."""
         other = make_model(make_config(spec, change), seed)
-        assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), other.state_dict().values()))
+        theirs = other.state_dict()
+        other.load_state_dict({k: v for k, v in model.state_dict().items() if k in theirs}, strict=False)
         diff = (logits_of(other, prompt)[positions] - all_logits[positions]).abs().max()
         return float(diff / all_logits[positions].abs().max())
 
@@ -422,6 +570,8 @@ def write_fixture(out, name, spec, seed):
     }
     if features is not None:
         meta["features_move_logits_by"] = features
+    if router_gap is not None:
+        meta["router_margin_min"] = router_gap
     lines = [f" {json.dumps(k)}: {json.dumps(v)}" for k, v in meta.items()]
     (d / "reference.json").write_text("{\n" + ",\n".join(lines) + "\n}\n")
     top2 = greedy_logits.topk(2, dim=-1).values
@@ -431,6 +581,7 @@ def write_fixture(out, name, spec, seed):
         f"{name}: {n} tokens, {len(positions)} logit rows, greedy {tokens} (top-2 margin min {float(margin.min()):.4g},"
         f" relative {float(relative.min()):.4g}), scaling moves logits by {moved}"
         + (f", features {features}" if features is not None else "")
+        + (f", router margin min {router_gap:.4g}" if router_gap is not None else "")
     )
 
 

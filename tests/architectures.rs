@@ -1,14 +1,22 @@
 //! The architectures written in YAML alone (`models/gemma2.yaml`, `gemma3.yaml`,
-//! `mistral.yaml`, `phi3.yaml`) under tensor parallelism on the CPU: `--tp 2` gives tp 1's
-//! logits for a prompt longer than their sliding windows (48 in the fixtures), prefill and
-//! decode. Against HF: `tests/long_reference.rs`; NVRTC: `tests/cuda.rs`.
+//! `mistral.yaml`, `phi3.yaml`, and the mixtures of experts `qwen3_moe.yaml`, `mixtral.yaml`,
+//! `gpt_oss.yaml`) under tensor parallelism on the CPU: `--tp 2` gives tp 1's logits for a
+//! prompt longer than their sliding windows (48 in the fixtures), prefill and decode. Against
+//! HF: `tests/long_reference.rs`; NVRTC: `tests/cuda.rs`.
 
 use e2e::*;
 use ir::Op;
 
 /// (fixture, model YAML).
-const MODELS: [(&str, &str); 4] =
-    [("tiny-gemma2", "gemma2"), ("tiny-gemma3", "gemma3"), ("tiny-mistral", "mistral"), ("tiny-phi3", "phi3")];
+const MODELS: [(&str, &str); 7] = [
+    ("tiny-gemma2", "gemma2"),
+    ("tiny-gemma3", "gemma3"),
+    ("tiny-mistral", "mistral"),
+    ("tiny-phi3", "phi3"),
+    ("tiny-qwen3-moe", "qwen3_moe"),
+    ("tiny-mixtral", "mixtral"),
+    ("tiny-gpt-oss", "gpt_oss"),
+];
 
 /// Each rank holds half of every split weight, Phi-3's parts of its fused tensors included
 /// (rows of `qkv_proj` cut per part, then per rank), and the logits of a 120-token prompt and

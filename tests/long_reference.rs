@@ -60,7 +60,7 @@ fn clear(row: &[f32]) -> bool {
     top2(row).1 > 10.0 * TOL * scale
 }
 
-const FIXTURES: [&str; 11] = [
+const FIXTURES: [&str; 14] = [
     "long-plain",
     "rope-linear",
     "rope-llama3",
@@ -72,11 +72,14 @@ const FIXTURES: [&str; 11] = [
     "tiny-gemma3",
     "tiny-mistral",
     "tiny-phi3",
+    "tiny-qwen3-moe",
+    "tiny-mixtral",
+    "tiny-gpt-oss",
 ];
 
-/// The model YAML of a fixture: `tiny-NAME` is `models/NAME.yaml`, the rest Llama.
-fn model(name: &str) -> &str {
-    name.strip_prefix("tiny-").unwrap_or("llama")
+/// The model YAML of a fixture: `tiny-NAME` is `models/NAME.yaml` (`-` as `_`), the rest Llama.
+fn model(name: &str) -> String {
+    name.strip_prefix("tiny-").unwrap_or("llama").replace('-', "_")
 }
 
 /// The fixture bundles (f32), compiled once per test binary.
@@ -85,7 +88,7 @@ fn bundle_path(name: &str) -> PathBuf {
     let all = B.get_or_init(|| {
         let dir = scratch(env!("CARGO_TARGET_TMPDIR"), "long-reference");
         let f32 = Some(ir::DType::F32);
-        FIXTURES.iter().map(|n| compile_checkpoint(model(n), &repo_fixture(n), &dir, 1, f32)).collect()
+        FIXTURES.iter().map(|n| compile_checkpoint(&model(n), &repo_fixture(n), &dir, 1, f32)).collect()
     });
     all[FIXTURES.iter().position(|n| *n == name).expect("a known fixture")].clone()
 }

@@ -351,9 +351,10 @@ impl RopeKernel {
     }
 }
 
-/// `fn(q, k, v, out, scores, n)`: one query head against `n` cached positions: scores
-/// `q · k[s] · scale` (soft-capped when asked: `ir::scalar::softcap`), softmax (f32, max-subtracted), `out = Σ p[s] v[s]`. `k` and `v` point at
-/// the KV head's slice of position 0; positions are `stride` floats apart.
+/// `fn(q, k, v, out, scores, slots, sink, n)`: one query head against `n` cached positions:
+/// scores `q · k[s] · scale` (soft-capped when asked: `ir::scalar::softcap`), softmax (f32,
+/// max-subtracted) with the sink logit `*sink` in its sum (−∞: none), `out = Σ p[s] v[s]`.
+/// `k` and `v` point at the KV head's slice of position 0; positions are `stride` floats apart.
 pub struct AttentionKernel {
     c: Compiled,
     d: usize,
@@ -364,8 +365,8 @@ impl AttentionKernel {
     /// soft-capping.
     pub fn compile(d: usize, stride: usize, scale: f32, softcap: Option<f32>) -> Result<AttentionKernel, JitError> {
         let cap = softcap.map(ir::scalar::softcap);
-        let c = compile(&format!("attention_{d}_{stride}"), 6, 1, |b, env| {
-            let (pq, pk, pv, po, psc, pslots, n) = (
+        let c = compile(&format!("attention_{d}_{stride}"), 7, 1, |b, env| {
+            let (pq, pk, pv, po, psc, pslots, psink, n) = (
                 env.params[0],
                 env.params[1],
                 env.params[2],
@@ -373,6 +374,7 @@ impl AttentionKernel {
                 env.params[4],
                 env.params[5],
                 env.params[6],
+                env.params[7],
             );
             // The KV row of position s is slots[s] (a paged pool's token slot).
             let row = |b: &mut FunctionBuilder, base: Value, s: Value| {
@@ -382,8 +384,8 @@ impl AttentionKernel {
             };
             let zero = b.ins().iconst(types::I64, 0);
             let mx = b.declare_var(types::F32);
-            let ninf = b.ins().f32const(f32::NEG_INFINITY);
-            b.def_var(mx, ninf);
+            let sink = b.ins().load(types::F32, mf(), psink, 0);
+            b.def_var(mx, sink);
             counted(b, zero, n, 1, |b, s| {
                 let k = row(b, pk, s);
                 let dt = dot(b, pq, k, d);
@@ -401,7 +403,12 @@ impl AttentionKernel {
             });
             let sum = b.declare_var(types::F32);
             let fz = b.ins().f32const(0.0);
-            b.def_var(sum, fz);
+            let m = b.use_var(mx);
+            let x = b.ins().fsub(sink, m);
+            // exp(-inf - m) = 0 without a sink (m is finite: n > 0 scores).
+            let call = b.ins().call(env.expf, &[x]);
+            let e = b.inst_results(call)[0];
+            b.def_var(sum, e);
             counted(b, zero, n, 1, |b, s| {
                 let p = at(b, psc, s, 4);
                 let v = b.ins().load(types::F32, mf(), p, 0);
@@ -460,7 +467,8 @@ impl AttentionKernel {
 
     /// Attends one query head (`q`, `d` floats) over the positions whose KV rows are `slots`
     /// (row `slots[s]` of `k`/`v`, which start at the KV head of row 0), writing `d` floats to
-    /// `out`; `scores` is scratch for `slots.len()` floats.
+    /// `out`; `scores` is scratch for `slots.len()` floats; `sink` is the head's sink logit
+    /// (`f32::NEG_INFINITY` for none).
     ///
     /// # Safety
     /// `k` and `v` must hold `slot * stride + d` floats from their start for every slot.
@@ -468,7 +476,7 @@ impl AttentionKernel {
         &self,
         q: &[f32],
         (k, v): (*const f32, *const f32),
-        slots: &[u32],
+        (slots, sink): (&[u32], f32),
         scores: &mut [f32],
         out: &mut [f32],
     ) {
@@ -476,9 +484,18 @@ impl AttentionKernel {
         assert!(q.len() >= self.d && out.len() >= self.d && scores.len() >= n && n > 0, "attention sizes");
         // SAFETY: the signature matches `compile`; the caller guarantees the KV extent.
         unsafe {
-            let f: unsafe extern "C" fn(*const f32, *const f32, *const f32, *mut f32, *mut f32, *const u32, i64) =
-                std::mem::transmute(self.c.code);
-            f(q.as_ptr(), k, v, out.as_mut_ptr(), scores.as_mut_ptr(), slots.as_ptr(), n as i64)
+            type Kernel = unsafe extern "C" fn(
+                *const f32,
+                *const f32,
+                *const f32,
+                *mut f32,
+                *mut f32,
+                *const u32,
+                *const f32,
+                i64,
+            );
+            let f: Kernel = std::mem::transmute(self.c.code);
+            f(q.as_ptr(), k, v, out.as_mut_ptr(), scores.as_mut_ptr(), slots.as_ptr(), &sink, n as i64)
         }
     }
 }
@@ -634,7 +651,15 @@ mod tests {
 
     #[test]
     fn attention_row() {
-        for (d, stride, n, cap) in [(16, 32, 5, None), (6, 12, 3, None), (64, 64, 40, None), (16, 32, 9, Some(0.05))] {
+        let ninf = f32::NEG_INFINITY;
+        for (d, stride, n, cap, sink) in [
+            (16, 32, 5, None, ninf),
+            (6, 12, 3, None, ninf),
+            (64, 64, 40, None, ninf),
+            (16, 32, 9, Some(0.05), ninf),
+            (16, 32, 9, None, 0.3),
+            (16, 32, 9, Some(0.05), 2.5),
+        ] {
             let q = vals(d, 8);
             let (k, v) = (vals(n * stride, 9), vals(n * stride, 10));
             let scale = 1.0 / (d as f32).sqrt();
@@ -644,14 +669,14 @@ mod tests {
             // Positions in reverse row order, as a paged pool may hold them.
             let slots: Vec<u32> = (0..n as u32).rev().collect();
             // SAFETY: k and v hold n rows of `stride` floats.
-            unsafe { kern.run(&q, (k.as_ptr(), v.as_ptr()), &slots, &mut scores, &mut out) };
+            unsafe { kern.run(&q, (k.as_ptr(), v.as_ptr()), (&slots, sink), &mut scores, &mut out) };
             let s: Vec<f32> = (0..n)
                 .map(|p| q.iter().zip(&k[(n - 1 - p) * stride..]).map(|(a, b)| a * b).sum::<f32>() * scale)
                 .map(|x| cap.map_or(x, |c: f32| (x / c).tanh() * c))
                 .collect();
-            let m = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let m = s.iter().copied().fold(sink, f32::max);
             let e: Vec<f32> = s.iter().map(|x| (x - m).exp()).collect();
-            let z: f32 = e.iter().sum();
+            let z: f32 = e.iter().sum::<f32>() + (sink - m).exp();
             let want: Vec<f32> = (0..d).map(|i| (0..n).map(|p| e[p] / z * v[(n - 1 - p) * stride + i]).sum()).collect();
             close(&out, &want);
         }

@@ -93,6 +93,9 @@ pub(crate) fn node(b: &mut Builder, i: usize) -> Result<(), CodegenError> {
             b.steps.push(Step::AllReduce { buf: v, cols });
         }
         Op::Logits => logits(b, i)?,
+        Op::Moe { .. } => {
+            return Err(CodegenError::Unsupported(format!("`{}`: a mixture of experts (not yet on CUDA)", n.label)))
+        }
         Op::AllGather { .. } => {
             let x = n.inputs[0];
             if !matches!(b.plan.nodes[x].op, Op::Logits) {
@@ -353,9 +356,12 @@ fn attention(b: &mut Builder, i: usize, pre: &[usize]) -> Result<(), CodegenErro
     let ropes: Vec<usize> = pre.iter().copied().filter(|&r| matches!(b.plan.nodes[r].op, Op::Rope { .. })).collect();
     let ropes = &ropes[..];
     let n = &b.plan.nodes[i];
-    let Op::Attention { heads, kv_heads, head_dim: d, scale, layer, window, softcap } = n.op else {
+    let Op::Attention { heads, kv_heads, head_dim: d, scale, layer, window, softcap, sinks } = n.op else {
         unreachable!("an attention")
     };
+    if sinks {
+        return Err(CodegenError::Unsupported(format!("{}: attention sinks (not yet on CUDA)", n.label)));
+    }
     let mask = Mask { window: window.unwrap_or(0), cap: softcap.map_or(0, f32::to_bits) };
     if d % 16 != 0 || d == 0 || d > 512 || heads % kv_heads != 0 {
         return Err(CodegenError::Unsupported(format!(

@@ -2,7 +2,7 @@
 
 use crate::checkpoint::Checkpoint;
 use crate::passes::{self, LmHead, PassCtx, Quant};
-use crate::{lower, shard, CompileError};
+use crate::{arrange, lower, shard, CompileError};
 use bundle::{BundleWriter, GenerationConfig, TensorEntry};
 use ir::{DType, Plan};
 use spec::{BoundModel, ModelSpec};
@@ -97,7 +97,15 @@ fn kept_blocks(model: &BoundModel, ckpt: &Checkpoint, dtype: Option<DType>) -> B
     if dtype.is_some() {
         return BTreeMap::new();
     }
-    model.weights.iter().filter_map(|w| Some((w.name.clone(), ckpt.info(&w.tensor)?.block()?))).collect()
+    // Only whole tensors or row ranges of them: a stack, a transposed or interleaved part is
+    // read as f32.
+    let plain = |w: &spec::BoundWeight| w.experts.is_none() && !w.transposed && w.rows.is_none_or(|r| r.step == 1);
+    model
+        .weights
+        .iter()
+        .filter(|w| plain(w))
+        .filter_map(|w| Some((w.name.clone(), ckpt.info(&w.tensor)?.block()?)))
+        .collect()
 }
 
 /// Lowers a bound model (weights in `dtype`, or the block type `kept` names) and runs the
@@ -147,30 +155,24 @@ pub fn plan_for_config(
 fn validate_checkpoint(model: &BoundModel, ckpt: &Checkpoint) -> Result<Vec<String>, CompileError> {
     for w in &model.weights {
         let at = model.spec.locate(&format!("{}:", w.key));
-        let info = ckpt.info(&w.tensor).ok_or_else(|| CompileError::MissingTensor {
-            name: w.tensor.clone(),
-            key: w.key.clone(),
-            at: at.clone(),
-            checkpoint: ckpt.path.display().to_string(),
-        })?;
-        // Rows of a fused tensor: the tensor has at least `end` rows, and the part's columns.
-        let fits = match w.rows {
-            None => info.shape == w.shape,
-            Some((_, end)) => info.shape.first().is_some_and(|&r| r >= end) && info.shape[1..] == w.shape[1..],
-        };
-        if !fits {
-            let mut expected = w.shape.clone();
-            if let (Some((_, end)), Some(r)) = (w.rows, expected.first_mut()) {
-                *r = end;
+        for tensor in arrange::tensors(w) {
+            let info = ckpt.info(&tensor).ok_or_else(|| CompileError::MissingTensor {
+                name: tensor.clone(),
+                key: w.key.clone(),
+                at: at.clone(),
+                checkpoint: ckpt.path.display().to_string(),
+            })?;
+            if !arrange::fits(w, &info.shape) {
+                let expected = arrange::stored_shape(w).0;
+                return Err(CompileError::ShapeMismatch { name: tensor, at, expected, found: info.shape.clone() });
             }
-            return Err(CompileError::ShapeMismatch { name: w.name.clone(), at, expected, found: info.shape.clone() });
-        }
-        if !info.readable {
-            return Err(CompileError::UnsupportedDtype { name: w.tensor.clone(), dtype: info.dtype_name.clone() });
+            if !info.readable {
+                return Err(CompileError::UnsupportedDtype { name: tensor, dtype: info.dtype_name.clone() });
+            }
         }
     }
-    let used: std::collections::HashSet<&str> = model.weights.iter().map(|w| w.tensor.as_str()).collect();
-    let unused: Vec<&str> = ckpt.names().filter(|n| !used.contains(n)).collect();
+    let used: std::collections::HashSet<String> = model.weights.iter().flat_map(arrange::tensors).collect();
+    let unused: Vec<&str> = ckpt.names().filter(|n| !used.contains(*n)).collect();
     Ok(match unused.len() {
         0 => vec![],
         n => vec![format!(
@@ -247,16 +249,9 @@ fn write_rank_weights(
     }
 }
 
-/// A weight's values from the checkpoint: the whole tensor, or its rows of a fused one.
+/// A weight's values from the checkpoint (`arrange::read`).
 fn read_weight(ckpt: &Checkpoint, bw: &spec::BoundWeight) -> Result<Vec<f32>, CompileError> {
-    let data = ckpt.read_f32(&bw.tensor)?;
-    Ok(match bw.rows {
-        None => data,
-        Some((start, end)) => {
-            let cols: usize = bw.shape[1..].iter().product();
-            data[start * cols..end * cols].to_vec()
-        }
-    })
+    arrange::read(ckpt, bw)
 }
 
 /// A weight kept in its block type: its blocks, this rank's slice of them.
@@ -275,7 +270,7 @@ fn read_blocks(
     }
     let bytes = match bw.rows {
         None => bytes,
-        Some((start, end)) => {
+        Some(spec::Rows { start, end, .. }) => {
             let row = bytes.len() / ckpt.info(&bw.tensor).map_or(1, |t| t.shape[0].max(1));
             bytes[start * row..end * row].to_vec()
         }

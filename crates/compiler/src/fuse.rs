@@ -63,6 +63,10 @@ pub fn fold_weights(g: Graph, _: &PassCtx) -> Result<Graph, CompileError> {
 
 fn fold(mut g: Graph) -> Result<Graph, CompileError> {
     for m in g.nodes() {
+        // A source weight removed below may come later in the walk.
+        if !g.contains(m) {
+            continue;
+        }
         let Op::Map { expr } = &g.node(m).op else { continue };
         let ins = g.inputs(m);
         let [w] = ins.as_slice() else { continue };

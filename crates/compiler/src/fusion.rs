@@ -158,8 +158,16 @@ mod tests {
         let rope = Op::Rope { head_dim: 16, theta: 1e4, scaling: RopeScaling::Default, rotary_dim: None };
         let q = g.add(rope.clone(), &[q, pos], "rq").unwrap();
         let k = g.add(rope, &[k, pos], "rk").unwrap();
-        let attn =
-            Op::Attention { heads: 2, kv_heads: 1, head_dim: 16, scale: 0.25, layer: 0, window: None, softcap: None };
+        let attn = Op::Attention {
+            heads: 2,
+            kv_heads: 1,
+            head_dim: 16,
+            scale: 0.25,
+            layer: 0,
+            window: None,
+            softcap: None,
+            sinks: false,
+        };
         let a = g.add(attn, &[q, k, v], "a").unwrap();
         let o = linear(&mut g, a, "o", 32);
         let x = g.add(Op::Add, &[x, o], "x1").unwrap();

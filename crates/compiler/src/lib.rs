@@ -5,6 +5,7 @@
 //! ([`shard`]) and the tokenizer into a bundle. It runs nothing.
 #![deny(missing_docs)]
 
+pub mod arrange;
 pub mod checkpoint;
 pub mod driver;
 pub mod fuse;

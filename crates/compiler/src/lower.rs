@@ -7,7 +7,7 @@ use crate::CompileError;
 use ir::{DType, Graph, NodeIndex, Op, RopeScaling};
 use ir::{Fun, Scalar};
 use spec::expr::{BinOp, UnOp};
-use spec::{BoundModel, Expr, GraphItem, Located, Statement, Value};
+use spec::{BoundModel, Expr, GraphItem, Guarded, Located, Statement, Value};
 use std::collections::{BTreeMap, HashMap};
 
 /// A value during lowering: a node, or a weight that does not exist for this config.
@@ -55,7 +55,9 @@ pub fn lower(
                 for layer in 0..model.layers {
                     l.layer = Some(layer);
                     for s in stmts {
-                        l.statement(s)?;
+                        if l.runs(s)? {
+                            l.statement(&s.stmt)?;
+                        }
                     }
                 }
                 l.layer = None;
@@ -72,6 +74,23 @@ pub fn lower(
 }
 
 impl Lowerer<'_> {
+    /// Whether a per-layer statement's condition holds at the current layer.
+    fn runs(&self, s: &Guarded) -> Result<bool, CompileError> {
+        let Some(cond) = &s.when else { return Ok(true) };
+        let at = match s.stmt.line {
+            Some(line) => format!("{}:{line}", self.model.spec.origin),
+            None => self.model.spec.origin.clone(),
+        };
+        let err = |message: String| CompileError::Graph { at: at.clone(), statement: s.stmt.text.clone(), message };
+        let e = spec::parse_expr(cond).map_err(|e| err(format!("`if: {cond}`: {e}")))?;
+        let lookup = |n: &str| match (n, self.layer) {
+            ("i", Some(i)) => Some(Value::Int(i as i64)),
+            _ => self.model.param(n).cloned(),
+        };
+        let v = spec::value::eval(&e, &lookup).map_err(|m| err(format!("`if: {cond}`: {m}")))?;
+        v.as_bool().ok_or_else(|| err(format!("`if: {cond}` is {v}, not a bool")))
+    }
+
     fn statement(&mut self, s: &Located<Statement>) -> Result<(), CompileError> {
         let err = |message: String| CompileError::Graph {
             at: match s.line {
@@ -237,9 +256,13 @@ impl Lowerer<'_> {
             "rms_norm" => &["eps"],
             "rope" => &["head_dim", "rotary_dim", "theta", "scaling", "max_positions", "original_max_positions"],
             "attention" => &["heads", "kv_heads", "head_dim", "scale", "window", "softcap"],
+            "moe" => &["top_k", "norm_topk", "act"],
             _ => return Err(unknown_call(name)),
         };
-        let attrs = Attrs::new(name, kwargs, self.model, self.layer)?;
+        // `act` is an expression of the gate and up values, not a value of the params.
+        let act = kwargs.iter().find(|(k, _)| name == "moe" && k == "act").map(|(_, e)| e);
+        let kwargs: Vec<(String, Expr)> = kwargs.iter().filter(|(k, _)| name != "moe" || k != "act").cloned().collect();
+        let attrs = Attrs::new(name, &kwargs, self.model, self.layer)?;
         attrs.check(allowed)?;
         let arity = |lo: usize, hi: usize| -> Result<(), String> {
             if args.len() < lo || args.len() > hi {
@@ -288,6 +311,11 @@ impl Lowerer<'_> {
                     Some(v) => v.as_f64().ok_or("`scale` must be a number")?,
                     None => 1.0 / (head_dim as f64).sqrt(),
                 };
+                arity(3, 4)?;
+                let mut ins = args[..3].iter().map(|a| self.node(a, label)).collect::<Result<Vec<_>, _>>()?;
+                if let Some(Term::Node(n)) = args.get(3).map(|a| self.expr(a, label)).transpose()? {
+                    ins.push(n);
+                }
                 let op = Op::Attention {
                     heads: attrs.usize("heads")?,
                     kv_heads: attrs.usize("kv_heads")?,
@@ -296,15 +324,67 @@ impl Lowerer<'_> {
                     layer: self.next_kv_layer,
                     window: attrs.opt_usize("window")?,
                     softcap: attrs.opt_f64("softcap")?.map(|c| c as f32),
+                    sinks: ins.len() == 4,
                 };
                 self.next_kv_layer += 1;
-                op
+                return self.add(op, &ins, label);
+            }
+            "moe" => {
+                arity(5, 8)?;
+                let mut ins = args[..5].iter().map(|a| self.node(a, label)).collect::<Result<Vec<_>, _>>()?;
+                for b in &args[5..] {
+                    if let Term::Node(n) = self.expr(b, label)? {
+                        ins.push(n);
+                    }
+                }
+                if ins.len() != 5 && ins.len() != 8 {
+                    return Err("`moe` takes the gate, up and down biases all three or none".into());
+                }
+                let act = act.ok_or("`moe` needs the attribute `act=EXPR` (of `gate` and `up`)")?;
+                let op = Op::Moe {
+                    top_k: attrs.usize("top_k")?,
+                    norm_topk: attrs.get("norm_topk")?.as_bool().ok_or("`moe` attribute `norm_topk` must be a bool")?,
+                    act: self.act(act).map_err(|m| format!("`moe` attribute `act`: {m}"))?,
+                    bias: ins.len() == 8,
+                };
+                return self.add(op, &ins, label);
             }
             _ => unreachable!("unknown ops are rejected above"),
         };
         arity(op.arity(), op.arity())?;
         let ins = args.iter().map(|a| self.node(a, label)).collect::<Result<Vec<_>, _>>()?;
         self.add(op, &ins, label)
+    }
+}
+
+impl Lowerer<'_> {
+    /// An expression of a MoE's `gate` (`x0`) and `up` (`x1`) values; the parts without them
+    /// fold to constants.
+    fn act(&self, e: &Expr) -> Result<Scalar, String> {
+        let reads = |e: &Expr| expr_names(e).iter().any(|n| n == "gate" || n == "up");
+        if !reads(e) {
+            return Ok(Scalar::Const(self.constant(e)?));
+        }
+        let (fun, operands): (Fun, Vec<&Expr>) = match e {
+            Expr::Ident(n) if n == "gate" => return Ok(Scalar::Arg(0)),
+            Expr::Ident(n) if n == "up" => return Ok(Scalar::Arg(1)),
+            Expr::Binary(op, a, b) => (binary_fun(*op).ok_or_else(|| not_tensor(e))?, vec![a, b]),
+            Expr::Unary(UnOp::Neg, a) => (fun("neg")?, vec![a]),
+            Expr::Call { name, args, kwargs } => (function(name, args, kwargs)?, args.iter().collect()),
+            _ => return Err(not_tensor(e)),
+        };
+        Ok(Scalar::call(fun, operands.into_iter().map(|o| self.act(o)).collect::<Result<_, _>>()?))
+    }
+}
+
+/// The names an expression reads.
+fn expr_names(e: &Expr) -> Vec<String> {
+    match e {
+        Expr::Ident(n) => vec![n.clone()],
+        Expr::Unary(_, a) => expr_names(a),
+        Expr::Binary(_, a, b) => [expr_names(a), expr_names(b)].concat(),
+        Expr::Call { args, .. } => args.iter().flat_map(expr_names).collect(),
+        _ => vec![],
     }
 }
 

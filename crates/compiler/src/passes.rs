@@ -2,7 +2,7 @@
 //! after each.
 
 use crate::{fuse, fusion, shard, CompileError};
-use ir::{Graph, Op};
+use ir::{Fun, Graph, NodeIndex, Op, Scalar};
 use spec::{BoundModel, ShardKind};
 
 /// What passes may read besides the graph.
@@ -85,7 +85,8 @@ pub fn run(mut g: Graph, ctx: &PassCtx, mut observe: impl FnMut(&str, &Graph)) -
 /// Megatron-style tensor parallelism: weights take their per-rank shapes, attention ops their
 /// per-rank head counts (KV heads replicated when tp exceeds them), an `all_reduce` follows
 /// every linear whose weight is row-parallel, and an `all_gather` follows the logits of a
-/// vocab-parallel (column-split) lm_head.
+/// vocab-parallel (column-split) lm_head. A mixture of experts splits each expert's
+/// intermediate size and sums like a row-parallel linear.
 pub fn tensor_parallel(mut g: Graph, ctx: &PassCtx) -> Result<Graph, CompileError> {
     let tp = ctx.tp;
     if tp == 1 {
@@ -143,24 +144,49 @@ pub fn tensor_parallel(mut g: Graph, ctx: &PassCtx) -> Result<Graph, CompileErro
         }
     }
     for n in g.nodes() {
-        let node = g.node(n);
-        if !matches!(node.op, Op::Linear { .. }) || !g.inputs(n).get(1).is_some_and(|w| row_weights.contains(w)) {
-            continue;
+        let down = match g.node(n).op {
+            Op::Linear { .. } => 1,
+            Op::Moe { .. } => 4,
+            _ => continue,
+        };
+        if g.inputs(n).get(down).is_some_and(|w| row_weights.contains(w)) {
+            sum_ranks(&mut g, n, tp).map_err(ir_err)?;
         }
-        if matches!(node.op, Op::Linear { bias: true }) {
-            return Err(CompileError::Tp {
-                weight: node.label.clone(),
-                message: "a row-parallel linear with a bias is not supported (the bias would be added on every rank)"
-                    .into(),
-            });
-        }
-        let label = format!("{}.all_reduce", node.label);
-        let r = g.add(Op::AllReduce, &[n], label).map_err(ir_err)?;
-        g.replace_uses(n, r, r);
     }
     g.tp = tp;
     Ok(g)
 }
+/// Sums a row-parallel node's partial results over the ranks: an `all_reduce` after it. A bias
+/// is added once: a linear's after the sum, a mixture of experts' down bias shared out (each
+/// rank adds `1/tp` of it, exact for a power-of-two tp; the `fold_weights` pass makes the
+/// share a weight).
+fn sum_ranks(g: &mut Graph, n: NodeIndex, tp: usize) -> Result<(), ir::IrError> {
+    let label = g.node(n).label.clone();
+    let ins = g.inputs(n);
+    let call = |f: &str, b: Scalar| Fun::named(f).map(|f| Scalar::call(f, vec![Scalar::Arg(0), b]));
+    match g.node(n).op {
+        Op::Linear { bias: true } => {
+            let plus = call("+", Scalar::Arg(1)).ok_or_else(|| ir::IrError::Verify("no `+`".into()))?;
+            let l = g.add(Op::Linear { bias: false }, &ins[..2], label.clone())?;
+            let r = g.add(Op::AllReduce, &[l], format!("{label}.all_reduce"))?;
+            let s = g.add(Op::Map { expr: plus }, &[r, ins[2]], format!("{label}.bias"))?;
+            g.replace_uses(n, s, s);
+            g.remove(n);
+            return Ok(());
+        }
+        Op::Moe { bias: true, .. } => {
+            let share =
+                call("*", Scalar::Const(1.0 / tp as f32)).ok_or_else(|| ir::IrError::Verify("no `*`".into()))?;
+            let b = g.add(Op::Map { expr: share }, &[ins[7]], format!("{label}.down_b_share"))?;
+            g.replace_uses(ins[7], b, b);
+        }
+        _ => {}
+    }
+    let r = g.add(Op::AllReduce, &[n], format!("{label}.all_reduce"))?;
+    g.replace_uses(n, r, r);
+    Ok(())
+}
+
 /// With `--quant fp8`: every weight read only as a linear's weight (not embeddings, norms or
 /// the lm_head, which `logits` reads), dense, `[n, k]` with `k` whole blocks of 32 on its rank,
 /// becomes `f8_e4m3` (the compiler writes it with one scale per output channel); the others

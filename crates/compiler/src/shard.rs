@@ -9,7 +9,7 @@ use std::ops::Range;
 /// The slice of a weight that one rank holds: a range along one dimension.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Slice {
-    /// The dimension split (0 for column, the last for row).
+    /// The dimension split (0 for column, 1 for a stack of experts', the last for row).
     pub dim: usize,
     /// The indices kept along it.
     pub range: Range<usize>,
@@ -21,7 +21,8 @@ pub fn slice(w: &BoundWeight, tp: usize, rank: usize) -> Result<Option<Slice>, C
         return Ok(None);
     }
     let dim = match w.shard {
-        ShardKind::Column => 0,
+        // Each expert's rows, for a stack of experts.
+        ShardKind::Column => w.row_dim(),
         ShardKind::Row => w.shape.len().saturating_sub(1),
         ShardKind::Replicated => unreachable!("returned above"),
     };
@@ -120,6 +121,8 @@ mod tests {
             name: "w".into(),
             tensor: "w".into(),
             rows: None,
+            experts: None,
+            transposed: false,
             shape,
             shard,
             shard_heads: heads,

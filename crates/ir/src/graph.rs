@@ -59,6 +59,11 @@ impl Graph {
         &self.g[n]
     }
 
+    /// Whether `n` is a node of the graph (not removed).
+    pub fn contains(&self, n: NodeIndex) -> bool {
+        self.g.node_weight(n).is_some()
+    }
+
     /// Mutable access to the node at `n` (call [`Graph::reinfer`] after changing its op).
     pub fn node_mut(&mut self, n: NodeIndex) -> &mut Node {
         &mut self.g[n]

@@ -158,7 +158,7 @@ impl Interpreter {
                     let (inv, scale) = scaling.inv_freq(n.op.rotary_dim(), *theta);
                     Some(Val::F(rope(f(0), pos, *head_dim, &inv, scale)))
                 }
-                Op::Attention { heads, kv_heads, head_dim, scale, layer, window, softcap } => {
+                Op::Attention { heads, kv_heads, head_dim, scale, layer, window, softcap, sinks } => {
                     let (k, v) = kv.append(*layer, f(1), f(2))?;
                     if k.len() != (start + t_len) * kv_heads * head_dim || v.len() != k.len() {
                         return Err(IrError::Input(format!(
@@ -168,8 +168,12 @@ impl Interpreter {
                         )));
                     }
                     let shape = Heads { heads: *heads, kv_heads: *kv_heads, d: *head_dim };
-                    let scores =
-                        Scores { scale: *scale, window: *window, softcap: softcap.map(crate::scalar::softcap) };
+                    let scores = Scores {
+                        scale: *scale,
+                        window: *window,
+                        softcap: softcap.map(crate::scalar::softcap),
+                        sinks: if *sinks { Some(f(3)) } else { None },
+                    };
                     Some(Val::F(attention(f(0), &k, &v, start, shape, &scores)))
                 }
                 Op::Silu => Some(Val::F(f(0).iter().map(|&x| x / (1.0 + (-x).exp())).collect())),
@@ -177,6 +181,14 @@ impl Interpreter {
                 Op::Mul => Some(Val::F(f(0).iter().zip(f(1)).map(|(a, b)| a * b).collect())),
                 Op::Add => Some(Val::F(f(0).iter().zip(f(1)).map(|(a, b)| a + b).collect())),
                 Op::AllReduce | Op::AllGather { .. } => Some(Val::F(f(0).to_vec())),
+                Op::Moe { top_k, norm_topk, act, bias } => {
+                    let gate = &self.plan.nodes[n.inputs[2]].ty;
+                    let inter = gate.dim(1).unwrap_or(0);
+                    let moe = Moe { top_k: *top_k, norm_topk: *norm_topk, act, inter, hidden: cols };
+                    let w = [f(2), f(3), f(4)];
+                    let b = if *bias { Some([f(5), f(6), f(7)]) } else { None };
+                    Some(Val::F(moe.forward(f(0), f(1), w, b)))
+                }
                 Op::Logits => {
                     let h = f(1).len() / cols;
                     let x = f(0);
@@ -271,10 +283,11 @@ struct Heads {
 }
 
 /// How an attention scores and masks.
-struct Scores {
+struct Scores<'a> {
     scale: f32,
     window: Option<usize>,
     softcap: Option<crate::Scalar>,
+    sinks: Option<&'a [f32]>,
 }
 
 fn attention(q: &[f32], k: &[f32], v: &[f32], start: usize, shape: Heads, sc: &Scores) -> Vec<f32> {
@@ -296,9 +309,10 @@ fn attention(q: &[f32], k: &[f32], v: &[f32], start: usize, shape: Heads, sc: &S
                     sc.softcap.as_ref().map_or(x, |c| c.eval(&[x]))
                 })
                 .collect();
-            let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let sink = sc.sinks.map(|s| s[h]);
+            let max = scores.iter().copied().chain(sink).fold(f32::NEG_INFINITY, f32::max);
             let exps: Vec<f32> = scores.iter().map(|s| (s - max).exp()).collect();
-            let sum: f32 = exps.iter().sum();
+            let sum: f32 = exps.iter().sum::<f32>() + sink.map_or(0.0, |s| (s - max).exp());
             let o = &mut out[(t * heads + h) * d..(t * heads + h + 1) * d];
             for (s, e) in (first..visible).zip(&exps) {
                 let vv = &v[s * kv_row + kvh * d..s * kv_row + (kvh + 1) * d];
@@ -309,4 +323,39 @@ fn attention(q: &[f32], k: &[f32], v: &[f32], start: usize, shape: Heads, sc: &S
         }
     }
     out
+}
+
+/// A mixture of experts' routing and sizes ([`Op::Moe`]).
+struct Moe<'a> {
+    top_k: usize,
+    norm_topk: bool,
+    act: &'a crate::Scalar,
+    /// Each expert's intermediate size.
+    inter: usize,
+    /// The row size.
+    hidden: usize,
+}
+
+impl Moe<'_> {
+    /// `x [T, H]`, router logits `[T, E]`, the experts' gate, up and down stacks and biases.
+    fn forward(&self, x: &[f32], logits: &[f32], [gate, up, down]: [&[f32]; 3], bias: Option<[&[f32]; 3]>) -> Vec<f32> {
+        let (h, i_len) = (self.hidden, self.inter);
+        let experts = logits.len() / (x.len() / h).max(1);
+        let mut out = vec![0.0f32; x.len()];
+        for (t, row) in x.chunks_exact(h).enumerate() {
+            let o = &mut out[t * h..(t + 1) * h];
+            for (e, weight) in crate::moe::route(&logits[t * experts..(t + 1) * experts], self.top_k, self.norm_topk) {
+                let (w_in, w_out) = (e * i_len * h..(e + 1) * i_len * h, e * h * i_len..(e + 1) * h * i_len);
+                let b = |k: usize, n: usize| bias.map(|b| &b[k][e * n..(e + 1) * n]);
+                let g = linear(row, &gate[w_in.clone()], b(0, i_len), i_len);
+                let u = linear(row, &up[w_in], b(1, i_len), i_len);
+                let a: Vec<f32> = g.iter().zip(&u).map(|(&g, &u)| self.act.eval(&[g, u])).collect();
+                let y = linear(&a, &down[w_out], b(2, h), h);
+                for (oi, yi) in o.iter_mut().zip(y) {
+                    *oi += weight * yi;
+                }
+            }
+        }
+        out
+    }
 }

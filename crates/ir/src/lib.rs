@@ -7,6 +7,7 @@
 pub mod fusion;
 pub mod graph;
 pub mod interp;
+pub mod moe;
 pub mod op;
 pub mod plan;
 pub mod quant;

@@ -82,8 +82,10 @@ pub enum Op {
     /// `p` attends to every cached position `s ≤ p` (with a `window` W, only those with
     /// `p − s < W`: the last W positions). Query head `h` reads KV head `h / (heads /
     /// kv_heads)`; scores are `q·k · scale`, soft-capped to `tanh(score / c) · c` with a
-    /// `softcap` c ([`crate::scalar::softcap`]), and soft-maxed in f32. Inputs: q
-    /// `[T, heads·d]`, k `[T, kv_heads·d]`, v `[T, kv_heads·d]` → `[T, heads·d]`.
+    /// `softcap` c ([`crate::scalar::softcap`]), and soft-maxed in f32; with `sinks`, head `h`'s
+    /// softmax has one more logit, `sinks[h]`, that takes its share of the mass and adds nothing
+    /// to the output (gpt-oss's learned attention sinks). Inputs: q `[T, heads·d]`, k
+    /// `[T, kv_heads·d]`, v `[T, kv_heads·d]`, with `sinks` a float `[heads]` → `[T, heads·d]`.
     Attention {
         /// Query heads (on this rank).
         heads: usize,
@@ -101,6 +103,9 @@ pub enum Op {
         /// Score soft-capping constant.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         softcap: Option<f32>,
+        /// Whether a fourth input gives each head a sink logit.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        sinks: bool,
     },
     /// `x · sigmoid(x)`, elementwise.
     Silu,
@@ -127,6 +132,25 @@ pub enum Op {
     AllGather {
         /// The ranks whose parts are joined.
         ranks: usize,
+    },
+    /// Mixture of experts. Each row picks the `top_k` experts with the largest router logits
+    /// (on equal logits the lower index), weighted by the softmax of the logits, taken over the
+    /// chosen ones when `norm_topk` and over all `E` otherwise (then the weights sum to less
+    /// than 1); each chosen expert `e` computes `down[e] · act(gate[e] · x, up[e] · x)` (with
+    /// `bias`, `gate_b[e]`, `up_b[e]` added to its projections and `down_b[e]` to its output),
+    /// and the row's output is the weighted sum, in f32. `act` is an expression of the gate
+    /// (`x0`) and up (`x1`) values ([`crate::scalar`]). Inputs: x `[T, H]`, router logits
+    /// `[T, E]`, gate `[E, I, H]`, up `[E, I, H]`, down `[E, H, I]`, and with `bias` gate_b
+    /// `[E, I]`, up_b `[E, I]`, down_b `[E, H]` → `[T, H]`.
+    Moe {
+        /// Experts per row.
+        top_k: usize,
+        /// Whether the routing softmax runs over the chosen experts only.
+        norm_topk: bool,
+        /// The gated activation, `x0` the gate and `x1` the up projection.
+        act: Scalar,
+        /// Whether the experts' projections have biases.
+        bias: bool,
     },
     /// Logits of the requested rows: `out[r] = x[rows[r]] · wᵀ` in f32. Inputs: x `[T, H]`,
     /// w `[V, H]` → `[R, V] f32`. The rows are chosen by the runtime for each step.
@@ -160,14 +184,15 @@ impl Op {
             Op::Add => "add",
             Op::AllReduce => "all_reduce",
             Op::AllGather { .. } => "all_gather",
+            Op::Moe { .. } => "moe",
             Op::Logits => "logits",
         }
     }
 
     /// Names of the ops a model YAML may call (besides the elementwise functions of
     /// [`crate::scalar::FUNCTIONS`], which become `add`, `mul`, `silu` or `map`).
-    pub const CALLABLE: [&'static str; 7] =
-        ["embedding", "linear", "rms_norm", "rope", "attention", "logits", "all_reduce"];
+    pub const CALLABLE: [&'static str; 8] =
+        ["embedding", "linear", "rms_norm", "rope", "attention", "moe", "logits", "all_reduce"];
 
     /// The number of inputs the op takes.
     pub fn arity(&self) -> usize {
@@ -176,7 +201,8 @@ impl Op {
             Op::Silu | Op::AllReduce | Op::AllGather { .. } => 1,
             Op::Embedding | Op::RmsNorm { .. } | Op::Rope { .. } | Op::Mul | Op::Add | Op::Logits => 2,
             Op::Linear { bias } => 2 + usize::from(*bias),
-            Op::Attention { .. } => 3,
+            Op::Attention { sinks, .. } => 3 + usize::from(*sinks),
+            Op::Moe { bias, .. } => 5 + 3 * usize::from(*bias),
             Op::Map { expr } => expr.arity(),
         }
     }
@@ -190,7 +216,7 @@ impl Op {
                 serde_json::to_string(scaling).unwrap_or_default(),
                 rotary_dim.map_or(String::new(), |r| format!(", rotary_dim={r}"))
             ),
-            Op::Attention { heads, kv_heads, head_dim, scale, layer, window, softcap } => {
+            Op::Attention { heads, kv_heads, head_dim, scale, layer, window, softcap, sinks } => {
                 let mut s =
                     format!("heads={heads}, kv_heads={kv_heads}, head_dim={head_dim}, scale={scale}, layer={layer}");
                 if let Some(w) = window {
@@ -199,7 +225,13 @@ impl Op {
                 if let Some(c) = softcap {
                     s += &format!(", softcap={c}");
                 }
+                if *sinks {
+                    s += ", sinks=true";
+                }
                 s
+            }
+            Op::Moe { top_k, norm_topk, act, bias } => {
+                format!("top_k={top_k}, norm_topk={norm_topk}, act={act}, bias={bias}")
             }
             Op::AllGather { ranks } => format!("ranks={ranks}"),
             Op::Map { expr } => format!("expr={expr}"),
@@ -294,7 +326,7 @@ impl Op {
                 }
                 act2(n)
             }
-            Op::Attention { heads, kv_heads, head_dim, window, softcap, .. } => {
+            Op::Attention { heads, kv_heads, head_dim, window, softcap, sinks, .. } => {
                 if *window == Some(0) || softcap.is_some_and(|c| !(c > 0.0 && c.is_finite())) {
                     return Err(self.err(format!("window {window:?} and softcap {softcap:?} must be positive")));
                 }
@@ -310,7 +342,43 @@ impl Op {
                         kv_heads * head_dim
                     )));
                 }
+                if *sinks {
+                    vec(inputs[3], *heads, "sinks")?;
+                }
                 act2(q)
+            }
+            Op::Moe { top_k, act, bias, .. } => {
+                act.check().map_err(|m| self.err(m))?;
+                if act.arity() > 2 {
+                    return Err(self.err(format!("act {act} may read x0 (gate) and x1 (up) only")));
+                }
+                let (h, e) = (rows(inputs[0], "x")?, rows(inputs[1], "router logits")?);
+                let experts = |t: &TensorType, what: &str| -> Result<(usize, usize), IrError> {
+                    match t.shape.as_slice() {
+                        [Dim::N(n), Dim::N(a), Dim::N(b)] if *n == e && t.dtype.is_float() => Ok((*a, *b)),
+                        _ => Err(self.err(format!("{what} must be a float [{e}, n, k] stack of experts, got {t}"))),
+                    }
+                };
+                let (i, gk) = experts(inputs[2], "gate")?;
+                let up = experts(inputs[3], "up")?;
+                let down = experts(inputs[4], "down")?;
+                if gk != h || up != (i, h) || down != (h, i) {
+                    return Err(self.err(format!(
+                        "gate/up/down are {}/{}/{}: expected [{e}, I, {h}], [{e}, I, {h}], [{e}, {h}, I]",
+                        inputs[2], inputs[3], inputs[4]
+                    )));
+                }
+                if *top_k == 0 || *top_k > e {
+                    return Err(self.err(format!("top_k {top_k} must be 1 to the {e} experts")));
+                }
+                if *bias {
+                    for (t, n, what) in [(inputs[5], i, "gate_b"), (inputs[6], i, "up_b"), (inputs[7], h, "down_b")] {
+                        if t.shape != [Dim::N(e), Dim::N(n)] || !t.dtype.is_float() {
+                            return Err(self.err(format!("{what} must be a float [{e}, {n}], got {t}")));
+                        }
+                    }
+                }
+                act2(h)
             }
             Op::Silu | Op::AllReduce => act2(rows(inputs[0], "x")?),
             Op::AllGather { ranks } => match inputs[0].shape.as_slice() {

@@ -37,6 +37,10 @@ pub enum RopeScaling {
         beta_slow: f64,
         /// Multiplier applied to cos and sin.
         attention_factor: f64,
+        /// Whether the ramp's ends are rounded to whole dimensions (`truncate`, true unless a
+        /// config says false, as gpt-oss's do).
+        #[serde(default = "yes", skip_serializing_if = "is_true")]
+        truncate: bool,
     },
     /// LongRoPE (Phi-3's `longrope`, formerly `su`): frequency `i` divided by `factors[i]`, cos
     /// and sin multiplied by `attention_factor`.
@@ -60,6 +64,14 @@ pub enum RopeScaling {
         /// Multiplier applied to cos and sin.
         attention_factor: f64,
     },
+}
+
+fn yes() -> bool {
+    true
+}
+
+fn is_true(b: &bool) -> bool {
+    *b
 }
 
 fn field(cfg: &serde_json::Value, key: &str) -> Option<f64> {
@@ -133,6 +145,7 @@ impl RopeScaling {
                     beta_fast: field(cfg, "beta_fast").unwrap_or(32.0),
                     beta_slow: field(cfg, "beta_slow").unwrap_or(1.0),
                     attention_factor,
+                    truncate: cfg.get("truncate").and_then(serde_json::Value::as_bool).unwrap_or(true),
                 }
             }
             "longrope" | "su" => {
@@ -186,13 +199,14 @@ impl RopeScaling {
                     .collect();
                 (out, 1.0)
             }
-            RopeScaling::Yarn { factor, original_max_positions, beta_fast, beta_slow, attention_factor } => {
+            RopeScaling::Yarn { factor, original_max_positions, beta_fast, beta_slow, attention_factor, truncate } => {
                 let d = head_dim as f64;
                 let correction = |rot: f64| {
                     d * (original_max_positions / (rot * 2.0 * std::f64::consts::PI)).ln() / (2.0 * theta.ln())
                 };
-                let low = correction(beta_fast).floor().max(0.0);
-                let mut high = correction(beta_slow).ceil().min(d - 1.0);
+                let (low, high) = (correction(beta_fast), correction(beta_slow));
+                let (low, high) = if truncate { (low.floor(), high.ceil()) } else { (low, high) };
+                let (low, mut high) = (low.max(0.0), high.min(d - 1.0));
                 if low == high {
                     high += 0.001;
                 }

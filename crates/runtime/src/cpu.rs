@@ -3,6 +3,7 @@
 //! logits and attention are split across cores.
 
 use crate::backend::{check_batch, Backend, HostKv, StepSeq};
+use crate::cpu_moe::{MoeInputs, MoeKernels};
 use crate::RuntimeError;
 use bundle::Bundle;
 use codegen_cpu::{
@@ -32,6 +33,7 @@ enum Step {
     Binary(Arc<BinaryKernel>),
     Map(Arc<MapKernel>),
     Logits(Arc<LinearKernel>),
+    Moe(Box<MoeKernels>),
 }
 
 /// Kernels compiled once per distinct specialisation (layers share them).
@@ -104,9 +106,11 @@ impl CpuBackend {
         let plan = bundle.plan.clone();
         let file = bundle.weights(rank)?;
         let is_matrix = |i: usize| {
-            plan.nodes
-                .iter()
-                .any(|n| matches!(n.op, Op::Linear { .. } | Op::Logits | Op::Embedding) && n.inputs.get(1) == Some(&i))
+            plan.nodes.iter().any(|n| match n.op {
+                Op::Linear { .. } | Op::Logits | Op::Embedding => n.inputs.get(1) == Some(&i),
+                Op::Moe { .. } => n.inputs[2..5].contains(&i),
+                _ => false,
+            })
         };
         let mut weights = Vec::with_capacity(plan.nodes.len());
         for (i, n) in plan.nodes.iter().enumerate() {
@@ -198,6 +202,23 @@ impl CpuBackend {
                     let bcast: Vec<bool> = n.inputs.iter().map(|&j| plan.nodes[j].ty.shape.len() == 1).collect();
                     let key = (serde_json::to_string(expr).unwrap_or_default(), cols, bcast);
                     Step::Map(cached!(kc.map, key, MapKernel::compile(expr, key.1, &key.2)))
+                }
+                Op::Moe { top_k, norm_topk, act, .. } => {
+                    let (e, i, h) = (in_cols(1), in_cols(4), cols);
+                    let wd = wdtype(2);
+                    let bcast = vec![false; act.arity()];
+                    let key = (serde_json::to_string(act).unwrap_or_default(), i, bcast);
+                    Step::Moe(Box::new(MoeKernels {
+                        gate: cached!(kc.linear, (h, i, wd), LinearKernel::compile(h, i, wd)),
+                        down: cached!(kc.linear, (i, h, wd), LinearKernel::compile(i, h, wd)),
+                        act: cached!(kc.map, key, MapKernel::compile(act, key.1, &key.2)),
+                        act_inputs: act.arity(),
+                        add: cached!(kc.binary, BinaryOp::Add, BinaryKernel::compile(BinaryOp::Add)),
+                        top_k: *top_k,
+                        norm_topk: *norm_topk,
+                        sizes: (e, i, h),
+                        wdtype: wd,
+                    }))
                 }
                 Op::Mul => Step::Binary(cached!(kc.binary, BinaryOp::Mul, BinaryKernel::compile(BinaryOp::Mul))),
                 Op::Add => Step::Binary(cached!(kc.binary, BinaryOp::Add, BinaryKernel::compile(BinaryOp::Add))),
@@ -376,7 +397,20 @@ impl CpuBackend {
                     k.run(input(0), &tables[*idx], &mut o);
                     o
                 }
-                (Step::Attention(k), Op::Attention { heads, kv_heads, head_dim, layer, window, .. }) => {
+                (Step::Moe(k), Op::Moe { bias, .. }) => {
+                    let mut o = buf(i, t_len * cols);
+                    let w = |j: usize| self.raw(n.inputs[j]);
+                    let b = |j: usize| self.vector(n.inputs[j]);
+                    let inp = MoeInputs {
+                        x: input(0),
+                        logits: input(1),
+                        weights: [w(2), w(3), w(4)],
+                        bias: bias.then(|| [b(5), b(6), b(7)]),
+                    };
+                    k.run(&self.pool, &inp, &mut o);
+                    o
+                }
+                (Step::Attention(k), Op::Attention { heads, kv_heads, head_dim, layer, window, sinks, .. }) => {
                     let dims = (*heads, *kv_heads, *head_dim);
                     let (q_row, kv_row) = (heads * head_dim, kv_heads * head_dim);
                     let mut o = buf(i, 0);
@@ -387,7 +421,9 @@ impl CpuBackend {
                             kv.v[*layer][dst..dst + kv_row].copy_from_slice(&input(2)[src..src + kv_row]);
                         }
                         let q = &input(0)[off * q_row..(off + c.tokens.len()) * q_row];
-                        o.extend(self.attention(k, q, (&kv.k[*layer], &kv.v[*layer]), c.slots, dims, *window));
+                        let sinks = sinks.then(|| self.vector(n.inputs[3]));
+                        let kv = (&kv.k[*layer][..], &kv.v[*layer][..]);
+                        o.extend(self.attention(k, q, kv, (c.slots, sinks), dims, *window));
                     }
                     o
                 }
@@ -420,7 +456,9 @@ impl CpuBackend {
                     v
                 }
                 (Step::None, _) => Vec::new(),
-                (Step::Attention(_), _) => unreachable!("attention steps are built from attention ops"),
+                (Step::Attention(_) | Step::Moe(_), _) => {
+                    unreachable!("attention and moe steps are built from their ops")
+                }
             };
             vals.push(out);
         }
@@ -430,13 +468,14 @@ impl CpuBackend {
     }
 
     /// Causal GQA attention of one sequence's queries over its slots of the pool (the last
-    /// `window` of them where there is one), heads split across cores.
+    /// `window` of them where there is one), with each head's sink logit where there are
+    /// sinks, heads split across cores.
     fn attention(
         &self,
         k: &AttentionKernel,
         q: &[f32],
         (kc, vc): (&[f32], &[f32]),
-        slots: &[u32],
+        (slots, sinks): (&[u32], Option<&[f32]>),
         (heads, kv_heads, d): (usize, usize, usize),
         window: Option<usize>,
     ) -> Vec<f32> {
@@ -460,7 +499,8 @@ impl CpuBackend {
                     let kv = (kc.as_ptr().add(kvh * d), vc.as_ptr().add(kvh * d));
                     let end = start + t + 1;
                     let first = window.map_or(0, |w| end.saturating_sub(w));
-                    k.run(qrow, kv, &slots[first..end], &mut scores, o);
+                    let sink = sinks.map_or(f32::NEG_INFINITY, |s| s[h]);
+                    k.run(qrow, kv, (&slots[first..end], sink), &mut scores, o);
                 }
             }
         });

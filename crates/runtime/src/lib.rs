@@ -12,6 +12,7 @@ mod backend;
 pub mod bench;
 mod constraint;
 mod cpu;
+mod cpu_moe;
 mod cuda;
 mod engine;
 mod handle;

@@ -28,19 +28,57 @@ pub struct BoundWeight {
     pub key: String,
     /// Layer index for per-layer weights.
     pub layer: Option<usize>,
-    /// The weight's name in the plan and the bundle: the checkpoint tensor's, or for rows of a
-    /// fused tensor `TENSOR[start:end]`.
+    /// The weight's name in the plan and the bundle: the checkpoint tensor's (`*` for the
+    /// expert's index of a stack of per-expert tensors), or for rows of a fused tensor
+    /// `TENSOR[start:end]` (`TENSOR[start:end:step]`).
     pub name: String,
     /// The checkpoint tensor it is read from.
     pub tensor: String,
-    /// Rows `start..end` of `tensor` (a part of a fused tensor), when not all of it.
-    pub rows: Option<(usize, usize)>,
+    /// The rows of `tensor` it holds (a part of a fused tensor), when not all of them.
+    pub rows: Option<Rows>,
+    /// The number of experts of a stack of them (the shape's first dimension), and whether
+    /// the checkpoint holds one tensor per expert (`tensor` then holds `{e}`).
+    pub experts: Option<(usize, bool)>,
+    /// Whether the checkpoint stores each matrix transposed.
+    pub transposed: bool,
     /// Full (unsharded) shape.
     pub shape: Vec<usize>,
     /// Tensor-parallel split.
     pub shard: ShardKind,
     /// Split in units of this many heads (see [`WeightSpec::shard_heads`]).
     pub shard_heads: Option<usize>,
+}
+
+/// Rows `start..end`, every `step`-th, of a checkpoint tensor (of each expert's matrix).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Rows {
+    /// The first row.
+    pub start: usize,
+    /// One past the last row.
+    pub end: usize,
+    /// The distance between rows.
+    pub step: usize,
+}
+
+impl Rows {
+    /// How many rows.
+    pub fn count(&self) -> usize {
+        (self.end - self.start).div_ceil(self.step)
+    }
+}
+
+impl BoundWeight {
+    /// The dimension of the shape that holds each matrix's rows: 1 for a stack of experts, 0
+    /// otherwise.
+    pub fn row_dim(&self) -> usize {
+        usize::from(self.experts.is_some())
+    }
+
+    /// The checkpoint tensor of expert `e` (the stacked tensor itself when it is not stored
+    /// per expert).
+    pub fn tensor_of(&self, e: usize) -> String {
+        self.tensor.replace("{e}", &e.to_string())
+    }
 }
 
 impl BoundModel {
@@ -99,9 +137,11 @@ pub fn bind(spec: &ModelSpec, config: &serde_json::Value) -> Result<BoundModel, 
         }
     }
     for layer in 0..layers {
+        // A per-layer weight's expressions may read the layer's index `i`.
+        let at_layer = |n: &str| if n == "i" { Some(Value::Int(layer as i64)) } else { lookup(n) };
         for (key, w) in &spec.per_layer_weights {
             let mut aliases = Vec::new();
-            if let Some(bw) = bind_weight(spec, key, w, Some(layer), &lookup, &mut aliases)? {
+            if let Some(bw) = bind_weight(spec, key, w, Some(layer), &at_layer, &mut aliases)? {
                 bound.weights.push(bw);
             }
             if layer == 0 {
@@ -188,6 +228,25 @@ fn bind_weight(
         Some(i) => w.name.replace("{i}", &i.to_string()),
         None => w.name.clone(),
     };
+    let experts = match &w.experts {
+        None => None,
+        Some(text) => {
+            let v = eval_text(text)?;
+            let n =
+                v.as_usize().filter(|&n| n > 0).ok_or_else(|| werr(format!("experts `{text}` is {v}, not a count")))?;
+            if shape.first() != Some(&n) {
+                return Err(werr(format!("a stack of {n} experts needs a shape [{n}, ...], got {shape:?}")));
+            }
+            Some((n, tensor.contains("{e}")))
+        }
+    };
+    if tensor.contains("{e}") && experts.is_none() {
+        return Err(werr("`{e}` in a name needs `experts: COUNT`".into()));
+    }
+    let row_dim = usize::from(experts.is_some());
+    if w.transposed && shape.len() != row_dim + 2 {
+        return Err(werr(format!("`transposed` needs a matrix (of each expert), got the shape {shape:?}")));
+    }
     let rows = match &w.rows {
         None => None,
         Some(r) => {
@@ -196,21 +255,36 @@ fn bind_weight(
                 let v = eval_text(&text)?;
                 v.as_usize().ok_or_else(|| werr(format!("rows entry `{text}` is {v}, not a row index")))
             };
-            match r.as_slice() {
-                [a, b] => {
-                    let (a, b) = (bound(a)?, bound(b)?);
-                    if shape.first() != Some(&(b.saturating_sub(a))) || b <= a {
-                        return Err(werr(format!("rows [{a}, {b}] do not give the shape's {shape:?} rows")));
-                    }
-                    Some((a, b))
-                }
-                _ => return Err(werr("rows must be [start, end]".into())),
+            let (start, end, step) = match r.as_slice() {
+                [a, b] => (bound(a)?, bound(b)?, 1),
+                [a, b, c] => (bound(a)?, bound(b)?, bound(c)?),
+                _ => return Err(werr("rows must be [start, end] or [start, end, step]".into())),
+            };
+            let rows = Rows { start, end, step };
+            if end <= start || step == 0 || shape.get(row_dim) != Some(&rows.count()) {
+                return Err(werr(format!(
+                    "rows {r:?} = [{start}, {end}, {step}] do not give the shape's {shape:?} rows"
+                )));
             }
+            Some(rows)
         }
     };
     let name = match rows {
-        Some((a, b)) => format!("{tensor}[{a}:{b}]"),
-        None => tensor.clone(),
+        Some(Rows { start, end, step: 1 }) => format!("{}[{start}:{end}]", tensor.replace("{e}", "*")),
+        Some(Rows { start, end, step }) => format!("{}[{start}:{end}:{step}]", tensor.replace("{e}", "*")),
+        None => tensor.replace("{e}", "*"),
     };
-    Ok(Some(BoundWeight { key: key.to_string(), layer, name, tensor, rows, shape, shard: w.shard, shard_heads }))
+    let transposed = w.transposed;
+    Ok(Some(BoundWeight {
+        key: key.to_string(),
+        layer,
+        name,
+        tensor,
+        rows,
+        experts,
+        transposed,
+        shape,
+        shard: w.shard,
+        shard_heads,
+    }))
 }

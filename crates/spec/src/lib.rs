@@ -9,9 +9,9 @@ pub mod expr;
 pub mod model;
 pub mod value;
 
-pub use bind::{bind, BoundModel, BoundWeight};
+pub use bind::{bind, BoundModel, BoundWeight, Rows};
 pub use expr::{parse_expr, parse_statement, Expr, Statement};
-pub use model::{GraphItem, Located, ModelSpec, ParamSpec, ShardKind, WeightSpec};
+pub use model::{GraphItem, Guarded, Located, ModelSpec, ParamSpec, ShardKind, WeightSpec};
 pub use value::Value;
 
 /// Errors in a model YAML or in binding it to a config. Each names the file and, where it can,

@@ -74,11 +74,21 @@ pub struct WeightSpec {
     /// When the weight does not exist (`when` is false), uses of it refer to this weight.
     #[serde(default)]
     pub tied_to: Option<String>,
-    /// `[start, end]` (expressions): the weight is rows `start..end` of the checkpoint tensor,
-    /// one part of a fused tensor (Phi-3's `qkv_proj`, `gate_up_proj`). Its `shape` is the
-    /// part's, and `shard` splits the part.
+    /// `[start, end]` or `[start, end, step]` (expressions): the weight is rows `start..end`
+    /// (every `step`-th) of the checkpoint tensor, one part of a fused tensor (Phi-3's
+    /// `qkv_proj`, `gate_up_proj`; gpt-oss's interleaved gate and up). Its `shape` is the
+    /// part's, and `shard` splits the part. For a stack of experts, the rows of each expert.
     #[serde(default)]
     pub rows: Option<Vec<serde_yaml::Value>>,
+    /// A stack of this many experts' tensors (shape `[experts, ...]`): one checkpoint tensor
+    /// per expert when `name` holds `{e}` (the expert's index), else one stacked tensor.
+    /// Column and row splits cut each expert's rows and columns.
+    #[serde(default)]
+    pub experts: Option<String>,
+    /// The checkpoint stores each matrix transposed (`[k, n]` for the weight's `[n, k]`, as
+    /// gpt-oss's expert stacks are).
+    #[serde(default)]
+    pub transposed: bool,
 }
 
 /// One entry of the `graph:` list.
@@ -86,8 +96,18 @@ pub struct WeightSpec {
 pub enum GraphItem {
     /// A statement run once.
     Stmt(Located<Statement>),
-    /// Statements repeated for every layer.
-    PerLayer(Vec<Located<Statement>>),
+    /// Statements repeated for every layer, each where its condition holds.
+    PerLayer(Vec<Guarded>),
+}
+
+/// A per-layer statement and the condition (an expression over the params and the layer's
+/// index `i`) under which it runs: from `{ if: COND, then: [...], else: [...] }`.
+#[derive(Debug, Clone)]
+pub struct Guarded {
+    /// Runs where this is true (`not (COND)` for an `else` branch); always when `None`.
+    pub when: Option<String>,
+    /// The statement.
+    pub stmt: Located<Statement>,
 }
 
 /// A parsed item with the text and line it came from.
@@ -116,7 +136,20 @@ struct RawSpec {
 #[serde(untagged)]
 enum RawGraphItem {
     Stmt(String),
-    PerLayer { per_layer: Vec<String> },
+    PerLayer { per_layer: Vec<RawLayerItem> },
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum RawLayerItem {
+    Stmt(String),
+    If {
+        #[serde(rename = "if")]
+        cond: String,
+        then: Vec<String>,
+        #[serde(default, rename = "else")]
+        otherwise: Vec<String>,
+    },
 }
 
 #[derive(Deserialize)]
@@ -200,7 +233,22 @@ impl ModelSpec {
             let parsed = match item {
                 RawGraphItem::Stmt(s) => GraphItem::Stmt(spec.statement(&s)?),
                 RawGraphItem::PerLayer { per_layer } => {
-                    GraphItem::PerLayer(per_layer.iter().map(|s| spec.statement(s)).collect::<Result<_, _>>()?)
+                    let mut stmts = Vec::new();
+                    for item in per_layer {
+                        match item {
+                            RawLayerItem::Stmt(s) => stmts.push(Guarded { when: None, stmt: spec.statement(&s)? }),
+                            RawLayerItem::If { cond, then, otherwise } => {
+                                crate::expr::parse_expr(&cond)
+                                    .map_err(|e| spec.schema_error("graph.per_layer.if", &format!("`{cond}`: {e}")))?;
+                                for (when, list) in [(cond.clone(), then), (format!("not ({cond})"), otherwise)] {
+                                    for s in list {
+                                        stmts.push(Guarded { when: Some(when.clone()), stmt: spec.statement(&s)? });
+                                    }
+                                }
+                            }
+                        }
+                    }
+                    GraphItem::PerLayer(stmts)
                 }
             };
             spec.graph.push(parsed);

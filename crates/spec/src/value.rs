@@ -154,6 +154,15 @@ fn call(name: &str, args: &[Expr], lookup: &dyn Fn(&str) -> Option<Value>) -> Re
                 _ => Err(format!("`at` needs a list, got {list}")),
             }
         }
+        "contains" => {
+            want(2)?;
+            let (list, x) = (eval(&args[0], lookup)?, eval(&args[1], lookup)?);
+            match &list {
+                Value::Json(serde_json::Value::Array(a)) => Ok(Value::Bool(a.iter().any(|v| Value::from_json(v) == x))),
+                Value::Null => Ok(Value::Bool(false)),
+                _ => Err(format!("`contains` needs a list, got {list}")),
+            }
+        }
         "sqrt" => {
             want(1)?;
             let x = eval(&args[0], lookup)?;

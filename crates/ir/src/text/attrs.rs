@@ -89,12 +89,13 @@ pub(super) fn op(name: &str, attrs: Option<&str>, args: usize) -> Result<Op, Str
         "add" => Op::Add,
         "all_reduce" => Op::AllReduce,
         "all_gather" => all_gather(&mut a)?,
+        "moe" => moe(&mut a)?,
         "logits" => Op::Logits,
         "weight" => return Err("weights are declared on `@NAME : TYPE` lines, not as nodes".into()),
         _ => {
             return Err(format!(
                 "unknown op `{name}` (the ops are tokens, positions, embedding, linear, rms_norm, rope, attention, \
-                 silu, map, mul, add, all_reduce, all_gather, logits)"
+                 silu, map, mul, add, all_reduce, all_gather, moe, logits)"
             ))
         }
     };
@@ -124,6 +125,16 @@ fn attention(a: &mut Attrs) -> Result<Op, String> {
         layer: a.need("layer")?,
         window: a.opt("window")?,
         softcap: a.opt("softcap")?,
+        sinks: a.opt("sinks")?.unwrap_or(false),
+    })
+}
+
+fn moe(a: &mut Attrs) -> Result<Op, String> {
+    Ok(Op::Moe {
+        top_k: a.need("top_k")?,
+        norm_topk: a.need("norm_topk")?,
+        act: parse_scalar(a.need_str("act")?).map_err(|e| format!("moe: act: {e}"))?,
+        bias: a.need("bias")?,
     })
 }
 

@@ -591,6 +591,7 @@ fuse rope_attention {
             layer: 0,
             window: Some(4096),
             softcap: Some(50.0),
+            sinks: false,
         };
         let a = g.add(attn, &[rq, rk, v], "a").unwrap();
         let r = g.add(Op::AllReduce, &[a], "a.all_reduce").unwrap();
@@ -685,6 +686,7 @@ fuse rope_attention {
                 beta_fast: 32.0,
                 beta_slow: 1.0,
                 attention_factor: 1.138_629_436_111_989,
+                truncate: false,
             },
         ] {
             let json = serde_json::to_string(&s).unwrap();
