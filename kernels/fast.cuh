@@ -614,9 +614,10 @@ __device__ __forceinline__ void kv16_scan(const float* qv, const h16_t* kc, cons
   }
 }
 
-// Merges the lanes' states through shared memory and writes the head's output row `o`.
+// Merges the lanes' states through shared memory and writes the head's output row `o`; a
+// finite `sink` is one more logit in the softmax's sum (gpt-oss's attention sinks).
 template <int D, typename O>
-__device__ __forceinline__ void kv16_merge(float m, float l, const float* acc, O* o) {
+__device__ __forceinline__ void kv16_merge(float m, float l, const float* acc, O* o, float sink) {
   constexpr int G = D / 16, GP = kv16_lanes(D), KPW = 32 / GP, WARPS = 8, STATES = WARPS * KPW;
   __shared__ float sm_acc[STATES][D];
   __shared__ float sm_m[STATES], sm_l[STATES];
@@ -631,10 +632,10 @@ __device__ __forceinline__ void kv16_merge(float m, float l, const float* acc, O
     sm_l[state] = l;
   }
   __syncthreads();
-  float mm = NEG_INF;
+  float mm = sink;
 #pragma unroll
   for (int s = 0; s < STATES; s++) mm = fmaxf(mm, sm_m[s]);
-  float ll = 0.0f;
+  float ll = sink == NEG_INF ? 0.0f : __expf(sink - mm);
 #pragma unroll
   for (int s = 0; s < STATES; s++) ll += sm_m[s] == NEG_INF ? 0.0f : sm_l[s] * __expf(sm_m[s] - mm);
   for (int d = threadIdx.x; d < D; d += blockDim.x) {
@@ -652,10 +653,11 @@ __device__ __forceinline__ void kv16_merge(float m, float l, const float* acc, O
 // together); eight warps split the keys and
 // merge their online softmax states through shared memory. grid: (T, H), block: 256.
 // With MIXED_ONLY, only rows whose group of 16 (see attention_fa) spans two sequences run.
-// A sliding window WIN (0: none) keeps the last WIN positions; scores are soft-capped by CAP.
-template <int H, int KVH, int D, typename O, bool MIXED_ONLY, int WIN, unsigned CAP>
+// A sliding window WIN (0: none) keeps the last WIN positions; scores are soft-capped by CAP;
+// `sinks` (null: none) gives each head a sink logit.
+template <int H, int KVH, int D, typename O, bool MIXED_ONLY, int WIN, unsigned CAP, typename SW>
 __device__ void attention_kv16(const float* q, const h16_t* kc, const h16_t* vc, const int* slots,
-                               const int* seq_off, const int* pos, float scale, O* out, int T) {
+                               const int* seq_off, const int* pos, float scale, O* out, int T, const SW* sinks) {
   constexpr int G = D / 16, GP = kv16_lanes(D);
   const int t = blockIdx.x, h = blockIdx.y, sub = (threadIdx.x & 31) % GP;
   if (MIXED_ONLY && seq_off[t & ~15] == seq_off[min((t & ~15) + 15, T - 1)]) return;
@@ -669,7 +671,7 @@ __device__ void attention_kv16(const float* q, const h16_t* kc, const h16_t* vc,
   float m = NEG_INF, l = 0.0f;
   const int n = pos[t] + 1;
   kv16_scan<KVH, D, CAP>(qv, kc, vc, slots + seq_off[t], WIN ? max(0, n - WIN) : 0, n, h / (H / KVH), m, l, acc);
-  kv16_merge<D>(m, l, acc, out + ((long)t * H + h) * D);
+  kv16_merge<D>(m, l, acc, out + ((long)t * H + h) * D, sinks ? to_f32(sinks[h]) : NEG_INF);
 }
 
 // Dim d of one head row x (f32), normalised with scale r and weight w when N, then rotated as
@@ -693,13 +695,14 @@ __device__ __forceinline__ float rope_at(const float* x, int d, float p, const f
 // kernel. Every block rotates its head of q and the token's own k (its kv head), takes the own
 // key from registers (the cache write of another block may not be visible yet), and the first
 // block of each kv head writes k and v (h16) to the cache. Window and cap as attention_kv16's;
-// per-head norms of q and k (NQ, NK) as rope_kv's. grid: (1, H), block: 256.
+// per-head norms of q and k (NQ, NK) as rope_kv's; sinks as attention_kv16's. grid: (1, H),
+// block: 256.
 template <int H, int KVH, int D, int ROT, typename O, bool RQ, bool RK, bool NQ, bool NK, typename NWQ, typename NWK,
-          int WIN, unsigned CAP>
+          int WIN, unsigned CAP, typename SW>
 __device__ void attention_rope1(const float* q, const float* k, const float* v, const int* pos, const float* inv_freq,
                                 float rscale, const int* slot_of, const NWQ* qnw, const NWK* knw, float qeps,
                                 float keps, h16_t* kc, h16_t* vc, const int* slots, const int* seq_off, float scale,
-                                O* out) {
+                                O* out, const SW* sinks) {
   constexpr int G = D / 16, GP = kv16_lanes(D);
   const int h = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = lane % GP, grp = lane / GP;
   const int kvh = h / (H / KVH), n = pos[0] + 1;
@@ -743,7 +746,7 @@ __device__ void attention_rope1(const float* q, const float* k, const float* v, 
     s = softcap<CAP>(s);
     if (grp == 0) kv16_add(s, vf, m, l, acc);
   }
-  kv16_merge<D>(m, l, acc, out + (long)h * D);
+  kv16_merge<D>(m, l, acc, out + (long)h * D, sinks ? to_f32(sinks[h]) : NEG_INF);
 }
 
 __device__ __forceinline__ void ldmatrix_x4_trans(unsigned* r, unsigned addr) {
@@ -762,10 +765,10 @@ __device__ __forceinline__ unsigned pack_h16x2(float lo, float hi) {
 // through shared memory (cp.async from the paged cache), S = Q·Kᵀ and O += P·V with mma.sync
 // m16n8k16, online softmax in f32 with a causal mask. Groups that span two sequences are left
 // to attention_kv16<MIXED_ONLY>. Window and cap as attention_kv16's (tiles wholly before the
-// window are skipped). grid: (ceil(T / 64), H), block: 128. D <= 128.
-template <int H, int KVH, int D, typename O, int WIN, unsigned CAP>
+// window are skipped); sinks as attention_kv16's. grid: (ceil(T / 64), H), block: 128. D <= 128.
+template <int H, int KVH, int D, typename O, int WIN, unsigned CAP, typename SW>
 __device__ void attention_fa(const float* q, const h16_t* kc, const h16_t* vc, const int* slots,
-                             const int* seq_off, const int* pos, float scale, O* out, int T) {
+                             const int* seq_off, const int* pos, float scale, O* out, int T, const SW* sinks) {
   constexpr int S = D + 8, KS = D / 16, DT = D / 8;
   __shared__ __align__(16) h16_t sk[4][16 * S];
   __shared__ __align__(16) h16_t sv[4][16 * S];
@@ -879,6 +882,8 @@ __device__ void attention_fa(const float* q, const h16_t* kc, const h16_t* vc, c
     lt += __shfl_xor_sync(0xffffffffu, lt, 2);
     const int row = r0 + g + hr * 8;
     if (row >= T) continue;
+    // The sink's share, relative to the row's maximum (log2 units, as m).
+    if (sinks) lt += exp2f(to_f32(sinks[h]) * 1.4426950408889634f - m[hr]);
     O* dst = out + ((long)row * H + h) * D;
 #pragma unroll
     for (int i = 0; i < DT; i++) {

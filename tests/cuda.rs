@@ -1,6 +1,7 @@
 //! The generated CUDA: every kernel of tiny-qwen2, tiny-llama, the Qwen2.5-0.5B / 7B shapes,
 //! the Qwen3-8B and tiny-qwen3 shapes (per-head q/k norms), Gemma-2-9B, Mistral-7B and the tiny
-//! Gemma 2 / 3, Mistral and Phi-3 fixtures (tp 1 and 2) compiles with NVRTC to
+//! Gemma 2 / 3, Mistral and Phi-3 fixtures, the mixtures of experts (tiny Qwen3-MoE, Mixtral and
+//! gpt-oss, the Qwen3-30B-A3B shape) (tp 1 and 2) compiles with NVRTC to
 //! PTX for sm_90 (the NVRTC library comes from PyPI through scripts/nvrtc.sh; no GPU and no
 //! CUDA toolkit needed), and the source is a text golden.
 
@@ -53,6 +54,12 @@ fn generated_kernels_compile_with_nvrtc_for_sm90() {
         // Head sizes that are not powers of two: 96 (Phi-3-mini), 80 with 32 of them rotated.
         ("phi3", "tests/configs/phi-3-mini.json", "bf16"),
         ("phi3", "tests/configs/phi3-head80.json", "bf16"),
+        // Mixtures of experts: routing, gated experts (SwiGLU; gpt-oss's clamped one with biases),
+        // attention sinks; the Qwen3-30B-A3B shape (128 experts, 8 per token).
+        ("qwen3_moe", "tests/fixtures/tiny-qwen3-moe/config.json", "bf16"),
+        ("qwen3_moe", "tests/configs/qwen3-30b-a3b.json", "bf16"),
+        ("mixtral", "tests/fixtures/tiny-mixtral/config.json", "f16"),
+        ("gpt_oss", "tests/fixtures/tiny-gpt-oss/config.json", "bf16"),
     ];
     for (model, config, dtype) in shapes {
         for tp in ["1", "2"] {

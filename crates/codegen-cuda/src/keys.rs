@@ -192,6 +192,46 @@ pub enum KernelKey {
         /// Row width (0 when nothing broadcasts).
         cols: usize,
     },
+    /// A mixture of experts' routing (`kernels/moe.cuh`): each token's `k` experts of `e` and
+    /// their weights.
+    MoeRoute {
+        /// Experts.
+        e: usize,
+        /// Experts per token.
+        k: usize,
+        /// Softmax over the chosen experts only.
+        norm: bool,
+        /// The router logits' dtype.
+        logits: DType,
+    },
+    /// The gate and up projections of each (token, chosen expert) with the activation.
+    MoeUp {
+        /// Hidden size.
+        h: usize,
+        /// Each expert's intermediate size.
+        i: usize,
+        /// Experts per token.
+        k: usize,
+        /// The experts' weight dtype.
+        w: DType,
+        /// The biases' dtype, where there are biases.
+        bias: Option<DType>,
+        /// `act(x0 = gate, x1 = up)` as CUDA C (interned).
+        act: &'static str,
+    },
+    /// Each token's chosen experts' down projections, weighted and summed.
+    MoeDown {
+        /// Hidden size.
+        h: usize,
+        /// Each expert's intermediate size.
+        i: usize,
+        /// Experts per token.
+        k: usize,
+        /// The experts' weight dtype.
+        w: DType,
+        /// The bias's dtype, where there is one.
+        bias: Option<DType>,
+    },
     /// The rows whose logits are wanted.
     Gather {
         /// Row width.
@@ -352,6 +392,8 @@ pub struct Mask {
     pub window: usize,
     /// The soft-capping constant's f32 bits (0: none).
     pub cap: u32,
+    /// The dtype of the per-head sink logits, where the attention has them.
+    pub sink: Option<DType>,
 }
 
 impl Mask {
@@ -359,12 +401,18 @@ impl Mask {
     fn suffix(self) -> String {
         let w = if self.window > 0 { format!("_w{}", self.window) } else { String::new() };
         let c = if self.cap != 0 { format!("_c{:08x}", self.cap) } else { String::new() };
-        w + &c
+        let s = self.sink.map_or(String::new(), |d| format!("_s{d}"));
+        w + &c + &s
     }
 
-    /// The template arguments `WIN, CAP`.
-    fn args(self) -> String {
-        format!("{}, {}u", self.window, self.cap)
+    /// The template arguments `WIN, CAP, SW` (SW: the sinks' type, float without them).
+    fn args(self) -> Result<String, CodegenError> {
+        Ok(format!("{}, {}u, {}", self.window, self.cap, self.sink.map_or(Ok("float"), ctype)?))
+    }
+
+    /// The sinks parameter (`SW` as [`Mask::args`]).
+    fn sinks_param(self) -> Result<String, CodegenError> {
+        Ok(format!("const {}* sinks", self.sink.map_or(Ok("float"), ctype)?))
     }
 }
 
@@ -495,6 +543,15 @@ impl KernelKey {
             KernelKey::Map { ins, arity, .. } => {
                 format!("map_{:016x}", fnv(&format!("{:?}{}", &ins[..arity], self.map_body())))
             }
+            KernelKey::MoeRoute { e, k, norm, logits } => format!("moe_route_e{e}_k{k}_{}_{logits}", u8::from(norm)),
+            KernelKey::MoeUp { h, i, k, w, bias, act } => format!(
+                "moe_up_h{h}_i{i}_k{k}_{w}{}_a{:08x}",
+                bias.map_or(String::new(), |b| format!("_b{b}")),
+                fnv(act) as u32
+            ),
+            KernelKey::MoeDown { h, i, k, w, bias } => {
+                format!("moe_down_h{h}_i{i}_k{k}_{w}{}", bias.map_or(String::new(), |b| format!("_b{b}")))
+            }
             KernelKey::Gather { h, x, out } => format!("gather_h{h}_{x}_to_{out}"),
             KernelKey::Sample { vocab } => format!("sample_v{vocab}"),
             KernelKey::AdjustLogits { vocab } => format!("adjust_logits_v{vocab}"),
@@ -597,11 +654,11 @@ impl KernelKey {
             KernelKey::Attention { heads, kv_heads, d, out, mixed_only, mask } => {
                 let o = ctype(out)?;
                 (
-                    attention_params(o),
+                    format!("{}, {}", attention_params(o), mask.sinks_param()?),
                     format!(
                         "attention_kv16<{heads}, {kv_heads}, {d}, {o}, {mixed_only}, {}>(q, kc, vc, slots, seq_off, \
-                         pos, scale, out, T)",
-                        mask.args()
+                         pos, scale, out, T, sinks)",
+                        mask.args()?
                     ),
                 )
             }
@@ -609,24 +666,26 @@ impl KernelKey {
                 let o = ctype(out)?;
                 (
                     format!(
-                        "{}, h16_t* kc, h16_t* vc, const int* slots, const int* seq_off, float scale, {o}* out",
-                        norm.rope_head_params()?
+                        "{}, h16_t* kc, h16_t* vc, const int* slots, const int* seq_off, float scale, {o}* out, {}",
+                        norm.rope_head_params()?,
+                        mask.sinks_param()?
                     ),
                     format!(
                         "attention_rope1<{heads}, {kv_heads}, {d}, {rot}, {o}, {rope_q}, {rope_k}, {}, {}>(\
-                         {ROPE_HEAD_ARGS}, kc, vc, slots, seq_off, scale, out)",
+                         {ROPE_HEAD_ARGS}, kc, vc, slots, seq_off, scale, out, sinks)",
                         norm.args()?,
-                        mask.args()
+                        mask.args()?
                     ),
                 )
             }
             KernelKey::AttentionFa { heads, kv_heads, d, out, mask } => {
                 let o = ctype(out)?;
                 (
-                    attention_params(o),
+                    format!("{}, {}", attention_params(o), mask.sinks_param()?),
                     format!(
-                        "attention_fa<{heads}, {kv_heads}, {d}, {o}, {}>(q, kc, vc, slots, seq_off, pos, scale, out, T)",
-                        mask.args()
+                        "attention_fa<{heads}, {kv_heads}, {d}, {o}, {}>(q, kc, vc, slots, seq_off, pos, scale, out, T, \
+                         sinks)",
+                        mask.args()?
                     ),
                 )
             }
@@ -640,6 +699,33 @@ impl KernelKey {
                     .map(|(j, &d)| Ok(format!("const {}* a{j}", ctype(d)?)))
                     .collect::<Result<Vec<_>, CodegenError>>()?;
                 (format!("{}, float* out, long n", params.join(", ")), self.map_body())
+            }
+            KernelKey::MoeRoute { e, k, norm, logits } => {
+                let l = ctype(logits)?;
+                (
+                    format!("const {l}* logits, int* ids, float* weights"),
+                    format!("moe_route<{e}, {k}, {norm}, {l}>(logits, ids, weights)"),
+                )
+            }
+            KernelKey::MoeUp { h, i, k, w, bias, act } => {
+                let (t, b) = (ctype(w)?, bias.map_or(Ok("float"), ctype)?);
+                (
+                    format!(
+                        "const float* x, const int* ids, const {t}* gate, const {t}* up, const {b}* gb, const {b}* ub, \
+                         float* a"
+                    ),
+                    format!(
+                        "moe_up<{h}, {i}, {k}, {t}, {b}>(x, ids, gate, up, gb, ub, a, [](float x0, float x1) {{ return \
+                         {act}; }})"
+                    ),
+                )
+            }
+            KernelKey::MoeDown { h, i, k, w, bias } => {
+                let (t, b) = (ctype(w)?, bias.map_or(Ok("float"), ctype)?);
+                (
+                    format!("const float* a, const int* ids, const float* weights, const {t}* down, const {b}* db, float* out"),
+                    format!("moe_down<{h}, {i}, {k}, {t}, {b}>(a, ids, weights, down, db, out)"),
+                )
             }
             KernelKey::Gather { h, x, out } => {
                 let (t, o) = (ctype(x)?, ctype(out)?);

@@ -24,6 +24,7 @@ const BASIC: &str = include_str!("../../../kernels/basic.cuh");
 const FAST: &str = include_str!("../../../kernels/fast.cuh");
 const COMM: &str = include_str!("../../../kernels/comm.cuh");
 const SAMPLE: &str = include_str!("../../../kernels/sample.cuh");
+const MOE: &str = include_str!("../../../kernels/moe.cuh");
 
 /// Runs `f` with panics silenced and caught: cudarc loads the CUDA libraries at run time and
 /// panics when one is missing, which callers turn into a clear error. `None`: it panicked.
@@ -147,7 +148,7 @@ pub fn emit(plan: &Plan) -> Result<Program, CodegenError> {
         plan.vocab
     );
     let _ = writeln!(source, "#define H16_F16 {}\n", u8::from(s.half == ir::DType::F16));
-    for part in [PRELUDE, BASIC, FAST, COMM, SAMPLE] {
+    for part in [PRELUDE, BASIC, FAST, MOE, COMM, SAMPLE] {
         source += part;
         source += "\n";
     }

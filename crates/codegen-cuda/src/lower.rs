@@ -93,9 +93,7 @@ pub(crate) fn node(b: &mut Builder, i: usize) -> Result<(), CodegenError> {
             b.steps.push(Step::AllReduce { buf: v, cols });
         }
         Op::Logits => logits(b, i)?,
-        Op::Moe { .. } => {
-            return Err(CodegenError::Unsupported(format!("`{}`: a mixture of experts (not yet on CUDA)", n.label)))
-        }
+        Op::Moe { .. } => moe(b, i)?,
         Op::AllGather { .. } => {
             let x = n.inputs[0];
             if !matches!(b.plan.nodes[x].op, Op::Logits) {
@@ -359,10 +357,9 @@ fn attention(b: &mut Builder, i: usize, pre: &[usize]) -> Result<(), CodegenErro
     let Op::Attention { heads, kv_heads, head_dim: d, scale, layer, window, softcap, sinks } = n.op else {
         unreachable!("an attention")
     };
-    if sinks {
-        return Err(CodegenError::Unsupported(format!("{}: attention sinks (not yet on CUDA)", n.label)));
-    }
-    let mask = Mask { window: window.unwrap_or(0), cap: softcap.map_or(0, f32::to_bits) };
+    let sink = sinks.then(|| n.inputs[3]);
+    let mask = Mask { window: window.unwrap_or(0), cap: softcap.map_or(0, f32::to_bits), sink: sink.map(|w| b.wdtype(w)) };
+    let sink_arg = sink.map_or(Arg::Null, Arg::Weight);
     if d % 16 != 0 || d == 0 || d > 512 || heads % kv_heads != 0 {
         return Err(CodegenError::Unsupported(format!(
             "{}: head_dim {d} (the CUDA attention takes multiples of 16 up to 512)",
@@ -418,6 +415,7 @@ fn attention(b: &mut Builder, i: usize, pre: &[usize]) -> Result<(), CodegenErro
         Arg::F32(scale),
         Arg::Buf(out),
         Arg::Count(Count::Tokens),
+        sink_arg.clone(),
     ];
     let rows = |mixed_only| {
         let key = KernelKey::Attention { heads, kv_heads, d, out: o, mixed_only, mask };
@@ -433,6 +431,7 @@ fn attention(b: &mut Builder, i: usize, pre: &[usize]) -> Result<(), CodegenErro
             Arg::Input(Input::SeqOff),
             Arg::F32(scale),
             Arg::Buf(out),
+            sink_arg,
         ],
     ]
     .concat();
@@ -446,6 +445,50 @@ fn attention(b: &mut Builder, i: usize, pre: &[usize]) -> Result<(), CodegenErro
         variants[1].0 = usize::MAX;
     }
     b.steps.push(Step::Kernels { by: Count::Tokens, variants });
+    Ok(())
+}
+
+/// A mixture of experts (`kernels/moe.cuh`): the routing, the chosen experts' gate and up
+/// with the activation per (token, expert), their down projections weighted and summed per
+/// token (f32 out).
+fn moe(b: &mut Builder, i: usize) -> Result<(), CodegenError> {
+    let n = &b.plan.nodes[i];
+    let Op::Moe { top_k: k, norm_topk, act, bias } = &n.op else { unreachable!("a moe") };
+    let (k, norm, bias, ins) = (*k, *norm_topk, *bias, n.inputs.clone());
+    let act = intern(act.to_cuda());
+    let (x, logits) = (b.f32_val(ins[0])?, b.f32_val(ins[1])?);
+    let (e, h, inter) = (b.cols(ins[1]), b.cols(i), b.plan.nodes[ins[2]].ty.dim(1).unwrap_or(0));
+    let w = b.wdtype(ins[2]);
+    if [ins[3], ins[4]].iter().any(|&j| b.wdtype(j) != w) {
+        return Err(CodegenError::Unsupported(format!("`{}`: experts' gate, up and down of different dtypes", n.label)));
+    }
+    let bias_of = |j: usize| bias.then(|| b.wdtype(ins[j]));
+    let bias_arg = |j: usize| if bias { Arg::Weight(ins[j]) } else { Arg::Null };
+    let (up_bias, down_bias) = (bias_of(5), bias_of(7));
+    if bias && bias_of(6) != up_bias {
+        return Err(CodegenError::Unsupported(format!("`{}`: gate and up biases of different dtypes", n.label)));
+    }
+    let (ids, weights) = (b.new_val(k, DType::I32, Count::Tokens), b.new_val(k, DType::F32, Count::Tokens));
+    let a = b.new_val(k * inter, DType::F32, Count::Tokens);
+    let out = b.out(i, DType::F32);
+    let route = KernelKey::MoeRoute { e, k, norm, logits: DType::F32 };
+    let route = launch(route, vec![Arg::Buf(logits), Arg::Buf(ids), Arg::Buf(weights)], [per_token(1, 1), ONE], 32);
+    let up = KernelKey::MoeUp { h, i: inter, k, w, bias: up_bias, act };
+    let up_args = vec![
+        Arg::Buf(x),
+        Arg::Buf(ids),
+        Arg::Weight(ins[2]),
+        Arg::Weight(ins[3]),
+        bias_arg(5),
+        bias_arg(6),
+        Arg::Buf(a),
+    ];
+    let up = launch(up, up_args, [per_token(k, 1), Dim::Fixed(inter.div_ceil(8))], 256);
+    let down = KernelKey::MoeDown { h, i: inter, k, w, bias: down_bias };
+    let down_args =
+        vec![Arg::Buf(a), Arg::Buf(ids), Arg::Buf(weights), Arg::Weight(ins[4]), bias_arg(7), Arg::Buf(out)];
+    let down = launch(down, down_args, [per_token(1, 1), Dim::Fixed(h.div_ceil(8))], 256);
+    b.steps.push(Step::Kernels { by: Count::Tokens, variants: vec![(usize::MAX, vec![route, up, down])] });
     Ok(())
 }
 

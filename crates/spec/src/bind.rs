@@ -261,9 +261,15 @@ fn bind_weight(
                 _ => return Err(werr("rows must be [start, end] or [start, end, step]".into())),
             };
             let rows = Rows { start, end, step };
-            if end <= start || step == 0 || shape.get(row_dim) != Some(&rows.count()) {
+            let given = format!("rows [{start}, {end}, {step}]");
+            if step == 0 || end <= start {
+                return Err(werr(format!("{given}: the step must be at least 1 and the end past the start")));
+            }
+            if shape.get(row_dim) != Some(&rows.count()) {
+                let has = shape.get(row_dim).map_or("does not exist".to_string(), |n| format!("has {n}"));
                 return Err(werr(format!(
-                    "rows {r:?} = [{start}, {end}, {step}] do not give the shape's {shape:?} rows"
+                    "{given} are {} rows, but dimension {row_dim} of the shape {shape:?} {has}",
+                    rows.count()
                 )));
             }
             Some(rows)
