@@ -415,7 +415,7 @@ fn attention(b: &mut Builder, i: usize, pre: &[usize]) -> Result<(), CodegenErro
         Arg::F32(scale),
         Arg::Buf(out),
         Arg::Count(Count::Tokens),
-        sink_arg.clone(),
+        sink_arg,
     ];
     let rows = |mixed_only| {
         let key = KernelKey::Attention { heads, kv_heads, d, out: o, mixed_only, mask };

@@ -652,19 +652,9 @@ fn bench(
         opts.constraints = Some(constraints(&b, args, dev, backend.vocab(), spec)?);
     }
     let opts = &opts;
-    let weight_bytes: usize = b.plan.weight_bytes();
-    let matmul_params: usize = b
-        .plan
-        .nodes
-        .iter()
-        .filter(|n| matches!(n.op, ir::Op::Linear { .. }))
-        .map(|n| match &b.plan.nodes[n.inputs[1]].op {
-            ir::Op::Weight { shape, .. } => shape.iter().product::<usize>(),
-            _ => 0,
-        })
-        .sum();
     let bandwidth = backend.copy_bandwidth();
-    let cost = runtime::bench::ModelCost { weight_bytes, matmul_params, bandwidth };
+    let cost =
+        runtime::bench::ModelCost { weights: b.plan.weight_use(), matmul_params: b.plan.matmul_params(), bandwidth };
     let cfg = EngineConfig { eos_ids: vec![], ..args.config(&b, dev)? };
     let mut engine = Engine::new(backend, cfg).map_err(|e| e.to_string())?;
     let (r, outs) = runtime::bench::run(&mut engine, opts, cost).map_err(|e| e.to_string())?;
@@ -691,10 +681,10 @@ fn bench(
         println!("prefill     {:.1} tok/s   (TTFT p50 {:.1} ms)", r.prefill_tok_s, r.ttft_ms_p50);
         println!("decode      {:.1} tok/s   (TPOT p50 {:.2} ms)", r.decode_tok_s, r.tpot_ms_p50);
         println!(
-            "bandwidth   {:.1} GB/s measured copy; decode reads {:.0}% of it ({:.1} MB weights + KV per step)",
+            "bandwidth   {:.1} GB/s measured copy; decode reads {:.0}% of it ({:.1} MB weights per token + KV)",
             r.bandwidth_gb_s,
             r.decode_bandwidth_fraction * 100.0,
-            weight_bytes as f64 / 1e6
+            r.active_weight_mb
         );
         if let Some(a) = &alone {
             println!(

@@ -100,6 +100,51 @@ impl Plan {
         self.weights().map(|(_, s, d)| d.bytes(s.iter().product()).unwrap_or(0)).sum()
     }
 
+    /// The bytes of node `i` when it is a weight.
+    fn bytes_of(&self, i: usize) -> usize {
+        match &self.nodes[i].op {
+            Op::Weight { shape, dtype, .. } => dtype.bytes(shape.iter().product()).unwrap_or(0),
+            _ => 0,
+        }
+    }
+
+    /// How decode steps read the weights: the experts' stacks of each mixture of experts
+    /// apart from the rest.
+    pub fn weight_use(&self) -> WeightUse {
+        let mut experts = Vec::new();
+        let mut stacked = std::collections::HashSet::new();
+        for n in &self.nodes {
+            if let Op::Moe { top_k, .. } = n.op {
+                let e = self.nodes[n.inputs[1]].ty.last().unwrap_or(1);
+                let stacks = &n.inputs[2..];
+                experts.push((stacks.iter().map(|&i| self.bytes_of(i)).sum(), top_k, e));
+                stacked.extend(stacks.iter().copied());
+            }
+        }
+        let dense = (0..self.nodes.len()).filter(|i| !stacked.contains(i)).map(|i| self.bytes_of(i)).sum();
+        WeightUse { dense, experts }
+    }
+
+    /// Multiply-adds per token of the linears and of the experts a token chooses (2 FLOPs
+    /// each): the matmul work of a prefill.
+    pub fn matmul_params(&self) -> usize {
+        let size = |i: usize| match &self.nodes[i].op {
+            Op::Weight { shape, .. } => shape.iter().product::<usize>(),
+            _ => 0,
+        };
+        self.nodes
+            .iter()
+            .map(|n| match n.op {
+                Op::Linear { .. } => size(n.inputs[1]),
+                Op::Moe { top_k, .. } => {
+                    let e = self.nodes[n.inputs[1]].ty.last().unwrap_or(1);
+                    n.inputs[2..5].iter().map(|&i| size(i)).sum::<usize>() / e * top_k
+                }
+                _ => 0,
+            })
+            .sum()
+    }
+
     /// The program as text, one node per line:
     /// `%7 = linear(%5, @model.layers.0.mlp.up_proj.weight) : [T, 192] bf16  # L0.up`.
     /// Weights are declared first (`@name : [64] bf16`; a derived one `@name : [64] f32 =
@@ -158,5 +203,24 @@ impl Plan {
             }
         }
         s
+    }
+}
+
+/// The weight bytes of a plan as decode steps read them ([`Plan::weight_use`]).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct WeightUse {
+    /// Bytes every step reads whole.
+    pub dense: usize,
+    /// Each mixture of experts' stacks: (bytes of all its experts, experts per token, experts).
+    pub experts: Vec<(usize, usize, usize)>,
+}
+
+impl WeightUse {
+    /// The bytes a decode step of `rows` tokens reads: the dense weights, and of each stack the
+    /// experts the rows choose: `k` of `E` for one row; for more, the expected number of
+    /// distinct experts were each row's choice uniform, `E · (1 − (1 − k/E)^rows)`.
+    pub fn at(&self, rows: usize) -> f64 {
+        let chosen = |k: usize, e: usize| 1.0 - (1.0 - k as f64 / e.max(1) as f64).powi(rows as i32);
+        self.dense as f64 + self.experts.iter().map(|&(b, k, e)| b as f64 * chosen(k, e)).sum::<f64>()
     }
 }

@@ -71,8 +71,11 @@ pub struct BenchReport {
     pub retractions: usize,
     /// Measured copy bandwidth of the machine (bytes read + written per second).
     pub bandwidth_gb_s: f64,
-    /// Decode-only steps: (weight + KV bytes read) / worker time / bandwidth.
+    /// Decode-only steps: (weight + KV bytes read) / worker time / bandwidth; the weight bytes
+    /// of a mixture of experts those of the experts chosen (`ir::WeightUse::at`).
     pub decode_bandwidth_fraction: f64,
+    /// The weight bytes one token reads (a mixture of experts: its chosen experts only), MB.
+    pub active_weight_mb: f64,
     /// Linear-layer FLOPs per second of extend steps (2 · linear parameters · extend tokens;
     /// attention not counted).
     pub prefill_tflop_s: f64,
@@ -132,10 +135,10 @@ pub fn requests(opts: &BenchOptions, vocab: usize) -> Result<Vec<Request>, Runti
 }
 
 /// What the model moves and computes, for the fractions of the hardware limits.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct ModelCost {
-    /// Weight bytes read by a decode step.
-    pub weight_bytes: usize,
+    /// The weight bytes decode steps read (a mixture of experts' stacks: the chosen experts').
+    pub weights: ir::WeightUse,
     /// Parameters of the linear layers (2 FLOPs each per token).
     pub matmul_params: usize,
     /// The device's copy bandwidth if it is not the host's.
@@ -169,7 +172,6 @@ pub fn run(
     let reqs = requests(opts, engine.vocab())?;
     warm_up(engine, opts)?;
     let input_tokens = reqs.iter().map(|r| r.prompt.len()).sum();
-    let weight_bytes = cost.weight_bytes;
     let bandwidth = match cost.bandwidth {
         Some(b) => b,
         None => copy_bandwidth()?,
@@ -213,7 +215,7 @@ pub fn run(
         } else {
             decode_s += r.elapsed.as_secs_f64();
             decoded += r.seqs;
-            bytes += (weight_bytes + r.kv_positions * engine.kv_slot_bytes()) as f64;
+            bytes += cost.weights.at(r.seqs) + (r.kv_positions * engine.kv_slot_bytes()) as f64;
         }
     }
     let output_tokens: usize = times.values().map(|t| t.2).sum();
@@ -233,6 +235,7 @@ pub fn run(
         retractions: stats.retractions - before.retractions,
         bandwidth_gb_s: bandwidth / 1e9,
         decode_bandwidth_fraction: rate(bytes, decode_s) / bandwidth,
+        active_weight_mb: cost.weights.at(1) / 1e6,
         prefill_tflop_s: rate(2.0 * cost.matmul_params as f64 * extend as f64, prefill_s) / 1e12,
     };
     Ok((report, ids.iter().map(|id| tokens.remove(id).unwrap_or_default()).collect()))
