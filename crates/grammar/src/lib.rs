@@ -46,13 +46,22 @@ impl Grammars {
     pub fn load(tokenizer_json: &[u8], eos: &[u32], vocab: usize) -> Result<Grammars, String> {
         let json = byte_level_decoder(tokenizer_json)?;
         let mut bt = ByteTokenizer::from_json_bytes(&json).map_err(|e| format!("the tokenizer: {e}"))?;
-        if !eos.is_empty() {
-            bt.set_eos_tokens(eos);
+        // End tokens past the tokenizer's ids (a model whose vocabulary outgrows its
+        // tokenizer) are not the trie's; they join the end-of-sequence mask below.
+        let size = bt.tokrx_info().vocab_size;
+        let (known, past): (Vec<u32>, Vec<u32>) = eos.iter().partition(|&&t| t < size);
+        if !known.is_empty() {
+            bt.set_eos_tokens(&known);
         }
         let env = bt.into_tok_env(Some(vocab)).map_err(|e| format!("the token trie: {e}"))?;
         let mut factory = ParserFactory::new_simple(&env).map_err(|e| format!("the grammar engine: {e}"))?;
         factory.quiet();
-        let eos = env.tok_trie().eos_token_set().as_slice().to_vec();
+        let mut eos = env.tok_trie().eos_token_set().as_slice().to_vec();
+        for t in past.into_iter().filter(|&t| (t as usize) < vocab) {
+            if let Some(w) = eos.get_mut(t as usize / 32) {
+                *w |= 1 << (t % 32);
+            }
+        }
         Ok(Grammars { factory: Arc::new(factory), eos })
     }
 
@@ -116,7 +125,15 @@ struct Llg {
 impl TokenConstraint for Llg {
     fn allowed(&mut self) -> Vec<u32> {
         match self.matcher.compute_mask_or_eos() {
-            Ok(mask) => mask.as_slice().to_vec(),
+            Ok(mask) => {
+                let mut m = mask.as_slice().to_vec();
+                // Where the parser may end, every end token may come (those past the
+                // tokenizer's ids too).
+                if m.iter().zip(&self.eos).any(|(a, e)| a & e != 0) {
+                    m.iter_mut().zip(&self.eos).for_each(|(a, e)| *a |= e);
+                }
+                m
+            }
             Err(_) => self.eos.clone(),
         }
     }

@@ -172,3 +172,23 @@ proptest! {
         s.check(&v, "$").map_err(|e| TestCaseError::fail(format!("{}: {e}: {text}", s.schema())))?;
     }
 }
+
+/// A model whose end token lies past its tokenizer's ids (a random checkpoint's config over a
+/// cut tokenizer: Qwen3-MoE's 151645 on 1000 tokens) loads, and once the regex is done that
+/// token, and only the end tokens, may follow.
+#[test]
+fn an_end_token_past_the_tokenizers_ids_ends_the_output() {
+    let json = std::fs::read(fixture().join("tokenizer.json")).unwrap();
+    let (far, vocab) = (151_645u32, 151_936usize);
+    let g = Grammars::load(&json, &[far], vocab).unwrap();
+    let c = g.compile(&Spec::Regex("a".into())).unwrap();
+    let (_, tok) = engine();
+    for t in tok.encode("a", false).unwrap() {
+        c.accept(t);
+    }
+    let mut logits = vec![0.0f32; vocab];
+    c.mask(&mut logits);
+    let allowed: Vec<usize> = (0..vocab).filter(|&t| logits[t].is_finite()).collect();
+    assert!(allowed.contains(&(far as usize)), "{allowed:?}");
+    assert!(allowed.len() <= 2, "{allowed:?}");
+}
