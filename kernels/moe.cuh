@@ -24,19 +24,19 @@ __device__ __forceinline__ float moe_dot(const float* x, const W* w) {
   return warp_sum(s);
 }
 
-// The routing of token blockIdx.x (ir::moe::route): the K experts of the largest logits (on
-// equal logits the lower index first), weighted by the softmax of the logits over the chosen
-// ones (NORM) or over all E. grid: T, block: 32.
+// The routing of token t (ir::moe::route) from its E logits, by one warp: the K experts of
+// the largest logits (on equal logits the lower index first), weighted by the softmax of the
+// logits over the chosen ones (NORM) or over all E.
 template <int E, int K, bool NORM, typename L>
-__device__ void moe_route(const L* logits, int* ids, float* weights) {
+__device__ __forceinline__ void moe_pick(const L* logits, int t, int* ids, float* weights) {
   constexpr int PER = (E + 31) / 32;
-  const int lane = threadIdx.x, t = blockIdx.x;
+  const int lane = threadIdx.x & 31;
   float v[PER];
   bool taken[PER];
 #pragma unroll
   for (int j = 0; j < PER; j++) {
     const int e = lane + 32 * j;
-    v[j] = e < E ? to_f32(logits[(long)t * E + e]) : NEG_INF;
+    v[j] = e < E ? to_f32(logits[e]) : NEG_INF;
     taken[j] = e >= E;
   }
   int pe[K];
@@ -83,6 +83,28 @@ __device__ void moe_route(const L* logits, int* ids, float* weights) {
       weights[t * K + k] = expf(pl[k] - m) / z;
     }
   }
+}
+
+// The routing of token blockIdx.x from its router logits. grid: T, block: 32.
+template <int E, int K, bool NORM, typename L>
+__device__ void moe_route(const L* logits, int* ids, float* weights) {
+  moe_pick<E, K, NORM>(logits + (long)blockIdx.x * E, blockIdx.x, ids, weights);
+}
+
+// The routing of token t = blockIdx.x with its router linear: logits w[e] · x[t] (+ bias[e])
+// in f32 from the f32 input, one warp per expert in turn (the same sums at any batch), then
+// moe_pick. grid: T, block: 256.
+template <int H, int E, int K, bool NORM, typename W, typename B>
+__device__ void moe_route_x(const float* x, const W* w, const B* bias, int* ids, float* weights) {
+  __shared__ float logits[E];
+  const int t = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const float* xr = x + (long)t * H;
+  for (int e = warp; e < E; e += 8) {
+    const float s = moe_dot<H>(xr, w + (long)e * H);
+    if (lane == 0) logits[e] = s + (bias ? to_f32(bias[e]) : 0.0f);
+  }
+  __syncthreads();
+  if (warp == 0) moe_pick<E, K, NORM>(logits, t, ids, weights);
 }
 
 // Row r = blockIdx.x of the T·K (token, chosen expert) pairs (token r / K, expert ids[r]):

@@ -34,6 +34,7 @@ pub(crate) fn fusion(b: &mut Builder, f: usize) -> Result<(), CodegenError> {
             }
         }
         (FusionKind::RopeAttention, [pre @ .., a]) => attention(b, *a, pre)?,
+        (FusionKind::MoeRouter, &[r, m]) => moe(b, m, Some(r))?,
         (kind, _) => return Err(CodegenError::Unsupported(format!("a malformed {} fusion", kind.name()))),
     }
     Ok(())
@@ -93,7 +94,7 @@ pub(crate) fn node(b: &mut Builder, i: usize) -> Result<(), CodegenError> {
             b.steps.push(Step::AllReduce { buf: v, cols });
         }
         Op::Logits => logits(b, i)?,
-        Op::Moe { .. } => moe(b, i)?,
+        Op::Moe { .. } => moe(b, i, None)?,
         Op::AllGather { .. } => {
             let x = n.inputs[0];
             if !matches!(b.plan.nodes[x].op, Op::Logits) {
@@ -178,7 +179,7 @@ fn norm_fuses(b: &Builder, c: usize) -> bool {
     let one_launch = match fusion.kind {
         FusionKind::Linears => true,
         FusionKind::Glu => b.feeds_linears(fusion.nodes[3]),
-        FusionKind::AddNorm | FusionKind::NormAddNorm | FusionKind::RopeAttention => false,
+        FusionKind::AddNorm | FusionKind::NormAddNorm | FusionKind::RopeAttention | FusionKind::MoeRouter => false,
     };
     let mut linears: Vec<usize> =
         fusion.nodes.iter().copied().filter(|&j| matches!(b.plan.nodes[j].op, Op::Linear { .. })).collect();
@@ -448,15 +449,16 @@ fn attention(b: &mut Builder, i: usize, pre: &[usize]) -> Result<(), CodegenErro
     Ok(())
 }
 
-/// A mixture of experts (`kernels/moe.cuh`): the routing, the chosen experts' gate and up
-/// with the activation per (token, expert), their down projections weighted and summed per
-/// token (f32 out).
-fn moe(b: &mut Builder, i: usize) -> Result<(), CodegenError> {
+/// A mixture of experts (`kernels/moe.cuh`): the routing (from the router logits, or with
+/// the fused router linear `router` its logits computed in f32 from the f32 input, the same
+/// for every batch), the chosen experts' gate and up with the activation per (token, expert),
+/// their down projections weighted and summed per token (f32 out).
+fn moe(b: &mut Builder, i: usize, router: Option<usize>) -> Result<(), CodegenError> {
     let n = &b.plan.nodes[i];
     let Op::Moe { top_k: k, norm_topk, act, bias } = &n.op else { unreachable!("a moe") };
     let (k, norm, bias, ins) = (*k, *norm_topk, *bias, n.inputs.clone());
     let act = intern(act.to_cuda());
-    let (x, logits) = (b.f32_val(ins[0])?, b.f32_val(ins[1])?);
+    let x = b.f32_val(ins[0])?;
     let (e, h, inter) = (b.cols(ins[1]), b.cols(i), b.plan.nodes[ins[2]].ty.dim(1).unwrap_or(0));
     let w = b.wdtype(ins[2]);
     if [ins[3], ins[4]].iter().any(|&j| b.wdtype(j) != w) {
@@ -471,8 +473,20 @@ fn moe(b: &mut Builder, i: usize) -> Result<(), CodegenError> {
     let (ids, weights) = (b.new_val(k, DType::I32, Count::Tokens), b.new_val(k, DType::F32, Count::Tokens));
     let a = b.new_val(k * inter, DType::F32, Count::Tokens);
     let out = b.out(i, DType::F32);
-    let route = KernelKey::MoeRoute { e, k, norm, logits: DType::F32 };
-    let route = launch(route, vec![Arg::Buf(logits), Arg::Buf(ids), Arg::Buf(weights)], [per_token(1, 1), ONE], 32);
+    let route = match router {
+        Some(r) => {
+            let rin = &b.plan.nodes[r].inputs;
+            let (w, rb) = (rin[1], rin.get(2).copied());
+            let key = KernelKey::MoeRouteX { h, e, k, norm, w: b.wdtype(w), bias: rb.map(|j| b.wdtype(j)) };
+            let args = vec![Arg::Buf(x), Arg::Weight(w), rb.map_or(Arg::Null, Arg::Weight), Arg::Buf(ids), Arg::Buf(weights)];
+            launch(key, args, [per_token(1, 1), ONE], 256)
+        }
+        None => {
+            let key = KernelKey::MoeRoute { e, k, norm, logits: DType::F32 };
+            let args = vec![Arg::Buf(b.f32_val(ins[1])?), Arg::Buf(ids), Arg::Buf(weights)];
+            launch(key, args, [per_token(1, 1), ONE], 32)
+        }
+    };
     let up = KernelKey::MoeUp { h, i: inter, k, w, bias: up_bias, act };
     let up_args = vec![
         Arg::Buf(x),

@@ -61,6 +61,16 @@ fn rope_attention(mut g: Graph) -> Graph {
     g
 }
 
+/// A mixture of experts' router: the linear of the moe's input that gives its logits
+/// ([`FusionKind::MoeRouter`]).
+pub fn fuse_moe_router(mut g: Graph, _: &PassCtx) -> Result<Graph, CompileError> {
+    for m in of(&g, |op| matches!(op, Op::Moe { .. })) {
+        let r = g.inputs(m)[1];
+        propose(&mut g, FusionKind::MoeRouter, vec![r, m]);
+    }
+    Ok(g)
+}
+
 /// Gated MLPs: `act(gate) * up` with gate and up linears of one input and `act` a silu or a
 /// map of the gate ([`FusionKind::Glu`]).
 pub fn fuse_glu(g: Graph, _: &PassCtx) -> Result<Graph, CompileError> {

@@ -65,6 +65,7 @@ pub const PIPELINE: &[(&str, Pass)] = &[
     ("fold_weights", fuse::fold_weights),
     ("fuse_rope_attention", fusion::fuse_rope_attention),
     ("fuse_glu", fusion::fuse_glu),
+    ("fuse_moe_router", fusion::fuse_moe_router),
     ("group_linears", fusion::group_linears),
     ("fuse_add_norm", fusion::fuse_add_norm),
 ];

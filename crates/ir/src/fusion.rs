@@ -36,6 +36,10 @@ pub enum FusionKind {
     /// (weight of the attention's head size: Qwen3's and Gemma 3's q/k norms) read only by
     /// that rope, applied before the rotation.
     RopeAttention,
+    /// `[linear, moe]`: a mixture of experts' router, a linear of the moe's own input read
+    /// only by the moe as its router logits: the routing kernel computes the logits itself
+    /// (in f32, from the input as it is).
+    MoeRouter,
 }
 
 impl FusionKind {
@@ -47,14 +51,22 @@ impl FusionKind {
             FusionKind::Linears => "linears",
             FusionKind::Glu => "glu",
             FusionKind::RopeAttention => "rope_attention",
+            FusionKind::MoeRouter => "moe_router",
         }
     }
 
     /// The kind named `s` in printed plans.
     pub fn parse(s: &str) -> Option<FusionKind> {
-        [FusionKind::AddNorm, FusionKind::NormAddNorm, FusionKind::Linears, FusionKind::Glu, FusionKind::RopeAttention]
-            .into_iter()
-            .find(|k| k.name() == s)
+        [
+            FusionKind::AddNorm,
+            FusionKind::NormAddNorm,
+            FusionKind::Linears,
+            FusionKind::Glu,
+            FusionKind::RopeAttention,
+            FusionKind::MoeRouter,
+        ]
+        .into_iter()
+        .find(|k| k.name() == s)
     }
 }
 
@@ -161,6 +173,17 @@ pub fn check<N: Copy + PartialEq, V: View<N>>(v: &V, f: &Fusion<N>) -> Result<()
                 fits,
                 "needs ropes of q and/or k (the same op) read only by the attention, and per-head rms_norms read \
                  only by them",
+            )
+        }
+        (FusionKind::MoeRouter, &[r, m]) => {
+            let mi = v.ins(m);
+            ok(
+                matches!(v.op(r), Op::Linear { .. })
+                    && matches!(v.op(m), Op::Moe { .. })
+                    && mi[1] == r
+                    && v.ins(r)[0] == mi[0]
+                    && only_read_by(r, m),
+                "needs a linear of the moe's input read only by the moe as its router logits",
             )
         }
         _ => Err(format!("{}: wrong number of nodes ({})", f.kind.name(), f.nodes.len())),

@@ -434,7 +434,7 @@ fn kind_order(g: &Graph, kind: FusionKind, members: Vec<NodeIndex>) -> Vec<NodeI
             }
             members
         }
-        FusionKind::AddNorm | FusionKind::NormAddNorm | FusionKind::Linears => members,
+        FusionKind::AddNorm | FusionKind::NormAddNorm | FusionKind::Linears | FusionKind::MoeRouter => members,
     }
 }
 
