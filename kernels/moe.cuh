@@ -5,23 +5,35 @@
 // batches re-read an expert for every token that chose it (a grouped GEMM over tokens sorted
 // by expert is the faster path there).
 
-// The dot product of a warp: x (f32, H) with one weight row w (H), lanes striding 8 values at
-// a time with 16-byte loads where the row allows it.
+// A lane's part of a warp's dot product of x (f32, H) with one weight row w (H): lanes stride
+// 8 values at a time with 16-byte loads where the row allows it. H is a constant, so the
+// loop unrolls and a warp has all its loads in flight at once.
 template <int H, typename W>
-__device__ __forceinline__ float moe_dot(const float* x, const W* w) {
+__device__ __forceinline__ float moe_dot_part(const float* x, const W* w) {
   const int lane = threadIdx.x & 31;
   float s = 0.0f;
   if constexpr (sizeof(W) == 2 && H % 8 == 0) {
-    for (int c = lane * 8; c < H; c += 256) {
-      float f[8];
-      unpack8(ld_stream(w + c), f);
 #pragma unroll
-      for (int j = 0; j < 8; j++) s = fmaf(f[j], x[c + j], s);
+    for (int c0 = 0; c0 < H; c0 += 256) {
+      const int c = c0 + lane * 8;
+      if (c < H) {
+        float f[8];
+        unpack8(ld_stream(w + c), f);
+#pragma unroll
+        for (int j = 0; j < 8; j++) s = fmaf(f[j], x[c + j], s);
+      }
     }
   } else {
+#pragma unroll 8
     for (int c = lane; c < H; c += 32) s = fmaf(to_f32(w[c]), x[c], s);
   }
-  return warp_sum(s);
+  return s;
+}
+
+// The dot product of a warp (every lane gets it).
+template <int H, typename W>
+__device__ __forceinline__ float moe_dot(const float* x, const W* w) {
+  return warp_sum(moe_dot_part<H>(x, w));
 }
 
 // The routing of token t (ir::moe::route) from its E logits, by one warp: the K experts of
@@ -118,8 +130,8 @@ __device__ void moe_up(const float* x, const int* ids, const W* gate, const W* u
   const int e = ids[r];
   const float* xr = x + (long)(r / K) * H;
   const long row = (long)e * I + i;
-  float g = moe_dot<H>(xr, gate + row * H);
-  float u = moe_dot<H>(xr, up + row * H);
+  const float gp = moe_dot_part<H>(xr, gate + row * H), up_part = moe_dot_part<H>(xr, up + row * H);
+  float g = warp_sum(gp), u = warp_sum(up_part);
   if (lane == 0) {
     if (gb) g += to_f32(gb[row]);
     if (ub) u += to_f32(ub[row]);
@@ -133,11 +145,18 @@ template <int H, int I, int K, typename W, typename B>
 __device__ void moe_down(const float* a, const int* ids, const float* weights, const W* down, const B* db, float* out) {
   const int t = blockIdx.x, lane = threadIdx.x & 31, h = blockIdx.y * 8 + (threadIdx.x >> 5);
   if (h >= H) return;
-  float sum = 0.0f;
+  // The K experts' rows at once (their loads in flight together), then their sums.
+  float part[K];
+#pragma unroll
   for (int k = 0; k < K; k++) {
     const int e = ids[t * K + k];
-    float y = moe_dot<I>(a + ((long)t * K + k) * I, down + ((long)e * H + h) * I);
-    if (db) y += to_f32(db[(long)e * H + h]);
+    part[k] = moe_dot_part<I>(a + ((long)t * K + k) * I, down + ((long)e * H + h) * I);
+  }
+  float sum = 0.0f;
+#pragma unroll
+  for (int k = 0; k < K; k++) {
+    float y = warp_sum(part[k]);
+    if (db) y += to_f32(db[(long)ids[t * K + k] * H + h]);
     sum = fmaf(weights[t * K + k], y, sum);
   }
   if (lane == 0) out[(long)t * H + h] = sum;

@@ -2,10 +2,10 @@
 # Benchmarks of the MoE bundles scripts/gpu-check.sh left in /tmp (run after it on the GPU
 # machine, BIN as there): batch-1 decode, batch 64 and a 4096-token prefill, with
 # `engrun bench --json` (its decode_bandwidth_fraction counts the chosen experts' bytes);
-# results under $WORK (default $OUT/moe-bench).
+# results under $WORK (default /tmp/moe-bench), packed into $OUT/moe-bench$TAG.tgz.
 set -uo pipefail
 bin="${BIN:-bin-gpu}"
-work="${WORK:-$OUT/moe-bench}"
+work="${WORK:-/tmp/moe-bench}"
 mkdir -p "$work"
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
 export ENGINE_CACHE_DIR=/tmp/engine-cache
@@ -21,3 +21,4 @@ for shape in ${SHAPES:-qwen3-30b-a3b-l4 gpt-oss-20b-l4}; do
   ENGINE_CUDA_PROFILE=1 "$bin/engrun" bench "$b" --device cuda --num-prompts 1 --input-len 128 --output-len 32 \
     >"$work/$shape-profile.txt" 2>&1
 done
+[ -n "${OUT:-}" ] && tar czf "$OUT/moe-bench${TAG:-}.tgz" -C "$work" .

@@ -2,7 +2,7 @@
 
 Usage: hf_reference.py SHAPE CHECKPOINT_DIR CONFIG_JSON
 
-Builds the model in f32 with weights rounded to bf16 values (so the f32 reference and the bf16
+Builds the model in f32 (a mixture of experts' routers with a wider spread: `is_router`) with weights rounded to bf16 values (so the f32 reference and the bf16
 model hold the very same weights), saves it to CHECKPOINT_DIR, and writes there `seqs.json` (the
 token sequences: one of 64 tokens, 16 of 40 + 2i tokens, one of 520 tokens) and
 `hf_logits.safetensors` with the logits of every position of every sequence, one after the
@@ -28,10 +28,21 @@ with torch.device("cuda"):
 # double every norm's output, sharpen attention to near one-hot and make the bf16 forward
 # chaotic).
 center = 0.0 if cfg["model_type"].startswith("gemma") else 1.0
+
+
+def is_router(name):
+    """Qwen3-MoE's `mlp.gate`, Mixtral's `block_sparse_moe.gate`, gpt-oss's `mlp.router`."""
+    return name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")) or ".mlp.router." in name
+
 with torch.no_grad():
     for name, p in model.named_parameters():
         if "norm" in name:
             p.copy_(center + 0.1 * torch.randn_like(p))
+        elif is_router(name):
+            # A mixture of experts' router with a trained router's spread of logits (several
+            # units): at 0.02 every token's experts are near ties and weighted alike, so any
+            # rounding swaps one of them for a weight of 1/k (HF's own bf16 forward too).
+            p.normal_(0, 0.1)
         else:
             p.normal_(0, 0.02)
         p.copy_(p.bfloat16().float())

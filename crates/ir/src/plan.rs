@@ -109,7 +109,8 @@ impl Plan {
     }
 
     /// How decode steps read the weights: the experts' stacks of each mixture of experts
-    /// apart from the rest.
+    /// apart from the rest; an embedding table that nothing else reads (untied) is left out
+    /// (a token reads one row of it).
     pub fn weight_use(&self) -> WeightUse {
         let mut experts = Vec::new();
         let mut stacked = std::collections::HashSet::new();
@@ -121,7 +122,15 @@ impl Plan {
                 stacked.extend(stacks.iter().copied());
             }
         }
-        let dense = (0..self.nodes.len()).filter(|i| !stacked.contains(i)).map(|i| self.bytes_of(i)).sum();
+        // A table only the embedding reads gives one row per token.
+        let gathered = |i: usize| {
+            let mut readers = self.nodes.iter().filter(|n| n.inputs.contains(&i));
+            readers.all(|n| matches!(n.op, Op::Embedding))
+        };
+        let dense = (0..self.nodes.len())
+            .filter(|&i| !stacked.contains(&i) && !gathered(i))
+            .map(|i| self.bytes_of(i))
+            .sum();
         WeightUse { dense, experts }
     }
 
