@@ -103,20 +103,16 @@ __device__ void moe_route(const L* logits, int* ids, float* weights) {
   moe_pick<E, K, NORM>(logits + (long)blockIdx.x * E, blockIdx.x, ids, weights);
 }
 
-// The routing of token t = blockIdx.x with its router linear: logits w[e] · x[t] (+ bias[e])
-// in f32 from the f32 input, one warp per expert in turn (the same sums at any batch), then
-// moe_pick. grid: T, block: 256.
-template <int H, int E, int K, bool NORM, typename W, typename B>
-__device__ void moe_route_x(const float* x, const W* w, const B* bias, int* ids, float* weights) {
-  __shared__ float logits[E];
-  const int t = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const float* xr = x + (long)t * H;
-  for (int e = warp; e < E; e += 8) {
-    const float s = moe_dot<H>(xr, w + (long)e * H);
-    if (lane == 0) logits[e] = s + (bias ? to_f32(bias[e]) : 0.0f);
-  }
-  __syncthreads();
-  if (warp == 0) moe_pick<E, K, NORM>(logits, t, ids, weights);
+// A mixture of experts' router logits: w[e] · x[t] (+ bias[e]) in f32 from the f32 input, for
+// token t = blockIdx.x and experts blockIdx.y * 8 + warp: one warp per (token, expert), the
+// same sums at any batch, and at batch 1 the router's rows spread over E / 8 blocks.
+// grid: (T, ceil(E / 8)), block: 256.
+template <int H, int E, typename W, typename B>
+__device__ void moe_router_logits(const float* x, const W* w, const B* bias, float* logits) {
+  const int t = blockIdx.x, lane = threadIdx.x & 31, e = blockIdx.y * 8 + (threadIdx.x >> 5);
+  if (e >= E) return;
+  const float s = moe_dot<H>(x + (long)t * H, w + (long)e * H);
+  if (lane == 0) logits[(long)t * E + e] = s + (bias ? to_f32(bias[e]) : 0.0f);
 }
 
 // Row r = blockIdx.x of the T·K (token, chosen expert) pairs (token r / K, expert ids[r]):

@@ -204,17 +204,13 @@ pub enum KernelKey {
         /// The router logits' dtype.
         logits: DType,
     },
-    /// The routing with its router linear: each token's logits over `e` experts computed in
-    /// f32 from its f32 input of `h`, then its `k` experts and their weights.
-    MoeRouteX {
+    /// A mixture of experts' router linear: each token's logits over `e` experts computed in
+    /// f32 from its f32 input of `h` (f32 out).
+    MoeRouterLogits {
         /// Input features.
         h: usize,
         /// Experts.
         e: usize,
-        /// Experts per token.
-        k: usize,
-        /// Softmax over the chosen experts only.
-        norm: bool,
         /// The router weight's dtype.
         w: DType,
         /// The router bias's dtype, where it has one.
@@ -560,11 +556,9 @@ impl KernelKey {
                 format!("map_{:016x}", fnv(&format!("{:?}{}", &ins[..arity], self.map_body())))
             }
             KernelKey::MoeRoute { e, k, norm, logits } => format!("moe_route_e{e}_k{k}_{}_{logits}", u8::from(norm)),
-            KernelKey::MoeRouteX { h, e, k, norm, w, bias } => format!(
-                "moe_route_x_h{h}_e{e}_k{k}_{}_{w}{}",
-                u8::from(norm),
-                bias.map_or(String::new(), |b| format!("_b{b}"))
-            ),
+            KernelKey::MoeRouterLogits { h, e, w, bias } => {
+                format!("moe_router_logits_h{h}_e{e}_{w}{}", bias.map_or(String::new(), |b| format!("_b{b}")))
+            }
             KernelKey::MoeUp { h, i, k, w, bias, act } => format!(
                 "moe_up_h{h}_i{i}_k{k}_{w}{}_a{:08x}",
                 bias.map_or(String::new(), |b| format!("_b{b}")),
@@ -728,11 +722,11 @@ impl KernelKey {
                     format!("moe_route<{e}, {k}, {norm}, {l}>(logits, ids, weights)"),
                 )
             }
-            KernelKey::MoeRouteX { h, e, k, norm, w, bias } => {
+            KernelKey::MoeRouterLogits { h, e, w, bias } => {
                 let (t, b) = (ctype(w)?, bias.map_or(Ok("float"), ctype)?);
                 (
-                    format!("const float* x, const {t}* w, const {b}* bias, int* ids, float* weights"),
-                    format!("moe_route_x<{h}, {e}, {k}, {norm}, {t}, {b}>(x, w, bias, ids, weights)"),
+                    format!("const float* x, const {t}* w, const {b}* bias, float* logits"),
+                    format!("moe_router_logits<{h}, {e}, {t}, {b}>(x, w, bias, logits)"),
                 )
             }
             KernelKey::MoeUp { h, i, k, w, bias, act } => {

@@ -473,20 +473,21 @@ fn moe(b: &mut Builder, i: usize, router: Option<usize>) -> Result<(), CodegenEr
     let (ids, weights) = (b.new_val(k, DType::I32, Count::Tokens), b.new_val(k, DType::F32, Count::Tokens));
     let a = b.new_val(k * inter, DType::F32, Count::Tokens);
     let out = b.out(i, DType::F32);
-    let route = match router {
+    // The router logits: the fused router linear's, in f32 from the f32 input, or the plan's.
+    let logits = match router {
         Some(r) => {
             let rin = &b.plan.nodes[r].inputs;
             let (w, rb) = (rin[1], rin.get(2).copied());
-            let key = KernelKey::MoeRouteX { h, e, k, norm, w: b.wdtype(w), bias: rb.map(|j| b.wdtype(j)) };
-            let args = vec![Arg::Buf(x), Arg::Weight(w), rb.map_or(Arg::Null, Arg::Weight), Arg::Buf(ids), Arg::Buf(weights)];
-            launch(key, args, [per_token(1, 1), ONE], 256)
+            let logits = b.new_val(e, DType::F32, Count::Tokens);
+            let key = KernelKey::MoeRouterLogits { h, e, w: b.wdtype(w), bias: rb.map(|j| b.wdtype(j)) };
+            let args = vec![Arg::Buf(x), Arg::Weight(w), rb.map_or(Arg::Null, Arg::Weight), Arg::Buf(logits)];
+            b.steps.push(one(launch(key, args, [per_token(1, 1), Dim::Fixed(e.div_ceil(8))], 256)));
+            logits
         }
-        None => {
-            let key = KernelKey::MoeRoute { e, k, norm, logits: DType::F32 };
-            let args = vec![Arg::Buf(b.f32_val(ins[1])?), Arg::Buf(ids), Arg::Buf(weights)];
-            launch(key, args, [per_token(1, 1), ONE], 32)
-        }
+        None => b.f32_val(ins[1])?,
     };
+    let route = KernelKey::MoeRoute { e, k, norm, logits: DType::F32 };
+    let route = launch(route, vec![Arg::Buf(logits), Arg::Buf(ids), Arg::Buf(weights)], [per_token(1, 1), ONE], 32);
     let up = KernelKey::MoeUp { h, i: inter, k, w, bias: up_bias, act };
     let up_args = vec![
         Arg::Buf(x),
