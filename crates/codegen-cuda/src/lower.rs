@@ -359,7 +359,8 @@ fn attention(b: &mut Builder, i: usize, pre: &[usize]) -> Result<(), CodegenErro
         unreachable!("an attention")
     };
     let sink = sinks.then(|| n.inputs[3]);
-    let mask = Mask { window: window.unwrap_or(0), cap: softcap.map_or(0, f32::to_bits), sink: sink.map(|w| b.wdtype(w)) };
+    let mask =
+        Mask { window: window.unwrap_or(0), cap: softcap.map_or(0, f32::to_bits), sink: sink.map(|w| b.wdtype(w)) };
     let sink_arg = sink.map_or(Arg::Null, Arg::Weight);
     if d % 16 != 0 || d == 0 || d > 512 || heads % kv_heads != 0 {
         return Err(CodegenError::Unsupported(format!(
@@ -462,7 +463,10 @@ fn moe(b: &mut Builder, i: usize, router: Option<usize>) -> Result<(), CodegenEr
     let (e, h, inter) = (b.cols(ins[1]), b.cols(i), b.plan.nodes[ins[2]].ty.dim(1).unwrap_or(0));
     let w = b.wdtype(ins[2]);
     if [ins[3], ins[4]].iter().any(|&j| b.wdtype(j) != w) {
-        return Err(CodegenError::Unsupported(format!("`{}`: experts' gate, up and down of different dtypes", n.label)));
+        return Err(CodegenError::Unsupported(format!(
+            "`{}`: experts' gate, up and down of different dtypes",
+            n.label
+        )));
     }
     let bias_of = |j: usize| bias.then(|| b.wdtype(ins[j]));
     let bias_arg = |j: usize| if bias { Arg::Weight(ins[j]) } else { Arg::Null };

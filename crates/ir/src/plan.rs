@@ -127,10 +127,8 @@ impl Plan {
             let mut readers = self.nodes.iter().filter(|n| n.inputs.contains(&i));
             readers.all(|n| matches!(n.op, Op::Embedding))
         };
-        let dense = (0..self.nodes.len())
-            .filter(|&i| !stacked.contains(&i) && !gathered(i))
-            .map(|i| self.bytes_of(i))
-            .sum();
+        let dense =
+            (0..self.nodes.len()).filter(|&i| !stacked.contains(&i) && !gathered(i)).map(|i| self.bytes_of(i)).sum();
         WeightUse { dense, experts }
     }
 
@@ -231,5 +229,38 @@ impl WeightUse {
     pub fn at(&self, rows: usize) -> f64 {
         let chosen = |k: usize, e: usize| 1.0 - (1.0 - k as f64 / e.max(1) as f64).powi(rows as i32);
         self.dense as f64 + self.experts.iter().map(|&(b, k, e)| b as f64 * chosen(k, e)).sum::<f64>()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// Tied table, an untied embedding table, a router and 4 experts of 8 x 32 (bf16), 2 per token.
+    const MOE: &str = "plan tp=1 act=bf16 vocab=16 kv(layers=0, kv_heads=0, head_dim=0)
+@table : [16, 32] bf16
+@head : [16, 32] bf16
+@router : [4, 32] bf16
+@gate : [4, 8, 32] bf16
+@up : [4, 8, 32] bf16
+@down : [4, 32, 8] bf16
+%0 = tokens() : [T] i32  # tokens
+%1 = embedding(%0, @table) : [T, 32] bf16  # x
+%2 = linear(%1, @router) : [T, 4] bf16  # logits
+%3 = moe{top_k=2, norm_topk=true, act=(silu(x0) * x1), bias=false}(%1, %2, @gate, @up, @down) : [T, 32] bf16  # moe
+%4 = logits(%3, @head) : [R, 16] f32  # logits  (output)
+";
+
+    #[test]
+    fn a_token_reads_its_chosen_experts_and_not_the_embedding_table() {
+        let plan = crate::text::parse(MOE).unwrap().to_plan().unwrap();
+        let u = plan.weight_use();
+        // The lm_head and the router; the table only the embedding reads is left out.
+        assert_eq!(u.dense, (16 * 32 + 4 * 32) * 2);
+        assert_eq!(u.experts, vec![(3 * 4 * 8 * 32 * 2, 2, 4)]);
+        assert_eq!(u.at(1), (u.dense + 3 * 2 * 8 * 32 * 2) as f64);
+        // Two rows choose 4 · (1 − (1/2)²) = 3 experts on average.
+        assert_eq!(u.at(2), u.dense as f64 + 3.0 * (3 * 8 * 32 * 2) as f64);
+        assert!(u.at(1000) <= (u.dense + u.experts[0].0) as f64);
+        // The router's 4 x 32 and two experts' gate, up and down per token.
+        assert_eq!(plan.matmul_params(), 4 * 32 + 2 * 3 * 8 * 32);
     }
 }
