@@ -164,7 +164,10 @@ fn validate_checkpoint(model: &BoundModel, ckpt: &Checkpoint) -> Result<Vec<Stri
             })?;
             if !arrange::fits(w, &info.shape) {
                 let expected = arrange::stored_shape(w).0;
-                return Err(CompileError::ShapeMismatch { name: tensor, at, expected, found: info.shape.clone() });
+                // The part a model takes of a fused tensor by its plan name; one expert's
+                // tensor by its own.
+                let name = if w.experts.is_some_and(|(_, per)| per) { tensor } else { w.name.clone() };
+                return Err(CompileError::ShapeMismatch { name, at, expected, found: info.shape.clone() });
             }
             if !info.readable {
                 return Err(CompileError::UnsupportedDtype { name: tensor, dtype: info.dtype_name.clone() });
