@@ -1,6 +1,8 @@
 //! `engrun`: runs bundles. `engrun generate` prints a completion; `engrun logits` writes the
 //! logits of every position of a token sequence.
 
+mod bench_serve;
+
 use bundle::Bundle;
 use clap::{Args, Parser, Subcommand};
 use runtime::{Device, Engine, EngineConfig, Event, Policy, Request, SamplingParams};
@@ -181,6 +183,10 @@ enum Cmd {
         #[command(flatten)]
         engine: EngineArgs,
     },
+    /// Online benchmark of an OpenAI-compatible server (ours, vLLM's, SGLang's): streaming
+    /// requests of random token-id prompts at a request rate and concurrency, timed on the
+    /// client (TTFT, ITL, TPOT, end-to-end), flags and result keys as sglang.bench_serving's.
+    BenchServe(bench_serve::ServeBenchArgs),
     /// Measure the machine's limits that docs/perf.md divides by: host copy bandwidth (one
     /// thread, and all cores) and, with --device cuda, each GPU's device-to-device copy bandwidth
     /// and cuBLASLt bf16 and f16 matmul rate. Copies count bytes read + written; each figure is
@@ -304,6 +310,7 @@ fn main() -> ExitCode {
             bench_format(regex, json_schema)
                 .and_then(|format| bench(&bundle, device, &engine, opts, format, json, verify_alone))
         }
+        Cmd::BenchServe(args) => bench_serve::run(&args).map(|_| ()),
         Cmd::Probe { device, devices, host_mib, device_mib, matmul_size, reps, warmup, json } => {
             let gpus = match (device.as_str(), devices.is_empty()) {
                 ("cuda", true) => vec![0],
