@@ -10,7 +10,8 @@ export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/lib/x86_64-linux-gnu:${LD_LIBR
 export ENGINE_CACHE_DIR=/tmp/engine-cache
 ck=/tmp/ck-$shape b=/tmp/ck-$shape.bundle out="${OUT:-/tmp}/bench-serve-$shape.jsonl"
 [ -f "$ck/config.json" ] || python3 scripts/gpu/hf_reference.py "$shape" "$ck" "tests/configs/$shape.json" >/dev/null 2>&1
-cp tests/fixtures/tiny-qwen2/tokenizer.json tests/fixtures/tiny-qwen2/tokenizer_config.json "$ck/"
+# A real Qwen tokenizer ($TOKENIZER: a folder with tokenizer.json), so the served text decodes.
+cp "${TOKENIZER:-$bin/qwen-tokenizer}"/tokenizer*.json "$ck/"
 [ -d "$b" ] || "$bin/engc" compile --checkpoint "$ck" --dtype bf16 -o "$b" >/dev/null 2>&1 || exit 1
 "$bin/engrun" bench "$b" --device cuda --num-prompts "$n" --input-len "$len" --output-len "$len" \
   --random-range-ratio "$ratio" --json 2>/dev/null | tail -1 >"$out"
