@@ -419,12 +419,12 @@ impl Mask {
 
     /// The template arguments `WIN, CAP, SW` (SW: the sinks' type, float without them).
     fn args(self) -> Result<String, CodegenError> {
-        Ok(format!("{}, {}u, {}", self.window, self.cap, self.sink.map_or(Ok("float"), ctype)?))
+        Ok(format!("{}, {}u, {}", self.window, self.cap, opt_ctype(self.sink)?))
     }
 
     /// The sinks parameter (`SW` as [`Mask::args`]).
     fn sinks_param(self) -> Result<String, CodegenError> {
-        Ok(format!("const {}* sinks", self.sink.map_or(Ok("float"), ctype)?))
+        Ok(format!("const {}* sinks", opt_ctype(self.sink)?))
     }
 }
 
@@ -473,6 +473,11 @@ impl HeadNorm {
 
 /// The arguments [`HeadNorm::rope_head_params`] names, in the kernels' calls.
 const ROPE_HEAD_ARGS: &str = "q, k, v, pos, inv_freq, rscale, slot_of, qnw, knw, qeps, keps";
+
+/// The C type of an optional pointer's pointee: `float` where there is none (it is null).
+fn opt_ctype(d: Option<DType>) -> Result<&'static str, CodegenError> {
+    d.map_or(Ok("float"), ctype)
+}
 
 pub(crate) fn ctype(d: DType) -> Result<&'static str, CodegenError> {
     match d {
@@ -723,14 +728,14 @@ impl KernelKey {
                 )
             }
             KernelKey::MoeRouterLogits { h, e, w, bias } => {
-                let (t, b) = (ctype(w)?, bias.map_or(Ok("float"), ctype)?);
+                let (t, b) = (ctype(w)?, opt_ctype(bias)?);
                 (
                     format!("const float* x, const {t}* w, const {b}* bias, float* logits"),
                     format!("moe_router_logits<{h}, {e}, {t}, {b}>(x, w, bias, logits)"),
                 )
             }
             KernelKey::MoeUp { h, i, k, w, bias, act } => {
-                let (t, b) = (ctype(w)?, bias.map_or(Ok("float"), ctype)?);
+                let (t, b) = (ctype(w)?, opt_ctype(bias)?);
                 (
                     format!(
                         "const float* x, const int* ids, const {t}* gate, const {t}* up, const {b}* gb, const {b}* ub, \
@@ -743,7 +748,7 @@ impl KernelKey {
                 )
             }
             KernelKey::MoeDown { h, i, k, w, bias } => {
-                let (t, b) = (ctype(w)?, bias.map_or(Ok("float"), ctype)?);
+                let (t, b) = (ctype(w)?, opt_ctype(bias)?);
                 (
                     format!("const float* a, const int* ids, const float* weights, const {t}* down, const {b}* db, float* out"),
                     format!("moe_down<{h}, {i}, {k}, {t}, {b}>(a, ids, weights, down, db, out)"),

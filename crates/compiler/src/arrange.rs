@@ -46,10 +46,18 @@ pub fn fits(bw: &BoundWeight, found: &[usize]) -> bool {
 
 /// `bw`'s values, row-major in its shape.
 pub fn read(ckpt: &Checkpoint, bw: &BoundWeight) -> Result<Vec<f32>, CompileError> {
+    let whole = !bw.transposed && bw.rows.is_none();
+    if whole && !matches!(bw.experts, Some((_, true))) {
+        return ckpt.read_f32(&bw.tensor);
+    }
     let mut out = Vec::with_capacity(bw.shape.iter().product());
     for name in tensors(bw) {
         let shape = ckpt.info(&name).map(|t| t.shape.clone()).unwrap_or_default();
         let data = ckpt.read_f32(&name)?;
+        if whole {
+            out.extend_from_slice(&data);
+            continue;
+        }
         // A stacked tensor holds one matrix per expert.
         let dims = &shape[usize::from(matches!(bw.experts, Some((_, false))))..];
         let size: usize = dims.iter().product();
@@ -67,14 +75,11 @@ fn arrange(m: &[f32], dims: &[usize], bw: &BoundWeight) -> Vec<f32> {
         _ => (dims.first().copied().unwrap_or(1), dims.iter().skip(1).product()),
     };
     let at = |r: usize, c: usize| if bw.transposed { m[c * rows + r] } else { m[r * cols + c] };
-    let picked: Vec<usize> = match bw.rows {
-        Some(r) => (r.start..r.end).step_by(r.step).collect(),
-        None => (0..rows).collect(),
+    let picked = match bw.rows {
+        Some(r) => (r.start..r.end).step_by(r.step),
+        None => (0..rows).step_by(1),
     };
-    if !bw.transposed && bw.rows.is_none() {
-        return m.to_vec();
-    }
-    picked.iter().flat_map(|&r| (0..cols).map(move |c| at(r, c))).collect()
+    picked.flat_map(|r| (0..cols).map(move |c| at(r, c))).collect()
 }
 
 #[cfg(test)]

@@ -229,7 +229,7 @@ fn write_rank_weights(
                 if dtype.is_block() {
                     return read_blocks(ckpt, bw, dtype, (shape, tp, rank));
                 }
-                let data = read_weight(ckpt, bw)?;
+                let data = arrange::read(ckpt, bw)?;
                 // The plan's shape says whether this rank holds a slice (a replicated lm_head
                 // keeps its whole shape even where the model marks it column-parallel).
                 let data = if shape == bw.shape { data } else { shard::cut(bw, &data, tp, rank)? };
@@ -250,11 +250,6 @@ fn write_rank_weights(
         (Err(_), Some(err)) => Err(err),
         (r, _) => Ok(r?),
     }
-}
-
-/// A weight's values from the checkpoint (`arrange::read`).
-fn read_weight(ckpt: &Checkpoint, bw: &spec::BoundWeight) -> Result<Vec<f32>, CompileError> {
-    arrange::read(ckpt, bw)
 }
 
 /// A weight kept in its block type: its blocks, this rank's slice of them.
@@ -304,7 +299,7 @@ fn quantize_fp8(
     (shape, tp, rank): (&[usize], usize, usize),
 ) -> Result<Vec<u8>, CompileError> {
     let k = bw.shape.last().copied().unwrap_or(0);
-    let bytes = ir::quant::quantize_fp8_rows(&read_weight(ckpt, bw)?, k);
+    let bytes = ir::quant::quantize_fp8_rows(&arrange::read(ckpt, bw)?, k);
     rank_blocks(bw, bytes, DType::F8_E4M3, (shape, tp, rank))
 }
 

@@ -77,29 +77,16 @@ impl Lowerer<'_> {
     /// Whether a per-layer statement's condition holds at the current layer.
     fn runs(&self, s: &Guarded) -> Result<bool, CompileError> {
         let Some(cond) = &s.when else { return Ok(true) };
-        let at = match s.stmt.line {
-            Some(line) => format!("{}:{line}", self.model.spec.origin),
-            None => self.model.spec.origin.clone(),
-        };
-        let err = |message: String| CompileError::Graph { at: at.clone(), statement: s.stmt.text.clone(), message };
+        let err = |message: String| graph_err(self.model, &s.stmt, message);
         let e = spec::parse_expr(cond).map_err(|e| err(format!("`if: {cond}`: {e}")))?;
-        let lookup = |n: &str| match (n, self.layer) {
-            ("i", Some(i)) => Some(Value::Int(i as i64)),
-            _ => self.model.param(n).cloned(),
-        };
+        let lookup = |n: &str| layer_value(self.model, self.layer, n);
         let v = spec::value::eval(&e, &lookup).map_err(|m| err(format!("`if: {cond}`: {m}")))?;
         v.as_bool().ok_or_else(|| err(format!("`if: {cond}` is {v}, not a bool")))
     }
 
     fn statement(&mut self, s: &Located<Statement>) -> Result<(), CompileError> {
-        let err = |message: String| CompileError::Graph {
-            at: match s.line {
-                Some(line) => format!("{}:{line}", self.model.spec.origin),
-                None => self.model.spec.origin.clone(),
-            },
-            statement: s.text.clone(),
-            message,
-        };
+        let model = self.model;
+        let err = |message: String| graph_err(model, s, message);
         let mut results = Vec::new();
         for (target, e) in s.value.targets.iter().zip(&s.value.values) {
             let label = match self.layer {
@@ -388,6 +375,24 @@ fn expr_names(e: &Expr) -> Vec<String> {
     }
 }
 
+/// An error of statement `s` of `model`'s YAML, located at its line.
+fn graph_err(model: &BoundModel, s: &Located<Statement>, message: String) -> CompileError {
+    let at = match s.line {
+        Some(line) => format!("{}:{line}", model.spec.origin),
+        None => model.spec.origin.clone(),
+    };
+    CompileError::Graph { at, statement: s.text.clone(), message }
+}
+
+/// The value of a name in an expression over the params; in a per-layer statement `i` is the
+/// layer's index.
+fn layer_value(model: &BoundModel, layer: Option<usize>, name: &str) -> Option<Value> {
+    match (name, layer) {
+        ("i", Some(i)) => Some(Value::Int(i as i64)),
+        _ => model.param(name).cloned(),
+    }
+}
+
 /// Keyword arguments of a call, evaluated over the model's params.
 struct Attrs<'a> {
     op: &'a str,
@@ -402,10 +407,7 @@ impl<'a> Attrs<'a> {
         model: &BoundModel,
         layer: Option<usize>,
     ) -> Result<Attrs<'a>, String> {
-        let lookup = |n: &str| match (n, layer) {
-            ("i", Some(i)) => Some(Value::Int(i as i64)),
-            _ => model.param(n).cloned(),
-        };
+        let lookup = |n: &str| layer_value(model, layer, n);
         let values = kwargs
             .iter()
             .map(|(k, e)| {

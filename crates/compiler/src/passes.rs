@@ -157,6 +157,7 @@ pub fn tensor_parallel(mut g: Graph, ctx: &PassCtx) -> Result<Graph, CompileErro
     g.tp = tp;
     Ok(g)
 }
+
 /// Sums a row-parallel node's partial results over the ranks: an `all_reduce` after it. A bias
 /// is added once: a linear's after the sum, a mixture of experts' down bias shared out (each
 /// rank adds `1/tp` of it, exact for a power-of-two tp; the `fold_weights` pass makes the

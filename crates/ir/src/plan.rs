@@ -97,7 +97,7 @@ impl Plan {
 
     /// Bytes of the weights the plan reads per rank, as stored (block types as blocks).
     pub fn weight_bytes(&self) -> usize {
-        self.weights().map(|(_, s, d)| d.bytes(s.iter().product()).unwrap_or(0)).sum()
+        (0..self.nodes.len()).map(|i| self.bytes_of(i)).sum()
     }
 
     /// The bytes of node `i` when it is a weight.
@@ -123,12 +123,17 @@ impl Plan {
             }
         }
         // A table only the embedding reads gives one row per token.
-        let gathered = |i: usize| {
-            let mut readers = self.nodes.iter().filter(|n| n.inputs.contains(&i));
-            readers.all(|n| matches!(n.op, Op::Embedding))
-        };
-        let dense =
-            (0..self.nodes.len()).filter(|&i| !stacked.contains(&i) && !gathered(i)).map(|i| self.bytes_of(i)).sum();
+        let mut gathered = vec![None; self.nodes.len()];
+        for n in &self.nodes {
+            for &i in &n.inputs {
+                let only = gathered[i].unwrap_or(true) && matches!(n.op, Op::Embedding);
+                gathered[i] = Some(only);
+            }
+        }
+        let dense = (0..self.nodes.len())
+            .filter(|&i| !stacked.contains(&i) && gathered[i] != Some(true))
+            .map(|i| self.bytes_of(i))
+            .sum();
         WeightUse { dense, experts }
     }
 

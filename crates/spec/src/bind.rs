@@ -275,10 +275,11 @@ fn bind_weight(
             Some(rows)
         }
     };
+    let base = tensor.replace("{e}", "*");
     let name = match rows {
-        Some(Rows { start, end, step: 1 }) => format!("{}[{start}:{end}]", tensor.replace("{e}", "*")),
-        Some(Rows { start, end, step }) => format!("{}[{start}:{end}:{step}]", tensor.replace("{e}", "*")),
-        None => tensor.replace("{e}", "*"),
+        Some(Rows { start, end, step: 1 }) => format!("{base}[{start}:{end}]"),
+        Some(Rows { start, end, step }) => format!("{base}[{start}:{end}:{step}]"),
+        None => base,
     };
     let transposed = w.transposed;
     Ok(Some(BoundWeight {
