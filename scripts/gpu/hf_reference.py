@@ -2,6 +2,9 @@
 
 Usage: hf_reference.py SHAPE CHECKPOINT_DIR CONFIG_JSON
 
+With REF=0 in the environment only the checkpoint is written (bf16, no reference logits): what
+the benchmarks need.
+
 Builds the model in f32 (a mixture of experts' routers with a wider spread: `is_router`) with weights rounded to bf16 values (so the f32 reference and the bf16
 model hold the very same weights), saves it to CHECKPOINT_DIR, and writes there `seqs.json` (the
 token sequences: one of 64 tokens, 16 of 40 + 2i tokens, one of 520 tokens) and
@@ -9,6 +12,7 @@ token sequences: one of 64 tokens, 16 of 40 + 2i tokens, one of 520 tokens) and
 other, from HF's f32, bf16 and f16 forwards.
 """
 import json
+import os
 import sys
 
 import torch
@@ -58,6 +62,10 @@ def run(m):
         return torch.cat([m(torch.tensor([s]).cuda()).logits[0].float().cpu() for s in seqs])
 
 
+if os.environ.get("REF") == "0":
+    model.to(torch.bfloat16).save_pretrained(ck)
+    print(f"{shape}: saved a random checkpoint (no reference logits)")
+    sys.exit(0)
 f32 = run(model)
 bf = run(model.to(torch.bfloat16))
 model.save_pretrained(ck)

@@ -82,6 +82,8 @@ pub struct CudaBackend {
     bias_f32: HashMap<usize, CudaSlice<f32>>,
     /// `ENGINE_CUDA_PROFILE` ([`profile`]).
     profile: Option<Profile>,
+    /// `ENGINE_CUDA_SKIP` ([`profile::skip_from_env`]): kernels left out, for timing only.
+    skip: Vec<String>,
 }
 
 impl Drop for CudaBackend {
@@ -242,6 +244,7 @@ impl CudaBackend {
             blas_choice: HashMap::new(),
             bias_f32: HashMap::new(),
             profile,
+            skip: profile::skip_from_env(),
         };
         be.ensure_cap(256, 256)?;
         be.choose_gemms()?;
@@ -389,7 +392,7 @@ impl CudaBackend {
             Dim::Per(c, mul, div) => (count(&c) * mul).div_ceil(div),
         };
         let (gx, gy) = (dim(&l.grid[0]), dim(&l.grid[1]));
-        if gx == 0 || gy == 0 {
+        if gx == 0 || gy == 0 || profile::skipped(&self.skip, &l.key.name()) {
             return Ok(());
         }
         let cfg = LaunchConfig { grid_dim: (gx as u32, gy as u32, 1), block_dim: (l.block, 1, 1), shared_mem_bytes: 0 };

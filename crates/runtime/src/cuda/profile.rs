@@ -3,12 +3,36 @@
 //! from a graph: the replay and the sampling kernel on the GPU (events around each) against
 //! the step's wall time on the host (inputs, replay, sampling, the tokens' copy back), so the
 //! parts can be told apart.
+//!
+//! `ENGINE_CUDA_SKIP=a,b` leaves out every launch whose kernel name contains `a` or `b`, graphs
+//! and PDL kept: what a kind of kernel costs inside the step as it runs (the TPOT with and
+//! without it), where no profiler can see into CUDA graphs. The outputs are then wrong: for
+//! timing experiments only, and said so on stderr.
 
 use crate::RuntimeError;
 use cudarc::driver::{CudaEvent, CudaStream};
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::time::Instant;
+
+/// The kernel-name parts of `ENGINE_CUDA_SKIP` (none when unset), announced on stderr.
+pub(super) fn skip_from_env() -> Vec<String> {
+    let parts: Vec<String> = std::env::var("ENGINE_CUDA_SKIP")
+        .unwrap_or_default()
+        .split(',')
+        .filter(|s| !s.is_empty())
+        .map(str::to_string)
+        .collect();
+    if !parts.is_empty() {
+        eprintln!("ENGINE_CUDA_SKIP: kernels named with any of {parts:?} are not launched: outputs are wrong");
+    }
+    parts
+}
+
+/// Whether kernel `name` is left out (`ENGINE_CUDA_SKIP`).
+pub(super) fn skipped(skip: &[String], name: &str) -> bool {
+    skip.iter().any(|s| name.contains(s.as_str()))
+}
 
 /// What is being profiled.
 pub(super) enum Profile {
