@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Ours and llama.cpp side by side on the GPU machine, on the same random checkpoints, in one run
+# (issue 20 item 4; issue 21's MoE comparison). For each SHAPE of SHAPES (tests/configs/
+# SHAPE.json): a random bf16 checkpoint (scripts/gpu/hf_reference.py with REF=0) with Qwen's
+# real tokenizer (TOKENIZER, default bin-gpu/qwen-tokenizer, made by
+# scripts/fetch-qwen-tokenizer.sh), converted to GGUF bf16 by llama.cpp's own converter; then
+#   llama.cpp: llama-bench pp4096 / tg128 and llama-batched-bench 128 in / 128 out at BATCHES
+#              (flash attention on, all layers on the GPU; ../shared/peers/llamacpp.sh);
+#   ours:      engrun bench --num-prompts B --input-len 128 --output-len 128 at BATCHES, and
+#              --num-prompts 1 --input-len 4096 --output-len 1 for the prefill.
+# Writes $OUT/compare-SHAPE.md (the table: output tok/s = B*128/T for llama.cpp, ours'
+# output_tok_s; decode-only tok/s = S_TG and ours' decode_tok_s) and packs the raw logs into
+# $OUT/compare-raw$TAG.tgz. LCPP: a carried copy of ../shared/peers (llamacpp.sh and the
+# llama.cpp sources), default peers-gpu; llama.cpp is built once per machine (~4 min).
+set -uo pipefail
+bin="${BIN:-bin-gpu}"
+lcpp="${LCPP:-peers-gpu}"
+tok="${TOKENIZER:-bin-gpu/qwen-tokenizer}"
+out="${OUT:-/tmp/gpu-out}"
+work="${WORK:-/tmp/compare}"
+batches="${BATCHES:-1 16 32 64 128}"
+mkdir -p "$out" "$work"
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
+export ENGINE_CACHE_DIR=/tmp/engine-cache
+[ -x /tmp/lcpp/lcpp/build/bin/llama-bench ] || bash "$lcpp/llamacpp.sh" build >"$work/lcpp-build.txt" 2>&1
+for shape in ${SHAPES:-qwen2.5-0.5b}; do
+  ck=/tmp/cmp-$shape
+  [ -f "$ck/config.json" ] || REF=0 python3 scripts/gpu/hf_reference.py "$shape" "$ck" "tests/configs/$shape.json" \
+    >"$work/$shape-hf.txt" 2>&1
+  cp "$tok"/tokenizer*.json "$ck/"
+  bash "$lcpp/llamacpp.sh" gguf "$ck" "$ck.gguf" >"$work/$shape-gguf.txt" 2>&1
+  cp /tmp/lcpp-conv.log "$work/$shape-gguf-convert.log" 2>/dev/null
+  lb=/tmp/lcpp/lcpp/build/bin
+  npl=$(echo "$batches" | tr ' ' ',')
+  $lb/llama-bench -m "$ck.gguf" -ngl 99 -fa 1 -p 4096 -n 128 -r 3 -o md >"$work/$shape-llama-bench.txt" 2>&1
+  $lb/llama-batched-bench -m "$ck.gguf" -ngl 99 -fa on -c 40000 -b 4096 -ub 512 -npp 128 -ntg 128 -npl "$npl" \
+    >"$work/$shape-llama-batched.txt" 2>&1
+  rm -f "$ck.gguf"
+  "$bin/engc" compile --checkpoint "$ck" --dtype bf16 -o "$ck.bundle" >"$work/$shape-compile.txt" 2>&1
+  : >"$work/$shape-ours.jsonl"
+  for b in $batches; do
+    "$bin/engrun" bench "$ck.bundle" --device cuda --num-prompts "$b" --input-len 128 --output-len 128 --json \
+      2>>"$work/$shape-ours.err" | tail -1 | sed "s/^{/{\"batch\":$b,/" >>"$work/$shape-ours.jsonl"
+  done
+  "$bin/engrun" bench "$ck.bundle" --device cuda --num-prompts 1 --input-len 4096 --output-len 1 --json \
+    2>>"$work/$shape-ours.err" | tail -1 | sed 's/^{/{"batch":"pp4096",/' >>"$work/$shape-ours.jsonl"
+  rm -rf "$ck.bundle" "$ck"
+  python3 scripts/gpu/compare_table.py "$shape" "$work" | tee "$out/compare-$shape.md"
+done
+tar czf "$out/compare-raw${TAG:-}.tgz" -C "$work" .
