@@ -1,5 +1,6 @@
 //! The CPU JIT linear kernel on SmolLM2-135M's shapes, dense and block (GGUF Q4_1 / Q8_0, as
-//! its GGUF stores them) weights: weight bytes streamed per second (what bounds batch-1 decode
+//! its GGUF stores them, and the k-quants Q4_K / Q5_K / Q6_K where K is a multiple of 256)
+//! weights: weight bytes streamed per second (what bounds batch-1 decode
 //! when the kernel keeps up: compare with the machine's copy bandwidth in docs/perf.md) and
 //! multiply-adds per second. `cargo bench -p benches --bench linear` (`-- q4_1` to run only
 //! the dtypes whose name contains `q4_1`).
@@ -24,12 +25,18 @@ fn main() {
         "shape", "dtype", "batch", "thr", "us/call", "GB/s(w)", "GMAC/s"
     );
     for (name, k, n) in shapes {
-        for dtype in [DType::F32, DType::BF16, DType::Q4_1, DType::Q8_0] {
-            if only.as_ref().is_some_and(|o| !dtype.to_string().contains(o.as_str())) {
+        let k_quants = [DType::Q4_K, DType::Q5_K, DType::Q6_K];
+        for dtype in [DType::F32, DType::BF16, DType::Q4_1, DType::Q8_0].into_iter().chain(k_quants) {
+            let k_quant = k_quants.contains(&dtype);
+            if only.as_ref().is_some_and(|o| !dtype.to_string().contains(o.as_str())) || (k_quant && k % 256 != 0) {
                 continue;
             }
             let kernel = LinearKernel::compile(k, n, dtype).expect("compiles");
-            let w = dtype.from_f32(&(0..n * k).map(|i| ((i % 97) as f32 - 48.0) / 97.0).collect::<Vec<_>>());
+            let w = if k_quant {
+                blocks::k_quant_sample(dtype, n * k / 256, 0)
+            } else {
+                dtype.from_f32(&(0..n * k).map(|i| ((i % 97) as f32 - 48.0) / 97.0).collect::<Vec<_>>())
+            };
             let w = if dtype.is_block() { blocks::repack(dtype, &w) } else { w };
             for batch in [1, 8, 64] {
                 let x: Vec<f32> = (0..batch * k).map(|i| ((i % 13) as f32) / 13.0).collect();

@@ -40,11 +40,12 @@ pub fn nibbles(qs: &[u8]) -> [u8; BLOCK] {
     q
 }
 
-/// One weight from its block's `d`, `m` ([`block_params`], or a Q4_K sub-block's:
-/// [`q4_k_sub_blocks`]) and its value `q` (Q8_0's `q` is the `i8`'s byte): the one formula
-/// every reader of these blocks computes.
+/// One weight from its block's `d`, `m` ([`block_params`], or a k-quant sub-block's:
+/// [`q4_k_sub_blocks`], [`q5_k_sub_blocks`], [`q6_k_sub_blocks`]) and its value `q` (Q8_0's
+/// and Q6_K's `q` is an `i8`'s byte, `m` unused): the one formula every reader of these blocks
+/// computes.
 pub fn value(ty: DType, q: u8, d: f32, m: f32) -> f32 {
-    if ty == DType::Q8_0 {
+    if matches!(ty, DType::Q8_0 | DType::Q6_K) {
         q as i8 as f32 * d
     } else {
         (q as f32).mul_add(d, m)
@@ -88,42 +89,54 @@ fn q4_k(b: &[u8], out: &mut Vec<f32>) {
     }
 }
 
-/// One Q5_K super-block (176 bytes: Q4_K's `d`, `dmin` and 12 bytes of scales, then 32 bytes
-/// `qh` at 16 and 128 bytes `qs` at 48) into 256 values: Q4_K's sub-blocks, scales and nibbles,
-/// with a fifth bit, bit `j` of `qh[l]`, for value `l` of sub-block `j`:
-/// `q = ((qs[32·(j/2) + l] >> 4·(j%2)) & 15) | (((qh[l] >> j) & 1) << 4)`,
-/// `w = (d·sc)·q - dmin·m` (exact products, the difference rounded to f32).
-fn q5_k(b: &[u8], out: &mut Vec<f32>) {
+/// The eight sub-blocks of a Q5_K super-block (176 bytes: Q4_K's `d`, `dmin` and 12 bytes of
+/// scales, then 32 bytes `qh` at 16 and 128 bytes `qs` at 48): Q4_K's sub-blocks, scales and
+/// nibbles, with a fifth bit, bit `j` of `qh[l]`, for value `l` of sub-block `j`:
+/// `q = ((qs[32·(j/2) + l] >> 4·(j%2)) & 15) | (((qh[l] >> j) & 1) << 4)`. Each comes as
+/// `(d·sc, -(dmin·m), q)` as [`q4_k_sub_blocks`]' do: `w = fma(q, d·sc, -(dmin·m))`
+/// ([`value`]), llama.cpp's `(d·sc)·q - dmin·m` (an exact product, the difference rounded once).
+pub fn q5_k_sub_blocks(b: &[u8]) -> [(f32, f32, [u8; BLOCK]); 8] {
     let (d, dmin, scales, qh, qs) = (f16_at(b, 0), f16_at(b, 2), &b[4..16], &b[16..48], &b[48..176]);
-    for j in 0..8 {
+    std::array::from_fn(|j| {
         let (sc, m) = scale_min_k4(j, scales);
-        let (dj, mj) = (d * sc as f32, dmin * m as f32);
         let shift = 4 * (j % 2);
-        out.extend(qs[32 * (j / 2)..][..32].iter().zip(qh).map(|(&x, &h)| {
-            let q = ((x >> shift) & 0x0F) | (((h >> j) & 1) << 4);
-            dj * q as f32 - mj
-        }));
+        let q = std::array::from_fn(|l| ((qs[32 * (j / 2) + l] >> shift) & 0x0F) | (((qh[l] >> j) & 1) << 4));
+        (d * sc as f32, -(dmin * m as f32), q)
+    })
+}
+
+/// One Q5_K super-block into 256 values ([`q5_k_sub_blocks`]).
+fn q5_k(b: &[u8], out: &mut Vec<f32>) {
+    for (dj, mj, q) in q5_k_sub_blocks(b) {
+        out.extend(q.iter().map(|&q| value(DType::Q5_K, q, dj, mj)));
     }
 }
 
-/// One Q6_K super-block (210 bytes: 128 bytes `ql` at 0, 64 bytes `qh` at 128, sixteen `i8`
-/// scales `sc` at 192, f16 `d` at 208) into 256 values, in two halves of 128 (`c` = 0, 1)
-/// of four rows of 32 (`r` = 0..4): value `l` of row `r` of half `c` (element
-/// `e = 128·c + 32·r + l`) has the low 4 bits `(ql[64·c + 32·(r%2) + l] >> 4·(r/2)) & 15`,
-/// the high 2 bits `(qh[32·c + l] >> 2·r) & 3`, `q` = their 6-bit number minus 32, and
-/// `w = (d·sc[e/16])·q` (exact in f32).
-fn q6_k(b: &[u8], out: &mut Vec<f32>) {
+/// The eight runs of 32 values of a Q6_K super-block (210 bytes: 128 bytes `ql` at 0, 64 bytes
+/// `qh` at 128, sixteen `i8` scales `sc` at 192, f16 `d` at 208), in element order: run `i`
+/// holds elements `32·i ..`, half `c = i / 4`, row `r = i % 4`; its value `l` has the low 4
+/// bits `(ql[64·c + 32·(r%2) + l] >> 4·(r/2)) & 15` and the high 2 bits
+/// `(qh[32·c + l] >> 2·r) & 3`, and `q` is their 6-bit number minus 32 (as an `i8`'s byte).
+/// Each run comes as `(d·sc[2i], d·sc[2i + 1], q)`, the scales of its two halves of 16
+/// (exact products): `w = q·(d·sc)` ([`value`]), exact, as llama.cpp's `d·sc·q`.
+pub fn q6_k_sub_blocks(b: &[u8]) -> [(f32, f32, [u8; BLOCK]); 8] {
     let (ql, qh, scales, d) = (&b[..128], &b[128..192], &b[192..208], f16_at(b, 208));
-    for c in 0..2 {
-        for r in 0..4 {
-            for l in 0..32 {
-                let lo = (ql[64 * c + 32 * (r % 2) + l] >> (4 * (r / 2))) & 0x0F;
-                let hi = (qh[32 * c + l] >> (2 * r)) & 3;
-                let q = (lo | (hi << 4)) as i32 - 32;
-                let sc = scales[(128 * c + 32 * r + l) / 16] as i8;
-                out.push(d * sc as f32 * q as f32);
-            }
-        }
+    let scale = |j: usize| d * scales[j] as i8 as f32;
+    std::array::from_fn(|i| {
+        let (c, r) = (i / 4, i % 4);
+        let q = std::array::from_fn(|l| {
+            let lo = (ql[64 * c + 32 * (r % 2) + l] >> (4 * (r / 2))) & 0x0F;
+            let hi = (qh[32 * c + l] >> (2 * r)) & 3;
+            ((lo | (hi << 4)) as i8 - 32) as u8
+        });
+        (scale(2 * i), scale(2 * i + 1), q)
+    })
+}
+
+/// One Q6_K super-block into 256 values ([`q6_k_sub_blocks`]).
+fn q6_k(b: &[u8], out: &mut Vec<f32>) {
+    for (d0, d1, q) in q6_k_sub_blocks(b) {
+        out.extend(q.iter().enumerate().map(|(l, &q)| value(DType::Q6_K, q, if l < 16 { d0 } else { d1 }, 0.0)));
     }
 }
 
