@@ -55,21 +55,32 @@ __device__ __forceinline__ float dot8(uint4 w, uint4 x) {
 // ---- residual add + RMS norm ----
 // One row: v = a (+ b), written to s when s is not null; out = v * rsqrt(mean(v^2) + eps) * w.
 // With PRE, b is normalised first: v = a + b * rsqrt(mean(b^2) + peps) * pw (Gemma's norm of a
-// sublayer's output before the residual add). A block of 256 threads.
+// sublayer's output before the residual add). A block of 256 threads. Every operand is loaded
+// before the first reduction, the weights (which no kernel writes) before pdl_wait, so a row
+// costs one memory round trip once the previous kernel has ended.
 template <int H, typename W, typename O, bool PRE = false, typename PW = float>
 __device__ __forceinline__ void norm_row(const float* a, const float* b, float* s, const W* w, O* out, float eps,
                                          const PW* pw = nullptr, float peps = 0.0f) {
   constexpr int PER = (H + 255) / 256;
-  float v[PER];
+  float v[PER], u[PER], wv[PER], pv[PER];
+#pragma unroll
+  for (int j = 0; j < PER; j++) {
+    const int i = threadIdx.x + j * 256;
+    wv[j] = i < H ? to_f32(w[i]) : 0.0f;
+    pv[j] = PRE && i < H ? to_f32(pw[i]) : 0.0f;
+  }
+  pdl_wait();
+#pragma unroll
+  for (int j = 0; j < PER; j++) {
+    const int i = threadIdx.x + j * 256;
+    v[j] = i < H ? a[i] : 0.0f;
+    u[j] = i < H && b ? b[i] : 0.0f;
+  }
   float pre = 1.0f;
   if (PRE) {
     float sb = 0.0f;
 #pragma unroll
-    for (int j = 0; j < PER; j++) {
-      const int i = threadIdx.x + j * 256;
-      v[j] = i < H ? b[i] : 0.0f;
-      sb += v[j] * v[j];
-    }
+    for (int j = 0; j < PER; j++) sb += u[j] * u[j];
     pre = rsqrtf(block_sum(sb) / H + peps);
   }
   float ss = 0.0f;
@@ -77,18 +88,16 @@ __device__ __forceinline__ void norm_row(const float* a, const float* b, float* 
   for (int j = 0; j < PER; j++) {
     const int i = threadIdx.x + j * 256;
     if (i < H) {
-      v[j] = PRE ? a[i] + v[j] * pre * to_f32(pw[i]) : b ? a[i] + b[i] : a[i];
+      v[j] = PRE ? v[j] + u[j] * pre * pv[j] : b ? v[j] + u[j] : v[j];
       if (s) s[i] = v[j];
       ss += v[j] * v[j];
-    } else {
-      v[j] = 0.0f;
     }
   }
   const float r = rsqrtf(block_sum(ss) / H + eps);
 #pragma unroll
   for (int j = 0; j < PER; j++) {
     const int i = threadIdx.x + j * 256;
-    if (i < H) store(out + i, v[j] * r * to_f32(w[i]));
+    if (i < H) store(out + i, v[j] * r * wv[j]);
   }
 }
 

@@ -583,7 +583,7 @@ impl KernelKey {
     }
 
     /// Whether the kernel waits for the previous one itself (`pdl_enter`, or `pdl_trigger` then
-    /// `pdl_wait` after a GEMV's weight loads: `kernels/prelude.cuh`), so the runtime may launch
+    /// `pdl_wait` after the weight loads of a GEMV or a norm: `kernels/prelude.cuh`), so the runtime may launch
     /// it as a programmatic dependent launch: every kernel of the forward step; not the one-shot
     /// collectives (their blocks wait on other GPUs) nor sampling.
     pub fn pdl(&self) -> bool {
@@ -785,10 +785,13 @@ impl KernelKey {
                 format!("all_gather_oneshot<{ranks}>(x, out, rows, cols, table, rank, cap, counters)"),
             ),
         };
-        // The GEMVs wait for the previous kernel themselves, after issuing their weight loads.
+        // The GEMVs and the norms wait for the previous kernel themselves, after loading weights.
         let enter = match self {
             _ if !self.pdl() => "",
-            KernelKey::Gemv { .. } | KernelKey::GemvGlu { .. } => "pdl_trigger(); ",
+            KernelKey::Gemv { .. }
+            | KernelKey::GemvGlu { .. }
+            | KernelKey::AddRmsNorm { .. }
+            | KernelKey::NormAddRmsNorm { .. } => "pdl_trigger(); ",
             _ => "pdl_enter(); ",
         };
         Ok(format!("extern \"C\" __global__ void {name}({params}) {{ {enter}{call}; }}\n"))
