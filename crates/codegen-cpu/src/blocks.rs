@@ -171,11 +171,8 @@ impl Dequant {
             let hi = b.ins().load(types::I8X16, loadf(), p, 20);
             return Open { d, m: d, src: [lo, hi] };
         }
-        let mut m = b.ins().load(types::F32, loadf(), p, 4);
-        let d = if signed(self.dtype) { unscale(b, d) } else { d };
-        if signed(self.dtype) {
-            m = unscale(b, m);
-        }
+        let m = b.ins().load(types::F32, loadf(), p, 4);
+        let (d, m) = if signed(self.dtype) { (unscale(b, d), unscale(b, m)) } else { (d, m) };
         let (d, m) = (b.ins().splat(types::F32X4, d), b.ins().splat(types::F32X4, m));
         if byte_values(self.dtype) {
             let lo = b.ins().load(types::I8X16, loadf(), p, 8);
