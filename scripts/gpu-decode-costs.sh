@@ -4,7 +4,7 @@
 # bf16 checkpoint made by scripts/gpu/hf_reference.py with REF=0 where /tmp has none), compiles
 # the bundle, times `engrun bench --num-prompts 1 --input-len 1 --output-len 256` as is and then
 # with ENGINE_CUDA_SKIP set to each of SKIPS (none by default) (space-separated kernel-name parts; the outputs are
-# then wrong, only the TPOT counts), and writes SHAPE-costs.txt: the TPOT p50 of each run and
+# then wrong, only the TPOT counts), and writes SHAPE-BIN-costs.txt: the TPOT p50 of each run and
 # its difference from the full step; with PROFILE=1 also the per-launch profile
 # (ENGINE_CUDA_PROFILE=1).
 # BINS (default bin-gpu) lists folders of binaries to compare: each compiles its own bundle
