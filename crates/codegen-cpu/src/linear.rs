@@ -462,52 +462,41 @@ mod tests {
         }
     }
 
-    /// Block weights (quantized from `values`, repacked): the kernel's rows equal the reference
-    /// over the dequantized weights, and each row alone equals the batch.
+    /// GGUF blocks `gguf` of `dtype` as an `n x k` weight, repacked: the kernel's `rows` rows
+    /// equal the reference over the dequantized weights, and each row alone equals the batch.
+    fn check_blocks(dtype: DType, gguf: &[u8], (k, n, rows): (usize, usize, usize)) {
+        let (wf, w) = (dtype.to_f32(gguf), blocks::repack(dtype, gguf));
+        let x = values(rows * k, 1);
+        let kernel = LinearKernel::compile(k, n, dtype).unwrap();
+        let mut out = vec![f32::NAN; rows * n];
+        kernel.run(&Pool::new(2), &x, &w, &mut out);
+        let want = reference(&x, &wf, k);
+        let scale = want.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
+        let err = out.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max) / scale;
+        assert!(err < 1e-5, "k={k} n={n} rows={rows} {dtype}: rel err {err}");
+        for (t, row) in x.chunks(k).enumerate() {
+            let mut alone = vec![0.0; n];
+            kernel.run(&Pool::new(3), row, &w, &mut alone);
+            assert_eq!(alone, out[t * n..(t + 1) * n], "k={k} n={n} {dtype} row {t}");
+        }
+    }
+
+    /// Block weights quantized from `values` ([`check_blocks`]).
     #[test]
     fn block_weights_match_their_dequantization_in_any_batch() {
         for &(k, n, rows) in &[(64, 192, 1), (576, 37, 3), (32, 5, 13), (576, 130, 9), (64, 33, 7)] {
             for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
-                let gguf = dtype.from_f32(&values(n * k, 7));
-                let (wf, w) = (dtype.to_f32(&gguf), blocks::repack(dtype, &gguf));
-                let x = values(rows * k, 1);
-                let kernel = LinearKernel::compile(k, n, dtype).unwrap();
-                let mut out = vec![f32::NAN; rows * n];
-                kernel.run(&Pool::new(2), &x, &w, &mut out);
-                let want = reference(&x, &wf, k);
-                let scale = want.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
-                let err = out.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max) / scale;
-                assert!(err < 1e-5, "k={k} n={n} rows={rows} {dtype}: rel err {err}");
-                for (t, row) in x.chunks(k).enumerate() {
-                    let mut alone = vec![0.0; n];
-                    kernel.run(&Pool::new(3), row, &w, &mut alone);
-                    assert_eq!(alone, out[t * n..(t + 1) * n], "k={k} n={n} {dtype} row {t}");
-                }
+                check_blocks(dtype, &dtype.from_f32(&values(n * k, 7)), (k, n, rows));
             }
         }
     }
 
-    /// k-quant weights (deterministic bytes, repacked): the kernel's rows equal the reference
-    /// over the dequantized weights, and each row alone equals the batch.
+    /// k-quant weights from deterministic bytes ([`check_blocks`]).
     #[test]
     fn k_quant_weights_match_their_dequantization_in_any_batch() {
         for &(k, n, rows) in &[(256, 40, 1), (512, 33, 5)] {
             for dtype in [DType::Q4_K, DType::Q5_K, DType::Q6_K] {
-                let gguf = blocks::k_quant_sample(dtype, n * k / 256, 5);
-                let (wf, w) = (dtype.to_f32(&gguf), blocks::repack(dtype, &gguf));
-                let x = values(rows * k, 1);
-                let kernel = LinearKernel::compile(k, n, dtype).unwrap();
-                let mut out = vec![f32::NAN; rows * n];
-                kernel.run(&Pool::new(2), &x, &w, &mut out);
-                let want = reference(&x, &wf, k);
-                let scale = want.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
-                let err = out.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max) / scale;
-                assert!(err < 1e-5, "k={k} n={n} rows={rows} {dtype}: rel err {err}");
-                for (t, row) in x.chunks(k).enumerate() {
-                    let mut alone = vec![0.0; n];
-                    kernel.run(&Pool::new(3), row, &w, &mut alone);
-                    assert_eq!(alone, out[t * n..(t + 1) * n], "k={k} n={n} {dtype} row {t}");
-                }
+                check_blocks(dtype, &blocks::k_quant_sample(dtype, n * k / 256, 5), (k, n, rows));
             }
         }
     }
