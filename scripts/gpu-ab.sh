@@ -8,6 +8,8 @@
 # settings apply there too), at each batch size in BATCHES (default 1), REPS times (default 2),
 # variants interleaved. One line per run in $OUT/ab.txt: shape, setting, batch, TPOT p50, output
 # tok/s, and (ENGINE_CUDA_PROFILE=steps) the GPU time of the graph replay and of sampling, and the step's host wall time.
+# $OUT/ab.jsonl: each run's whole JSON report after the same labels.
+# $OUT/gemm-SHAPE-BINDIR.txt: the GEMM choices each binary logged at load (ours or cuBLASLt).
 set -euo pipefail
 out="${OUT:-/tmp/gpu-out}"
 mkdir -p "$out"
@@ -27,8 +29,12 @@ for shape in ${SHAPES:-qwen2.5-0.5b}; do
         r=$(env "$e" ENGINE_CUDA_PROFILE=steps $bin/engrun bench "$b" --device cuda --num-prompts "$n" \
           --input-len "${INPUT_LEN:-128}" --output-len "${OUTPUT_LEN:-128}" --json 2>&1)
         j=$(echo "$r" | grep '^{' | tail -1)
+        # cuBLASLt's choices at load, per shape and row count (the last run of each binary).
+        echo "$shape $e b$n rep$rep $j" >> "$out/ab.jsonl"
+        g=$(echo "$r" | grep '^GEMM ' || true)
+        [ -z "$g" ] || echo "$g" > "$out/gemm-$shape-$(basename "$bin").txt"
         p=$(echo "$r" | grep "CUDA graph steps" | sed 's/.*replay \([0-9.]*\) us.*sampling \([0-9.]*\) us.*, \([0-9.]*\) us.step wall.*/replay_us \1 sample_us \2 step_wall_us \3/' || true)
-        python3 -c "import json,sys; j=json.loads(sys.argv[1]); print('$shape $e b$n rep$rep ttft_ms_p50', round(j['ttft_ms_p50'], 3), 'tpot_ms_p50', round(j['tpot_ms_p50'], 4), 'output_tok_s', round(j['output_tok_s']), 'decode_bw', round(j['decode_bandwidth_fraction'], 3), sys.argv[2])" "$j" "$p" | tee -a "$out/ab.txt"
+        python3 -c "import json,sys; j=json.loads(sys.argv[1]); print('$shape $e b$n rep$rep ttft_ms_p50', round(j['ttft_ms_p50'], 3), 'tpot_ms_p50', round(j['tpot_ms_p50'], 4), 'output_tok_s', round(j['output_tok_s']), 'decode_bw', round(j['decode_bandwidth_fraction'], 3), 'roofline', round(j.get('decode_roofline_fraction', 0), 3), 'step_ms', round(j.get('decode_step_ms', 0), 3), sys.argv[2])" "$j" "$p" | tee -a "$out/ab.txt"
       done
     done
   done

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# What each kind of kernel costs in batch-1 decode as it runs (inside the CUDA graphs, PDL on),
+# What each kind of kernel costs in decode as it runs (inside the CUDA graphs, PDL on),
 # where no profiler sees into the graphs: for each SHAPE (tests/configs/SHAPE.json; a random
 # bf16 checkpoint made by scripts/gpu/hf_reference.py with REF=0 where /tmp has none), compiles
-# the bundle, times `engrun bench --num-prompts 1 --input-len 1 --output-len 256` as is and then
+# the bundle, times `engrun bench --num-prompts BATCH --input-len INPUT_LEN --output-len
+# OUTPUT_LEN` (defaults 1, 1, 256; the time of a step is the mean decode-only step) as is and then
 # with ENGINE_CUDA_SKIP set to each of SKIPS (none by default) (space-separated kernel-name parts; the outputs are
-# then wrong, only the TPOT counts), and writes SHAPE-BIN-costs.txt: the TPOT p50 of each run and
+# then wrong, only the step time counts), and writes SHAPE-BIN-costs.txt: the decode step of each run and
 # its difference from the full step; with PROFILE=1 also the per-launch profile
 # (ENGINE_CUDA_PROFILE=1).
 # BINS (default bin-gpu) lists folders of binaries to compare: each compiles its own bundle
@@ -17,7 +18,7 @@ mkdir -p "$work"
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
 export ENGINE_CACHE_DIR=/tmp/engine-cache
 skips="${SKIPS:-}"
-tpot() { python3 -c 'import json,sys; print("%.4f" % json.loads(sys.stdin.read().strip().splitlines()[-1])["tpot_ms_p50"])'; }
+tpot() { python3 -c 'import json,sys; print("%.4f" % json.loads(sys.stdin.read().strip().splitlines()[-1])["decode_step_ms"])'; }
 for shape in ${SHAPES:-qwen3-8b}; do
   ck=/tmp/ck-$shape
   [ -f "$ck/config.json" ] || REF=0 python3 scripts/gpu/hf_reference.py "$shape" "$ck" "tests/configs/$shape.json" >"$work/$shape-hf.txt" 2>&1
@@ -25,18 +26,19 @@ for shape in ${SHAPES:-qwen3-8b}; do
     tag=$shape-$(basename "$bin") b=/tmp/ck-$shape-$(basename "$bin").bundle
     "$bin/engc" compile --checkpoint "$ck" --dtype bf16 -o "$b" >"$work/$tag-compile.txt" 2>&1 || continue
     head -1 "$b/kernels/model.cu" >>"$work/$tag-compile.txt"
-    args="--device cuda --num-prompts 1 --input-len 1 --output-len ${OUTPUT_LEN:-256} --json"
+    args="--device cuda --num-prompts ${BATCH:-1} --input-len ${INPUT_LEN:-1} --output-len ${OUTPUT_LEN:-256} --json"
     out="$work/$tag-costs.txt"
     for rep in 1 2; do
       full=$("$bin/engrun" bench "$b" $args 2>>"$work/$tag-bench.err" | tee -a "$work/$tag-bench.json" | tpot)
-      echo "$bin, full step (run $rep): TPOT p50 $full ms" | tee -a "$out"
+      echo "$bin, full step (run $rep): decode step $full ms" | tee -a "$out"
     done
     for s in $skips; do
       t=$(ENGINE_CUDA_SKIP=$s "$bin/engrun" bench "$b" $args 2>>"$work/$tag-bench.err" | tpot)
-      python3 -c "print('$bin, without *%s*: TPOT p50 %s ms, the kernels cost %.1f us a step' % ('$s', '$t', 1e3 * ($full - $t)))" | tee -a "$out"
+      python3 -c "print('$bin, without *%s*: decode step %s ms, the kernels cost %.1f us a step' % ('$s', '$t', 1e3 * ($full - $t)))" | tee -a "$out"
     done
     [ -n "${PROFILE:-}" ] && ENGINE_CUDA_PROFILE=1 "$bin/engrun" bench "$b" $args >"$work/$tag-profile.txt" 2>&1
-    rm -rf "$b"
+    # KEEP=1 leaves the bundle for a later command.
+    [ -n "${KEEP:-}" ] || rm -rf "$b"
   done
   rm -rf "$ck"
 done

@@ -240,6 +240,13 @@ fn bench_reports_json() {
         assert!(v.get(key).is_some(), "missing {key}: {v}");
     }
     assert_eq!(v["requests"], 3);
+    // The decode step's roofline: the CPU measures no matmul rate, so the bound is the bytes'
+    // time, and its fraction is the bandwidth fraction.
+    let f = |k: &str| v[k].as_f64().unwrap_or_else(|| panic!("{k}: {v}"));
+    assert!(f("decode_step_ms") > 0.0 && f("decode_memory_ms") > 0.0, "{v}");
+    assert!(v["decode_compute_ms"].is_null() && v["matmul_tflop_s"].is_null(), "{v}");
+    let (roof, bw) = (f("decode_roofline_fraction"), f("decode_bandwidth_fraction"));
+    assert!(roof > 0.0 && (roof - bw).abs() <= 1e-9 * bw, "{v}");
     let out = v["output_tokens"].as_u64().unwrap();
     assert!((6..=12).contains(&out), "output lengths uniform in [2, 4]: {out}");
     let o = run("engrun", &["bench", s(&b), "--num-prompts", "0"]);

@@ -660,8 +660,14 @@ fn bench(
     }
     let opts = &opts;
     let bandwidth = backend.copy_bandwidth();
-    let cost =
-        runtime::bench::ModelCost { weights: b.plan.weight_use(), matmul_params: b.plan.matmul_params(), bandwidth };
+    let matmul_rate = backend.matmul_rate();
+    let cost = runtime::bench::ModelCost {
+        weights: b.plan.weight_use(),
+        matmul_params: b.plan.matmul_params(),
+        logits_params: b.plan.logits_params(),
+        bandwidth,
+        matmul_rate,
+    };
     let cfg = EngineConfig { eos_ids: vec![], ..args.config(&b, dev)? };
     let mut engine = Engine::new(backend, cfg).map_err(|e| e.to_string())?;
     let (r, outs) = runtime::bench::run(&mut engine, opts, cost).map_err(|e| e.to_string())?;
@@ -692,6 +698,14 @@ fn bench(
             r.bandwidth_gb_s,
             r.decode_bandwidth_fraction * 100.0,
             r.active_weight_mb
+        );
+        let f = &r.roofline;
+        let compute = f.decode_compute_ms.map_or("not measured".into(), |c| format!("{c:.3} ms"));
+        println!(
+            "roofline    decode step {:.3} ms: bytes {:.3} ms at the copy rate, matmuls {compute}; {:.0}% of the limit",
+            f.decode_step_ms,
+            f.decode_memory_ms,
+            f.decode_roofline_fraction * 100.0
         );
         if let Some(a) = &alone {
             println!(

@@ -157,6 +157,16 @@ impl Plan {
             .sum()
     }
 
+    /// Multiply-adds per logits row (each `logits` node's vocabulary x hidden): the lm_head's
+    /// matmul work, which a decode step does once per sequence.
+    pub fn logits_params(&self) -> usize {
+        let size = |i: usize| match &self.nodes[i].op {
+            Op::Weight { shape, .. } => shape.iter().product::<usize>(),
+            _ => 0,
+        };
+        self.nodes.iter().filter(|n| matches!(n.op, Op::Logits)).map(|n| size(n.inputs[1])).sum()
+    }
+
     /// The program as text, one node per line:
     /// `%7 = linear(%5, @model.layers.0.mlp.up_proj.weight) : [T, 192] bf16  # L0.up`.
     /// Weights are declared first (`@name : [64] bf16`; a derived one `@name : [64] f32 =
@@ -267,5 +277,6 @@ mod tests {
         assert!(u.at(1000) <= (u.dense + u.experts[0].0) as f64);
         // The router's 4 x 32 and two experts' gate, up and down per token.
         assert_eq!(plan.matmul_params(), 4 * 32 + 2 * 3 * 8 * 32);
+        assert_eq!(plan.logits_params(), 16 * 32);
     }
 }

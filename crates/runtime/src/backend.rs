@@ -129,6 +129,11 @@ pub trait Backend: Send {
     fn copy_bandwidth(&mut self) -> Option<f64> {
         None
     }
+    /// The device's measured dense matmul rate (FLOP/s) in the program's 16-bit type, for
+    /// backends that measure one (`cuda::probe::matmul`); `None`: not measured.
+    fn matmul_rate(&mut self) -> Option<f64> {
+        None
+    }
 }
 
 /// Checks a step against the plan and the pool: token ids and rows (as

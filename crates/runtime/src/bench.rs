@@ -79,6 +79,27 @@ pub struct BenchReport {
     /// Linear-layer FLOPs per second of extend steps (2 · linear parameters · extend tokens;
     /// attention not counted).
     pub prefill_tflop_s: f64,
+    /// The decode steps against their roofline ([`Roofline`]).
+    #[serde(flatten)]
+    pub roofline: Roofline,
+}
+
+/// A decode step's roofline: the time its bytes take at the copy bandwidth against the time
+/// its matmul FLOPs take at the measured matmul rate; the step cannot beat the larger.
+/// Means over the decode-only steps of the run.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct Roofline {
+    /// The measured dense matmul rate used (`Backend::matmul_rate`; `None`: not measured, the
+    /// compute side is then left out).
+    pub matmul_tflop_s: Option<f64>,
+    /// Worker time of a decode step.
+    pub decode_step_ms: f64,
+    /// (weight + KV bytes read) / copy bandwidth.
+    pub decode_memory_ms: f64,
+    /// 2 · (linear + lm_head multiply-adds per token) · sequences / matmul rate.
+    pub decode_compute_ms: Option<f64>,
+    /// Σ max(memory, compute) / Σ step time: 1.0 is a step at the hardware's limit.
+    pub decode_roofline_fraction: f64,
 }
 
 /// The host's copy bandwidth (one thread, 256 MiB, best of 5; bytes read and written): see
@@ -141,8 +162,12 @@ pub struct ModelCost {
     pub weights: ir::WeightUse,
     /// Parameters of the linear layers (2 FLOPs each per token).
     pub matmul_params: usize,
+    /// Parameters of the lm_head (2 FLOPs each per logits row: once per decoded token).
+    pub logits_params: usize,
     /// The device's copy bandwidth if it is not the host's.
     pub bandwidth: Option<f64>,
+    /// The device's dense matmul rate (FLOP/s), where measured.
+    pub matmul_rate: Option<f64>,
 }
 
 /// Runs `opts.warmup` untimed passes of the workload, each with its own prompts (so the timed
@@ -208,6 +233,7 @@ pub fn run(
     let records = engine.take_records();
     let stats = engine.stats();
     let (mut prefill_s, mut extend, mut decode_s, mut decoded, mut bytes) = (0.0, 0, 0.0, 0, 0.0);
+    let (mut steps, mut memory_s, mut compute_s, mut bound_s) = (0, 0.0, 0.0, 0.0);
     for r in &records {
         if r.extend_tokens > 0 {
             prefill_s += r.elapsed.as_secs_f64();
@@ -215,7 +241,14 @@ pub fn run(
         } else {
             decode_s += r.elapsed.as_secs_f64();
             decoded += r.seqs;
-            bytes += cost.weights.at(r.seqs) + (r.kv_positions * engine.kv_slot_bytes()) as f64;
+            let step_bytes = cost.weights.at(r.seqs) + (r.kv_positions * engine.kv_slot_bytes()) as f64;
+            bytes += step_bytes;
+            let flops = 2.0 * (cost.matmul_params + cost.logits_params) as f64 * r.seqs as f64;
+            let (memory, compute) = (step_bytes / bandwidth, cost.matmul_rate.map_or(0.0, |m| flops / m));
+            steps += 1;
+            memory_s += memory;
+            compute_s += compute;
+            bound_s += memory.max(compute);
         }
     }
     let output_tokens: usize = times.values().map(|t| t.2).sum();
@@ -237,6 +270,13 @@ pub fn run(
         decode_bandwidth_fraction: rate(bytes, decode_s) / bandwidth,
         active_weight_mb: cost.weights.at(1) / 1e6,
         prefill_tflop_s: rate(2.0 * cost.matmul_params as f64 * extend as f64, prefill_s) / 1e12,
+        roofline: Roofline {
+            matmul_tflop_s: cost.matmul_rate.map(|m| m / 1e12),
+            decode_step_ms: rate(decode_s, steps as f64) * 1e3,
+            decode_memory_ms: rate(memory_s, steps as f64) * 1e3,
+            decode_compute_ms: cost.matmul_rate.map(|_| rate(compute_s, steps as f64) * 1e3),
+            decode_roofline_fraction: rate(bound_s, decode_s),
+        },
     };
     Ok((report, ids.iter().map(|id| tokens.remove(id).unwrap_or_default()).collect()))
 }

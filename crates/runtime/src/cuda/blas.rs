@@ -1,13 +1,15 @@
-//! cuBLASLt for the extend GEMMs (`KernelKey::Gemm`) where it measures faster than our
-//! kernel. At load every GEMM shape of the schedule is timed both ways at a few token counts
-//! (`BUCKETS`), the choice is logged, and a step uses the choice of the largest bucket not above
-//! its token count. The library is optional: where it cannot be loaded, our kernel runs
-//! throughout.
+//! cuBLASLt for the linears of 16 rows or more (`KernelKey::GemmSkinny` and `KernelKey::Gemm`)
+//! where it measures faster than our kernel. At load every linear shape of the schedule is timed
+//! both ways at each token count of `buckets` (every captured decode batch from 16 rows, and a
+//! few prefill sizes), ours being the variant the schedule runs at that count; the choice is
+//! logged, and a step uses the choice of the largest bucket not above its token count (the
+//! decode graphs capture it). The library is optional: where it cannot be loaded, our kernels
+//! run throughout.
 
 use super::{driver, CudaBackend};
 use crate::RuntimeError;
 use codegen_cuda::without_panic;
-use codegen_cuda::{Arg, Count, KernelKey, Launch, Step};
+use codegen_cuda::{Arg, Count, KernelKey, Launch, Step, SKINNY_ROWS};
 use cudarc::cublaslt::{result as lt, sys};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use std::cell::RefCell;
@@ -16,8 +18,24 @@ use std::ffi::c_void;
 use std::fmt::Write;
 use std::sync::Arc;
 
-/// Token counts at which both GEMMs are timed.
-pub(crate) const BUCKETS: [usize; 3] = [256, 1024, 4096];
+/// Token counts at which both GEMMs are timed: each captured decode batch from the smallest
+/// tensor-core variant's rows on, then prefill sizes.
+fn buckets() -> Vec<usize> {
+    let decode = super::CAPTURE_SIZES.iter().copied().filter(|&s| s >= SKINNY_ROWS[0]);
+    decode.chain([512, 1024, 4096]).collect()
+}
+
+/// The linear shape a tensor-core launch computes, `(k, n)`, whatever its row variant: the key
+/// cuBLASLt's choices are kept under.
+pub(crate) type Shape = (usize, [usize; 3]);
+
+/// The shape of a launch cuBLASLt can replace (`None` for every other kernel).
+pub(crate) fn gemm_shape(key: &KernelKey) -> Option<Shape> {
+    match *key {
+        KernelKey::Gemm { k, n } | KernelKey::GemmSkinny { k, n, .. } => Some((k, n)),
+        _ => None,
+    }
+}
 
 /// Workspace for cuBLASLt's split-K and stream-K algorithms (NVIDIA's recommendation on Hopper).
 const WORKSPACE: usize = 32 << 20;
@@ -138,26 +156,41 @@ impl Blas {
     }
 }
 
-/// Which GEMM runs a launch of `t` tokens, given the per-bucket choices (`true`: cuBLASLt).
-pub(crate) fn use_blas(choice: &[bool; 3], t: usize) -> bool {
-    BUCKETS.iter().rposition(|&b| b <= t).is_some_and(|i| choice[i])
+/// Which GEMM runs a launch of `t` tokens, given the choices per bucket, ascending (`true`:
+/// cuBLASLt); below the smallest bucket ours.
+pub(crate) fn use_blas(choice: &[(usize, bool)], t: usize) -> bool {
+    choice.iter().rev().find(|(b, _)| *b <= t).is_some_and(|(_, blas)| *blas)
 }
 
 impl CudaBackend {
-    /// Times every GEMM shape of the schedule with our kernel and with cuBLASLt at each bucket
+    /// Times every linear shape of the schedule with our kernel and with cuBLASLt at each bucket
     /// and keeps the faster per bucket (`ENGINE_CUBLASLT=0`: ours only).
     pub(super) fn choose_gemms(&mut self) -> Result<(), RuntimeError> {
-        let mut firsts: Vec<Launch> = Vec::new();
+        let buckets = buckets();
+        // Per shape, the launch ours runs at each bucket.
+        let mut shapes: Vec<(Shape, Vec<(usize, Launch)>)> = Vec::new();
+        // The logits rows' buffers hold at most MAX_ROWS rows at load.
+        const MAX_ROWS: usize = 256;
         for step in self.program.steps.iter() {
-            // Per-token launches only (the logits rows of a step are few).
-            let Step::Kernels { variants, by: Count::Tokens } = step else { continue };
-            for l in variants.iter().flat_map(|(_, ls)| ls) {
-                if matches!(l.key, KernelKey::Gemm { .. }) && !firsts.iter().any(|f| f.key == l.key) {
-                    firsts.push(l.clone());
+            let Step::Kernels { variants, by } = step else { continue };
+            for &t in buckets.iter().filter(|&&t| *by == Count::Tokens || t <= MAX_ROWS) {
+                let Some((_, launches)) = variants.iter().find(|(max, _)| t <= *max) else { continue };
+                for l in launches {
+                    let Some(shape) = gemm_shape(&l.key) else { continue };
+                    let at = match shapes.iter().position(|(s, _)| *s == shape) {
+                        Some(i) => i,
+                        None => {
+                            shapes.push((shape, vec![]));
+                            shapes.len() - 1
+                        }
+                    };
+                    if !shapes[at].1.iter().any(|(b, _)| *b == t) {
+                        shapes[at].1.push((t, l.clone()));
+                    }
                 }
             }
         }
-        if firsts.is_empty() || std::env::var("ENGINE_CUBLASLT").is_ok_and(|v| v == "0") {
+        if shapes.is_empty() || std::env::var("ENGINE_CUBLASLT").is_ok_and(|v| v == "0") {
             return Ok(());
         }
         let Some(blas) = Blas::new(&self.stream, self.program.half)? else {
@@ -165,29 +198,26 @@ impl CudaBackend {
             return Ok(());
         };
         self.blas = Some(blas);
+        let firsts: Vec<Launch> = shapes.iter().flat_map(|(_, ls)| ls.iter().map(|(_, l)| l.clone())).collect();
         self.convert_biases(&firsts)?;
-        self.ensure_cap(BUCKETS[BUCKETS.len() - 1], 256)?;
-        for l in &firsts {
-            let mut choice = [false; 3];
-            let mut line = format!("GEMM {}:", l.key.name());
-            for (i, &t) in BUCKETS.iter().enumerate() {
-                let ours = self.time(|be| be.launch(l, t, 0, &[0; 6]))?;
-                let theirs = self.time(|be| be.launch_blas(l, t));
-                let _ = write!(line, " t={t} ours {ours:.3} ms");
-                match theirs {
-                    Ok(ms) => {
-                        choice[i] = ms < ours;
-                        let _ =
-                            write!(line, " cuBLASLt {ms:.3} ms ->{}", if choice[i] { " cuBLASLt" } else { " ours" });
-                    }
-                    Err(e) => {
-                        let _ = write!(line, " cuBLASLt failed ({e}) -> ours");
-                    }
-                }
-                let _ = write!(line, ";");
+        self.ensure_cap(buckets[buckets.len() - 1], MAX_ROWS)?;
+        for (shape, launches) in &shapes {
+            let mut choice = vec![];
+            let mut line = format!("GEMM k{} n{:?} (us, ours / cuBLASLt):", shape.0, shape.1);
+            for (t, l) in launches {
+                // t tokens, or t logits rows (a decode step's lm_head).
+                let ours = self.time(|be| be.launch(l, *t, *t, &[0; 6]))?;
+                let theirs = self.time(|be| be.launch_blas(l, *t));
+                let blas = theirs.as_ref().is_ok_and(|&ms| ms < ours);
+                let _ = match &theirs {
+                    Ok(ms) => write!(line, " t={t} {:.0}/{:.0}{}", ours * 1e3, ms * 1e3, if blas { "*" } else { "" }),
+                    Err(e) => write!(line, " t={t} {:.0}/failed ({e})", ours * 1e3),
+                };
+                choice.push((*t, blas));
             }
-            eprintln!("{line}");
-            self.blas_choice.insert(l.key, choice);
+            eprintln!("{line} (*: cuBLASLt runs)");
+            choice.sort_by_key(|(t, _)| *t);
+            self.blas_choice.insert(*shape, choice);
         }
         Ok(())
     }
@@ -221,7 +251,7 @@ impl CudaBackend {
     /// A GEMM launch (`KernelKey::Gemm`: x, then weight, bias and output of up to three linears)
     /// of `t` tokens through cuBLASLt.
     pub(super) fn launch_blas(&self, l: &Launch, t: usize) -> Result<(), RuntimeError> {
-        let (KernelKey::Gemm { k, n }, Some(blas)) = (l.key, &self.blas) else {
+        let (Some((k, n)), Some(blas)) = (gemm_shape(&l.key), &self.blas) else {
             return Err(RuntimeError::Unsupported(format!("{} is not a cuBLASLt GEMM", l.key.name())));
         };
         let mut parts = Vec::with_capacity(3);
@@ -247,5 +277,36 @@ impl CudaBackend {
         let end = self.stream.record_event(timing).map_err(driver("timing"))?;
         end.synchronize().map_err(driver("timing"))?;
         Ok(start.elapsed_ms(&end).map_err(driver("timing"))? as f64 / 3.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_captured_batch_from_the_tensor_core_rows_is_timed() {
+        let b = buckets();
+        assert_eq!(b[0], SKINNY_ROWS[0]);
+        for s in super::super::CAPTURE_SIZES.iter().filter(|&&s| s >= SKINNY_ROWS[0]) {
+            assert!(b.contains(s), "{s}");
+        }
+        assert!(b.windows(2).all(|w| w[0] < w[1]) && b.contains(&4096));
+    }
+
+    #[test]
+    fn a_step_follows_the_largest_bucket_not_above_its_rows() {
+        let choice = [(16, false), (32, true), (64, false)];
+        let runs: Vec<bool> = [8, 16, 24, 32, 40, 63, 64, 4096].iter().map(|&t| use_blas(&choice, t)).collect();
+        assert_eq!(runs, [false, false, false, true, true, true, false, false]);
+        assert!(!use_blas(&[], 64));
+    }
+
+    #[test]
+    fn the_tensor_core_variants_of_one_linear_share_a_shape() {
+        let (k, n) = (896, [4864, 4864, 0]);
+        assert_eq!(gemm_shape(&KernelKey::Gemm { k, n }), Some((k, n)));
+        assert_eq!(gemm_shape(&KernelKey::GemmSkinny { k, n, tiles: 8 }), Some((k, n)));
+        assert_eq!(gemm_shape(&KernelKey::ToH16), None);
     }
 }

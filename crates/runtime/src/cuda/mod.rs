@@ -75,10 +75,10 @@ pub struct CudaBackend {
     use_graphs: bool,
     /// Forward-step kernels launched as programmatic dependent launches (`device::pdl_enabled`).
     pdl: bool,
-    /// cuBLASLt, where it loads; the GEMM shapes it runs (per token bucket, `blas::BUCKETS`) and
+    /// cuBLASLt, where it loads; per linear shape, the token buckets it runs (`blas::use_blas`) and
     /// f32 copies of their biases.
     blas: Option<blas::Blas>,
-    blas_choice: HashMap<KernelKey, [bool; 3]>,
+    blas_choice: HashMap<blas::Shape, Vec<(usize, bool)>>,
     bias_f32: HashMap<usize, CudaSlice<f32>>,
     /// `ENGINE_CUDA_PROFILE` ([`profile`]).
     profile: Option<Profile>,
@@ -244,10 +244,12 @@ impl CudaBackend {
             blas_choice: HashMap::new(),
             bias_f32: HashMap::new(),
             profile,
-            skip: profile::skip_from_env(),
+            skip: vec![],
         };
         be.ensure_cap(256, 256)?;
         be.choose_gemms()?;
+        // After the GEMM timings, so that ours vs cuBLASLt is chosen on what they really take.
+        be.skip = profile::skip_from_env();
         Ok(be)
     }
 
@@ -346,7 +348,8 @@ impl CudaBackend {
                     let c = if *by == Count::Tokens { t } else { r };
                     let (_, launches) = variants.iter().find(|(max, _)| c <= *max).expect("an unbounded variant");
                     for l in launches {
-                        if self.blas_choice.get(&l.key).is_some_and(|choice| blas::use_blas(choice, c)) {
+                        let shape = blas::gemm_shape(&l.key);
+                        if shape.and_then(|s| self.blas_choice.get(&s)).is_some_and(|ch| blas::use_blas(ch, c)) {
                             self.launch_blas(l, c)?;
                         } else {
                             self.launch(l, t, r, off)?;
@@ -470,6 +473,18 @@ impl Backend for CudaBackend {
             gpus: vec![],
         };
         probe::copy(&self.stream, &opts).ok().map(|r| r.gb_s * 1e9)
+    }
+
+    fn matmul_rate(&mut self) -> Option<f64> {
+        let opts = crate::probe::ProbeOptions {
+            host_bytes: 0,
+            device_bytes: 0,
+            matmul_size: 8192,
+            reps: 5,
+            warmup: 2,
+            gpus: vec![],
+        };
+        probe::matmul(&self.stream, self.program.half, &opts).ok().map(|r| r.tflop_s * 1e12)
     }
 
     fn forward(&mut self, batch: &[StepSeq]) -> Result<Vec<f32>, RuntimeError> {

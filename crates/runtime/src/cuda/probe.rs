@@ -40,8 +40,9 @@ pub(crate) fn copy(stream: &Arc<CudaStream>, opts: &ProbeOptions) -> Result<Copy
 }
 
 /// The rate of `out = x · wᵀ` with x and w square `opts.matmul_size` matrices of `half`
-/// (bf16 or f16).
-fn matmul(stream: &Arc<CudaStream>, half: DType, opts: &ProbeOptions) -> Result<MatmulRate, RuntimeError> {
+/// (bf16 or f16) (also what `engrun bench` divides a decode step's matmul FLOPs by:
+/// `CudaBackend::matmul_rate`).
+pub(crate) fn matmul(stream: &Arc<CudaStream>, half: DType, opts: &ProbeOptions) -> Result<MatmulRate, RuntimeError> {
     let s = opts.matmul_size;
     let elems = s
         .checked_mul(s)

@@ -226,6 +226,10 @@ impl Backend for TpCudaBackend {
         self.lead.copy_bandwidth()
     }
 
+    fn matmul_rate(&mut self) -> Option<f64> {
+        self.lead.matmul_rate()
+    }
+
     fn forward(&mut self, batch: &[StepSeq]) -> Result<Vec<f32>, RuntimeError> {
         let wanted = self.step(batch)?;
         self.lead.logits(wanted)
