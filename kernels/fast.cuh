@@ -576,7 +576,9 @@ __device__ constexpr int kv16_lanes(int d) {
 }
 
 // The keys at positions first..n-1 of a sequence (slots sl[p]) for kv head kvh, split over the
-// warps and lane groups of the block (see attention_kv16): each lane's online-softmax state.
+// warps and lane groups of the block (kv16_lanes(D) lanes share a key, 16 dims each, so a warp
+// scores 32 / kv16_lanes(D) keys at once; eight warps split the keys): each lane's
+// online-softmax state, merged by kv16_merge.
 // U passes at a time: their slots, then their K and V rows, are loaded before any is used, so
 // a short sequence costs two memory round trips rather than two per pass.
 template <int KVH, int D, unsigned CAP>
@@ -656,31 +658,137 @@ __device__ __forceinline__ void kv16_merge(float m, float l, const float* acc, O
   }
 }
 
-// Causal GQA attention of query row t, head h over the h16 paged cache (positions 0..pos[t],
-// slots slots[seq_off[t] + p]). kv16_lanes(D) lanes share a key (16 dims each; D / 16 rounded
-// up to a power of two), so a warp scores 32 / kv16_lanes(D) keys at once (K and V rows loaded
-// together); eight warps split the keys and
-// merge their online softmax states through shared memory. grid: (T, H), block: 256.
+// Causal GQA attention of query row t for HB of the query heads that share kv head kvh (all
+// G = H / KVH of them, or fewer for more blocks), over the h16 paged cache (positions
+// 0..pos[t], slots slots[seq_off[t] + p]): each K and V row is read once for the block's heads.
+// The four warps take chunks of 32 keys in turn, each keeping its own online softmax per head:
+// a lane scores one key for every head (q in shared memory, read by all lanes at one address),
+// the warp takes each head's chunk max and sum by shuffles, then the lanes, two features each
+// per 64, accumulate P·V for every head from the chunk's V rows (VB rows loaded before any is
+// used). The warps' states merge through shared memory at the end. grid: (T, H / HB), block: 128.
 // With MIXED_ONLY, only rows whose group of 16 (see attention_fa) spans two sequences run.
 // A sliding window WIN (0: none) keeps the last WIN positions; scores are soft-capped by CAP;
 // `sinks` (null: none) gives each head a sink logit.
-template <int H, int KVH, int D, typename O, bool MIXED_ONLY, int WIN, unsigned CAP, typename SW>
-__device__ void attention_kv16(const float* q, const h16_t* kc, const h16_t* vc, const int* slots,
-                               const int* seq_off, const int* pos, float scale, O* out, int T, const SW* sinks) {
-  constexpr int G = D / 16, GP = kv16_lanes(D);
-  const int t = blockIdx.x, h = blockIdx.y, sub = (threadIdx.x & 31) % GP;
+template <int H, int KVH, int D, int HB, typename O, bool MIXED_ONLY, int WIN, unsigned CAP, typename SW>
+__device__ void attention_gqa(const float* q, const h16_t* kc, const h16_t* vc, const int* slots,
+                              const int* seq_off, const int* pos, float scale, O* out, int T, const SW* sinks) {
+  constexpr int G = HB, WARPS = 4, NP = (D + 63) / 64, VB = NP <= 2 ? 32 : 64 / NP;
+  static_assert((H / KVH) % HB == 0 && G * D <= 8192, "a block's query rows fit in shared memory");
+  __shared__ __align__(16) float sq[G * D];
+  __shared__ float sm[WARPS][G], sl[WARPS][G];
+  // h0: the block's first query head, of kv head kvh.
+  const int t = blockIdx.x, h0 = blockIdx.y * HB, kvh = h0 / (H / KVH), lane = threadIdx.x & 31,
+            warp = threadIdx.x >> 5;
   if (MIXED_ONLY && seq_off[t & ~15] == seq_off[min((t & ~15) + 15, T - 1)]) return;
-  float qv[16], acc[16];
-  const float* qr = q + ((long)t * H + h) * D + min(sub, G - 1) * 16;
+  const float* qr = q + ((long)t * H + h0) * D;
+  for (int i = threadIdx.x; i < G * D; i += WARPS * 32) sq[i] = qr[i] * scale;
+  float m[G], l[G], acc[G][2 * NP];
 #pragma unroll
-  for (int i = 0; i < 16; i++) {
-    qv[i] = sub < G ? qr[i] * scale : 0.0f;
-    acc[i] = 0.0f;
+  for (int g = 0; g < G; g++) {
+    m[g] = NEG_INF;
+    l[g] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 2 * NP; i++) acc[g][i] = 0.0f;
   }
-  float m = NEG_INF, l = 0.0f;
-  const int n = pos[t] + 1;
-  kv16_scan<KVH, D, CAP>(qv, kc, vc, slots + seq_off[t], WIN ? max(0, n - WIN) : 0, n, h / (H / KVH), m, l, acc);
-  kv16_merge<D>(m, l, acc, out + ((long)t * H + h) * D, sinks ? to_f32(sinks[h]) : NEG_INF);
+  const int n = pos[t] + 1, first = WIN ? max(0, n - WIN) : 0;
+  const int* seq_slots = slots + seq_off[t];
+  __syncthreads();
+  for (int c0 = first + warp * 32; c0 < n; c0 += WARPS * 32) {
+    const int p = c0 + lane;
+    const long row = p < n ? (long)seq_slots[p] * (KVH * D) + kvh * D : -1;
+    // The scores of key c0 + lane for every head.
+    float s[G];
+#pragma unroll
+    for (int g = 0; g < G; g++) s[g] = 0.0f;
+    if (row >= 0) {
+      const uint4* kr = (const uint4*)(kc + row);
+#pragma unroll 8
+      for (int i = 0; i < D / 8; i++) {
+        float f[8];
+        unpack8(kr[i], f);
+#pragma unroll
+        for (int g = 0; g < G; g++) {
+          const float4 a = *(const float4*)&sq[g * D + i * 8], b = *(const float4*)&sq[g * D + i * 8 + 4];
+          s[g] = fmaf(a.x, f[0], fmaf(a.y, f[1], fmaf(a.z, f[2], fmaf(a.w, f[3], s[g]))));
+          s[g] = fmaf(b.x, f[4], fmaf(b.y, f[5], fmaf(b.z, f[6], fmaf(b.w, f[7], s[g]))));
+        }
+      }
+    }
+    // Per head: the chunk's max joins the running one; the lane's key gets its exponential.
+#pragma unroll
+    for (int g = 0; g < G; g++) {
+      const float sg = row >= 0 ? softcap<CAP>(s[g]) : NEG_INF;
+      const float m_new = fmaxf(m[g], warp_max(sg)), corr = __expf(m[g] - m_new);
+      s[g] = __expf(sg - m_new);
+      l[g] = l[g] * corr + warp_sum(s[g]);
+      m[g] = m_new;
+#pragma unroll
+      for (int i = 0; i < 2 * NP; i++) acc[g][i] *= corr;
+    }
+    // P·V: lane takes features 2 lane + 64 i, i < NP, of the chunk's keys, VB keys' rows at a time.
+#pragma unroll
+    for (int j0 = 0; j0 < 32; j0 += VB) {
+      unsigned vv[VB][NP];
+#pragma unroll
+      for (int j = 0; j < VB; j++) {
+        const long r = __shfl_sync(0xffffffffu, row, j0 + j);
+#pragma unroll
+        for (int i = 0; i < NP; i++) {
+          const int d = 2 * lane + 64 * i;
+          vv[j][i] = r >= 0 && (D % 64 == 0 || d < D) ? *(const unsigned*)(vc + r + d) : 0u;
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < VB; j++) {
+#pragma unroll
+        for (int g = 0; g < G; g++) {
+          const float pj = __shfl_sync(0xffffffffu, s[g], j0 + j);
+#pragma unroll
+          for (int i = 0; i < NP; i++) {
+            float v[2];
+            unpack2(vv[j][i], v);
+            acc[g][2 * i] = fmaf(pj, v[0], acc[g][2 * i]);
+            acc[g][2 * i + 1] = fmaf(pj, v[1], acc[g][2 * i + 1]);
+          }
+        }
+      }
+    }
+  }
+  // Merge the warps' states (and the sink) per head, summing their outputs into sq in turn.
+  if (lane == 0) {
+#pragma unroll
+    for (int g = 0; g < G; g++) {
+      sm[warp][g] = m[g];
+      sl[warp][g] = l[g];
+    }
+  }
+  __syncthreads();
+  float f[G];
+#pragma unroll
+  for (int g = 0; g < G; g++) {
+    const float sink = sinks ? to_f32(sinks[h0 + g]) : NEG_INF;
+    float mm = sink;
+#pragma unroll
+    for (int w = 0; w < WARPS; w++) mm = fmaxf(mm, sm[w][g]);
+    float ll = sink == NEG_INF ? 0.0f : __expf(sink - mm);
+#pragma unroll
+    for (int w = 0; w < WARPS; w++) ll += sm[w][g] == NEG_INF ? 0.0f : sl[w][g] * __expf(sm[w][g] - mm);
+    f[g] = m[g] == NEG_INF ? 0.0f : __expf(m[g] - mm) / ll;
+  }
+#pragma unroll
+  for (int w = 0; w < WARPS; w++) {
+    if (warp == w) {
+#pragma unroll
+      for (int g = 0; g < G; g++)
+#pragma unroll
+        for (int i = 0; i < 2 * NP; i++) {
+          const int d = 2 * lane + 64 * (i / 2) + (i & 1);
+          if (D % 64 == 0 || d < D) sq[g * D + d] = (w ? sq[g * D + d] : 0.0f) + acc[g][i] * f[g];
+        }
+    }
+    __syncthreads();
+  }
+  for (int i = threadIdx.x; i < G * D; i += WARPS * 32) store(out + ((long)t * H + h0) * D + i, sq[i]);
 }
 
 // Dim d of one head row x (f32), normalised with scale r and weight w when N, then rotated as
@@ -703,8 +811,8 @@ __device__ __forceinline__ float rope_at(const float* x, int d, float p, const f
 // A step of one token (decode at batch 1): RoPE, the KV-cache write and attention in one
 // kernel. Every block rotates its head of q and the token's own k (its kv head), takes the own
 // key from registers (the cache write of another block may not be visible yet), and the first
-// block of each kv head writes k and v (h16) to the cache. Window and cap as attention_kv16's;
-// per-head norms of q and k (NQ, NK) as rope_kv's; sinks as attention_kv16's. grid: (1, H),
+// block of each kv head writes k and v (h16) to the cache. Window and cap as attention_gqa's;
+// per-head norms of q and k (NQ, NK) as rope_kv's; sinks as attention_gqa's. grid: (1, H),
 // block: 256.
 template <int H, int KVH, int D, int ROT, typename O, bool RQ, bool RK, bool NQ, bool NK, typename NWQ, typename NWK,
           int WIN, unsigned CAP, typename SW>
@@ -773,8 +881,8 @@ __device__ __forceinline__ unsigned pack_h16x2(float lo, float hi) {
 // consecutive, at consecutive positions), it walks that sequence's keys in tiles of 16 staged
 // through shared memory (cp.async from the paged cache), S = Q·Kᵀ and O += P·V with mma.sync
 // m16n8k16, online softmax in f32 with a causal mask. Groups that span two sequences are left
-// to attention_kv16<MIXED_ONLY>. Window and cap as attention_kv16's (tiles wholly before the
-// window are skipped); sinks as attention_kv16's. grid: (ceil(T / 64), H), block: 128. D <= 128.
+// to attention_gqa<MIXED_ONLY>. Window and cap as attention_gqa's (tiles wholly before the
+// window are skipped); sinks as attention_gqa's. grid: (ceil(T / 64), H), block: 128. D <= 128.
 template <int H, int KVH, int D, typename O, int WIN, unsigned CAP, typename SW>
 __device__ void attention_fa(const float* q, const h16_t* kc, const h16_t* vc, const int* slots,
                              const int* seq_off, const int* pos, float scale, O* out, int T, const SW* sinks) {

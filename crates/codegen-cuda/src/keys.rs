@@ -123,7 +123,8 @@ pub enum KernelKey {
         /// Per-head norms of q and k before the rotation.
         norm: HeadNorm,
     },
-    /// Causal GQA attention over the 16-bit paged cache, a block per query row and head.
+    /// Causal GQA attention over the 16-bit paged cache, a block per query row and group of
+    /// `per_block` query heads of one kv head (each K and V row read once per block).
     Attention {
         /// Query heads.
         heads: usize,
@@ -131,6 +132,9 @@ pub enum KernelKey {
         kv_heads: usize,
         /// Head size.
         d: usize,
+        /// Query heads per block (dividing heads / kv_heads): all of a kv head's for many rows,
+        /// one for few (more blocks).
+        per_block: usize,
         /// Output dtype.
         out: DType,
         /// Only the rows [`KernelKey::AttentionFa`] leaves (groups of 16 spanning sequences).
@@ -538,8 +542,8 @@ impl KernelKey {
                 u8::from(rope_k),
                 norm.suffix()
             ),
-            KernelKey::Attention { heads, kv_heads, d, out, mixed_only, mask } => format!(
-                "attention_h{heads}_kv{kv_heads}_d{d}_to_{out}{}{}",
+            KernelKey::Attention { heads, kv_heads, d, per_block, out, mixed_only, mask } => format!(
+                "attention_h{heads}_kv{kv_heads}_d{d}_g{per_block}_to_{out}{}{}",
                 if mixed_only { "_mixed" } else { "" },
                 mask.suffix()
             ),
@@ -671,12 +675,12 @@ impl KernelKey {
                     norm.args()?
                 ),
             ),
-            KernelKey::Attention { heads, kv_heads, d, out, mixed_only, mask } => {
+            KernelKey::Attention { heads, kv_heads, d, per_block, out, mixed_only, mask } => {
                 let o = ctype(out)?;
                 (
                     format!("{}, {}", attention_params(o), mask.sinks_param()?),
                     format!(
-                        "attention_kv16<{heads}, {kv_heads}, {d}, {o}, {mixed_only}, {}>(q, kc, vc, slots, seq_off, \
+                        "attention_gqa<{heads}, {kv_heads}, {d}, {per_block}, {o}, {mixed_only}, {}>(q, kc, vc, slots, seq_off, \
                          pos, scale, out, T, sinks)",
                         mask.args()?
                     ),

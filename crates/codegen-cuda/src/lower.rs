@@ -419,9 +419,10 @@ fn attention(b: &mut Builder, i: usize, pre: &[usize]) -> Result<(), CodegenErro
         Arg::Count(Count::Tokens),
         sink_arg,
     ];
-    let rows = |mixed_only| {
-        let key = KernelKey::Attention { heads, kv_heads, d, out: o, mixed_only, mask };
-        launch(key, args.clone(), [per_token(1, 1), Dim::Fixed(heads)], 256)
+    // A block per row and query head for few rows (enough blocks), per row and kv head above.
+    let rows = |mixed_only, per_block: usize| {
+        let key = KernelKey::Attention { heads, kv_heads, d, per_block, out: o, mixed_only, mask };
+        launch(key, args.clone(), [per_token(1, 1), Dim::Fixed(heads / per_block)], 128)
     };
     let one = KernelKey::AttentionRope1 { heads, kv_heads, d, rot, out: o, rope_q, rope_k, norm, mask };
     let one_args = [
@@ -438,13 +439,14 @@ fn attention(b: &mut Builder, i: usize, pre: &[usize]) -> Result<(), CodegenErro
     ]
     .concat();
     let one = launch(one, one_args, [ONE, Dim::Fixed(heads)], 256);
-    let mut variants = vec![(1, vec![one]), (FA_ABOVE, vec![rope.clone(), rows(false)])];
+    let group = heads / kv_heads;
+    let mut variants = vec![(1, vec![one]), (FA_ABOVE, vec![rope.clone(), rows(false, 1)])];
     if d <= 128 {
         let fa = KernelKey::AttentionFa { heads, kv_heads, d, out: o, mask };
         let fa = launch(fa, args.clone(), [per_token(1, 64), Dim::Fixed(heads)], 128);
-        variants.push((usize::MAX, vec![rope, fa, rows(true)]));
+        variants.push((usize::MAX, vec![rope, fa, rows(true, group)]));
     } else {
-        variants[1].0 = usize::MAX;
+        variants.push((usize::MAX, vec![rope, rows(false, group)]));
     }
     b.steps.push(Step::Kernels { by: Count::Tokens, variants });
     Ok(())
