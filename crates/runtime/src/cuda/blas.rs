@@ -37,6 +37,10 @@ pub(crate) fn gemm_shape(key: &KernelKey) -> Option<Shape> {
     }
 }
 
+/// The logits rows the buffers hold while the GEMMs are timed at load (the most a decode step
+/// captures).
+const MAX_LOGITS_ROWS: usize = 256;
+
 /// Workspace for cuBLASLt's split-K and stream-K algorithms (NVIDIA's recommendation on Hopper).
 const WORKSPACE: usize = 32 << 20;
 
@@ -167,29 +171,7 @@ impl CudaBackend {
     /// and keeps the faster per bucket (`ENGINE_CUBLASLT=0`: ours only).
     pub(super) fn choose_gemms(&mut self) -> Result<(), RuntimeError> {
         let buckets = buckets();
-        // Per shape, the launch ours runs at each bucket.
-        let mut shapes: Vec<(Shape, Vec<(usize, Launch)>)> = Vec::new();
-        // The logits rows' buffers hold at most MAX_ROWS rows at load.
-        const MAX_ROWS: usize = 256;
-        for step in self.program.steps.iter() {
-            let Step::Kernels { variants, by } = step else { continue };
-            for &t in buckets.iter().filter(|&&t| *by == Count::Tokens || t <= MAX_ROWS) {
-                let Some((_, launches)) = variants.iter().find(|(max, _)| t <= *max) else { continue };
-                for l in launches {
-                    let Some(shape) = gemm_shape(&l.key) else { continue };
-                    let at = match shapes.iter().position(|(s, _)| *s == shape) {
-                        Some(i) => i,
-                        None => {
-                            shapes.push((shape, vec![]));
-                            shapes.len() - 1
-                        }
-                    };
-                    if !shapes[at].1.iter().any(|(b, _)| *b == t) {
-                        shapes[at].1.push((t, l.clone()));
-                    }
-                }
-            }
-        }
+        let shapes = self.gemm_launches(&buckets);
         if shapes.is_empty() || std::env::var("ENGINE_CUBLASLT").is_ok_and(|v| v == "0") {
             return Ok(());
         }
@@ -200,7 +182,7 @@ impl CudaBackend {
         self.blas = Some(blas);
         let firsts: Vec<Launch> = shapes.iter().flat_map(|(_, ls)| ls.iter().map(|(_, l)| l.clone())).collect();
         self.convert_biases(&firsts)?;
-        self.ensure_cap(buckets[buckets.len() - 1], MAX_ROWS)?;
+        self.ensure_cap(buckets[buckets.len() - 1], MAX_LOGITS_ROWS)?;
         for (shape, launches) in &shapes {
             let mut choice = vec![];
             let mut line = format!("GEMM k{} n{:?} (us, ours / cuBLASLt):", shape.0, shape.1);
@@ -220,6 +202,33 @@ impl CudaBackend {
             self.blas_choice.insert(*shape, choice);
         }
         Ok(())
+    }
+
+    /// Per linear shape of the schedule, the launch ours runs at each bucket: of the per-token
+    /// steps at every bucket, of the logits rows' (a decode step's lm_head) up to
+    /// [`MAX_LOGITS_ROWS`].
+    fn gemm_launches(&self, buckets: &[usize]) -> Vec<(Shape, Vec<(usize, Launch)>)> {
+        let mut shapes: Vec<(Shape, Vec<(usize, Launch)>)> = Vec::new();
+        for step in self.program.steps.iter() {
+            let Step::Kernels { variants, by } = step else { continue };
+            for &t in buckets.iter().filter(|&&t| *by == Count::Tokens || t <= MAX_LOGITS_ROWS) {
+                let Some((_, launches)) = variants.iter().find(|(max, _)| t <= *max) else { continue };
+                for l in launches {
+                    let Some(shape) = gemm_shape(&l.key) else { continue };
+                    let at = match shapes.iter().position(|(s, _)| *s == shape) {
+                        Some(i) => i,
+                        None => {
+                            shapes.push((shape, vec![]));
+                            shapes.len() - 1
+                        }
+                    };
+                    if !shapes[at].1.iter().any(|(b, _)| *b == t) {
+                        shapes[at].1.push((t, l.clone()));
+                    }
+                }
+            }
+        }
+        shapes
     }
 
     /// f32 copies of the biases of the GEMM launches (cuBLASLt adds a bias of D's type).
