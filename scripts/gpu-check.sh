@@ -156,6 +156,7 @@ fi
 python3 scripts/gpu/verdict.py "$checks" "$expected" | tee "$work/verdict.txt"
 status=${PIPESTATUS[0]}
 if [ -n "${OUT:-}" ]; then
+  mkdir -p "$OUT"
   cp "$work/verdict.json" "$OUT/verdict${TAG:-}.json"
   tar czf "$OUT/gpu-check${TAG:-}.tgz" -C "$work" .
 fi
