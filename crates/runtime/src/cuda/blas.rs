@@ -183,10 +183,18 @@ impl CudaBackend {
         let firsts: Vec<Launch> = shapes.iter().flat_map(|(_, ls)| ls.iter().map(|(_, l)| l.clone())).collect();
         self.convert_biases(&firsts)?;
         self.ensure_cap(buckets[buckets.len() - 1], MAX_LOGITS_ROWS)?;
+        let file = choices_file(&self.stream, &self.program.source);
+        let cached = file.as_deref().map(read_choices).unwrap_or_default();
+        let mut timed = false;
         for (shape, launches) in &shapes {
             let mut choice = vec![];
             let mut line = format!("GEMM k{} n{:?} (us, ours / cuBLASLt):", shape.0, shape.1);
             for (t, l) in launches {
+                if let Some(&blas) = cached.get(&(*shape, *t)) {
+                    let _ = write!(line, " t={t} {}", if blas { "cached*" } else { "cached" });
+                    choice.push((*t, blas));
+                    continue;
+                }
                 // t tokens, or t logits rows (a decode step's lm_head).
                 let ours = self.time(|be| be.launch(l, *t, *t, &[0; 6]))?;
                 let theirs = self.time(|be| be.launch_blas(l, *t));
@@ -196,10 +204,14 @@ impl CudaBackend {
                     Err(e) => write!(line, " t={t} {:.0}/failed ({e})", ours * 1e3),
                 };
                 choice.push((*t, blas));
+                timed = true;
             }
             eprintln!("{line} (*: cuBLASLt runs)");
             choice.sort_by_key(|(t, _)| *t);
             self.blas_choice.insert(*shape, choice);
+        }
+        if let (true, Some(f)) = (timed, &file) {
+            write_choices(f, &self.blas_choice);
         }
         Ok(())
     }
@@ -289,6 +301,49 @@ impl CudaBackend {
     }
 }
 
+/// Where a machine keeps its choices between runs: beside the kernel cache
+/// (`codegen_cuda::nvrtc::cache_dir`), one file per GPU model and CUDA source (our kernels and
+/// the 16-bit type). A later load reuses them, so every process on one machine runs the same
+/// GEMMs: where the two time within the noise the choice would otherwise differ from run to
+/// run, and the logits with it. `None`: no cache folder.
+fn choices_file(stream: &CudaStream, source: &str) -> Option<std::path::PathBuf> {
+    use std::hash::{Hash, Hasher};
+    let name = stream.context().name().ok()?;
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    (name, source).hash(&mut h);
+    Some(codegen_cuda::nvrtc::cache_dir()?.join(format!("gemm-choices-{:016x}.txt", h.finish())))
+}
+
+/// The choices of a file [`write_choices`] wrote: lines `k n0 n1 n2 t blas` (`blas` 1 or 0);
+/// unreadable lines (and a missing file) are left out, so they are timed again.
+fn read_choices(path: &std::path::Path) -> HashMap<(Shape, usize), bool> {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let parse = |l: &str| -> Option<((Shape, usize), bool)> {
+        let v: Vec<usize> = l.split_whitespace().map(|w| w.parse().ok()).collect::<Option<_>>()?;
+        let [k, n0, n1, n2, t, b] = v[..] else { return None };
+        Some((((k, [n0, n1, n2]), t), b == 1))
+    };
+    text.lines().filter_map(parse).collect()
+}
+
+/// Writes every shape's choices (atomically: a temporary file renamed); a cache that cannot be
+/// written is only a cache.
+fn write_choices(path: &std::path::Path, choices: &HashMap<Shape, Vec<(usize, bool)>>) {
+    let mut text = String::new();
+    for ((k, n), ch) in choices {
+        for (t, b) in ch {
+            let _ = writeln!(text, "{k} {} {} {} {t} {}", n[0], n[1], n[2], u8::from(*b));
+        }
+    }
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    let ok = path.parent().is_some_and(|d| std::fs::create_dir_all(d).is_ok())
+        && std::fs::write(&tmp, text).is_ok()
+        && std::fs::rename(&tmp, path).is_ok();
+    if !ok {
+        let _ = std::fs::remove_file(&tmp);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -309,6 +364,21 @@ mod tests {
         let runs: Vec<bool> = [8, 16, 24, 32, 40, 63, 64, 4096].iter().map(|&t| use_blas(&choice, t)).collect();
         assert_eq!(runs, [false, false, false, true, true, true, false, false]);
         assert!(!use_blas(&[], 64));
+    }
+
+    #[test]
+    fn choices_survive_the_file_and_bad_lines_are_timed_again() {
+        let dir = std::env::temp_dir().join(format!("gemm-choices-test-{}", std::process::id()));
+        let path = dir.join("sub/choices.txt");
+        let shape = (896, [4864, 4864, 0]);
+        let choices = HashMap::from([(shape, vec![(16, false), (64, true)])]);
+        write_choices(&path, &choices);
+        let back = read_choices(&path);
+        assert_eq!(back, HashMap::from([((shape, 16), false), ((shape, 64), true)]));
+        std::fs::write(&path, "896 4864 4864 0 16 0\n896 4864 x 0 64 1\n1 2 3\n").unwrap();
+        assert_eq!(read_choices(&path), HashMap::from([((shape, 16), false)]));
+        assert!(read_choices(&dir.join("none.txt")).is_empty());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
