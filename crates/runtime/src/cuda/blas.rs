@@ -2,8 +2,9 @@
 //! where it measures faster than our kernel. At load every linear shape of the schedule is timed
 //! both ways at each token count of `buckets` (every captured decode batch from 16 rows, and a
 //! few prefill sizes), ours being the variant the schedule runs at that count; the choice is
-//! logged, and a step uses the choice of the largest bucket not above its token count (the
-//! decode graphs capture it). The library is optional: where it cannot be loaded, our kernels
+//! logged, and a step uses the choice of the smallest bucket not below its token count (the
+//! size a decode graph pads it to: graphs and eager steps run the same GEMMs; past the largest
+//! bucket, the largest's), and the decode graphs capture it. The library is optional: where it cannot be loaded, our kernels
 //! run throughout.
 
 use super::{driver, CudaBackend};
@@ -161,9 +162,10 @@ impl Blas {
 }
 
 /// Which GEMM runs a launch of `t` tokens, given the choices per bucket, ascending (`true`:
-/// cuBLASLt); below the smallest bucket ours.
+/// cuBLASLt): the smallest bucket's not below `t`, as a decode graph pads `t` to that bucket
+/// (every captured size from 16 rows is one), else the largest's.
 pub(crate) fn use_blas(choice: &[(usize, bool)], t: usize) -> bool {
-    choice.iter().rev().find(|(b, _)| *b <= t).is_some_and(|(_, blas)| *blas)
+    choice.iter().find(|(b, _)| *b >= t).or(choice.last()).is_some_and(|(_, blas)| *blas)
 }
 
 impl CudaBackend {
@@ -359,10 +361,10 @@ mod tests {
     }
 
     #[test]
-    fn a_step_follows_the_largest_bucket_not_above_its_rows() {
+    fn a_step_follows_the_bucket_a_graph_pads_its_rows_to() {
         let choice = [(16, false), (32, true), (64, false)];
-        let runs: Vec<bool> = [8, 16, 24, 32, 40, 63, 64, 4096].iter().map(|&t| use_blas(&choice, t)).collect();
-        assert_eq!(runs, [false, false, false, true, true, true, false, false]);
+        let runs: Vec<bool> = [8, 16, 17, 24, 32, 33, 63, 64, 4096].iter().map(|&t| use_blas(&choice, t)).collect();
+        assert_eq!(runs, [false, false, true, true, true, false, false, false, false]);
         assert!(!use_blas(&[], 64));
     }
 
