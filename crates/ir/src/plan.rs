@@ -140,10 +140,7 @@ impl Plan {
     /// Multiply-adds per token of the linears and of the experts a token chooses (2 FLOPs
     /// each): the matmul work of a prefill.
     pub fn matmul_params(&self) -> usize {
-        let size = |i: usize| match &self.nodes[i].op {
-            Op::Weight { shape, .. } => shape.iter().product::<usize>(),
-            _ => 0,
-        };
+        let size = |i| self.weight_size(i);
         self.nodes
             .iter()
             .map(|n| match n.op {
@@ -160,11 +157,15 @@ impl Plan {
     /// Multiply-adds per logits row (each `logits` node's vocabulary x hidden): the lm_head's
     /// matmul work, which a decode step does once per sequence.
     pub fn logits_params(&self) -> usize {
-        let size = |i: usize| match &self.nodes[i].op {
-            Op::Weight { shape, .. } => shape.iter().product::<usize>(),
+        self.nodes.iter().filter(|n| matches!(n.op, Op::Logits)).map(|n| self.weight_size(n.inputs[1])).sum()
+    }
+
+    /// Elements of node `i` when it is a weight (0 for any other node).
+    fn weight_size(&self, i: usize) -> usize {
+        match &self.nodes[i].op {
+            Op::Weight { shape, .. } => shape.iter().product(),
             _ => 0,
-        };
-        self.nodes.iter().filter(|n| matches!(n.op, Op::Logits)).map(|n| size(n.inputs[1])).sum()
+        }
     }
 
     /// The program as text, one node per line:

@@ -464,27 +464,12 @@ impl Backend for CudaBackend {
 
     /// Best of five device-to-device copies of 1 GiB, counting bytes read and written.
     fn copy_bandwidth(&mut self) -> Option<f64> {
-        let opts = crate::probe::ProbeOptions {
-            host_bytes: 0,
-            device_bytes: 1 << 30,
-            matmul_size: 0,
-            reps: 5,
-            warmup: 2,
-            gpus: vec![],
-        };
-        probe::copy(&self.stream, &opts).ok().map(|r| r.gb_s * 1e9)
+        probe::copy(&self.stream, &bench_probe(1 << 30, 0)).ok().map(|r| r.gb_s * 1e9)
     }
 
+    /// Best of five 8192^3 cuBLASLt matmuls in the program's 16-bit type.
     fn matmul_rate(&mut self) -> Option<f64> {
-        let opts = crate::probe::ProbeOptions {
-            host_bytes: 0,
-            device_bytes: 0,
-            matmul_size: 8192,
-            reps: 5,
-            warmup: 2,
-            gpus: vec![],
-        };
-        probe::matmul(&self.stream, self.program.half, &opts).ok().map(|r| r.tflop_s * 1e12)
+        probe::matmul(&self.stream, self.program.half, &bench_probe(0, 8192)).ok().map(|r| r.tflop_s * 1e12)
     }
 
     fn forward(&mut self, batch: &[StepSeq]) -> Result<Vec<f32>, RuntimeError> {
@@ -525,6 +510,12 @@ impl Backend for CudaBackend {
         check_rows(self.last_rows, rows)?;
         self.sample(rows, adjust, &[]).map(Some)
     }
+}
+
+/// What `engrun bench` measures of this GPU's limits: five runs after two warm-ups, of a
+/// device copy of `device_bytes` or a square matmul of `matmul_size`.
+fn bench_probe(device_bytes: usize, matmul_size: usize) -> crate::probe::ProbeOptions {
+    crate::probe::ProbeOptions { host_bytes: 0, device_bytes, matmul_size, reps: 5, warmup: 2, gpus: vec![] }
 }
 
 /// The split argmax's partial values and indices, and its per-row counters.
