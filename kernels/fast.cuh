@@ -52,6 +52,68 @@ __device__ __forceinline__ float dot8(uint4 w, uint4 x) {
   return s;
 }
 
+// ---- FP8 E4M3 weights ----
+// A linear's E4M3 weight [N, K] on the device (a --quant fp8 bundle or an FP8 checkpoint): its
+// codes, N * K bytes row by row, then one f32 scale per row and W8_GROUP columns ([N, K / W8_GROUP]);
+// weight = code * scale. The runtime lays it out so (codegen_cuda::fp8_device_layout).
+struct fp8_t {
+  unsigned char b;
+};
+#define W8_GROUP 128
+
+// Weights per 16-byte chunk: 8 h16 or 16 E4M3 codes.
+template <typename WT>
+struct WFmt {
+  static constexpr int PER = 8;
+};
+template <>
+struct WFmt<fp8_t> {
+  static constexpr int PER = 16;
+};
+
+// The scales of row n of an E4M3 weight of N rows of K.
+template <int K>
+__device__ __forceinline__ const float* w8_scales(const fp8_t* w, int N, int n) {
+  return (const float*)((const unsigned char*)w + (long)N * K) + (long)n * (K / W8_GROUP);
+}
+
+// Two E4M3 codes (the low byte first) as f16x2, exactly (every E4M3 value is an f16).
+__device__ __forceinline__ unsigned e4m3x2_f16x2(unsigned short c) {
+  unsigned h;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(c));
+  return h;
+}
+
+// 16 E4M3 codes (16 bytes) to f32.
+__device__ __forceinline__ void e4m3x16(uint4 w, float* f) {
+  const unsigned u[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+  for (int i = 0; i < 4; i++)
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+      const unsigned p = e4m3x2_f16x2((unsigned short)(u[i] >> (16 * h)));
+      asm("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, %2; cvt.f32.f16 %0, lo; cvt.f32.f16 %1, hi; }"
+          : "=f"(f[4 * i + 2 * h]), "=f"(f[4 * i + 2 * h + 1]) : "r"(p));
+    }
+}
+
+// Two f32 as an h16 pair (lo in the low half), rounded to nearest even.
+__device__ __forceinline__ unsigned pack_h16x2(float lo, float hi) {
+  unsigned r;
+  asm("cvt.rn." H16_PTX "x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+// 16 E4M3 codes times s as 16 h16 (two 16-byte chunks, codes 0-7 then 8-15); exact where s is 1.
+__device__ __forceinline__ void e4m3x16_h16(uint4 w, float s, uint4& lo, uint4& hi) {
+  float f[16];
+  e4m3x16(w, f);
+  lo = make_uint4(pack_h16x2(f[0] * s, f[1] * s), pack_h16x2(f[2] * s, f[3] * s), pack_h16x2(f[4] * s, f[5] * s),
+                  pack_h16x2(f[6] * s, f[7] * s));
+  hi = make_uint4(pack_h16x2(f[8] * s, f[9] * s), pack_h16x2(f[10] * s, f[11] * s),
+                  pack_h16x2(f[12] * s, f[13] * s), pack_h16x2(f[14] * s, f[15] * s));
+}
+
 // ---- residual add + RMS norm ----
 // One row: v = a (+ b), written to s when s is not null; out = v * rsqrt(mean(v^2) + eps) * w.
 // With PRE, b is normalised first: v = a + b * rsqrt(mean(b^2) + peps) * pw (Gemma's norm of a
@@ -153,33 +215,63 @@ struct XNorm {
 // A warp's share of one weight row: the SPLIT warps of an output each take PART of the row's C
 // 16-byte chunks (so a warp's share is at most 2048 weights, gemv_split); lane l holds chunks
 // c0 + 32 j (j < L), all loaded before any is used, so a warp waits for one memory round trip.
-template <int K, int SPLIT>
+// WT: h16_t (8 weights a chunk) or fp8_t (16 codes a chunk, with the scale of each chunk).
+template <int K, int SPLIT, typename WT>
 struct RowPart {
-  static constexpr int C = K / 8, PART = (C + SPLIT - 1) / SPLIT, L = (PART + 31) / 32;
+  static constexpr int PER = WFmt<WT>::PER, C = K / PER, PART = (C + SPLIT - 1) / SPLIT, L = (PART + 31) / 32;
   int c0, end;
   __device__ __forceinline__ RowPart() {
     const int part = (threadIdx.x >> 5) % SPLIT;
     c0 = part * PART + (threadIdx.x & 31);
     end = min(C, (part + 1) * PART);
   }
-  __device__ __forceinline__ void load(const h16_t* w, uint4* wv) const {
+  // The row's chunks, and for E4M3 their scales (ws: the row's scales; unused for h16).
+  __device__ __forceinline__ void load(const WT* w, const float* ws, uint4* wv, float* sv) const {
     const uint4* wr = (const uint4*)w;
 #pragma unroll
-    for (int j = 0; j < L; j++) wv[j] = c0 + 32 * j < end ? ld_stream_first(wr + c0 + 32 * j) : make_uint4(0, 0, 0, 0);
+    for (int j = 0; j < L; j++) {
+      const bool in = c0 + 32 * j < end;
+      wv[j] = in ? ld_stream_first(wr + c0 + 32 * j) : make_uint4(0, 0, 0, 0);
+      if (PER == 16) sv[j] = in ? ws[(c0 + 32 * j) * PER / W8_GROUP] : 0.0f;
+    }
   }
   // acc[r] = the lane's part of the dot of input row r (of x) with the loaded chunks.
   template <int ROWS>
-  __device__ __forceinline__ void dot(const h16_t* x, const uint4* wv, int T, float* acc) const {
+  __device__ __forceinline__ void dot(const h16_t* x, const uint4* wv, const float* sv, int T, float* acc) const {
 #pragma unroll
     for (int r = 0; r < ROWS; r++) acc[r] = 0.0f;
 #pragma unroll
     for (int j = 0; j < L; j++)
-      if (c0 + 32 * j < end)
+      if (c0 + 32 * j < end) {
+        if constexpr (PER == 8) {
 #pragma unroll
-        for (int r = 0; r < ROWS; r++)
-          if (r < T) acc[r] += dot8(wv[j], ((const uint4*)(x + (long)r * K))[c0 + 32 * j]);
+          for (int r = 0; r < ROWS; r++)
+            if (r < T) acc[r] += dot8(wv[j], ((const uint4*)(x + (long)r * K))[c0 + 32 * j]);
+        } else {
+          float wf[16];
+          e4m3x16(wv[j], wf);
+#pragma unroll
+          for (int r = 0; r < ROWS; r++)
+            if (r < T) {
+              const uint4* xr = (const uint4*)(x + (long)r * K) + 2 * (c0 + 32 * j);
+              float xf[16];
+              unpack8(xr[0], xf);
+              unpack8(xr[1], xf + 8);
+              float d = 0.0f;
+#pragma unroll
+              for (int i = 0; i < 16; i++) d = fmaf(wf[i], xf[i], d);
+              acc[r] = fmaf(sv[j], d, acc[r]);
+            }
+        }
+      }
   }
 };
+
+// The scales of row n of a weight (E4M3; nothing for h16).
+template <int K>
+__device__ __forceinline__ const float* row_scales(const h16_t*, int, int) { return nullptr; }
+template <int K>
+__device__ __forceinline__ const float* row_scales(const fp8_t* w, int N, int n) { return w8_scales<K>(w, N, n); }
 
 // Sums each of v[0..NV) over the warp, then over the SPLIT warps of its output (shared memory).
 template <int NV, int SPLIT>
@@ -203,9 +295,10 @@ __device__ __forceinline__ void split_sum(float* v) {
   }
 }
 
-// One linear of a launch that computes up to three sharing an input.
+// One linear of a launch that computes up to three sharing an input (weights h16_t or fp8_t).
+template <typename WT>
 struct LinearOut {
-  const h16_t* w;
+  const WT* w;
   const h16_t* b;
   float* o;
   int n;
@@ -213,32 +306,36 @@ struct LinearOut {
 
 // The group that index i (over the groups' concatenated units, c0 and c1 units in the first
 // two) falls in; i becomes the index inside that group.
-__device__ __forceinline__ LinearOut pick_group(int& i, int c0, int c1, LinearOut g0, LinearOut g1, LinearOut g2) {
+template <typename WT>
+__device__ __forceinline__ LinearOut<WT> pick_group(int& i, int c0, int c1, LinearOut<WT> g0, LinearOut<WT> g1,
+                                                    LinearOut<WT> g2) {
   if (i >= c0 + c1) { i -= c0 + c1; return g2; }
   if (i >= c0) { i -= c0; return g1; }
   return g0;
 }
 
 // Up to three linears sharing the input rows x (X16 or XNorm): group g has N_g outputs,
-// weight w_g [N_g, K] h16, optional bias b_g, output o_g f32 [T, N_g].
+// weight w_g [N_g, K] (h16, or E4M3 with its scales), optional bias b_g, output o_g f32 [T, N_g].
 // grid: ceil((N0 + N1 + N2) / (8 / SPLIT)), block: 256.
-template <int K, int N0, int N1, int N2, int ROWS, int SPLIT, typename X>
-__device__ void gemv(const X& x, const h16_t* w0, const h16_t* b0, float* o0, const h16_t* w1, const h16_t* b1,
-                     float* o1, const h16_t* w2, const h16_t* b2, float* o2, int T) {
+template <int K, int N0, int N1, int N2, int ROWS, int SPLIT, typename WT, typename X>
+__device__ void gemv(const X& x, const WT* w0, const h16_t* b0, float* o0, const WT* w1, const h16_t* b1, float* o1,
+                     const WT* w2, const h16_t* b2, float* o2, int T) {
   int n = blockIdx.x * (8 / SPLIT) + (threadIdx.x >> 5) / SPLIT;
   const bool live = n < N0 + N1 + N2;
   n = min(n, N0 + N1 + N2 - 1);
-  const LinearOut g = pick_group(n, N0, N1, LinearOut{w0, b0, o0, N0}, LinearOut{w1, b1, o1, N1}, LinearOut{w2, b2, o2, N2});
-  const h16_t* w = g.w;
+  const LinearOut<WT> g = pick_group(n, N0, N1, LinearOut<WT>{w0, b0, o0, N0}, LinearOut<WT>{w1, b1, o1, N1},
+                                     LinearOut<WT>{w2, b2, o2, N2});
   const h16_t* b = g.b;
   float* o = g.o;
   const int N = g.n;
-  const RowPart<K, SPLIT> part;
-  uint4 wv[RowPart<K, SPLIT>::L];
-  part.load(w + (long)n * K, wv);
+  using Part = RowPart<K, SPLIT, WT>;
+  const Part part;
+  uint4 wv[Part::L];
+  float sv[Part::L];
+  part.load(g.w + (long)n * K, row_scales<K>(g.w, N, n), wv, sv);
   pdl_wait();
   float acc[ROWS];
-  part.template dot<ROWS>(x.template rows<K, ROWS>(T), wv, T, acc);
+  part.template dot<ROWS>(x.template rows<K, ROWS>(T), wv, sv, T, acc);
   split_sum<ROWS, SPLIT>(acc);
   if (live && (threadIdx.x & 31) == 0 && ((threadIdx.x >> 5) % SPLIT) == 0) {
     const float bias = b ? to_f32(b[n]) : 0.0f;
@@ -251,20 +348,22 @@ __device__ void gemv(const X& x, const h16_t* w0, const h16_t* b0, float* o0, co
 // Gate and up projections with act(gate)·up fused (act: the GLU's activation, a device lambda
 // the generated instance passes): input rows x (X16 or XNorm), out h16 [T, N].
 // grid: ceil(N / (8 / SPLIT)), block: 256.
-template <int K, int N, int ROWS, int SPLIT, typename X, typename ACT>
-__device__ void gemv_glu(const X& x, const h16_t* wg, const h16_t* wu, h16_t* out, int T, ACT act) {
+template <int K, int N, int ROWS, int SPLIT, typename WT, typename X, typename ACT>
+__device__ void gemv_glu(const X& x, const WT* wg, const WT* wu, h16_t* out, int T, ACT act) {
   int n = blockIdx.x * (8 / SPLIT) + (threadIdx.x >> 5) / SPLIT;
   const bool live = n < N;
   n = min(n, N - 1);
-  const RowPart<K, SPLIT> part;
-  uint4 wgv[RowPart<K, SPLIT>::L], wuv[RowPart<K, SPLIT>::L];
-  part.load(wg + (long)n * K, wgv);
-  part.load(wu + (long)n * K, wuv);
+  using Part = RowPart<K, SPLIT, WT>;
+  const Part part;
+  uint4 wgv[Part::L], wuv[Part::L];
+  float sg[Part::L], su[Part::L];
+  part.load(wg + (long)n * K, row_scales<K>(wg, N, n), wgv, sg);
+  part.load(wu + (long)n * K, row_scales<K>(wu, N, n), wuv, su);
   pdl_wait();
   const h16_t* xr = x.template rows<K, ROWS>(T);
   float acc[2 * ROWS];
-  part.template dot<ROWS>(xr, wgv, T, acc);
-  part.template dot<ROWS>(xr, wuv, T, acc + ROWS);
+  part.template dot<ROWS>(xr, wgv, sg, T, acc);
+  part.template dot<ROWS>(xr, wuv, su, T, acc + ROWS);
   split_sum<2 * ROWS, SPLIT>(acc);
   if (live && (threadIdx.x & 31) == 0 && ((threadIdx.x >> 5) % SPLIT) == 0) {
 #pragma unroll
@@ -322,23 +421,29 @@ __device__ __forceinline__ void mma_h16(float* d, const unsigned* a, const unsig
 __device__ __forceinline__ int swz(int r, int c) { return r * 32 + ((c ^ ((r >> 1) & 3)) << 3); }
 
 // Block tile 128 x 128 x 32, 8 warps as 2 (M) x 4 (N) of 64 x 32, three cp.async stages.
+// E4M3 weights (WT fp8_t) go through registers instead: each thread loads 16 codes of a tile one
+// stage ahead, and after the stage's math writes them, times their scale, as h16 (rounded).
 // The groups' column tiles are concatenated along grid.x; grid: (tiles, ceil(T / 128)), block: 256.
-template <int K, int N0, int N1, int N2>
-__device__ void gemm(const h16_t* x, const h16_t* w0, const h16_t* b0, float* o0, const h16_t* w1,
-                     const h16_t* b1, float* o1, const h16_t* w2, const h16_t* b2, float* o2, int T) {
+template <int K, int N0, int N1, int N2, typename WT>
+__device__ void gemm(const h16_t* x, const WT* w0, const h16_t* b0, float* o0, const WT* w1, const h16_t* b1,
+                     float* o1, const WT* w2, const h16_t* b2, float* o2, int T) {
   constexpr int BM = 128, BN = 128, BK = 32, S = 3, KT = K / BK;
-  constexpr int T0 = (N0 + BN - 1) / BN, T1 = (N1 + BN - 1) / BN;
+  constexpr bool W8 = WFmt<WT>::PER == 16;
   __shared__ __align__(128) h16_t sa[S][BM * BK];
   __shared__ __align__(128) h16_t sb[S][BN * BK];
   int tile = blockIdx.x;
-  const LinearOut g = pick_group(tile, T0, T1, LinearOut{w0, b0, o0, N0}, LinearOut{w1, b1, o1, N1}, LinearOut{w2, b2, o2, N2});
-  const h16_t* w = g.w;
+  const LinearOut<WT> g = pick_group(tile, (N0 + BN - 1) / BN, (N1 + BN - 1) / BN, LinearOut<WT>{w0, b0, o0, N0},
+                                     LinearOut<WT>{w1, b1, o1, N1}, LinearOut<WT>{w2, b2, o2, N2});
+  const WT* w = g.w;
   const h16_t* bias = g.b;
   float* out = g.o;
   const int N = g.n;
   const int n0 = tile * BN, m0 = blockIdx.y * BM;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int wm = warp >> 2, wn = warp & 3;
+  // E4M3: thread tid holds codes 16 (tid & 1) .. + 15 of tile row tid >> 1.
+  const int w8r = tid >> 1, w8h = tid & 1, w8n = min(n0 + w8r, N - 1);
+  const float* w8s = W8 ? row_scales<K>(w, N, w8n) : nullptr;
 
   auto load = [&](int st, int kt) {
 #pragma unroll
@@ -346,8 +451,16 @@ __device__ void gemm(const h16_t* x, const h16_t* w0, const h16_t* b0, float* o0
       const int id = tid + i * 256, r = id >> 2, c = id & 3;
       const int gm = m0 + r, gn = n0 + r;
       cp_async16(smem_addr(&sa[st][swz(r, c)]), x + (long)min(gm, T - 1) * K + kt * BK + c * 8, gm < T ? 16 : 0);
-      cp_async16(smem_addr(&sb[st][swz(r, c)]), w + (long)min(gn, N - 1) * K + kt * BK + c * 8, gn < N ? 16 : 0);
+      if constexpr (!W8)
+        cp_async16(smem_addr(&sb[st][swz(r, c)]), w + (long)min(gn, N - 1) * K + kt * BK + c * 8, gn < N ? 16 : 0);
     }
+  };
+  auto w8_load = [&](int kt) { return ld_stream((const unsigned char*)w + (long)w8n * K + kt * BK + 16 * w8h); };
+  auto w8_store = [&](int st, int kt, uint4 q) {
+    uint4 lo = make_uint4(0, 0, 0, 0), hi = lo;
+    if (n0 + w8r < N) e4m3x16_h16(q, w8s[kt * BK / W8_GROUP], lo, hi);
+    *(uint4*)&sb[st][swz(w8r, 2 * w8h)] = lo;
+    *(uint4*)&sb[st][swz(w8r, 2 * w8h + 1)] = hi;
   };
 
   float acc[4][4][4];
@@ -360,14 +473,20 @@ __device__ void gemm(const h16_t* x, const h16_t* w0, const h16_t* b0, float* o0
 
 #pragma unroll
   for (int s = 0; s < S - 1; s++) {
-    if (s < KT) load(s, s);
+    if (s < KT) {
+      load(s, s);
+      if constexpr (W8) w8_store(s, s, w8_load(s));
+    }
     cp_async_commit();
   }
   for (int kt = 0; kt < KT; kt++) {
     cp_async_wait<S - 2>();
     __syncthreads();
-    if (kt + S - 1 < KT) load((kt + S - 1) % S, kt + S - 1);
+    const bool ahead = kt + S - 1 < KT;
+    if (ahead) load((kt + S - 1) % S, kt + S - 1);
     cp_async_commit();
+    uint4 w8q = make_uint4(0, 0, 0, 0);
+    if (W8 && ahead) w8q = w8_load(kt + S - 1);
     const int st = kt % S;
 #pragma unroll
     for (int kk = 0; kk < BK; kk += 16) {
@@ -392,6 +511,8 @@ __device__ void gemm(const h16_t* x, const h16_t* w0, const h16_t* b0, float* o0
 #pragma unroll
         for (int ni = 0; ni < 4; ni++) mma_h16(acc[mi][ni], af[mi], bf[ni]);
     }
+    // The stage written here was last read in iteration kt - 1, before this one's barrier.
+    if (W8 && ahead) w8_store((kt + S - 1) % S, kt + S - 1, w8q);
   }
   cp_async_wait<0>();
 
@@ -413,16 +534,18 @@ __device__ void gemm(const h16_t* x, const h16_t* w0, const h16_t* b0, float* o0
 // D[feature, token] = W · Xᵀ with mma.sync: W rows are the A operand (16 features per block),
 // the step's rows the B operand (NT tiles of 8). Lane (g, c) loads 16 contiguous bytes of a W
 // row and of an X row at k + 8c; both fragments use the same permutation of k inside each
-// 32-wide chunk, so the sum is the plain dot product. Eight warps split K and reduce through
-// shared memory. Every N_g is a multiple of 16. grid: (N0 + N1 + N2) / 16, block: 256.
-template <int K, int N0, int N1, int N2, int NT>
-__device__ void gemm_skinny(const h16_t* x, const h16_t* w0, const h16_t* b0, float* o0, const h16_t* w1,
-                            const h16_t* b1, float* o1, const h16_t* w2, const h16_t* b2, float* o2, int T) {
-  constexpr int WARPS = 8, CH = K / 32;
+// 32-wide chunk, so the sum is the plain dot product. E4M3 weights (WT fp8_t) come in chunks
+// of 64: lane (g, c) loads 16 codes at k + 16c and the X row's 16 values there; each chunk's
+// product is summed apart and added times the rows' scales (exact). Eight warps split K and
+// reduce through shared memory. Every N_g is a multiple of 16. grid: (N0 + N1 + N2) / 16, block: 256.
+template <int K, int N0, int N1, int N2, int NT, typename WT>
+__device__ void gemm_skinny(const h16_t* x, const WT* w0, const h16_t* b0, float* o0, const WT* w1,
+                            const h16_t* b1, float* o1, const WT* w2, const h16_t* b2, float* o2, int T) {
+  constexpr int WARPS = 8, PER = WFmt<WT>::PER, CW = 4 * PER, CH = K / CW;
   __shared__ float red[WARPS][16][NT * 8 + 1];
   int f0 = blockIdx.x * 16;
-  const LinearOut grp = pick_group(f0, N0, N1, LinearOut{w0, b0, o0, N0}, LinearOut{w1, b1, o1, N1}, LinearOut{w2, b2, o2, N2});
-  const h16_t* w = grp.w;
+  const LinearOut<WT> grp = pick_group(f0, N0, N1, LinearOut<WT>{w0, b0, o0, N0}, LinearOut<WT>{w1, b1, o1, N1},
+                                       LinearOut<WT>{w2, b2, o2, N2});
   const h16_t* bias = grp.b;
   float* out = grp.o;
   const int N = grp.n;
@@ -430,34 +553,59 @@ __device__ void gemm_skinny(const h16_t* x, const h16_t* w0, const h16_t* b0, fl
   float acc[NT][4];
 #pragma unroll
   for (int i = 0; i < NT; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
-  const h16_t* wa = w + (long)(f0 + g) * K + c * 8;
-  const h16_t* wb = wa + 8L * K;
+  const WT* wa = grp.w + (long)(f0 + g) * K + c * PER;
+  const WT* wb = wa + 8L * K;
+  const float* sa = row_scales<K>(grp.w, N, f0 + g);
+  const float* sb = row_scales<K>(grp.w, N, f0 + g + 8);
   const h16_t* xr[NT];
   bool live[NT];
 #pragma unroll
   for (int i = 0; i < NT; i++) {
     live[i] = i * 8 + g < T;
-    xr[i] = x + (long)min(i * 8 + g, T - 1) * K + c * 8;
+    xr[i] = x + (long)min(i * 8 + g, T - 1) * K + c * PER;
   }
+  // The products of 8 (h16) or 16 (E4M3, as h16 a0 a1 / a2 a3) k of rows g and g + 8.
+  auto mma8 = [&](float* d, uint4 a0, uint4 a1, uint4 xb) {
+    const unsigned fa[4] = {a0.x, a1.x, a0.y, a1.y}, fb[2] = {xb.x, xb.y};
+    const unsigned ga[4] = {a0.z, a1.z, a0.w, a1.w}, gb[2] = {xb.z, xb.w};
+    mma_h16(d, fa, fb);
+    mma_h16(d, ga, gb);
+  };
   auto chunk = [&](int k, uint4 a0, uint4 a1) {
+    if constexpr (PER == 8) {
 #pragma unroll
-    for (int i = 0; i < NT; i++) {
-      uint4 xb = *(const uint4*)(xr[i] + k);
-      if (!live[i]) xb = make_uint4(0, 0, 0, 0);
-      const unsigned fa[4] = {a0.x, a1.x, a0.y, a1.y}, fb[2] = {xb.x, xb.y};
-      const unsigned ga[4] = {a0.z, a1.z, a0.w, a1.w}, gb[2] = {xb.z, xb.w};
-      mma_h16(acc[i], fa, fb);
-      mma_h16(acc[i], ga, gb);
+      for (int i = 0; i < NT; i++) {
+        uint4 xb = *(const uint4*)(xr[i] + k);
+        if (!live[i]) xb = make_uint4(0, 0, 0, 0);
+        mma8(acc[i], a0, a1, xb);
+      }
+    } else {
+      uint4 h0, h1, h2, h3;
+      e4m3x16_h16(a0, 1.0f, h0, h1);
+      e4m3x16_h16(a1, 1.0f, h2, h3);
+      const float s0 = sa[k / W8_GROUP], s1 = sb[k / W8_GROUP];
+#pragma unroll
+      for (int i = 0; i < NT; i++) {
+        uint4 x0 = *(const uint4*)(xr[i] + k), x1 = *(const uint4*)(xr[i] + k + 8);
+        if (!live[i]) x0 = x1 = make_uint4(0, 0, 0, 0);
+        float p[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        mma8(p, h0, h2, x0);
+        mma8(p, h1, h3, x1);
+        acc[i][0] = fmaf(s0, p[0], acc[i][0]);
+        acc[i][1] = fmaf(s0, p[1], acc[i][1]);
+        acc[i][2] = fmaf(s1, p[2], acc[i][2]);
+        acc[i][3] = fmaf(s1, p[3], acc[i][3]);
+      }
     }
   };
   int ch = warp;
   for (; ch + WARPS < CH; ch += 2 * WARPS) {
-    const int k = ch * 32, k2 = k + WARPS * 32;
+    const int k = ch * CW, k2 = k + WARPS * CW;
     const uint4 a0 = ld_stream(wa + k), a1 = ld_stream(wb + k), c0 = ld_stream(wa + k2), c1 = ld_stream(wb + k2);
     chunk(k, a0, a1);
     chunk(k2, c0, c1);
   }
-  if (ch < CH) chunk(ch * 32, ld_stream(wa + ch * 32), ld_stream(wb + ch * 32));
+  if (ch < CH) chunk(ch * CW, ld_stream(wa + ch * CW), ld_stream(wb + ch * CW));
 #pragma unroll
   for (int i = 0; i < NT; i++) {
     red[warp][g][i * 8 + 2 * c] = acc[i][0];
@@ -870,12 +1018,6 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned* r, unsigned addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
-__device__ __forceinline__ unsigned pack_h16x2(float lo, float hi) {
-  unsigned r;
-  asm("cvt.rn." H16_PTX "x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
-
 // Extend attention on tensor cores (FlashAttention-2 style, per warp): a warp takes 16
 // consecutive query rows of one head; when they belong to one sequence (rows of a sequence are
 // consecutive, at consecutive positions), it walks that sequence's keys in tiles of 16 staged

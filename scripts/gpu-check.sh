@@ -7,7 +7,8 @@
 # For each shape in SHAPES (a config in tests/configs/; default qwen2.5-0.5b; FULL=1: qwen2.5-7b
 # too) it builds a random-weight checkpoint with HF transformers (the model YAML is the one whose
 # architectures name the config's) and HF's logits (scripts/gpu/hf_reference.py),
-# then for each dtype in DTYPES (default "bf16 f16") and tp in TPS (default 1, and 2 when the
+# then for each dtype in DTYPES (default "bf16 f16"; fp8: the FP8 checkpoint HF's quantizer makes of
+# it, E4M3 weights with 128 x 128 block scales, against HF's forward of its dequantized weights) and tp in TPS (default 1, and 2 when the
 # machine has two GPUs) compiles a bundle and checks (scripts/gpu/compare.py says the limits):
 #   - our CUDA logits against HF's f32 forward, max and rms error and greedy tokens where clear:
 #     batch 1 (40 tokens prefilled, 24 decode steps), batch 16 of mixed lengths (24 prefilled,
@@ -62,30 +63,39 @@ for shape in $shapes; do
   ids() { python3 -c "import json,sys; s=json.load(open('$ck/seqs.json')); print(';'.join(','.join(map(str, x)) for x in s[$1:$2]))"; }
   one=$(ids 0 1) many=$(ids 1 17) long=$(ids 17 18)
   for dtype in ${DTYPES:-bf16 f16}; do
+    # fp8: the FP8 checkpoint HF's fine-grained quantizer makes of this one (scripts/gpu/hf_fp8.py),
+    # compiled as it is (E4M3 weights kept) and held to the bf16 limits against HF's forward of
+    # its dequantized weights.
+    ckd=$ck tdt=$dtype dflag=(--dtype "$dtype")
+    if [ "$dtype" = fp8 ]; then
+      ckd=$ck-fp8 tdt=bf16 dflag=()
+      [ -f "$ckd/hf_logits.safetensors" ] || python3 scripts/gpu/hf_fp8.py "$ck" "$ckd" 2>&1 | tee "$work/$shape-hf-fp8.txt"
+      cp "$ck/tokenizer.json" "$ck/tokenizer_config.json" "$ckd/"
+    fi
     for tp in $tps; do
-      # Result suffix: -f16 for f16 bundles, then -tpN for tensor-parallel ones.
+      # Result suffix: -f16 / -fp8 for those bundles, then -tpN for tensor-parallel ones.
       dsfx=""
       [ "$dtype" = bf16 ] || dsfx="-$dtype"
       b="$ck$dsfx.bundle" sfx="$dsfx"
       [ "$tp" = 1 ] || { b="$ck$dsfx.tp$tp.bundle"; sfx="$dsfx-tp$tp"; }
       [ -d "$b" ] || must compile "$work/$shape$sfx-compile.txt" \
-        "$bin/engc" compile --checkpoint "$ck" --dtype "$dtype" --tp "$tp" -o "$b" || continue
+        "$bin/engc" compile --checkpoint "$ckd" "${dflag[@]}" --tp "$tp" -o "$b" || continue
       expected=$((expected + 18))
       rm -rf /tmp/engine-cache
       logits() { # RUN FILE-SUFFIX IDS PREFILL [ENV...]
         local run=$1 fs=$2 seqs=$3 pre=$4
         shift 4
         must "logits" "$work/$shape-$run$fs.txt" env "$@" /usr/bin/time -f "%e s wall" \
-          "$bin/engrun" logits "$b" --device cuda --ids "$seqs" --prefill "$pre" -o "$ck/$run$fs.safetensors"
+          "$bin/engrun" logits "$b" --device cuda --ids "$seqs" --prefill "$pre" -o "$ckd/$run$fs.safetensors"
       }
-      logits b1 "$sfx" "$one" 40 && cmp hf "$checks" "$ck" "$shape" b1 "$sfx" "$dtype"
-      logits b16 "$sfx" "$many" 24 && cmp hf "$checks" "$ck" "$shape" b16 "$sfx" "$dtype"
-      logits long "$sfx" "$long" 512 && cmp hf "$checks" "$ck" "$shape" long "$sfx" "$dtype"
+      logits b1 "$sfx" "$one" 40 && cmp hf "$checks" "$ckd" "$shape" b1 "$sfx" "$tdt"
+      logits b16 "$sfx" "$many" 24 && cmp hf "$checks" "$ckd" "$shape" b16 "$sfx" "$tdt"
+      logits long "$sfx" "$long" 512 && cmp hf "$checks" "$ckd" "$shape" long "$sfx" "$tdt"
       grep -h "cuBLASLt" "$work/$shape-long$sfx.txt" | head -5
       for v in graphs:ENGINE_CUDA_GRAPHS=0:b16:many:24 pdl:ENGINE_PDL=0:b16:many:24 cublaslt:ENGINE_CUBLASLT=0:long:long:512; do
         IFS=: read -r what setting run which pre <<<"$v"
         logits "$run" "$sfx-no$what" "${!which}" "$pre" "$setting" &&
-          cmp pair "$checks" "${what}_off$sfx" "$ck/$run$sfx.safetensors" "$ck/$run$sfx-no$what.safetensors" "$dtype" "$ck" "$run"
+          cmp pair "$checks" "${what}_off$sfx" "$ckd/$run$sfx.safetensors" "$ckd/$run$sfx-no$what.safetensors" "$tdt" "$ckd" "$run"
       done
       # The sampling kernels against the host's rule, on the same logits and numbers (top-k 1:
       # greedy, the split argmax).
@@ -101,7 +111,7 @@ for shape in $shapes; do
       # The engine against each request alone: 24 prompts of 120-600 tokens sharing 64, chunks
       # of 256 tokens, 32 greedy tokens each.
       tol=0.02
-      [ "$dtype" = f16 ] && tol=0.005
+      [ "$tdt" = f16 ] && tol=0.005
       "$bin/engrun" bench "$b" --device cuda --num-prompts 24 --input-len 600 --output-len 32 --random-range-ratio 0.2 \
         --shared-prefix-len 64 --chunked-prefill-size 256 --warmup 0 --verify-alone $tol --json >"$work/$shape$sfx-alone.txt" 2>&1
       cmp alone "$checks" "engine_alone$sfx" "$work/$shape$sfx-alone.txt"
@@ -115,7 +125,7 @@ for shape in $shapes; do
           grep -q "serving" "$work/$shape$sfx-serve.txt" || ! kill -0 "$spid" 2>/dev/null && break
           sleep 1
         done
-        cmp embed "$checks" "$ck" "$shape" "$sfx" "$dtype" http://127.0.0.1:30123/v1/embeddings
+        cmp embed "$checks" "$ckd" "$shape" "$sfx" "$tdt" http://127.0.0.1:30123/v1/embeddings
         kill -TERM "$spid"
         wait "$spid"
       fi

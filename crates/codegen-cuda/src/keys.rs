@@ -48,6 +48,8 @@ pub enum KernelKey {
         rows: usize,
         /// The RMS norm it applies to its input rows itself, if any.
         norm: Option<NormIn>,
+        /// E4M3 weights (`fp8_t`, with their scales) rather than 16-bit ones.
+        w8: bool,
     },
     /// Gate and up projections with act(gate)·up, 16-bit out, for at most `rows` rows.
     GemvGlu {
@@ -61,6 +63,8 @@ pub enum KernelKey {
         norm: Option<NormIn>,
         /// The activation as CUDA C over `x0` (interned).
         act: &'static str,
+        /// E4M3 weights.
+        w8: bool,
     },
     /// Up to three linears sharing a 16-bit input, for at most `8 * tiles` rows (tensor cores,
     /// split K; every `n` a multiple of 16).
@@ -71,6 +75,8 @@ pub enum KernelKey {
         n: [usize; 3],
         /// Tiles of 8 rows.
         tiles: usize,
+        /// E4M3 weights.
+        w8: bool,
     },
     /// Up to three linears sharing a 16-bit input, any row count (tensor-core GEMM).
     Gemm {
@@ -78,6 +84,8 @@ pub enum KernelKey {
         k: usize,
         /// Output features of each group (0: absent).
         n: [usize; 3],
+        /// E4M3 weights (converted to 16 bits with their scale as the tiles are staged).
+        w8: bool,
     },
     /// The fallback linear: 16-bit input, any weight dtype and `k`.
     Linear {
@@ -498,10 +506,32 @@ fn attention_params(o: &str) -> String {
     )
 }
 
-/// The weights, biases and outputs of up to three linears sharing an input.
-const OUT_PARAMS: &str = "const h16_t* w0, const h16_t* b0, float* o0, const h16_t* w1, const h16_t* b1, float* o1, \
-                          const h16_t* w2, const h16_t* b2, float* o2, int T";
+/// The weights (of type `wt`), biases and outputs of up to three linears sharing an input.
+fn out_params(wt: &str) -> String {
+    format!(
+        "const {wt}* w0, const h16_t* b0, float* o0, const {wt}* w1, const h16_t* b1, float* o1, const {wt}* w2, \
+         const h16_t* b2, float* o2, int T"
+    )
+}
 const OUT_ARGS: &str = "w0, b0, o0, w1, b1, o1, w2, b2, o2, T";
+
+/// The C type of a fast linear's weights: E4M3 codes (`fp8_t`) or the 16-bit float.
+fn wtype(w8: bool) -> &'static str {
+    if w8 {
+        "fp8_t"
+    } else {
+        "h16_t"
+    }
+}
+
+/// The name suffix of E4M3-weight variants.
+fn w8_suffix(w8: bool) -> &'static str {
+    if w8 {
+        "_f8"
+    } else {
+        ""
+    }
+}
 
 /// Warps that share one output of the GEMV: enough that each streams at most 2048 weights of
 /// a row (a few memory round trips), at most 8.
@@ -523,14 +553,19 @@ impl KernelKey {
                 format!("{}rms_norm_h{h}_{w}_to_{out}", if add { "add_" } else { "" })
             }
             KernelKey::NormAddRmsNorm { h, w, pw, out } => format!("norm_add_rms_norm_h{h}_{pw}_{w}_to_{out}"),
-            KernelKey::Gemv { k, n, rows, norm } => {
-                format!("gemv_k{k}_n{}_r{rows}{}", n3(n), norm.map_or(String::new(), |m| m.suffix()))
+            KernelKey::Gemv { k, n, rows, norm, w8 } => {
+                format!("gemv_k{k}_n{}_r{rows}{}{}", n3(n), norm.map_or(String::new(), |m| m.suffix()), w8_suffix(w8))
             }
-            KernelKey::GemvGlu { k, n, rows, norm, act } => {
-                format!("gemv_glu_k{k}_n{n}_r{rows}{}_{}", norm.map_or(String::new(), |m| m.suffix()), act_tag(act))
+            KernelKey::GemvGlu { k, n, rows, norm, act, w8 } => format!(
+                "gemv_glu_k{k}_n{n}_r{rows}{}_{}{}",
+                norm.map_or(String::new(), |m| m.suffix()),
+                act_tag(act),
+                w8_suffix(w8)
+            ),
+            KernelKey::Gemm { k, n, w8 } => format!("gemm_k{k}_n{}{}", n3(n), w8_suffix(w8)),
+            KernelKey::GemmSkinny { k, n, tiles, w8 } => {
+                format!("gemm_skinny_k{k}_n{}_t{tiles}{}", n3(n), w8_suffix(w8))
             }
-            KernelKey::Gemm { k, n } => format!("gemm_k{k}_n{}", n3(n)),
-            KernelKey::GemmSkinny { k, n, tiles } => format!("gemm_skinny_k{k}_n{}_t{tiles}", n3(n)),
             KernelKey::Linear { k, n, w, bias } => format!("linear_k{k}_n{n}_{w}{}", if bias { "_bias" } else { "" }),
             KernelKey::GluMul { act } => format!("glu_mul_to_h16_{}", act_tag(act)),
             KernelKey::ToH16 => "f32_to_h16_rows".into(),
@@ -630,27 +665,39 @@ impl KernelKey {
                     format!("add_rms_norm<{h}, {t}, {add}, {o}>(a, b, s, w, out, eps)"),
                 )
             }
-            KernelKey::Gemv { k, n, rows, norm } => {
+            KernelKey::Gemv { k, n, rows, norm, w8 } => {
                 let (input, x) = gemv_input(norm)?;
+                let wt = wtype(w8);
                 (
-                    format!("{input}, {OUT_PARAMS}"),
-                    format!("gemv<{k}, {}, {}, {}, {rows}, {}>({x}, {OUT_ARGS})", n[0], n[1], n[2], gemv_split(k)),
+                    format!("{input}, {}", out_params(wt)),
+                    format!(
+                        "gemv<{k}, {}, {}, {}, {rows}, {}, {wt}>({x}, {OUT_ARGS})",
+                        n[0],
+                        n[1],
+                        n[2],
+                        gemv_split(k)
+                    ),
                 )
             }
-            KernelKey::GemvGlu { k, n, rows, norm, act } => {
+            KernelKey::GemvGlu { k, n, rows, norm, act, w8 } => {
                 let (input, x) = gemv_input(norm)?;
+                let wt = wtype(w8);
                 (
-                    format!("{input}, const h16_t* wg, const h16_t* wu, h16_t* out, int T"),
-                    format!("gemv_glu<{k}, {n}, {rows}, {}>({x}, wg, wu, out, T, {})", gemv_split(k), act_lambda(act)),
+                    format!("{input}, const {wt}* wg, const {wt}* wu, h16_t* out, int T"),
+                    format!(
+                        "gemv_glu<{k}, {n}, {rows}, {}, {wt}>({x}, wg, wu, out, T, {})",
+                        gemv_split(k),
+                        act_lambda(act)
+                    ),
                 )
             }
-            KernelKey::Gemm { k, n } => (
-                format!("const h16_t* x, {OUT_PARAMS}"),
-                format!("gemm<{k}, {}, {}, {}>(x, {OUT_ARGS})", n[0], n[1], n[2]),
+            KernelKey::Gemm { k, n, w8 } => (
+                format!("const h16_t* x, {}", out_params(wtype(w8))),
+                format!("gemm<{k}, {}, {}, {}, {}>(x, {OUT_ARGS})", n[0], n[1], n[2], wtype(w8)),
             ),
-            KernelKey::GemmSkinny { k, n, tiles } => (
-                format!("const h16_t* x, {OUT_PARAMS}"),
-                format!("gemm_skinny<{k}, {}, {}, {}, {tiles}>(x, {OUT_ARGS})", n[0], n[1], n[2]),
+            KernelKey::GemmSkinny { k, n, tiles, w8 } => (
+                format!("const h16_t* x, {}", out_params(wtype(w8))),
+                format!("gemm_skinny<{k}, {}, {}, {}, {tiles}, {}>(x, {OUT_ARGS})", n[0], n[1], n[2], wtype(w8)),
             ),
             KernelKey::Linear { k, n, w, bias } => {
                 let t = ctype(w)?;

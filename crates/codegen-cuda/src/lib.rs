@@ -7,13 +7,15 @@
 //! cuda-check` compiles it with NVRTC.
 #![deny(missing_docs)]
 
+mod fp8;
 mod keys;
 mod lower;
 pub mod nvrtc;
 pub mod schedule;
 
+pub use fp8::fp8_device_layout;
 pub use keys::{HeadNorm, KernelKey, Mask, NormIn, ALL_REDUCE_MAX_BLOCKS, ARGMAX_BLOCKS, MAP_INPUTS, MASK_SPAN};
-pub use schedule::{Arg, Buffer, Count, Dim, Input, Launch, Step, GEMV_ROWS, NORM_IN_GEMV_ROWS, SKINNY_ROWS};
+pub use schedule::{Arg, Buffer, Count, Dim, Input, Launch, Step, GEMV_ROWS, NORM_IN_GEMV_ROWS, SKINNY_ROWS, W8_GROUP};
 
 use ir::Plan;
 use std::fmt::Write;

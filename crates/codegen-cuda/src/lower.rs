@@ -23,10 +23,11 @@ pub(crate) fn fusion(b: &mut Builder, f: usize) -> Result<(), CodegenError> {
         (FusionKind::Linears, ls) => linears(b, ls)?,
         (FusionKind::Glu, &[g, u, s, m]) => {
             let xn = b.plan.nodes[g].inputs[0];
-            if b.fast_linear(g) && b.fast_linear(u) && b.feeds_linears(m) {
+            let w8 = b.fast_format(g);
+            if w8.is_some() && w8 == b.fast_format(u) && b.feeds_linears(m) {
                 let x = b.half_input(xn)?;
                 let norm = b.fused_norm[xn].clone();
-                glu(b, x, b.cols(xn), [g, u, s, m], norm.as_ref())?;
+                glu(b, x, b.cols(xn), [g, u, s, m], norm.as_ref(), w8 == Some(true))?;
             } else {
                 linears(b, &[g, u])?;
                 node(b, s)?;
@@ -184,13 +185,16 @@ fn norm_fuses(b: &Builder, c: usize) -> bool {
     let mut linears: Vec<usize> =
         fusion.nodes.iter().copied().filter(|&j| matches!(b.plan.nodes[j].op, Op::Linear { .. })).collect();
     linears.sort();
-    let all_read_c = readers.iter().all(|&j| b.plan.nodes[j].inputs[0] == c && b.fast_linear(j));
+    // One weight format: linears of two formats run as two launches.
+    let format = readers.first().and_then(|&j| b.fast_format(j));
+    let all_read_c = readers.iter().all(|&j| b.plan.nodes[j].inputs[0] == c && b.fast_format(j) == format);
     let bytes: usize = readers.iter().map(|&j| b.cols(j) * b.cols(c) * b.half.size()).sum();
     b.fuse_norms
         && b.cols(b.plan.nodes[c].inputs[1]) == b.cols(c)
         && bytes <= NORM_MAX_WEIGHT_BYTES
         && one_launch
         && linears == *readers
+        && format.is_some()
         && all_read_c
         && NORM_IN_GEMV_ROWS * b.cols(c) * b.half.size() <= NORM_SMEM
         && b.node_val[c].is_some_and(|v| b.vals_dtype(v) == b.half)
@@ -208,8 +212,8 @@ fn gemv_x(x: usize, norm: Option<&FusedNorm>, rows: usize) -> (Option<NormIn>, V
 }
 
 /// Launch variants of up to three fast linears sharing the 16-bit input `x` (the output of
-/// `norm` when the GEMVs apply it), over `by` rows.
-fn grouped(x: usize, k: usize, groups: &[Group], by: Count, norm: Option<&FusedNorm>) -> Step {
+/// `norm` when the GEMVs apply it), over `by` rows; their weights E4M3 where `w8`.
+fn grouped(x: usize, k: usize, groups: &[Group], by: Count, norm: Option<&FusedNorm>, w8: bool) -> Step {
     let mut n = [0; 3];
     let mut outs = vec![];
     for (g, slot) in n.iter_mut().enumerate() {
@@ -229,7 +233,7 @@ fn grouped(x: usize, k: usize, groups: &[Group], by: Count, norm: Option<&FusedN
         .iter()
         .map(|&rows| {
             let (norm, input) = gemv_x(x, norm, rows);
-            let key = KernelKey::Gemv { k, n, rows, norm };
+            let key = KernelKey::Gemv { k, n, rows, norm, w8 };
             let per_block = 8 / crate::keys::gemv_split(k);
             let args = [input, outs.clone()].concat();
             (rows, vec![launch(key, args, [Dim::Fixed(total.div_ceil(per_block)), ONE], 256)])
@@ -237,11 +241,11 @@ fn grouped(x: usize, k: usize, groups: &[Group], by: Count, norm: Option<&FusedN
         .collect();
     if n.iter().all(|c| c % 16 == 0) {
         for rows in SKINNY_ROWS {
-            let key = KernelKey::GemmSkinny { k, n, tiles: rows / 8 };
+            let key = KernelKey::GemmSkinny { k, n, tiles: rows / 8, w8 };
             variants.push((rows, vec![launch(key, args.clone(), [Dim::Fixed(total / 16), ONE], 256)]));
         }
     }
-    let gemm = launch(KernelKey::Gemm { k, n }, args, [Dim::Fixed(tiles), Dim::Per(by, 1, 128)], 256);
+    let gemm = launch(KernelKey::Gemm { k, n, w8 }, args, [Dim::Fixed(tiles), Dim::Per(by, 1, 128)], 256);
     variants.push((usize::MAX, vec![gemm]));
     Step::Kernels { by, variants }
 }
@@ -252,8 +256,23 @@ fn linears(b: &mut Builder, ls: &[usize]) -> Result<(), CodegenError> {
     let xn = b.plan.nodes[ls[0]].inputs[0];
     let k = b.cols(xn);
     let x = b.half_input(xn)?;
-    if !ls.iter().all(|&l| b.fast_linear(l)) {
-        for &i in ls {
+    // One launch per weight format the fast kernels take; the fallback kernel for the rest.
+    let norm = b.fused_norm[xn].clone();
+    for w8 in [false, true] {
+        let mut groups = vec![];
+        let of_format: Vec<usize> = ls.iter().copied().filter(|&c| b.fast_format(c) == Some(w8)).collect();
+        for c in of_format {
+            let out = b.out(c, DType::F32);
+            let n = &b.plan.nodes[c];
+            groups.push((n.inputs[1], n.inputs.get(2).copied(), out, b.cols(c)));
+        }
+        if !groups.is_empty() {
+            b.steps.push(grouped(x, k, &groups, Count::Tokens, norm.as_ref(), w8));
+        }
+    }
+    let slow: Vec<usize> = ls.iter().copied().filter(|&i| !b.fast_linear(i)).collect();
+    {
+        for i in slow {
             let n = &b.plan.nodes[i];
             let (w, bias) = (n.inputs[1], n.inputs.get(2).copied());
             let out = b.out(i, DType::F32);
@@ -267,16 +286,7 @@ fn linears(b: &mut Builder, ls: &[usize]) -> Result<(), CodegenError> {
             ];
             b.steps.push(one(launch(key, args, [Dim::Fixed(b.cols(i).div_ceil(8)), ONE], 256)));
         }
-        return Ok(());
     }
-    let norm = b.fused_norm[xn].clone();
-    let mut groups = vec![];
-    for &c in ls {
-        let out = b.out(c, DType::F32);
-        let n = &b.plan.nodes[c];
-        groups.push((n.inputs[1], n.inputs.get(2).copied(), out, b.cols(c)));
-    }
-    b.steps.push(grouped(x, k, &groups, Count::Tokens, norm.as_ref()));
     Ok(())
 }
 
@@ -288,6 +298,7 @@ fn glu(
     k: usize,
     [g, u, s, m]: [usize; 4],
     norm: Option<&FusedNorm>,
+    w8: bool,
 ) -> Result<(), CodegenError> {
     let n = b.cols(g);
     let act = ir::fusion::glu_activation(&b.plan.nodes[s].op).ok_or_else(|| {
@@ -306,7 +317,7 @@ fn glu(
             (
                 rows,
                 vec![launch(
-                    KernelKey::GemvGlu { k, n, rows, norm, act },
+                    KernelKey::GemvGlu { k, n, rows, norm, act, w8 },
                     args,
                     [Dim::Fixed(n.div_ceil(per_block)), ONE],
                     256,
@@ -316,7 +327,7 @@ fn glu(
         .collect();
     let (tg, tu) = (b.new_val(n, DType::F32, Count::Tokens), b.new_val(n, DType::F32, Count::Tokens));
     let Step::Kernels { variants: big, .. } =
-        grouped(x, k, &[(wg, None, tg, n), (wu, None, tu, n)], Count::Tokens, None)
+        grouped(x, k, &[(wg, None, tg, n), (wu, None, tu, n)], Count::Tokens, None, w8)
     else {
         unreachable!("grouped gives kernels")
     };
@@ -569,7 +580,7 @@ fn logits(b: &mut Builder, i: usize) -> Result<(), CodegenError> {
     let out = b.new_val(vocab, DType::F32, Count::Rows);
     b.node_val[i] = Some(out);
     if b.wdtype(w) == b.half && h % 32 == 0 {
-        b.steps.push(grouped(sel, h, &[(w, None, out, vocab)], Count::Rows, None));
+        b.steps.push(grouped(sel, h, &[(w, None, out, vocab)], Count::Rows, None, false));
     } else {
         let key = KernelKey::Linear { k: h, n: vocab, w: b.wdtype(w), bias: false };
         let args = vec![Arg::Buf(sel), Arg::Weight(w), Arg::Null, Arg::Buf(out), Arg::Count(Count::Rows)];

@@ -129,6 +129,10 @@ pub const GEMV_ROWS: [usize; 4] = [1, 2, 4, 8];
 /// GEMM runs.
 pub const SKINNY_ROWS: [usize; 3] = [16, 32, 64];
 
+/// Columns per scale of an E4M3 weight on the device (`W8_GROUP` of `kernels/fast.cuh`; the
+/// layout is [`crate::fp8_device_layout`]'s).
+pub const W8_GROUP: usize = 128;
+
 /// Steps of at most this many tokens leave an RMS norm that only feeds the linears of one
 /// launch to those GEMVs ([`NormIn`]): one kernel less per norm, for every block normalising
 /// the rows again (reading them from L2 while its weight loads are in flight). Measured on an
@@ -178,7 +182,7 @@ pub(crate) struct Builder<'p> {
 pub(crate) fn half_dtype(plan: &Plan) -> Result<DType, CodegenError> {
     let half = if plan.act_dtype == DType::F16 { DType::F16 } else { DType::BF16 };
     for (name, _, dtype) in plan.weights() {
-        if !matches!(dtype, DType::F32) && dtype != half {
+        if !matches!(dtype, DType::F32 | DType::F8_E4M3) && dtype != half {
             return Err(CodegenError::Unsupported(format!(
                 "weight `{name}` is {dtype} in a plan whose 16-bit type is {half} (compile with one --dtype)"
             )));
@@ -295,9 +299,19 @@ impl<'p> Builder<'p> {
 
     /// Whether linear node `i` can take the fast (GEMV / GEMM) kernels.
     pub(crate) fn fast_linear(&self, i: usize) -> bool {
+        self.fast_format(i).is_some()
+    }
+
+    /// The weight format in which the fast kernels take linear node `i`: `Some(false)` for the
+    /// program's 16-bit float, `Some(true)` for E4M3 (`k` a multiple of [`W8_GROUP`]), `None`
+    /// where only the fallback kernel can (any bias must be 16-bit).
+    pub(crate) fn fast_format(&self, i: usize) -> Option<bool> {
         let n = &self.plan.nodes[i];
         let k = self.plan.nodes[n.inputs[0]].ty.last().unwrap_or(0);
-        n.inputs[1..].iter().all(|&w| self.wdtype(w) == self.half) && k.is_multiple_of(32) && k > 0
+        let w8 = self.wdtype(n.inputs[1]) == DType::F8_E4M3;
+        let weight = if w8 { k.is_multiple_of(W8_GROUP) } else { self.wdtype(n.inputs[1]) == self.half };
+        let bias = n.inputs[2..].iter().all(|&b| self.wdtype(b) == self.half);
+        (weight && bias && k.is_multiple_of(32) && k > 0).then_some(w8)
     }
 }
 
@@ -315,10 +329,10 @@ pub(crate) struct Schedule {
 
 /// Lowers `plan` to fused launches with buffers assigned.
 pub(crate) fn schedule(plan: &Plan) -> Result<Schedule, CodegenError> {
-    if let Some((name, _, d)) = plan.weights().find(|(_, _, d)| d.is_block()) {
+    if let Some((name, _, d)) = plan.weights().find(|(_, _, d)| d.is_block() && *d != DType::F8_E4M3) {
         return Err(CodegenError::Unsupported(format!(
-            "weight `{name}` is {d}: the CUDA kernels read f32, bf16 and f16 weights (the CPU backends read {d}; for CUDA, compile with --dtype bf16 \
-             and without --quant)"
+            "weight `{name}` is {d}: the CUDA kernels read f32, bf16, f16 and f8_e4m3 weights (the CPU backends read {d}; for CUDA, compile with \
+             --dtype bf16)"
         )));
     }
     let n = plan.nodes.len();
@@ -353,6 +367,7 @@ pub(crate) fn schedule(plan: &Plan) -> Result<Schedule, CodegenError> {
         constants: vec![],
         hidden: None,
     };
+    w8_readers(&b)?;
     for i in 0..n {
         match b.fusion_of[i] {
             // A fusion is lowered at its first member (members are consecutive in a plan).
@@ -363,6 +378,26 @@ pub(crate) fn schedule(plan: &Plan) -> Result<Schedule, CodegenError> {
     }
     let out = b.val(plan.output)?;
     Ok(assign(b.steps, &b.vals, (out, b.hidden), b.constants, b.half))
+}
+
+/// Every reader of an E4M3 weight must be a linear the fast kernels take with it.
+fn w8_readers(b: &Builder) -> Result<(), CodegenError> {
+    for (w, node) in b.plan.nodes.iter().enumerate() {
+        if !matches!(node.op, Op::Weight { dtype: DType::F8_E4M3, .. }) {
+            continue;
+        }
+        for &r in &b.consumers[w] {
+            let linear = matches!(b.plan.nodes[r].op, Op::Linear { .. }) && b.plan.nodes[r].inputs[1] == w;
+            if !linear || b.fast_format(r) != Some(true) {
+                return Err(CodegenError::Unsupported(format!(
+                    "weight `{}` is f8_e4m3: the CUDA kernels read E4M3 weights only as a linear's weight over a multiple \
+                     of {W8_GROUP} input features with a 16-bit bias (`{}` reads it)",
+                    node.label, b.plan.nodes[r].label
+                )));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Gives every value a device buffer, reusing the buffers of values no longer live; the

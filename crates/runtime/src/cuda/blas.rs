@@ -33,7 +33,8 @@ pub(crate) type Shape = (usize, [usize; 3]);
 /// The shape of a launch cuBLASLt can replace (`None` for every other kernel).
 pub(crate) fn gemm_shape(key: &KernelKey) -> Option<Shape> {
     match *key {
-        KernelKey::Gemm { k, n } | KernelKey::GemmSkinny { k, n, .. } => Some((k, n)),
+        // cuBLASLt reads 16-bit weights; E4M3 ones stay with ours.
+        KernelKey::Gemm { k, n, w8: false } | KernelKey::GemmSkinny { k, n, w8: false, .. } => Some((k, n)),
         _ => None,
     }
 }
@@ -386,8 +387,9 @@ mod tests {
     #[test]
     fn the_tensor_core_variants_of_one_linear_share_a_shape() {
         let (k, n) = (896, [4864, 4864, 0]);
-        assert_eq!(gemm_shape(&KernelKey::Gemm { k, n }), Some((k, n)));
-        assert_eq!(gemm_shape(&KernelKey::GemmSkinny { k, n, tiles: 8 }), Some((k, n)));
+        assert_eq!(gemm_shape(&KernelKey::Gemm { k, n, w8: false }), Some((k, n)));
+        assert_eq!(gemm_shape(&KernelKey::GemmSkinny { k, n, tiles: 8, w8: false }), Some((k, n)));
+        assert_eq!(gemm_shape(&KernelKey::GemmSkinny { k, n, tiles: 8, w8: true }), None);
         assert_eq!(gemm_shape(&KernelKey::ToH16), None);
     }
 }

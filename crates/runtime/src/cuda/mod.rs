@@ -179,14 +179,20 @@ impl CudaBackend {
         let mut total = 0usize;
         for n in &plan.nodes {
             weights.push(match &n.op {
-                Op::Weight { name, .. } => {
+                Op::Weight { name, shape, .. } => {
                     let (dtype, _, bytes) = file.raw(name)?;
                     let up = |b: &[u8]| stream.clone_htod(b).map_err(driver("uploading weights"));
                     total += bytes.len();
                     // f32 and the program's 16-bit float go up as stored (the codegen rejects
-                    // the other 16-bit float).
+                    // the other 16-bit float); E4M3 in the kernels' layout.
                     Some(match dtype {
                         d if d == DType::F32 || d == program.half => up(bytes)?,
+                        DType::F8_E4M3 => {
+                            let (rows, k) = (shape.iter().rev().skip(1).product(), shape.last().copied().unwrap_or(0));
+                            let dev = codegen_cuda::fp8_device_layout(name, bytes, rows, k)
+                                .map_err(|e| RuntimeError::Unsupported(e.to_string()))?;
+                            up(&dev)?
+                        }
                         d => up(&d.to_f32(bytes).iter().flat_map(|f| f.to_le_bytes()).collect::<Vec<u8>>())?,
                     })
                 }
