@@ -1,7 +1,11 @@
 //! Reading a checkpoint: a Hugging Face directory (`config.json` and safetensors weights,
 //! single file or sharded as `model-0000K-of-0000N.safetensors` + `model.safetensors.index.json`)
 //! or a GGUF file (see [`crate::gguf`]), presented alike: a config and tensors under HF names.
+//! An FP8 checkpoint's weights (see [`crate::fp8`]) are tensors like the others, read as f32
+//! or kept as `F8_E4M3` blocks; their scale tensors, and static activation scales, belong to
+//! them and are not listed among the tensors.
 
+use crate::fp8::{self, Grid};
 use crate::gguf::{ggml_name, hf_name, Gguf};
 use crate::CompileError;
 use ir::DType;
@@ -15,10 +19,12 @@ pub struct TensorInfo {
     pub dtype_name: String,
     /// Shape (HF order: slowest dimension first).
     pub shape: Vec<usize>,
-    /// Whether the engine can read this element type.
+    /// Whether the engine can read this element type (an FP8 weight: with its scale tensor).
     pub readable: bool,
     /// Safetensors file index, or the GGUF tensor name.
     location: Location,
+    /// An FP8 weight's scale tensor and the grid of its scales.
+    scale: Option<(String, Grid)>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -33,13 +39,20 @@ impl TensorInfo {
         DType::from_safetensors_name(&self.dtype_name).filter(|d| d.is_float())
     }
 
-    /// The GGUF block type (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) a GGUF tensor is stored in, if
-    /// any (a safetensors tensor has none: its F8_E4M3 is not a block of ours).
+    /// The block type a tensor can be kept in as it is stored, if any: a GGUF tensor's (Q8_0,
+    /// Q4_0, Q4_1, Q4_K, Q5_K, Q6_K), or `F8_E4M3` for an FP8 weight with its scales whose rows
+    /// are whole blocks of 32 ([`Checkpoint::read_blocks`]).
     pub fn block(&self) -> Option<DType> {
+        if let Some((_, grid)) = &self.scale {
+            return grid.k.is_multiple_of(ir::BLOCK).then_some(DType::F8_E4M3);
+        }
         let gguf = matches!(self.location, Location::Gguf(_));
         DType::ALL.into_iter().filter(|d| gguf && d.is_block()).find(|d| ggml_name(*d) == self.dtype_name)
     }
 }
+
+/// An FP8 weight's codes as stored, its scales as f32, and their grid.
+type Fp8Parts<'a> = (&'a [u8], Vec<f32>, Grid);
 
 /// An opened checkpoint.
 pub struct Checkpoint {
@@ -52,6 +65,12 @@ pub struct Checkpoint {
     files: Vec<(PathBuf, memmap2::Mmap)>,
     gguf: Option<Gguf>,
     tensors: BTreeMap<String, TensorInfo>,
+    /// The FP8 format `quantization_config` declares.
+    fp8: Option<fp8::Scheme>,
+    /// Tensors that belong to others: FP8 scales, static activation scales.
+    owned: BTreeMap<String, TensorInfo>,
+    /// How many of `owned` are static activation scales.
+    activation_scales: usize,
 }
 
 fn ckpt_err(path: &Path, message: impl Into<String>) -> CompileError {
@@ -73,6 +92,7 @@ impl Checkpoint {
             std::fs::read_to_string(&cpath).map_err(|e| ckpt_err(&cpath, format!("cannot read config.json: {e}")))?;
         let config: serde_json::Value =
             serde_json::from_str(&text).map_err(|e| ckpt_err(&cpath, format!("malformed JSON: {e}")))?;
+        let fp8 = fp8::scheme(&config).map_err(|m| ckpt_err(&cpath, m))?;
         let mut ck = Checkpoint {
             dir: dir.to_path_buf(),
             path: dir.to_path_buf(),
@@ -80,6 +100,9 @@ impl Checkpoint {
             files: Vec::new(),
             gguf: None,
             tensors: BTreeMap::new(),
+            fp8,
+            owned: BTreeMap::new(),
+            activation_scales: 0,
         };
         for path in weight_files(dir)? {
             ck.add_file(&path)?;
@@ -87,6 +110,7 @@ impl Checkpoint {
         if ck.files.is_empty() {
             return Err(ckpt_err(dir, "no *.safetensors weights found"));
         }
+        ck.attach_scales()?;
         Ok(ck)
     }
 
@@ -103,6 +127,7 @@ impl Checkpoint {
                 shape: t.shape.clone(),
                 readable: true,
                 location: Location::Gguf(t.name.clone()),
+                scale: None,
             };
             tensors.insert(name, info);
         }
@@ -113,6 +138,9 @@ impl Checkpoint {
             files: Vec::new(),
             gguf: Some(g),
             tensors,
+            fp8: None,
+            owned: BTreeMap::new(),
+            activation_scales: 0,
         })
     }
 
@@ -126,11 +154,55 @@ impl Checkpoint {
         for (name, info) in meta.tensors() {
             let dtype_name = format!("{:?}", info.dtype);
             let readable = DType::from_safetensors_name(&dtype_name).is_some_and(DType::is_float);
-            let t = TensorInfo { dtype_name, shape: info.shape.clone(), readable, location: Location::File(idx) };
+            let location = Location::File(idx);
+            let t = TensorInfo { dtype_name, shape: info.shape.clone(), readable, location, scale: None };
             self.tensors.insert(name, t);
         }
         self.files.push((path.to_path_buf(), map));
         Ok(())
+    }
+
+    /// Under an FP8 scheme: moves each FP8 weight's scale tensor and every static activation
+    /// scale out of the tensors the model may name, the weight readable with its scale grid. An
+    /// FP8 weight without its scale tensor, or whose scales do not fit it, is an error.
+    fn attach_scales(&mut self) -> Result<(), CompileError> {
+        let Some(scheme) = self.fp8.clone() else {
+            return Ok(());
+        };
+        let activation: Vec<String> = self.names().filter(|n| fp8::is_activation_scale(n)).map(String::from).collect();
+        self.activation_scales = activation.len();
+        let weights: Vec<String> =
+            self.tensors.iter().filter(|(_, t)| t.dtype_name == "F8_E4M3").map(|(n, _)| n.clone()).collect();
+        for name in activation.into_iter().chain(weights.iter().map(|w| format!("{w}{}", scheme.scale_suffix))) {
+            if let Some(t) = self.tensors.remove(&name) {
+                self.owned.insert(name, t);
+            }
+        }
+        for name in weights {
+            let scale = format!("{name}{}", scheme.scale_suffix);
+            let s = self.owned.get(&scale).ok_or_else(|| {
+                ckpt_err(&self.path, format!("FP8 weight `{name}` has no scale tensor `{scale}` beside it"))
+            })?;
+            if s.dtype().is_none() {
+                return Err(CompileError::UnsupportedDtype { name: scale, dtype: s.dtype_name.clone() });
+            }
+            if let Some(t) = self.tensors.get_mut(&name) {
+                let grid =
+                    fp8::grid(&scheme, (&name, &t.shape), (&scale, &s.shape)).map_err(|m| ckpt_err(&self.path, m))?;
+                t.scale = Some((scale, grid));
+                t.readable = true;
+            }
+        }
+        Ok(())
+    }
+
+    /// Warnings about the checkpoint itself: static activation scales it holds and the engine
+    /// does not use.
+    pub fn warnings(&self) -> Vec<String> {
+        match self.activation_scales {
+            0 => vec![],
+            n => vec![fp8::activation_scales_note(n)],
+        }
     }
 
     /// Description of a tensor, if present.
@@ -143,29 +215,59 @@ impl Checkpoint {
         self.tensors.keys().map(String::as_str)
     }
 
-    /// A tensor as f32 values.
+    /// A tensor as f32 values (an FP8 weight's dequantized: code times its scale).
     pub fn read_f32(&self, name: &str) -> Result<Vec<f32>, CompileError> {
         let info = self.tensors.get(name).ok_or_else(|| ckpt_err(&self.path, format!("tensor `{name}` is missing")))?;
-        let file = match (&info.location, &self.gguf) {
-            (Location::Gguf(gname), Some(g)) => return g.read_f32(gname),
-            (Location::File(i), _) => *i,
-            (Location::Gguf(_), None) => unreachable!("GGUF locations come only from a GGUF file"),
+        if let (Location::Gguf(gname), Some(g)) = (&info.location, &self.gguf) {
+            return g.read_f32(gname);
+        }
+        if let Some((codes, scales, grid)) = self.fp8_parts(name, info)? {
+            return Ok(fp8::dequantize(codes, &scales, grid));
+        }
+        self.dense(name, info)
+    }
+
+    /// A tensor's blocks (its rows in HF's order), when it can be kept as stored
+    /// ([`TensorInfo::block`]): a GGUF block type's, or an FP8 weight's codes and scales as
+    /// `F8_E4M3` blocks (exactly those of the checkpoint).
+    pub fn read_blocks(&self, name: &str) -> Result<(DType, Vec<u8>), CompileError> {
+        let info = self.tensors.get(name).filter(|t| t.block().is_some());
+        match (info, &self.gguf) {
+            (Some(TensorInfo { location: Location::Gguf(gname), .. }), Some(g)) => g.read_raw(gname),
+            (Some(info), _) => match self.fp8_parts(name, info)? {
+                Some((codes, scales, grid)) => Ok((DType::F8_E4M3, fp8::blocks(codes, &scales, grid))),
+                None => Err(ckpt_err(&self.path, format!("tensor `{name}` is not stored in blocks"))),
+            },
+            (None, _) => Err(ckpt_err(&self.path, format!("tensor `{name}` is not stored in blocks"))),
+        }
+    }
+
+    /// An FP8 weight's codes, its scales as f32 and their grid (`None` for other tensors).
+    fn fp8_parts<'a>(&'a self, name: &str, info: &TensorInfo) -> Result<Option<Fp8Parts<'a>>, CompileError> {
+        let Some((scale, grid)) = &info.scale else {
+            return Ok(None);
+        };
+        let s = self.owned.get(scale).ok_or_else(|| ckpt_err(&self.path, format!("tensor `{scale}` is missing")))?;
+        Ok(Some((self.bytes(name, info)?, self.dense(scale, s)?, *grid)))
+    }
+
+    /// A bf16, f16 or f32 safetensors tensor as f32 values.
+    fn dense(&self, name: &str, info: &TensorInfo) -> Result<Vec<f32>, CompileError> {
+        let dtype = info
+            .dtype()
+            .ok_or_else(|| CompileError::UnsupportedDtype { name: name.to_string(), dtype: info.dtype_name.clone() })?;
+        Ok(dtype.to_f32(self.bytes(name, info)?))
+    }
+
+    /// A safetensors tensor's bytes, as stored.
+    fn bytes(&self, name: &str, info: &TensorInfo) -> Result<&[u8], CompileError> {
+        let Location::File(file) = info.location else {
+            return Err(ckpt_err(&self.path, format!("tensor `{name}` is a GGUF tensor")));
         };
         let (path, map) = &self.files[file];
         let st = safetensors::SafeTensors::deserialize(map).map_err(|e| ckpt_err(path, e.to_string()))?;
         let view = st.tensor(name).map_err(|e| ckpt_err(path, format!("tensor `{name}`: {e}")))?;
-        let dtype = info
-            .dtype()
-            .ok_or_else(|| CompileError::UnsupportedDtype { name: name.to_string(), dtype: info.dtype_name.clone() })?;
-        Ok(dtype.to_f32(view.data()))
-    }
-
-    /// A GGUF tensor's blocks (its rows in HF's order), when it is stored in a block type.
-    pub fn read_blocks(&self, name: &str) -> Result<(DType, Vec<u8>), CompileError> {
-        match (self.tensors.get(name).map(|t| &t.location), &self.gguf) {
-            (Some(Location::Gguf(gname)), Some(g)) => g.read_raw(gname),
-            _ => Err(ckpt_err(&self.path, format!("tensor `{name}` is not a GGUF tensor"))),
-        }
+        Ok(view.data())
     }
 
     /// The most common float dtype among the tensors (the checkpoint's storage type).

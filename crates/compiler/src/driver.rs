@@ -59,6 +59,7 @@ pub fn compile(opts: &CompileOptions) -> Result<CompileReport, CompileError> {
     let ckpt = Checkpoint::open(&opts.checkpoint)?;
     let model = spec::bind(&spec, &ckpt.config)?;
     let mut warnings = validate_checkpoint(&model, &ckpt)?;
+    warnings.extend(ckpt.warnings());
     let dtype = opts.dtype.or_else(|| config_dtype(&ckpt.config)).or_else(|| ckpt.main_dtype()).unwrap_or(DType::BF16);
     let kept = kept_blocks(&model, &ckpt, opts.dtype);
     let ctx = (opts.tp, opts.lm_head, opts.quant);
@@ -72,7 +73,7 @@ pub fn compile(opts: &CompileOptions) -> Result<CompileReport, CompileError> {
         Err(e) => warnings.push(format!("no CUDA kernels in the bundle: {e}")),
     }
     for rank in 0..opts.tp {
-        write_rank_weights(&mut w, &plan, &model, &ckpt, rank, opts.tp)?;
+        write_rank_weights(&mut w, (&plan, &kept), &model, &ckpt, rank, opts.tp)?;
     }
     // A GGUF carries its tokenizer: without --tokenizer, its files are built from the metadata.
     let from_gguf = match opts.tokenizer {
@@ -91,8 +92,10 @@ pub fn compile(opts: &CompileOptions) -> Result<CompileReport, CompileError> {
     Ok(CompileReport { out, plan, warnings, dump })
 }
 
-/// The weights that stay in their checkpoint's block type (GGUF Q8_0 / Q4_0 / Q4_1), by
-/// name: all of them unless `--dtype` asks for dequantized weights.
+/// The weights that stay in their checkpoint's block type (GGUF's Q8_0 / Q4_0 / Q4_1 and
+/// k-quants, an FP8 checkpoint's weights as `F8_E4M3`), by name: all of them unless `--dtype`
+/// asks for dequantized weights. (Of FP8 weights, only those read as linears' weights stay
+/// FP8 in the plan: [`fp8_in_linears_only`].)
 fn kept_blocks(model: &BoundModel, ckpt: &Checkpoint, dtype: Option<DType>) -> BTreeMap<String, DType> {
     if dtype.is_some() {
         return BTreeMap::new();
@@ -116,7 +119,7 @@ fn build_plan(
     (tp, lm_head, quant): (usize, LmHead, Option<Quant>),
     dump_after: Option<&str>,
 ) -> Result<(Plan, Option<String>), CompileError> {
-    let graph = lower::lower(model, dtype, dtype, kept)?;
+    let graph = fp8_in_linears_only(lower::lower(model, dtype, dtype, kept)?, dtype)?;
     let ctx = PassCtx { tp, model, lm_head, quant };
     let mut dump = None;
     let graph = passes::run(graph, &ctx, |name, g| {
@@ -132,6 +135,21 @@ fn build_plan(
     }
     let plan = graph.to_plan().map_err(|e| CompileError::Pass { pass: "plan".into(), source: e })?;
     Ok((plan, dump))
+}
+
+/// Turns the FP8 weights kept from the checkpoint that are not read only as linears' weights
+/// (an embedding, an lm_head, a norm) into `dtype`: they are written dequantized.
+fn fp8_in_linears_only(mut g: ir::Graph, dtype: DType) -> Result<ir::Graph, CompileError> {
+    let linear = passes::linear_weights(&g);
+    for n in g.nodes() {
+        if let ir::Op::Weight { dtype: d @ DType::F8_E4M3, .. } = &mut g.node_mut(n).op {
+            if !linear.contains(&n) {
+                *d = dtype;
+            }
+        }
+    }
+    g.reinfer().map_err(|e| CompileError::Pass { pass: "lower".into(), source: e })?;
+    Ok(g)
 }
 
 /// The plan of `model_yaml` bound to a `config.json` alone (no weights): for checking the
@@ -191,9 +209,12 @@ fn config_dtype(config: &serde_json::Value) -> Option<DType> {
     ["torch_dtype", "dtype"].iter().find_map(|k| config.get(*k).and_then(|v| v.as_str()).and_then(DType::parse_float))
 }
 
+/// Writes one rank's weights: a weight the plan keeps in its checkpoint's block type as its
+/// blocks ([`read_blocks`]), one `--quant fp8` made FP8 quantized ([`quantize_fp8`]), the rest
+/// read as f32 (FP8 and block weights dequantized) and converted to the plan's dtype.
 fn write_rank_weights(
     w: &mut BundleWriter,
-    plan: &Plan,
+    (plan, kept): (&Plan, &BTreeMap<String, DType>),
     model: &BoundModel,
     ckpt: &Checkpoint,
     rank: usize,
@@ -223,11 +244,11 @@ fn write_rank_weights(
             .find(|bw| bw.name == source)
             .ok_or_else(|| CompileError::Usage(format!("plan weight `{source}` is not in the model")))
             .and_then(|bw| {
+                if kept.get(source) == Some(&dtype) {
+                    return read_blocks(ckpt, bw, dtype, (shape, tp, rank));
+                }
                 if dtype == DType::F8_E4M3 {
                     return quantize_fp8(ckpt, bw, (shape, tp, rank));
-                }
-                if dtype.is_block() {
-                    return read_blocks(ckpt, bw, dtype, (shape, tp, rank));
                 }
                 let data = arrange::read(ckpt, bw)?;
                 // The plan's shape says whether this rank holds a slice (a replicated lm_head

@@ -8,6 +8,7 @@
 pub mod arrange;
 pub mod checkpoint;
 pub mod driver;
+pub mod fp8;
 pub mod fuse;
 pub mod fusion;
 pub mod gguf;
@@ -59,8 +60,9 @@ pub enum CompileError {
         /// Shape in the checkpoint.
         found: Vec<usize>,
     },
-    /// A tensor's dtype is not bf16, f16 or f32.
-    #[error("tensor `{name}` has dtype {dtype}, which is not supported (supported: bf16, f16, f32)")]
+    /// A tensor's dtype is not bf16, f16 or f32 (nor a GGUF block type, nor FP8 E4M3 with its
+    /// scales).
+    #[error("tensor `{name}` has dtype {dtype}, which is not supported (supported: bf16, f16, f32, GGUF's block types, F8_E4M3 weights with their scale tensors under a quantization_config of fp8 or compressed-tensors)")]
     UnsupportedDtype {
         /// Tensor name.
         name: String,

@@ -119,13 +119,14 @@ pub fn tensor_parallel(mut g: Graph, ctx: &PassCtx) -> Result<Graph, CompileErro
     let mut row_weights = Vec::new();
     for n in g.nodes() {
         let lm_head = lm_head_weights.contains(&n);
-        if let Op::Weight { name, shape, .. } = &mut g.node_mut(n).op {
+        if let Op::Weight { name, shape, dtype, .. } = &mut g.node_mut(n).op {
             let w = ctx.model.weights.iter().find(|w| &w.name == name).ok_or_else(|| CompileError::Tp {
                 weight: name.clone(),
                 message: "is not declared by the model".into(),
             })?;
             if !(lm_head && (ctx.lm_head == LmHead::Replicated || shard::shape(w, tp).is_err())) {
                 *shape = shard::shape(w, tp)?;
+                shard::check_blocks(w, shape, *dtype, tp)?;
             }
             if w.shard == ShardKind::Row {
                 row_weights.push(n);
@@ -189,6 +190,19 @@ fn sum_ranks(g: &mut Graph, n: NodeIndex, tp: usize) -> Result<(), ir::IrError> 
     Ok(())
 }
 
+/// The nodes read only as a linear's weight (its second input), by nothing else.
+pub fn linear_weights(g: &Graph) -> std::collections::HashSet<NodeIndex> {
+    let mut uses: std::collections::HashMap<NodeIndex, bool> = std::collections::HashMap::new();
+    for n in g.nodes() {
+        let linear = matches!(g.node(n).op, Op::Linear { .. });
+        for (slot, &i) in g.inputs(n).iter().enumerate() {
+            let only_linear = uses.entry(i).or_insert(true);
+            *only_linear &= linear && slot == 1;
+        }
+    }
+    uses.into_iter().filter_map(|(n, only)| only.then_some(n)).collect()
+}
+
 /// With `--quant fp8`: every weight read only as a linear's weight (not embeddings, norms or
 /// the lm_head, which `logits` reads), dense, `[n, k]` with `k` whole blocks of 32 on its rank,
 /// becomes `f8_e4m3` (the compiler writes it with one scale per output channel); the others
@@ -197,17 +211,9 @@ pub fn quantize_linears(mut g: Graph, ctx: &PassCtx) -> Result<Graph, CompileErr
     let Some(Quant::Fp8) = ctx.quant else {
         return Ok(g);
     };
-    let mut uses: std::collections::HashMap<ir::NodeIndex, bool> = std::collections::HashMap::new();
-    for n in g.nodes() {
-        let linear = matches!(g.node(n).op, Op::Linear { .. });
-        for (slot, &i) in g.inputs(n).iter().enumerate() {
-            let only_linear = uses.entry(i).or_insert(true);
-            *only_linear &= linear && slot == 1;
-        }
-    }
-    for (w, only_linear) in uses {
+    for w in linear_weights(&g) {
         if let Op::Weight { shape, dtype, derived: None, .. } = &mut g.node_mut(w).op {
-            if only_linear && dtype.is_float() && shape.len() == 2 && shape[1].is_multiple_of(ir::BLOCK) {
+            if dtype.is_float() && shape.len() == 2 && shape[1].is_multiple_of(ir::BLOCK) {
                 *dtype = ir::DType::F8_E4M3;
             }
         }

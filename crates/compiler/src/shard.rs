@@ -78,13 +78,30 @@ pub fn cut(w: &BoundWeight, data: &[f32], tp: usize, rank: usize) -> Result<Vec<
 /// block is an error.
 pub fn cut_blocks(w: &BoundWeight, data: &[u8], dtype: DType, tp: usize, rank: usize) -> Result<Vec<u8>, CompileError> {
     cut_units(w, data, tp, rank, |n| dtype.bytes(n)).map_err(|e| match e {
-        CompileError::Usage(m) => CompileError::Usage(format!(
-            "{m}: `{}` is {dtype}, whose blocks of {} cannot be split at --tp {tp} (compile with --dtype f32 or bf16)",
-            w.name,
-            dtype.block().map_or(1, |(len, _)| len)
-        )),
+        CompileError::Usage(m) => CompileError::Usage(format!("{m}: {}", unsplittable(w, dtype, tp))),
         e => e,
     })
+}
+
+/// Checks that the rows of a block-type weight's slice (`shape`, one rank's) are whole blocks:
+/// a row-parallel slice must not split one.
+pub fn check_blocks(w: &BoundWeight, shape: &[usize], dtype: DType, tp: usize) -> Result<(), CompileError> {
+    match (dtype.block(), shape.last()) {
+        (Some((len, _)), Some(k)) if !k.is_multiple_of(len) => Err(CompileError::Tp {
+            weight: w.name.clone(),
+            message: format!("a rank's rows would be {k} values, {}", unsplittable(w, dtype, tp)),
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// Why a block-type weight cannot be sliced at `tp`, and what to do.
+fn unsplittable(w: &BoundWeight, dtype: DType, tp: usize) -> String {
+    format!(
+        "`{}` is {dtype}, whose blocks of {} cannot be split at --tp {tp} (compile with --dtype f32 or bf16)",
+        w.name,
+        dtype.block().map_or(1, |(len, _)| len)
+    )
 }
 
 /// [`cut`] over `data` whose element offset `n` is at `unit(n)` (`None`: not a boundary).
@@ -158,6 +175,11 @@ mod tests {
         assert_eq!((p1[..144].to_vec(), p1[144..].to_vec()), (data[144..288].to_vec(), data[432..].to_vec()));
         let err = cut_blocks(&row, &data, ir::DType::Q4_K, 4, 1).unwrap_err().to_string();
         assert!(err.contains("q4_k") && err.contains("blocks of 256"), "{err}");
+        // FP8's blocks of 32: rows of 64 split in two, not in four; the TP pass says so first.
+        let row = w(vec![4, 64], ShardKind::Row, None);
+        assert!(check_blocks(&row, &shape(&row, 2).unwrap(), ir::DType::F8_E4M3, 2).is_ok());
+        let err = check_blocks(&row, &shape(&row, 4).unwrap(), ir::DType::F8_E4M3, 4).unwrap_err().to_string();
+        assert!(err.contains("cannot shard `w`") && err.contains("16 values") && err.contains("f8_e4m3"), "{err}");
     }
 
     #[test]
