@@ -36,6 +36,19 @@ fn generated_kernels_compile_with_nvrtc_for_sm90() {
     let source = std::fs::read_to_string(f16.join("kernels/model.cu")).unwrap();
     assert!(source.contains("#define H16_F16 1"), "the f16 bundle's source does not select f16");
     runs.push(vec![f16.display().to_string()]);
+    // An FP8 checkpoint kept in E4M3: the linears' fp8_t GEMV / GEMM variants (its k and v
+    // projections, [64, 128], stayed bf16 in HF's quantizer: their own launch beside q's).
+    let fp8 = compile_to("qwen3", &fixture("tiny-qwen3-fp8-block"), &dir.join("fp8.bundle"), |_| {});
+    let source = std::fs::read_to_string(fp8.join("kernels/model.cu")).unwrap();
+    for kernel in [
+        "gemv_glu_k128_n256_r1_addnorm_bf16_silu_f8(",
+        "gemm_skinny_k256_n128_t2_f8(",
+        "gemm_k128_n128_f8(",
+        "gemm_k128_n64_64(",
+    ] {
+        assert!(source.contains(kernel), "the fp8 bundle's source has no {kernel}");
+    }
+    runs.push(vec![fp8.display().to_string()]);
     let shapes = [
         ("qwen2", "tests/configs/qwen2.5-0.5b.json", "bf16"),
         ("qwen2", "tests/configs/qwen2.5-7b.json", "bf16"),

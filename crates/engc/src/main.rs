@@ -50,8 +50,8 @@ enum Cmd {
         #[arg(long, default_value = "vocab", value_parser = parse_lm_head)]
         lm_head: LmHead,
         /// Quantize the linears' weights (not embeddings, norms or the lm_head): fp8 (E4M3,
-        /// one f32 scale per output channel; the CPU backends dequantize it at load, CUDA does
-        /// not read it yet).
+        /// one f32 scale per output channel; the CPU backends dequantize it at load, the CUDA
+        /// kernels read it as E4M3 with 16-bit activations).
         #[arg(long, value_parser = parse_quant)]
         quant: Option<Quant>,
     },
