@@ -179,8 +179,8 @@ impl CudaBackend {
         let mut total = 0usize;
         for n in &plan.nodes {
             weights.push(match &n.op {
-                Op::Weight { name, shape, .. } => {
-                    let (dtype, _, bytes) = file.raw(name)?;
+                Op::Weight { name, shape, dtype, .. } => {
+                    let (dtype, bytes) = (*dtype, file.bytes_as(name, *dtype, shape)?);
                     let up = |b: &[u8]| stream.clone_htod(b).map_err(driver("uploading weights"));
                     total += bytes.len();
                     // f32 and the program's 16-bit float go up as stored (the codegen rejects
