@@ -222,8 +222,8 @@ fn cuda_schedule_fuses_and_reuses_buffers() {
             for t in [1, 3, 8, 16, 40, 64, 65, 4096] {
                 let kinds: Vec<String> = launches(&p, t).iter().map(|l| l.key.name()).collect();
                 let want = match t {
-                    0..=8 => "gemv_",
-                    9..=64 => "gemm_skinny_",
+                    0..=codegen_cuda::GEMV_MAX_ROWS => "gemv_",
+                    3..=64 => "gemm_skinny_",
                     _ => "gemm_k",
                 };
                 assert!(kinds.iter().any(|k| k.starts_with(want)), "{shape} t={t}: {kinds:?}");

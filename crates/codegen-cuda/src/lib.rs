@@ -15,7 +15,9 @@ pub mod schedule;
 
 pub use fp8::fp8_device_layout;
 pub use keys::{HeadNorm, KernelKey, Mask, NormIn, ALL_REDUCE_MAX_BLOCKS, ARGMAX_BLOCKS, MAP_INPUTS, MASK_SPAN};
-pub use schedule::{Arg, Buffer, Count, Dim, Input, Launch, Step, GEMV_ROWS, NORM_IN_GEMV_ROWS, SKINNY_ROWS, W8_GROUP};
+pub use schedule::{
+    Arg, Buffer, Count, Dim, Input, Launch, Step, GEMV_MAX_ROWS, GEMV_ROWS, NORM_IN_GEMV_ROWS, SKINNY_ROWS, W8_GROUP,
+};
 
 use ir::Plan;
 use std::fmt::Write;

@@ -2,7 +2,7 @@
 
 use crate::keys::{intern, HeadNorm, KernelKey, Mask, NormIn, MAP_INPUTS};
 use crate::schedule::{
-    launch, one, per_token, Arg, Builder, Count, Dim, FusedNorm, Input, Launch, Step, GEMV_ROWS, NORM_IN_GEMV_ROWS,
+    gemv_rows, launch, one, per_token, Arg, Builder, Count, Dim, FusedNorm, Input, Launch, Step, NORM_IN_GEMV_ROWS,
     ONE, SKINNY_ROWS,
 };
 use crate::CodegenError;
@@ -229,9 +229,9 @@ fn grouped(x: usize, k: usize, groups: &[Group], by: Count, norm: Option<&FusedN
     let args = [&[Arg::Buf(x)], &outs[..]].concat();
     let total: usize = n.iter().sum();
     let tiles: usize = n.iter().map(|c| c.div_ceil(128)).sum();
-    let mut variants: Vec<(usize, Vec<Launch>)> = GEMV_ROWS
-        .iter()
-        .map(|&rows| {
+    let mut variants: Vec<(usize, Vec<Launch>)> = gemv_rows(&n)
+        .into_iter()
+        .map(|rows| {
             let (norm, input) = gemv_x(x, norm, rows);
             let key = KernelKey::Gemv { k, n, rows, norm, w8 };
             let per_block = 8 / crate::keys::gemv_split(k);
@@ -307,9 +307,11 @@ fn glu(
     let act = intern(act.to_cuda());
     let out = b.out(m, b.half);
     let (wg, wu) = (b.plan.nodes[g].inputs[1], b.plan.nodes[u].inputs[1]);
-    let mut variants: Vec<(usize, Vec<Launch>)> = GEMV_ROWS
-        .iter()
-        .map(|&rows| {
+    let gemv = gemv_rows(&[n, n]);
+    let most = gemv.last().copied().unwrap_or(0);
+    let mut variants: Vec<(usize, Vec<Launch>)> = gemv
+        .into_iter()
+        .map(|rows| {
             let (norm, input) = gemv_x(x, norm, rows);
             let outs = [Arg::Weight(wg), Arg::Weight(wu), Arg::Buf(out), Arg::Count(Count::Tokens)];
             let args = [input, outs.to_vec()].concat();
@@ -332,7 +334,7 @@ fn glu(
         unreachable!("grouped gives kernels")
     };
     let args = vec![Arg::Buf(tg), Arg::Buf(tu), Arg::Buf(out), Arg::Elems(Count::Tokens, n)];
-    for (bound, mut launches) in big.into_iter().filter(|(bound, _)| *bound > GEMV_ROWS[GEMV_ROWS.len() - 1]) {
+    for (bound, mut launches) in big.into_iter().filter(|(bound, _)| *bound > most) {
         launches.push(launch(KernelKey::GluMul { act }, args.clone(), [per_token(n, 1024), ONE], 256));
         variants.push((bound, launches));
     }

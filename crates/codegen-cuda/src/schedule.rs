@@ -125,9 +125,21 @@ pub struct Buffer {
 /// Row counts that have their own GEMV instance.
 pub const GEMV_ROWS: [usize; 4] = [1, 2, 4, 8];
 
-/// Row counts of the small-batch tensor-core kernel (above the GEMV's); above the last, the
-/// GEMM runs.
-pub const SKINNY_ROWS: [usize; 3] = [16, 32, 64];
+/// Row counts of the small-batch tensor-core kernel; above the last, the GEMM runs.
+pub const SKINNY_ROWS: [usize; 4] = [8, 16, 32, 64];
+
+/// The most rows the GEMV takes where the small-batch tensor-core kernel can (every output
+/// count a multiple of 16): above it, the GEMV's per-row FMAs cost more than the tensor cores'
+/// one pass over the weights. Measured on an H200, Qwen2.5-7B shape, GEMV at 4 rows 7.19 ms a
+/// step, at 8 rows 13.5 ms, against 5.06 ms at 16 rows on tensor cores (docs/perf.md).
+pub const GEMV_MAX_ROWS: usize = 2;
+
+/// The GEMV row variants of linears with output counts `n`: up to [`GEMV_MAX_ROWS`] where the
+/// small-batch kernel takes the rest, all of [`GEMV_ROWS`] otherwise.
+pub(crate) fn gemv_rows(n: &[usize]) -> Vec<usize> {
+    let skinny = n.iter().all(|c| c % 16 == 0);
+    GEMV_ROWS.into_iter().filter(|&r| !skinny || r <= GEMV_MAX_ROWS).collect()
+}
 
 /// Columns per scale of an E4M3 weight on the device (`W8_GROUP` of `kernels/fast.cuh`; the
 /// layout is [`crate::fp8_device_layout`]'s).
