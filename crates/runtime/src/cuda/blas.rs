@@ -1,6 +1,6 @@
-//! cuBLASLt for the linears of 16 rows or more (`KernelKey::GemmSkinny` and `KernelKey::Gemm`)
+//! cuBLASLt for the linears of 3 rows or more (`KernelKey::GemmSkinny` and `KernelKey::Gemm`)
 //! where it measures faster than our kernel. At load every linear shape of the schedule is timed
-//! both ways at each token count of `buckets` (every captured decode batch from 16 rows, and a
+//! both ways at each token count of `buckets` (every captured decode batch from 8 rows, and a
 //! few prefill sizes), ours being the variant the schedule runs at that count; the choice is
 //! logged, and a step uses the choice of the smallest bucket not below its token count (the
 //! size a decode graph pads it to: graphs and eager steps run the same GEMMs; past the largest
@@ -164,7 +164,7 @@ impl Blas {
 
 /// Which GEMM runs a launch of `t` tokens, given the choices per bucket, ascending (`true`:
 /// cuBLASLt): the smallest bucket's not below `t`, as a decode graph pads `t` to that bucket
-/// (every captured size from 16 rows is one), else the largest's.
+/// (every captured size from 8 rows is one; fewer rows follow the 8-row bucket), else the largest's.
 pub(crate) fn use_blas(choice: &[(usize, bool)], t: usize) -> bool {
     choice.iter().find(|(b, _)| *b >= t).or(choice.last()).is_some_and(|(_, blas)| *blas)
 }
