@@ -6,7 +6,8 @@
 # each environment setting of AB_ENVS (space-separated; B, C, ... e.g.
 # AB_ENVS=ENGINE_NORM_IN_GEMV=0: engrun emits the schedule from the bundle's plan, so schedule
 # settings apply there too; BIN=DIR: another binary set; CK=SUFFIX: the checkpoint
-# /tmp/ck-SHAPE$SUFFIX, e.g. CK=-fp8 for the FP8 one scripts/gpu/hf_fp8.py makes), at each batch size in BATCHES (default 1), REPS times (default 2),
+# /tmp/ck-SHAPE$SUFFIX, e.g. CK=-fp8 for the FP8 one scripts/gpu/hf_fp8.py makes; several joined
+# by commas, e.g. BIN=bin-gpu-new,CK=-fp8), at each batch size in BATCHES (default 1), REPS times (default 2),
 # variants interleaved. One line per run in $OUT/ab.txt: shape, setting, batch, TPOT p50, output
 # tok/s, and (ENGINE_CUDA_PROFILE=steps) the GPU time of the graph replay and of sampling, and the step's host wall time.
 # $OUT/ab.jsonl: each run's whole JSON report after the same labels.
@@ -23,7 +24,9 @@ for shape in ${SHAPES:-qwen2.5-0.5b}; do
     for n in ${BATCHES:-1}; do
       for e in ENGINE_AB=default $AB_ENVS; do
         bin=bin-gpu cks=""
-        case $e in BIN=*) bin=${e#BIN=} ;; CK=*) cks=${e#CK=} ;; esac
+        for part in ${e//,/ }; do
+          case $part in BIN=*) bin=${part#BIN=} ;; CK=*) cks=${part#CK=} ;; esac
+        done
         # Each binary runs the bundle its own engc compiled (a bundle carries its CUDA source).
         b=$ck$cks.$(basename "$bin").bundle
         [ -d "$b" ] || $bin/engc compile "${MODEL:-models/qwen2.yaml}" --checkpoint "$ck$cks" -o "$b" 2>&1 | tail -1
