@@ -8,7 +8,8 @@
 # too) it builds a random-weight checkpoint with HF transformers (the model YAML is the one whose
 # architectures name the config's) and HF's logits (scripts/gpu/hf_reference.py),
 # then for each dtype in DTYPES (default "bf16 f16"; fp8: the FP8 checkpoint HF's quantizer makes of
-# it, E4M3 weights with 128 x 128 block scales, against HF's forward of its dequantized weights) and tp in TPS (default 1, and 2 when the
+# it, E4M3 weights with 128 x 128 block scales, against HF's forward of its dequantized weights;
+# fp8c: the same with compressed-tensors per-channel scales) and tp in TPS (default 1, and 2 when the
 # machine has two GPUs) compiles a bundle and checks (scripts/gpu/compare.py says the limits):
 #   - our CUDA logits against HF's f32 forward, max and rms error and greedy tokens where clear:
 #     batch 1 (40 tokens prefilled, 24 decode steps), batch 16 of mixed lengths (24 prefilled,
@@ -66,10 +67,13 @@ for shape in $shapes; do
     # fp8: the FP8 checkpoint HF's fine-grained quantizer makes of this one (scripts/gpu/hf_fp8.py),
     # compiled as it is (E4M3 weights kept) and held to the bf16 limits against HF's forward of
     # its dequantized weights.
+    # fp8c: the compressed-tensors per-channel format of the -FP8-dynamic releases (FP8=channel).
     ckd=$ck tdt=$dtype dflag=(--dtype "$dtype")
-    if [ "$dtype" = fp8 ]; then
-      ckd=$ck-fp8 tdt=bf16 dflag=()
-      [ -f "$ckd/hf_logits.safetensors" ] || python3 scripts/gpu/hf_fp8.py "$ck" "$ckd" 2>&1 | tee "$work/$shape-hf-fp8.txt"
+    if [ "$dtype" = fp8 ] || [ "$dtype" = fp8c ]; then
+      ckd=$ck-$dtype tdt=bf16 dflag=()
+      mode=block
+      [ "$dtype" = fp8 ] || mode=channel
+      [ -f "$ckd/hf_logits.safetensors" ] || FP8=$mode python3 scripts/gpu/hf_fp8.py "$ck" "$ckd" 2>&1 | tee "$work/$shape-hf-$dtype.txt"
       cp "$ck/tokenizer.json" "$ck/tokenizer_config.json" "$ckd/"
     fi
     for tp in $tps; do
