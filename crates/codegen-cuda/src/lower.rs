@@ -599,12 +599,20 @@ mod tests {
 
     /// embedding → rms_norm with a `[norm]` weight → linear → logits, all 64 wide, bf16.
     fn plan(norm: usize) -> ir::Plan {
+        plan_of(64, norm, DType::BF16)
+    }
+
+    /// [`plan`] `h` wide, the linear's weight in `lin`.
+    fn plan_of(h: usize, norm: usize, lin: DType) -> ir::Plan {
         let mut g = Graph::new(DType::BF16);
-        let w = |g: &mut Graph, name: &str, shape: Vec<usize>| {
-            g.add(Op::Weight { name: name.into(), shape, dtype: DType::BF16, derived: None }, &[], name).unwrap()
+        let w = |g: &mut Graph, name: &str, shape: Vec<usize>, dtype| {
+            g.add(Op::Weight { name: name.into(), shape, dtype, derived: None }, &[], name).unwrap()
         };
-        let (table, nw, lw) =
-            (w(&mut g, "table", vec![64, 64]), w(&mut g, "norm", vec![norm]), w(&mut g, "lin", vec![64, 64]));
+        let (table, nw, lw) = (
+            w(&mut g, "table", vec![64, h], DType::BF16),
+            w(&mut g, "norm", vec![norm], DType::BF16),
+            w(&mut g, "lin", vec![h, h], lin),
+        );
         let t = g.add(Op::Tokens, &[], "tokens").unwrap();
         let x = g.add(Op::Embedding, &[t, table], "x").unwrap();
         let h = g.add(Op::RmsNorm { eps: 1e-6 }, &[x, nw], "h").unwrap();
@@ -640,5 +648,34 @@ mod tests {
             let in_gemv = launches.iter().any(|l| matches!(l.key, KernelKey::Gemv { norm: Some(_), .. }));
             assert_eq!(in_gemv, fused, "norm [{norm}] applied by a GEMV");
         }
+    }
+
+    /// An E4M3 linear weight takes the `w8` variants: the GEMV up to `GEMV_MAX_ROWS`, the
+    /// small-batch kernel to 64 rows, the tiled GEMM above; over 64 input features (not a
+    /// multiple of 128) it is refused, naming the weight.
+    #[test]
+    fn e4m3_linears_take_the_w8_variants_or_are_refused() {
+        let program = crate::emit(&plan_of(128, 128, DType::F8_E4M3)).unwrap();
+        let linear = program.steps.iter().find_map(|s| match s {
+            Step::Kernels { variants, .. }
+                if variants.iter().any(|(_, ls)| ls.iter().any(|l| l.key.name().ends_with("_f8"))) =>
+            {
+                Some(variants.iter().map(|(rows, ls)| (*rows, ls[0].key.name())).collect::<Vec<_>>())
+            }
+            _ => None,
+        });
+        let names = linear.expect("a launch of w8 variants");
+        let want = [
+            (1, "gemv_k128_n128_r1_norm_bf16_f8"),
+            (2, "gemv_k128_n128_r2_f8"),
+            (8, "gemm_skinny_k128_n128_t1_f8"),
+            (16, "gemm_skinny_k128_n128_t2_f8"),
+            (32, "gemm_skinny_k128_n128_t4_f8"),
+            (64, "gemm_skinny_k128_n128_t8_f8"),
+            (usize::MAX, "gemm_k128_n128_f8"),
+        ];
+        assert_eq!(names, want.map(|(r, n)| (r, n.to_string())));
+        let refused = crate::emit(&plan_of(64, 64, DType::F8_E4M3)).unwrap_err().to_string();
+        assert!(refused.contains("`lin` is f8_e4m3") && refused.contains("multiple of 128"), "{refused}");
     }
 }
