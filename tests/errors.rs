@@ -126,6 +126,17 @@ fn unsupported_dtype() {
     c.compile_fails(&qwen(), &d, &[], &["model.embed_tokens.weight", "F64", "not supported"]);
 }
 
+/// A tensor name in two of the directory's safetensors files is refused, naming both.
+#[test]
+fn tensor_in_two_files() {
+    let c = Case::new();
+    let d = c.checkpoint(|_| {});
+    let data = vec![0u8; 1024 * 64 * 2];
+    let view = safetensors::tensor::TensorView::new(safetensors::Dtype::BF16, vec![1024, 64], &data).unwrap();
+    safetensors::serialize_to_file([("model.embed_tokens.weight", view)], &None, &d.join("stray.safetensors")).unwrap();
+    c.compile_fails(&qwen(), &d, &[], &["model.embed_tokens.weight", "stray.safetensors", "model.safetensors"]);
+}
+
 /// A weight beyond f16's range cannot become an f16 bundle (it would be infinity).
 #[test]
 fn weight_beyond_f16_range() {

@@ -156,7 +156,15 @@ impl Checkpoint {
             let readable = DType::from_safetensors_name(&dtype_name).is_some_and(DType::is_float);
             let location = Location::File(idx);
             let t = TensorInfo { dtype_name, shape: info.shape.clone(), readable, location, scale: None };
-            self.tensors.insert(name, t);
+            // Two files holding one name (a stray copy beside the weights): which one is meant
+            // is not for us to guess.
+            if let Some(Location::File(other)) = self.tensors.insert(name.clone(), t).map(|t| t.location) {
+                let first = self.files[other].0.display().to_string();
+                return Err(ckpt_err(
+                    path,
+                    format!("tensor `{name}` is also in {first}: one checkpoint tensor per name"),
+                ));
+            }
         }
         self.files.push((path.to_path_buf(), map));
         Ok(())
