@@ -55,7 +55,7 @@ __device__ __forceinline__ float dot8(uint4 w, uint4 x) {
 // ---- FP8 E4M3 weights ----
 // A linear's E4M3 weight [N, K] on the device (a --quant fp8 bundle or an FP8 checkpoint): its
 // codes, N * K bytes row by row, then one f32 scale per row and W8_GROUP columns ([N, K / W8_GROUP]);
-// weight = code * scale. The runtime lays it out so (codegen_cuda::fp8_device_layout).
+// weight = code * scale (row_scales). The runtime lays it out so (codegen_cuda::fp8_device_layout).
 struct fp8_t {
   unsigned char b;
 };
@@ -70,12 +70,6 @@ template <>
 struct WFmt<fp8_t> {
   static constexpr int PER = 16;
 };
-
-// The scales of row n of an E4M3 weight of N rows of K.
-template <int K>
-__device__ __forceinline__ const float* w8_scales(const fp8_t* w, int N, int n) {
-  return (const float*)((const unsigned char*)w + (long)N * K) + (long)n * (K / W8_GROUP);
-}
 
 // Two E4M3 codes (the low byte first) as f16x2, exactly (every E4M3 value is an f16).
 __device__ __forceinline__ unsigned e4m3x2_f16x2(unsigned short c) {
@@ -267,11 +261,13 @@ struct RowPart {
   }
 };
 
-// The scales of row n of a weight (E4M3; nothing for h16).
+// The scales of row n of a weight of N rows of K: E4M3's after its codes; none for h16.
 template <int K>
 __device__ __forceinline__ const float* row_scales(const h16_t*, int, int) { return nullptr; }
 template <int K>
-__device__ __forceinline__ const float* row_scales(const fp8_t* w, int N, int n) { return w8_scales<K>(w, N, n); }
+__device__ __forceinline__ const float* row_scales(const fp8_t* w, int N, int n) {
+  return (const float*)((const unsigned char*)w + (long)N * K) + (long)n * (K / W8_GROUP);
+}
 
 // Sums each of v[0..NV) over the warp, then over the SPLIT warps of its output (shared memory).
 template <int NV, int SPLIT>

@@ -80,17 +80,7 @@ const TOL: f32 = 1e-4;
 
 /// Compiling `checkpoint` with models/qwen3.yaml into `out`: one rank, its own dtype.
 fn options(checkpoint: &Path, out: &Path) -> compiler::CompileOptions {
-    compiler::CompileOptions {
-        model: repo().join("models/qwen3.yaml"),
-        checkpoint: checkpoint.to_path_buf(),
-        tp: 1,
-        dtype: None,
-        tokenizer: None,
-        out: out.to_path_buf(),
-        dump_after: None,
-        quant: None,
-        lm_head: compiler::LmHead::default(),
-    }
+    compile_options("qwen3", checkpoint, out)
 }
 
 fn compile_fp8(name: &str, out: &Path, with: impl FnOnce(&mut compiler::CompileOptions)) -> compiler::CompileReport {

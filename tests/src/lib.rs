@@ -386,15 +386,10 @@ pub fn compile_checkpoint(model: &str, checkpoint: &Path, dir: &Path, tp: usize,
     })
 }
 
-/// Compiles `checkpoint` with `models/{model}.yaml` and no tokenizer into the bundle `out`: one
-/// rank, the checkpoint's dtype, nothing quantized, except what `with` changes.
-pub fn compile_to(
-    model: &str,
-    checkpoint: &Path,
-    out: &Path,
-    with: impl FnOnce(&mut compiler::CompileOptions),
-) -> PathBuf {
-    let mut opts = compiler::CompileOptions {
+/// The options compiling `checkpoint` with `models/{model}.yaml` and no tokenizer into the
+/// bundle `out`: one rank, the checkpoint's dtype, nothing quantized.
+pub fn compile_options(model: &str, checkpoint: &Path, out: &Path) -> compiler::CompileOptions {
+    compiler::CompileOptions {
         model: repo().join(format!("models/{model}.yaml")),
         checkpoint: checkpoint.to_path_buf(),
         tp: 1,
@@ -404,7 +399,18 @@ pub fn compile_to(
         dump_after: None,
         quant: None,
         lm_head: compiler::LmHead::default(),
-    };
+    }
+}
+
+/// Compiles `checkpoint` with `models/{model}.yaml` and no tokenizer into the bundle `out`: one
+/// rank, the checkpoint's dtype, nothing quantized, except what `with` changes.
+pub fn compile_to(
+    model: &str,
+    checkpoint: &Path,
+    out: &Path,
+    with: impl FnOnce(&mut compiler::CompileOptions),
+) -> PathBuf {
+    let mut opts = compile_options(model, checkpoint, out);
     with(&mut opts);
     compiler::compile(&opts).unwrap_or_else(|e| panic!("compiling {}: {e}", checkpoint.display()));
     out.to_path_buf()

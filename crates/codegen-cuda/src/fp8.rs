@@ -1,5 +1,5 @@
 //! The device layout of an E4M3 weight, as the kernels of `kernels/fast.cuh` read it (`fp8_t`,
-//! `w8_scales`): the codes of its `[n, k]` matrix row by row, then one f32 scale per row and
+//! `row_scales`): the codes of its `[n, k]` matrix row by row, then one f32 scale per row and
 //! [`W8_GROUP`] columns (`[n, k / W8_GROUP]`), little-endian.
 
 use crate::schedule::W8_GROUP;

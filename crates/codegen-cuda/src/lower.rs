@@ -250,8 +250,8 @@ fn grouped(x: usize, k: usize, groups: &[Group], by: Count, norm: Option<&FusedN
     Step::Kernels { by, variants }
 }
 
-/// Linears `ls` of one input: one launch (GEMV / GEMM variants) when all take the fast
-/// kernels, else one simple launch each.
+/// Linears `ls` of one input: one launch (GEMV / GEMM variants) per weight format the fast
+/// kernels take, one simple launch for each of the rest.
 fn linears(b: &mut Builder, ls: &[usize]) -> Result<(), CodegenError> {
     let xn = b.plan.nodes[ls[0]].inputs[0];
     let k = b.cols(xn);
@@ -271,21 +271,19 @@ fn linears(b: &mut Builder, ls: &[usize]) -> Result<(), CodegenError> {
         }
     }
     let slow: Vec<usize> = ls.iter().copied().filter(|&i| !b.fast_linear(i)).collect();
-    {
-        for i in slow {
-            let n = &b.plan.nodes[i];
-            let (w, bias) = (n.inputs[1], n.inputs.get(2).copied());
-            let out = b.out(i, DType::F32);
-            let key = KernelKey::Linear { k, n: b.cols(i), w: b.wdtype(w), bias: bias.is_some() };
-            let args = vec![
-                Arg::Buf(x),
-                Arg::Weight(w),
-                bias.map_or(Arg::Null, Arg::Weight),
-                Arg::Buf(out),
-                Arg::Count(Count::Tokens),
-            ];
-            b.steps.push(one(launch(key, args, [Dim::Fixed(b.cols(i).div_ceil(8)), ONE], 256)));
-        }
+    for i in slow {
+        let n = &b.plan.nodes[i];
+        let (w, bias) = (n.inputs[1], n.inputs.get(2).copied());
+        let out = b.out(i, DType::F32);
+        let key = KernelKey::Linear { k, n: b.cols(i), w: b.wdtype(w), bias: bias.is_some() };
+        let args = vec![
+            Arg::Buf(x),
+            Arg::Weight(w),
+            bias.map_or(Arg::Null, Arg::Weight),
+            Arg::Buf(out),
+            Arg::Count(Count::Tokens),
+        ];
+        b.steps.push(one(launch(key, args, [Dim::Fixed(b.cols(i).div_ceil(8)), ONE], 256)));
     }
     Ok(())
 }
