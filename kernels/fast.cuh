@@ -526,6 +526,30 @@ __device__ void gemm(const h16_t* x, const WT* w0, const h16_t* b0, float* o0, c
     }
 }
 
+// The products of one 16-byte chunk (8 h16 at k + 8c for lane (g, c)) of weight rows g (a0) and
+// g + 8 (a1) with the same chunk of 8 activation rows (xb, row g), added to d: two m16n8k16 over
+// the same permutation of k for both operands, so d gets the plain dot products.
+__device__ __forceinline__ void mma_rows8(float* d, uint4 a0, uint4 a1, uint4 xb) {
+  const unsigned fa[4] = {a0.x, a1.x, a0.y, a1.y}, fb[2] = {xb.x, xb.y};
+  const unsigned ga[4] = {a0.z, a1.z, a0.w, a1.w}, gb[2] = {xb.z, xb.w};
+  mma_h16(d, fa, fb);
+  mma_h16(d, ga, gb);
+}
+
+// A warp's mma_rows8 accumulators of 16 weight rows and NT tiles of 8 activation rows into
+// red[feature][row] (for a sum over warps through shared memory).
+template <int NT>
+__device__ __forceinline__ void rows8_spill(float (*red)[NT * 8 + 1], const float (*acc)[4]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+#pragma unroll
+  for (int i = 0; i < NT; i++) {
+    red[g][i * 8 + 2 * c] = acc[i][0];
+    red[g][i * 8 + 2 * c + 1] = acc[i][1];
+    red[g + 8][i * 8 + 2 * c] = acc[i][2];
+    red[g + 8][i * 8 + 2 * c + 1] = acc[i][3];
+  }
+}
+
 // ---- small-batch linear: tensor cores over few rows (9..64) ----
 // D[feature, token] = W · Xᵀ with mma.sync: W rows are the A operand (16 features per block),
 // the step's rows the B operand (NT tiles of 8). Lane (g, c) loads 16 contiguous bytes of a W
@@ -560,20 +584,13 @@ __device__ void gemm_skinny(const h16_t* x, const WT* w0, const h16_t* b0, float
     live[i] = i * 8 + g < T;
     xr[i] = x + (long)min(i * 8 + g, T - 1) * K + c * PER;
   }
-  // The products of 8 (h16) or 16 (E4M3, as h16 a0 a1 / a2 a3) k of rows g and g + 8.
-  auto mma8 = [&](float* d, uint4 a0, uint4 a1, uint4 xb) {
-    const unsigned fa[4] = {a0.x, a1.x, a0.y, a1.y}, fb[2] = {xb.x, xb.y};
-    const unsigned ga[4] = {a0.z, a1.z, a0.w, a1.w}, gb[2] = {xb.z, xb.w};
-    mma_h16(d, fa, fb);
-    mma_h16(d, ga, gb);
-  };
   auto chunk = [&](int k, uint4 a0, uint4 a1) {
     if constexpr (PER == 8) {
 #pragma unroll
       for (int i = 0; i < NT; i++) {
         uint4 xb = *(const uint4*)(xr[i] + k);
         if (!live[i]) xb = make_uint4(0, 0, 0, 0);
-        mma8(acc[i], a0, a1, xb);
+        mma_rows8(acc[i], a0, a1, xb);
       }
     } else {
       uint4 h0, h1, h2, h3;
@@ -585,8 +602,8 @@ __device__ void gemm_skinny(const h16_t* x, const WT* w0, const h16_t* b0, float
         uint4 x0 = *(const uint4*)(xr[i] + k), x1 = *(const uint4*)(xr[i] + k + 8);
         if (!live[i]) x0 = x1 = make_uint4(0, 0, 0, 0);
         float p[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        mma8(p, h0, h2, x0);
-        mma8(p, h1, h3, x1);
+        mma_rows8(p, h0, h2, x0);
+        mma_rows8(p, h1, h3, x1);
         acc[i][0] = fmaf(s0, p[0], acc[i][0]);
         acc[i][1] = fmaf(s0, p[1], acc[i][1]);
         acc[i][2] = fmaf(s1, p[2], acc[i][2]);
@@ -602,13 +619,7 @@ __device__ void gemm_skinny(const h16_t* x, const WT* w0, const h16_t* b0, float
     chunk(k2, c0, c1);
   }
   if (ch < CH) chunk(ch * CW, ld_stream(wa + ch * CW), ld_stream(wb + ch * CW));
-#pragma unroll
-  for (int i = 0; i < NT; i++) {
-    red[warp][g][i * 8 + 2 * c] = acc[i][0];
-    red[warp][g][i * 8 + 2 * c + 1] = acc[i][1];
-    red[warp][g + 8][i * 8 + 2 * c] = acc[i][2];
-    red[warp][g + 8][i * 8 + 2 * c + 1] = acc[i][3];
-  }
+  rows8_spill<NT>(red[warp], acc);
   __syncthreads();
   for (int idx = threadIdx.x; idx < 16 * NT * 8; idx += blockDim.x) {
     const int tok = idx >> 4, f = idx & 15;

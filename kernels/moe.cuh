@@ -5,10 +5,17 @@
 // batches re-read an expert for every token that chose it (a grouped GEMM over tokens sorted
 // by expert is the faster path there).
 
-// A lane's part of a warp's dot product of x (f32, H) with one weight row w (H): lanes stride
-// 8 values at a time with 16-byte loads where the row allows it. H is a constant, so the
-// loop unrolls and a warp has all its loads in flight at once.
-template <int H, typename W>
+// x as the 16-bit float would hold it (RX), or as it is.
+template <bool RX>
+__device__ __forceinline__ float moe_x(float x) {
+  return RX ? to_f32(f32_to_h16(x)) : x;
+}
+
+// A lane's part of a warp's dot product of x (f32, H; rounded to 16 bits first with RX, as the
+// experts' inputs are on every path) with one weight row w (H): lanes stride 8 values at a time
+// with 16-byte loads where the row allows it. H is a constant, so the loop unrolls and a warp
+// has all its loads in flight at once.
+template <int H, typename W, bool RX = false>
 __device__ __forceinline__ float moe_dot_part(const float* x, const W* w) {
   const int lane = threadIdx.x & 31;
   float s = 0.0f;
@@ -20,12 +27,12 @@ __device__ __forceinline__ float moe_dot_part(const float* x, const W* w) {
         float f[8];
         unpack8(ld_stream(w + c), f);
 #pragma unroll
-        for (int j = 0; j < 8; j++) s = fmaf(f[j], x[c + j], s);
+        for (int j = 0; j < 8; j++) s = fmaf(f[j], moe_x<RX>(x[c + j]), s);
       }
     }
   } else {
 #pragma unroll 8
-    for (int c = lane; c < H; c += 32) s = fmaf(to_f32(w[c]), x[c], s);
+    for (int c = lane; c < H; c += 32) s = fmaf(to_f32(w[c]), moe_x<RX>(x[c]), s);
   }
   return s;
 }
@@ -117,7 +124,10 @@ __device__ void moe_router_logits(const float* x, const W* w, const B* bias, flo
 
 // Row r = blockIdx.x of the T·K (token, chosen expert) pairs (token r / K, expert ids[r]):
 // a[r][i] = act(gate[e][i] · x + gb[e][i], up[e][i] · x + ub[e][i]) (biases where non-null),
-// one warp per feature i. grid: (T·K, ceil(I / 8)), block: 256.
+// one warp per feature i. With 16-bit experts x and a are rounded to 16 bits as the grouped
+// kernels hold them, so a token's experts compute the same at any batch up to the order of
+// the sums.
+// grid: (T·K, ceil(I / 8)), block: 256.
 template <int H, int I, int K, typename W, typename B, typename ACT>
 __device__ void moe_up(const float* x, const int* ids, const W* gate, const W* up, const B* gb, const B* ub, float* a,
                        ACT act) {
@@ -126,12 +136,13 @@ __device__ void moe_up(const float* x, const int* ids, const W* gate, const W* u
   const int e = ids[r];
   const float* xr = x + (long)(r / K) * H;
   const long row = (long)e * I + i;
-  const float gp = moe_dot_part<H>(xr, gate + row * H), up_part = moe_dot_part<H>(xr, up + row * H);
+  constexpr bool R16 = sizeof(W) == 2;
+  const float gp = moe_dot_part<H, W, R16>(xr, gate + row * H), up_part = moe_dot_part<H, W, R16>(xr, up + row * H);
   float g = warp_sum(gp), u = warp_sum(up_part);
   if (lane == 0) {
     if (gb) g += to_f32(gb[row]);
     if (ub) u += to_f32(ub[row]);
-    a[(long)r * I + i] = act(g, u);
+    a[(long)r * I + i] = moe_x<R16>(act(g, u));
   }
 }
 
@@ -156,4 +167,279 @@ __device__ void moe_down(const float* a, const int* ids, const float* weights, c
     sum = fmaf(weights[t * K + k], y, sum);
   }
   if (lane == 0) out[(long)t * H + h] = sum;
+}
+
+// ---- grouped experts: the step's (token, chosen expert) pairs sorted by expert ----
+// Above a few tokens a step routes several tokens to the same expert: sorted by expert, each
+// chosen expert's weights are read once per step, by tensor-core tiles of up to MOE_TILE pairs
+// (the mma_rows8 scheme of gemm_skinny, with the pairs' rows gathered). MOE_TILE (a multiple
+// of 8, at most 64: a block's 256 threads write 4 rows of 16 features each) is defined by the
+// generated source (codegen_cuda::schedule::MOE_TILE).
+
+// How many of the P pairs chose expert e = blockIdx.x. grid: E, block: 256.
+__device__ void moe_count(const int* ids, long P, int* cnt) {
+  const int e = blockIdx.x;
+  float c = 0.0f;
+  for (long r = threadIdx.x; r < P; r += blockDim.x) c += ids[r] == e ? 1.0f : 0.0f;
+  c = block_sum(c);
+  if (threadIdx.x == 0) cnt[e] = (int)c;
+}
+
+// The pairs of expert e = blockIdx.x at their sorted positions (experts in order, pairs in
+// order within one): perm[pos] = pair, pos_of[pair] = pos; and its tiles of up to MOE_TILE
+// pairs: tile j is tiles[1 + 3j ..] = (first position, expert, pairs), tiles[0] the count.
+// grid: E, block: 256.
+template <int E>
+__device__ void moe_sort(const int* ids, long P, const int* cnt, int* perm, int* pos_of, int* tiles) {
+  const int e = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  __shared__ int before_s[2], wc[8];
+  if (threadIdx.x == 0) {
+    int off = 0, toff = 0;
+    for (int j = 0; j < e; j++) {
+      off += cnt[j];
+      toff += (cnt[j] + MOE_TILE - 1) / MOE_TILE;
+    }
+    before_s[0] = off;
+    before_s[1] = toff;
+  }
+  __syncthreads();
+  const int n = cnt[e], toff = before_s[1];
+  int base = before_s[0];
+  for (int m = threadIdx.x; m * MOE_TILE < n; m += blockDim.x) {
+    int* t = tiles + 1 + 3 * (toff + m);
+    t[0] = base + m * MOE_TILE;
+    t[1] = e;
+    t[2] = min(MOE_TILE, n - m * MOE_TILE);
+  }
+  if (e == E - 1 && threadIdx.x == 0) tiles[0] = toff + (n + MOE_TILE - 1) / MOE_TILE;
+  for (long r0 = 0; r0 < P; r0 += blockDim.x) {
+    const long r = r0 + threadIdx.x;
+    const bool hit = r < P && ids[r] == e;
+    const unsigned m = __ballot_sync(0xffffffffu, hit);
+    if (lane == 0) wc[warp] = __popc(m);
+    __syncthreads();
+    int pos = base, all = 0;
+    for (int w = 0; w < 8; w++) {
+      pos += w < warp ? wc[w] : 0;
+      all += wc[w];
+    }
+    if (hit) {
+      pos += __popc(m & ((1u << lane) - 1u));
+      perm[pos] = (int)r;
+      pos_of[r] = pos;
+    }
+    __syncthreads();
+    base += all;
+  }
+}
+
+// This block's tile (blockIdx.y): false past the count.
+struct MoeTile {
+  int p0, e, n;
+};
+__device__ __forceinline__ bool moe_tile(const int* tiles, MoeTile& t) {
+  const int j = blockIdx.y;
+  if (j >= tiles[0]) return false;
+  t = MoeTile{tiles[1 + 3 * j], tiles[2 + 3 * j], tiles[3 + 3 * j]};
+  return true;
+}
+
+// The products of NW weights' 16 rows (w[j]: lane (g, c)'s row g at column 8c; row g + 8 is 8K
+// further) with a tile's n rows (xr[i]: lane's row 8i + g at column 8c, clamped to a live one;
+// dead rows read as zeros), over this warp's 32-wide chunks of K: acc[j][i] as mma_rows8 leaves
+// them. Tiles of 8 rows past n are skipped.
+template <int K, int NW>
+__device__ __forceinline__ void moe_tile_dots(const h16_t* const* w, const h16_t* const* xr, int n,
+                                              float (*acc)[MOE_TILE / 8][4]) {
+  constexpr int NT = MOE_TILE / 8, CH = K / 32, WARPS = 8;
+  const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2;
+#pragma unroll
+  for (int j = 0; j < NW; j++)
+#pragma unroll
+    for (int i = 0; i < NT; i++) acc[j][i][0] = acc[j][i][1] = acc[j][i][2] = acc[j][i][3] = 0.0f;
+  auto load = [&](int k, uint4 (*a)[2]) {
+#pragma unroll
+    for (int j = 0; j < NW; j++) {
+      a[j][0] = ld_stream(w[j] + k);
+      a[j][1] = ld_stream(w[j] + 8L * K + k);
+    }
+  };
+  auto chunk = [&](int k, uint4 (*a)[2]) {
+#pragma unroll
+    for (int i = 0; i < NT; i++) {
+      if (i * 8 < n) {
+        uint4 xb = *(const uint4*)(xr[i] + k);
+        if (i * 8 + g >= n) xb = make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int j = 0; j < NW; j++) mma_rows8(acc[j][i], a[j][0], a[j][1], xb);
+      }
+    }
+  };
+  // Two chunks' weights in flight at once.
+  uint4 a[NW][2], b[NW][2];
+  int ch = warp;
+  for (; ch + WARPS < CH; ch += 2 * WARPS) {
+    load(ch * 32, a);
+    load((ch + WARPS) * 32, b);
+    chunk(ch * 32, a);
+    chunk((ch + WARPS) * 32, b);
+  }
+  if (ch < CH) {
+    load(ch * 32, a);
+    chunk(ch * 32, a);
+  }
+}
+
+// The tile's sums over the 8 warps: v[j][q] for (row, feature) = (idx >> 4, idx & 15) of
+// idx = threadIdx.x + 256 q (rows past n left as they are).
+template <int NW>
+__device__ __forceinline__ void moe_tile_sums(float (*acc)[MOE_TILE / 8][4], int n, float (*v)[4]) {
+  __shared__ float red[8][16][MOE_TILE + 1];
+  const int warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int j = 0; j < NW; j++) {
+    if (j) __syncthreads();
+    rows8_spill<MOE_TILE / 8>(red[warp], acc[j]);
+    __syncthreads();
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+      const int idx = threadIdx.x + 256 * q, row = idx >> 4, f = idx & 15;
+      float s = 0.0f;
+      if (row < n)
+#pragma unroll
+        for (int w = 0; w < 8; w++) s += red[w][f][row];
+      v[j][q] = s;
+    }
+  }
+}
+
+// Gate and up with the activation for the pairs of one tile (blockIdx.y) and 16 features
+// (blockIdx.x): a[pos][i] = act(gate[e][i] · x[t] + gb[e][i], up[e][i] · x[t] + ub[e][i]) as
+// h16, t the pair's token, x its 16-bit input. grid: (I / 16, tiles), block: 256.
+template <int H, int I, int K, typename B, typename ACT>
+__device__ void moe_up_grouped(const h16_t* x, const int* perm, const int* tiles, const h16_t* gate, const h16_t* up,
+                               const B* gb, const B* ub, h16_t* a, ACT act) {
+  MoeTile t;
+  if (!moe_tile(tiles, t)) return;
+  const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3, f0 = blockIdx.x * 16;
+  const long row = (long)t.e * I + f0 + g;
+  const h16_t* w[2] = {gate + row * H + 8 * c, up + row * H + 8 * c};
+  const h16_t* xr[MOE_TILE / 8];
+#pragma unroll
+  for (int i = 0; i < MOE_TILE / 8; i++) xr[i] = x + (long)(perm[t.p0 + min(i * 8 + g, t.n - 1)] / K) * H + 8 * c;
+  float acc[2][MOE_TILE / 8][4], v[2][4];
+  moe_tile_dots<H, 2>(w, xr, t.n, acc);
+  moe_tile_sums<2>(acc, t.n, v);
+#pragma unroll
+  for (int q = 0; q < 4; q++) {
+    const int idx = threadIdx.x + 256 * q, r = idx >> 4, f = f0 + (idx & 15);
+    if (r < t.n) {
+      const long wi = (long)t.e * I + f;
+      const float gv = v[0][q] + (gb ? to_f32(gb[wi]) : 0.0f), uv = v[1][q] + (ub ? to_f32(ub[wi]) : 0.0f);
+      a[(long)(t.p0 + r) * I + f] = f32_to_h16(act(gv, uv));
+    }
+  }
+}
+
+// The down projections of one tile's pairs (blockIdx.y) for 16 output features (blockIdx.x),
+// times the pair's routing weight: y[pos][h] = weights[pair] · (down[e][h] · a[pos] + db[e][h]).
+// grid: (H / 16, tiles), block: 256.
+template <int H, int I, typename B>
+__device__ void moe_down_grouped(const h16_t* a, const int* perm, const int* tiles, const float* weights,
+                                 const h16_t* down, const B* db, float* y) {
+  MoeTile t;
+  if (!moe_tile(tiles, t)) return;
+  const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3, f0 = blockIdx.x * 16;
+  const h16_t* w[1] = {down + ((long)t.e * H + f0 + g) * I + 8 * c};
+  const h16_t* xr[MOE_TILE / 8];
+#pragma unroll
+  for (int i = 0; i < MOE_TILE / 8; i++) xr[i] = a + (long)(t.p0 + min(i * 8 + g, t.n - 1)) * I + 8 * c;
+  float acc[1][MOE_TILE / 8][4], v[1][4];
+  moe_tile_dots<I, 1>(w, xr, t.n, acc);
+  moe_tile_sums<1>(acc, t.n, v);
+#pragma unroll
+  for (int q = 0; q < 4; q++) {
+    const int idx = threadIdx.x + 256 * q, r = idx >> 4, h = f0 + (idx & 15);
+    if (r < t.n) {
+      const float b = db ? to_f32(db[(long)t.e * H + h]) : 0.0f;
+      y[(long)(t.p0 + r) * H + h] = weights[perm[t.p0 + r]] * (v[0][q] + b);
+    }
+  }
+}
+
+// Each token's K weighted expert outputs summed in the order of its choices:
+// out[t][h] = Σ_k y[pos_of[t·K + k]][h]. grid: T, block: 256.
+template <int H, int K>
+__device__ void moe_combine(const float* y, const int* pos_of, float* out) {
+  const int t = blockIdx.x;
+  int pos[K];
+#pragma unroll
+  for (int k = 0; k < K; k++) pos[k] = pos_of[t * K + k];
+  for (int h = threadIdx.x; h < H; h += blockDim.x) {
+    float s = 0.0f;
+#pragma unroll
+    for (int k = 0; k < K; k++) s += y[(long)pos[k] * H + h];
+    out[(long)t * H + h] = s;
+  }
+}
+
+// ---- grouped experts, few pairs a tile (decode): a warp per (expert's feature, tile) ----
+// The feature's weight rows are loaded once (all of a lane's chunks in flight at once, as the
+// GEMVs do) and dotted with each of the tile's pairs' rows in turn, four pairs at a time.
+
+// Gate and up with the activation as moe_up_grouped computes them, a warp per feature i of
+// the tile's expert. grid: (I / 8, tiles), block: 256.
+template <int H, int I, int K, typename B, typename ACT>
+__device__ void moe_up_rows(const h16_t* x, const int* perm, const int* tiles, const h16_t* gate, const h16_t* up,
+                            const B* gb, const B* ub, h16_t* a, ACT act) {
+  MoeTile t;
+  if (!moe_tile(tiles, t)) return;
+  using Part = RowPart<H, 1, h16_t>;
+  const Part part;
+  const int lane = threadIdx.x & 31, i = blockIdx.x * 8 + (threadIdx.x >> 5);
+  const long row = (long)t.e * I + i;
+  uint4 wg[Part::L], wu[Part::L];
+  part.load(gate + row * H, nullptr, wg, nullptr);
+  part.load(up + row * H, nullptr, wu, nullptr);
+  const float bg = gb ? to_f32(gb[row]) : 0.0f, bu = ub ? to_f32(ub[row]) : 0.0f;
+  for (int r0 = 0; r0 < t.n; r0 += 4) {
+    float sg[4], su[4];
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+      const h16_t* xr = x + (long)(perm[t.p0 + min(r0 + q, t.n - 1)] / K) * H;
+      part.template dot<1>(xr, wg, nullptr, 1, sg + q);
+      part.template dot<1>(xr, wu, nullptr, 1, su + q);
+    }
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+      const float g = warp_sum(sg[q]) + bg, u = warp_sum(su[q]) + bu;
+      if (lane == 0 && r0 + q < t.n) a[(long)(t.p0 + r0 + q) * I + i] = f32_to_h16(act(g, u));
+    }
+  }
+}
+
+// The down projections times the routing weights as moe_down_grouped computes them, a warp
+// per output feature h of the tile's expert. grid: (H / 8, tiles), block: 256.
+template <int H, int I, typename B>
+__device__ void moe_down_rows(const h16_t* a, const int* perm, const int* tiles, const float* weights,
+                              const h16_t* down, const B* db, float* y) {
+  MoeTile t;
+  if (!moe_tile(tiles, t)) return;
+  using Part = RowPart<I, 1, h16_t>;
+  const Part part;
+  const int lane = threadIdx.x & 31, h = blockIdx.x * 8 + (threadIdx.x >> 5);
+  const long row = (long)t.e * H + h;
+  uint4 wd[Part::L];
+  part.load(down + row * I, nullptr, wd, nullptr);
+  const float b = db ? to_f32(db[row]) : 0.0f;
+  for (int r0 = 0; r0 < t.n; r0 += 4) {
+    float s[4];
+#pragma unroll
+    for (int q = 0; q < 4; q++) part.template dot<1>(a + (long)(t.p0 + min(r0 + q, t.n - 1)) * I, wd, nullptr, 1, s + q);
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+      const float v = warp_sum(s[q]);
+      if (lane == 0 && r0 + q < t.n) y[(long)(t.p0 + r0 + q) * H + h] = weights[perm[t.p0 + r0 + q]] * (v + b);
+    }
+  }
 }

@@ -256,6 +256,48 @@ pub enum KernelKey {
         /// The bias's dtype, where there is one.
         bias: Option<DType>,
     },
+    /// How many of a step's (token, chosen expert) pairs chose each expert.
+    MoeCount,
+    /// The pairs sorted by expert, and the tiles of the grouped expert kernels.
+    MoeSort {
+        /// Experts.
+        e: usize,
+    },
+    /// Gate and up with the activation over tiles of pairs sorted by expert (16-bit input and
+    /// output): on tensor cores, or (`rows`) a warp per feature looping over the tile's pairs.
+    MoeUpGrouped {
+        /// A warp per feature (few pairs a tile) instead of tensor cores.
+        rows: bool,
+        /// Hidden size.
+        h: usize,
+        /// Each expert's intermediate size.
+        i: usize,
+        /// Experts per token.
+        k: usize,
+        /// The biases' dtype, where there are biases.
+        bias: Option<DType>,
+        /// `act(x0 = gate, x1 = up)` as CUDA C (interned).
+        act: &'static str,
+    },
+    /// The down projections over tiles of pairs sorted by expert, times the routing weights
+    /// (f32 out, one row per pair); `rows` as for [`KernelKey::MoeUpGrouped`].
+    MoeDownGrouped {
+        /// A warp per feature (few pairs a tile) instead of tensor cores.
+        rows: bool,
+        /// Hidden size.
+        h: usize,
+        /// Each expert's intermediate size.
+        i: usize,
+        /// The bias's dtype, where there is one.
+        bias: Option<DType>,
+    },
+    /// Each token's weighted expert outputs summed.
+    MoeCombine {
+        /// Hidden size.
+        h: usize,
+        /// Experts per token.
+        k: usize,
+    },
     /// The rows whose logits are wanted.
     Gather {
         /// Row width.
@@ -533,6 +575,15 @@ fn w8_suffix(w8: bool) -> &'static str {
     }
 }
 
+/// The grouped MoE kernels' variant: a warp per feature (`rows`) or tensor-core tiles.
+fn grouped_kind(rows: bool) -> &'static str {
+    if rows {
+        "rows"
+    } else {
+        "grouped"
+    }
+}
+
 /// Warps that share one output of the GEMV: enough that each streams at most 2048 weights of
 /// a row (a few memory round trips), at most 8.
 pub fn gemv_split(k: usize) -> usize {
@@ -611,6 +662,18 @@ impl KernelKey {
             KernelKey::MoeDown { h, i, k, w, bias } => {
                 format!("moe_down_h{h}_i{i}_k{k}_{w}{}", bias.map_or(String::new(), |b| format!("_b{b}")))
             }
+            KernelKey::MoeCount => "moe_count_pairs".into(),
+            KernelKey::MoeSort { e } => format!("moe_sort_e{e}"),
+            KernelKey::MoeUpGrouped { rows, h, i, k, bias, act } => format!(
+                "moe_up_{}_h{h}_i{i}_k{k}{}_a{:08x}",
+                grouped_kind(rows),
+                bias.map_or(String::new(), |b| format!("_b{b}")),
+                fnv(act) as u32
+            ),
+            KernelKey::MoeDownGrouped { rows, h, i, bias } => {
+                format!("moe_down_{}_h{h}_i{i}{}", grouped_kind(rows), bias.map_or(String::new(), |b| format!("_b{b}")))
+            }
+            KernelKey::MoeCombine { h, k } => format!("moe_combine_h{h}_k{k}"),
             KernelKey::Gather { h, x, out } => format!("gather_h{h}_{x}_to_{out}"),
             KernelKey::Sample { vocab } => format!("sample_v{vocab}"),
             KernelKey::AdjustLogits { vocab } => format!("adjust_logits_v{vocab}"),
@@ -805,6 +868,38 @@ impl KernelKey {
                     format!("moe_down<{h}, {i}, {k}, {t}, {b}>(a, ids, weights, down, db, out)"),
                 )
             }
+            KernelKey::MoeCount => ("const int* ids, long P, int* cnt".into(), "moe_count(ids, P, cnt)".into()),
+            KernelKey::MoeSort { e } => (
+                "const int* ids, long P, const int* cnt, int* perm, int* pos_of, int* tiles".into(),
+                format!("moe_sort<{e}>(ids, P, cnt, perm, pos_of, tiles)"),
+            ),
+            KernelKey::MoeUpGrouped { rows, h, i, k, bias, act } => {
+                let (b, f) = (opt_ctype(bias)?, grouped_kind(rows));
+                (
+                    format!(
+                        "const h16_t* x, const int* perm, const int* tiles, const h16_t* gate, const h16_t* up, \
+                         const {b}* gb, const {b}* ub, h16_t* a"
+                    ),
+                    format!(
+                        "moe_up_{f}<{h}, {i}, {k}, {b}>(x, perm, tiles, gate, up, gb, ub, a, [](float x0, float x1) \
+                         {{ return {act}; }})"
+                    ),
+                )
+            }
+            KernelKey::MoeDownGrouped { rows, h, i, bias } => {
+                let (b, f) = (opt_ctype(bias)?, grouped_kind(rows));
+                (
+                    format!(
+                        "const h16_t* a, const int* perm, const int* tiles, const float* weights, const h16_t* down, \
+                         const {b}* db, float* y"
+                    ),
+                    format!("moe_down_{f}<{h}, {i}, {b}>(a, perm, tiles, weights, down, db, y)"),
+                )
+            }
+            KernelKey::MoeCombine { h, k } => (
+                "const float* y, const int* pos_of, float* out".into(),
+                format!("moe_combine<{h}, {k}>(y, pos_of, out)"),
+            ),
             KernelKey::Gather { h, x, out } => {
                 let (t, o) = (ctype(x)?, ctype(out)?);
                 (format!("const {t}* x, const int* rows, {o}* out"), format!("gather<{h}, {t}, {o}>(x, rows, out)"))

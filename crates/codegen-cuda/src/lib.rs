@@ -16,7 +16,8 @@ pub mod schedule;
 pub use fp8::fp8_device_layout;
 pub use keys::{HeadNorm, KernelKey, Mask, NormIn, ALL_REDUCE_MAX_BLOCKS, ARGMAX_BLOCKS, MAP_INPUTS, MASK_SPAN};
 pub use schedule::{
-    Arg, Buffer, Count, Dim, Input, Launch, Step, GEMV_MAX_ROWS, GEMV_ROWS, NORM_IN_GEMV_ROWS, SKINNY_ROWS, W8_GROUP,
+    moe_rows_max, Arg, Buffer, Count, Dim, Input, Launch, Step, GEMV_MAX_ROWS, GEMV_ROWS, MOE_PER_TOKEN_MAX,
+    MOE_ROWS_PAIRS, MOE_TILE, NORM_IN_GEMV_ROWS, SKINNY_ROWS, W8_GROUP,
 };
 
 use ir::Plan;
@@ -151,7 +152,8 @@ pub fn emit(plan: &Plan) -> Result<Program, CodegenError> {
         plan.tp,
         plan.vocab
     );
-    let _ = writeln!(source, "#define H16_F16 {}\n", u8::from(s.half == ir::DType::F16));
+    let _ = writeln!(source, "#define H16_F16 {}", u8::from(s.half == ir::DType::F16));
+    let _ = writeln!(source, "#define MOE_TILE {}\n", schedule::MOE_TILE);
     for part in [PRELUDE, BASIC, FAST, MOE, COMM, SAMPLE] {
         source += part;
         source += "\n";

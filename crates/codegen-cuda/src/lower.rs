@@ -2,8 +2,8 @@
 
 use crate::keys::{intern, HeadNorm, KernelKey, Mask, NormIn, MAP_INPUTS};
 use crate::schedule::{
-    gemv_rows, launch, one, per_token, Arg, Builder, Count, Dim, FusedNorm, Input, Launch, Step, NORM_IN_GEMV_ROWS,
-    ONE, SKINNY_ROWS,
+    gemv_rows, launch, moe_rows_max, one, per_token, Arg, Builder, Count, Dim, FusedNorm, Input, Launch, Step,
+    MOE_PER_TOKEN_MAX, MOE_TILE, NORM_IN_GEMV_ROWS, ONE, SKINNY_ROWS,
 };
 use crate::CodegenError;
 use ir::{DType, FusionKind, Op};
@@ -520,8 +520,89 @@ fn moe(b: &mut Builder, i: usize, router: Option<usize>) -> Result<(), CodegenEr
     let down_args =
         vec![Arg::Buf(a), Arg::Buf(ids), Arg::Buf(weights), Arg::Weight(ins[4]), bias_arg(7), Arg::Buf(out)];
     let down = launch(down, down_args, [per_token(1, 1), Dim::Fixed(h.div_ceil(8))], 256);
-    b.steps.push(Step::Kernels { by: Count::Tokens, variants: vec![(usize::MAX, vec![route, up, down])] });
+    let mut variants = vec![(usize::MAX, vec![route.clone(), up, down])];
+    // Above a few tokens, the grouped kernels over the pairs sorted by expert.
+    if w == b.half && h.is_multiple_of(32) && inter.is_multiple_of(32) {
+        let groups = Grouped { x, ids, weights, out, e, h, inter, k, up_bias, down_bias, act };
+        let [rows, tiles] = grouped_moe(b, &ins, &groups, &bias_arg);
+        variants = vec![
+            (MOE_PER_TOKEN_MAX, variants.remove(0).1),
+            (moe_rows_max(e, k), [vec![route.clone()], rows].concat()),
+            (usize::MAX, [vec![route], tiles].concat()),
+        ];
+    }
+    b.steps.push(Step::Kernels { by: Count::Tokens, variants });
     Ok(())
+}
+
+/// What the grouped MoE kernels share with the per-token ones: buffers and sizes.
+struct Grouped {
+    x: usize,
+    ids: usize,
+    weights: usize,
+    out: usize,
+    e: usize,
+    h: usize,
+    inter: usize,
+    k: usize,
+    up_bias: Option<DType>,
+    down_bias: Option<DType>,
+    act: &'static str,
+}
+
+/// The grouped MoE launches after the routing (`kernels/moe.cuh`): the input in 16 bits, the
+/// pairs counted and sorted by expert, gate/up and down over tiles of each expert's pairs, and
+/// each token's weighted sum. Two variants over the same buffers: a warp per feature looping
+/// over a tile's pairs (few pairs an expert), and tensor-core tiles.
+fn grouped_moe(b: &mut Builder, ins: &[usize], g: &Grouped, bias_arg: &impl Fn(usize) -> Arg) -> [Vec<Launch>; 2] {
+    let Grouped { x, ids, weights, out, e, h, inter, k, .. } = *g;
+    let x16 = b.new_val(h, b.half, Count::Tokens);
+    let cnt = b.new_val(e, DType::I32, Count::Tokens);
+    let (perm, pos_of) = (b.new_val(k, DType::I32, Count::Tokens), b.new_val(k, DType::I32, Count::Tokens));
+    let tiles = b.new_val(3 * (k + e) + 4, DType::I32, Count::Tokens);
+    let a = b.new_val(k * inter, b.half, Count::Tokens);
+    let y = b.new_val(k * h, DType::F32, Count::Tokens);
+    let pairs = Arg::Elems(Count::Tokens, k);
+    let tile_dim = Dim::Groups(Count::Tokens, k, MOE_TILE, e);
+    let to_h16 = launch(
+        KernelKey::ToH16,
+        vec![Arg::Buf(x), Arg::Buf(x16), Arg::Elems(Count::Tokens, h)],
+        [per_token(h, 256), ONE],
+        256,
+    );
+    let count = launch(KernelKey::MoeCount, vec![Arg::Buf(ids), pairs, Arg::Buf(cnt)], [Dim::Fixed(e), ONE], 256);
+    let sort_args = vec![Arg::Buf(ids), pairs, Arg::Buf(cnt), Arg::Buf(perm), Arg::Buf(pos_of), Arg::Buf(tiles)];
+    let sort = launch(KernelKey::MoeSort { e }, sort_args, [Dim::Fixed(e), ONE], 256);
+    let combine = KernelKey::MoeCombine { h, k };
+    let combine = launch(combine, vec![Arg::Buf(y), Arg::Buf(pos_of), Arg::Buf(out)], [per_token(1, 1), ONE], 256);
+    [true, false].map(|rows| {
+        // Tensor-core tiles are 16 features a block; a warp per feature, 8.
+        let per_block = if rows { 8 } else { 16 };
+        let up = KernelKey::MoeUpGrouped { rows, h, i: inter, k, bias: g.up_bias, act: g.act };
+        let up_args = vec![
+            Arg::Buf(x16),
+            Arg::Buf(perm),
+            Arg::Buf(tiles),
+            Arg::Weight(ins[2]),
+            Arg::Weight(ins[3]),
+            bias_arg(5),
+            bias_arg(6),
+            Arg::Buf(a),
+        ];
+        let up = launch(up, up_args, [Dim::Fixed(inter / per_block), tile_dim], 256);
+        let down = KernelKey::MoeDownGrouped { rows, h, i: inter, bias: g.down_bias };
+        let down_args = vec![
+            Arg::Buf(a),
+            Arg::Buf(perm),
+            Arg::Buf(tiles),
+            Arg::Buf(weights),
+            Arg::Weight(ins[4]),
+            bias_arg(7),
+            Arg::Buf(y),
+        ];
+        let down = launch(down, down_args, [Dim::Fixed(h / per_block), tile_dim], 256);
+        vec![to_h16.clone(), count.clone(), sort.clone(), up, down, combine.clone()]
+    })
 }
 
 /// The wanted rows gathered (in 16 bits), then the LM head over them.

@@ -62,13 +62,31 @@ pub enum Arg {
     Elems(Count, usize),
 }
 
-/// A grid dimension: fixed, or `ceil(count * mul / div)`.
+/// A grid dimension: fixed, `ceil(count * mul / div)`, or a bound on tiles of groups.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Dim {
     /// A fixed size.
     Fixed(usize),
     /// `ceil(count * mul / div)`.
     Per(Count, usize, usize),
+    /// `Groups(c, per, tile, groups)`: the most tiles of `tile` items that `count * per` items
+    /// split into at most `groups` groups can need, each group tiled apart:
+    /// `ceil(n / tile) + min(groups, n)` for `n = count * per`.
+    Groups(Count, usize, usize, usize),
+}
+
+impl Dim {
+    /// The size for a step of `count` (what `c` gives a [`Count`]).
+    pub fn size(&self, count: impl Fn(Count) -> usize) -> usize {
+        match *self {
+            Dim::Fixed(n) => n,
+            Dim::Per(c, mul, div) => (count(c) * mul).div_ceil(div),
+            Dim::Groups(c, per, tile, groups) => {
+                let n = count(c) * per;
+                n.div_ceil(tile) + groups.min(n)
+            }
+        }
+    }
 }
 
 /// One kernel launch.
@@ -144,6 +162,25 @@ pub(crate) fn gemv_rows(n: &[usize]) -> Vec<usize> {
 /// Columns per scale of an E4M3 weight on the device (`W8_GROUP` of `kernels/fast.cuh`; the
 /// layout is [`crate::fp8_device_layout`]'s).
 pub const W8_GROUP: usize = 128;
+
+/// Pairs of (token, chosen expert) per tile of the grouped MoE kernels (`MOE_TILE` of
+/// `kernels/moe.cuh`, defined by the generated source from this).
+pub const MOE_TILE: usize = 64;
+
+/// Steps of at most this many tokens run a mixture of experts per (token, chosen expert) pair;
+/// larger ones sort the pairs by expert and read every chosen expert once (the grouped kernels).
+pub const MOE_PER_TOKEN_MAX: usize = 3;
+
+/// Up to this many (token, chosen expert) pairs an expert on average, the grouped experts run
+/// a warp per feature looping over each tile's pairs; above, on tensor cores (measured on the
+/// Qwen3-30B-A3B and gpt-oss-20b shapes, docs/perf.md).
+pub const MOE_ROWS_PAIRS: usize = 8;
+
+/// The most tokens a step of a mixture of `experts` choosing `k` a token runs the grouped
+/// experts a warp per feature ([`MOE_ROWS_PAIRS`] pairs an expert on average).
+pub fn moe_rows_max(experts: usize, k: usize) -> usize {
+    (MOE_ROWS_PAIRS * experts / k.max(1)).max(MOE_PER_TOKEN_MAX)
+}
 
 /// Steps of at most this many tokens leave an RMS norm that only feeds the linears of one
 /// launch to those GEMVs ([`NormIn`]): one kernel less per norm, for every block normalising

@@ -396,10 +396,7 @@ impl CudaBackend {
                 Arg::Elems(c, cols) => V::L((count(c) * cols) as i64),
             })
             .collect();
-        let dim = |d: &Dim| match *d {
-            Dim::Fixed(n) => n,
-            Dim::Per(c, mul, div) => (count(&c) * mul).div_ceil(div),
-        };
+        let dim = |d: &Dim| d.size(|c| count(&c));
         let (gx, gy) = (dim(&l.grid[0]), dim(&l.grid[1]));
         if gx == 0 || gy == 0 || profile::skipped(&self.skip, &l.key.name()) {
             return Ok(());
