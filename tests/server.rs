@@ -614,20 +614,22 @@ fn concurrent_sampling_settings_each_match_the_request_alone() {
 }
 
 /// `engrun serve --max-running-requests 1`: three requests sent at once all succeed, one at a
-/// time (the running gauge never passes 1 while the others queue).
+/// time (the running gauge never passes 1 while the others queue). Each generates 2000 tokens so
+/// that the queue stays non-empty for hundreds of steps: the gauge is sampled over HTTP beside
+/// the other tests' load, and 48-token requests once finished between two samples.
 #[test]
 fn max_running_requests_runs_one_at_a_time() {
     let dir = scratch(env!("CARGO_TARGET_TMPDIR"), "server-max-running");
     let b = compile_fixture("tiny-qwen2", &dir, 1, None);
     let server = Server::start(&b, &["--max-running-requests", "1"]);
     let bodies: Vec<Value> = (0..3)
-        .map(|i| json!({"prompt": format!("request {i}"), "max_tokens": 48, "temperature": 0, "ignore_eos": true}))
+        .map(|i| json!({"prompt": format!("request {i}"), "max_tokens": 2000, "temperature": 0, "ignore_eos": true}))
         .collect();
     let (texts, (running, queued)) = all_at_once(&server, &bodies);
     assert_eq!(texts.len(), 3);
     assert_eq!(running, 1.0, "more than one request ran at once");
     assert!(queued >= 1.0, "no request waited (peak queue {queued})");
-    assert_eq!(metric(&server, "engine_generation_tokens_total"), 3.0 * 48.0);
+    assert_eq!(metric(&server, "engine_generation_tokens_total"), 3.0 * 2000.0);
 }
 
 /// A history with tool-calling turns (an assistant message with `tool_calls`, a `tool` result)
