@@ -528,3 +528,42 @@ fn map_bufs(step: &mut Step, f: impl Fn(usize) -> usize) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::{moe_rows_max, Count, Dim, MOE_PER_TOKEN_MAX, MOE_TILE};
+
+    /// `Dim::Groups` bounds the tiles of splits of `count * per` items into at most `groups`
+    /// groups (the grouped MoE kernels' grid): all in one group, even, and pseudo-random ones.
+    #[test]
+    fn groups_bound_the_tiles_of_any_split() {
+        let tiles = |sizes: &[usize]| sizes.iter().map(|c| c.div_ceil(MOE_TILE)).sum::<usize>();
+        let mut seed = 12345u64;
+        for (t, per, groups) in [(1, 8, 128), (3, 8, 128), (64, 8, 128), (513, 4, 32), (4096, 8, 128)] {
+            let n = t * per;
+            let bound = Dim::Groups(Count::Tokens, per, MOE_TILE, groups).size(|_| t);
+            assert_eq!(bound, n.div_ceil(MOE_TILE) + groups.min(n), "t={t}");
+            let used = groups.min(n);
+            let even: Vec<usize> = (0..used).map(|g| n / used + usize::from(g < n % used)).collect();
+            assert!(tiles(&even) <= bound && tiles(&[n]) <= bound, "t={t}");
+            for _ in 0..200 {
+                let mut sizes = vec![0; groups];
+                for _ in 0..n {
+                    seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                    sizes[(seed >> 33) as usize % groups] += 1;
+                }
+                assert!(tiles(&sizes) <= bound, "t={t}: {sizes:?}");
+            }
+        }
+        assert_eq!(Dim::Per(Count::Tokens, 3, 2).size(|_| 5), 8);
+    }
+
+    /// A warp per feature up to 8 pairs an expert on average, never below the per-token path.
+    #[test]
+    fn rows_up_to_eight_pairs_an_expert() {
+        assert_eq!(moe_rows_max(128, 8), 128);
+        assert_eq!(moe_rows_max(32, 4), 64);
+        assert_eq!(moe_rows_max(8, 2), 32);
+        assert_eq!(moe_rows_max(4, 4), 8.max(MOE_PER_TOKEN_MAX));
+    }
+}
