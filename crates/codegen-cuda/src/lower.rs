@@ -559,6 +559,8 @@ fn grouped_moe(b: &mut Builder, ins: &[usize], g: &Grouped, bias_arg: &impl Fn(u
     let x16 = b.new_val(h, b.half, Count::Tokens);
     let cnt = b.new_val(e, DType::I32, Count::Tokens);
     let (perm, pos_of) = (b.new_val(k, DType::I32, Count::Tokens), b.new_val(k, DType::I32, Count::Tokens));
+    // The count, then 3 ints a tile: at most ceil(T k / MOE_TILE) + e tiles, which T (3 k + 3 e
+    // + 4) ints hold for any T >= 1 (the bound of `tile_dim`).
     let tiles = b.new_val(3 * (k + e) + 4, DType::I32, Count::Tokens);
     let a = b.new_val(k * inter, b.half, Count::Tokens);
     let y = b.new_val(k * h, DType::F32, Count::Tokens);
