@@ -244,6 +244,15 @@ __device__ __forceinline__ bool moe_tile(const int* tiles, MoeTile& t) {
   return true;
 }
 
+// Lane (g, c)'s row pointers of a tile (xr[i]: row 8i + g at column 8c, clamped to the tile's
+// last pair; dead rows are zeroed by moe_tile_dots): row_of(position) rows of KD in base.
+template <int KD, typename RowOf>
+__device__ __forceinline__ void moe_tile_rows(const h16_t* base, const MoeTile& t, RowOf row_of, const h16_t** xr) {
+  const int g = (threadIdx.x & 31) >> 2, c = threadIdx.x & 3;
+#pragma unroll
+  for (int i = 0; i < MOE_TILE / 8; i++) xr[i] = base + (long)row_of(t.p0 + min(i * 8 + g, t.n - 1)) * KD + 8 * c;
+}
+
 // The products of NW weights' 16 rows (w[j]: lane (g, c)'s row g at column 8c; row g + 8 is 8K
 // further) with a tile's n rows (xr[i]: lane's row 8i + g at column 8c, clamped to a live one;
 // dead rows read as zeros), over this warp's 32-wide chunks of K: acc[j][i] as mma_rows8 leaves
@@ -325,8 +334,7 @@ __device__ void moe_up_grouped(const h16_t* x, const int* perm, const int* tiles
   const long row = (long)t.e * I + f0 + g;
   const h16_t* w[2] = {gate + row * H + 8 * c, up + row * H + 8 * c};
   const h16_t* xr[MOE_TILE / 8];
-#pragma unroll
-  for (int i = 0; i < MOE_TILE / 8; i++) xr[i] = x + (long)(perm[t.p0 + min(i * 8 + g, t.n - 1)] / K) * H + 8 * c;
+  moe_tile_rows<H>(x, t, [&](int p) { return perm[p] / K; }, xr);
   float acc[2][MOE_TILE / 8][4], v[2][4];
   moe_tile_dots<H, 2>(w, xr, t.n, acc);
   moe_tile_sums<2>(acc, t.n, v);
@@ -352,8 +360,7 @@ __device__ void moe_down_grouped(const h16_t* a, const int* perm, const int* til
   const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3, f0 = blockIdx.x * 16;
   const h16_t* w[1] = {down + ((long)t.e * H + f0 + g) * I + 8 * c};
   const h16_t* xr[MOE_TILE / 8];
-#pragma unroll
-  for (int i = 0; i < MOE_TILE / 8; i++) xr[i] = a + (long)(t.p0 + min(i * 8 + g, t.n - 1)) * I + 8 * c;
+  moe_tile_rows<I>(a, t, [](int p) { return p; }, xr);
   float acc[1][MOE_TILE / 8][4], v[1][4];
   moe_tile_dots<I, 1>(w, xr, t.n, acc);
   moe_tile_sums<1>(acc, t.n, v);

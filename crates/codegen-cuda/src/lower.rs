@@ -2,7 +2,7 @@
 
 use crate::keys::{intern, HeadNorm, KernelKey, Mask, NormIn, MAP_INPUTS};
 use crate::schedule::{
-    gemv_rows, launch, moe_rows_max, one, per_token, Arg, Builder, Count, Dim, FusedNorm, Input, Launch, Step,
+    gemv_rows, launch, moe_rows_max, one, per_token, to_h16, Arg, Builder, Count, Dim, FusedNorm, Input, Launch, Step,
     MOE_PER_TOKEN_MAX, MOE_TILE, NORM_IN_GEMV_ROWS, ONE, SKINNY_ROWS,
 };
 use crate::CodegenError;
@@ -520,17 +520,19 @@ fn moe(b: &mut Builder, i: usize, router: Option<usize>) -> Result<(), CodegenEr
     let down_args =
         vec![Arg::Buf(a), Arg::Buf(ids), Arg::Buf(weights), Arg::Weight(ins[4]), bias_arg(7), Arg::Buf(out)];
     let down = launch(down, down_args, [per_token(1, 1), Dim::Fixed(h.div_ceil(8))], 256);
-    let mut variants = vec![(usize::MAX, vec![route.clone(), up, down])];
+    let per_token = vec![route.clone(), up, down];
     // Above a few tokens, the grouped kernels over the pairs sorted by expert.
-    if w == b.half && h.is_multiple_of(32) && inter.is_multiple_of(32) {
+    let variants = if w == b.half && h.is_multiple_of(32) && inter.is_multiple_of(32) {
         let groups = Grouped { x, ids, weights, out, e, h, inter, k, up_bias, down_bias, act };
         let [rows, tiles] = grouped_moe(b, &ins, &groups, &bias_arg);
-        variants = vec![
-            (MOE_PER_TOKEN_MAX, variants.remove(0).1),
+        vec![
+            (MOE_PER_TOKEN_MAX, per_token),
             (moe_rows_max(e, k), [vec![route.clone()], rows].concat()),
             (usize::MAX, [vec![route], tiles].concat()),
-        ];
-    }
+        ]
+    } else {
+        vec![(usize::MAX, per_token)]
+    };
     b.steps.push(Step::Kernels { by: Count::Tokens, variants });
     Ok(())
 }
@@ -566,12 +568,7 @@ fn grouped_moe(b: &mut Builder, ins: &[usize], g: &Grouped, bias_arg: &impl Fn(u
     let y = b.new_val(k * h, DType::F32, Count::Tokens);
     let pairs = Arg::Elems(Count::Tokens, k);
     let tile_dim = Dim::Groups(Count::Tokens, k, MOE_TILE, e);
-    let to_h16 = launch(
-        KernelKey::ToH16,
-        vec![Arg::Buf(x), Arg::Buf(x16), Arg::Elems(Count::Tokens, h)],
-        [per_token(h, 256), ONE],
-        256,
-    );
+    let to_h16 = to_h16(x, x16, h);
     let count = launch(KernelKey::MoeCount, vec![Arg::Buf(ids), pairs, Arg::Buf(cnt)], [Dim::Fixed(e), ONE], 256);
     let sort_args = vec![Arg::Buf(ids), pairs, Arg::Buf(cnt), Arg::Buf(perm), Arg::Buf(pos_of), Arg::Buf(tiles)];
     let sort = launch(KernelKey::MoeSort { e }, sort_args, [Dim::Fixed(e), ONE], 256);

@@ -244,6 +244,16 @@ pub(crate) fn one(launch: Launch) -> Step {
     Step::Kernels { by: Count::Tokens, variants: vec![(usize::MAX, vec![launch])] }
 }
 
+/// The launch converting value `v` (f32 rows of `cols`) into `b` in the 16-bit float.
+pub(crate) fn to_h16(v: usize, b: usize, cols: usize) -> Launch {
+    launch(
+        KernelKey::ToH16,
+        vec![Arg::Buf(v), Arg::Buf(b), Arg::Elems(Count::Tokens, cols)],
+        [per_token(cols, 256), ONE],
+        256,
+    )
+}
+
 pub(crate) fn launch(key: KernelKey, args: Vec<Arg>, grid: [Dim; 2], block: u32) -> Launch {
     Launch { key, args, grid, block }
 }
@@ -337,12 +347,7 @@ impl<'p> Builder<'p> {
         let cols = self.cols(node);
         let b = self.new_val(cols, self.half, Count::Tokens);
         self.half_of[node] = Some(b);
-        self.steps.push(one(launch(
-            KernelKey::ToH16,
-            vec![Arg::Buf(v), Arg::Buf(b), Arg::Elems(Count::Tokens, cols)],
-            [per_token(cols, 256), ONE],
-            256,
-        )));
+        self.steps.push(one(to_h16(v, b, cols)));
         Ok(b)
     }
 
