@@ -3,7 +3,7 @@
 use crate::keys::{intern, HeadNorm, KernelKey, Mask, NormIn, MAP_INPUTS};
 use crate::schedule::{
     gemv_rows, launch, moe_rows_max, one, per_token, to_h16, Arg, Builder, Count, Dim, FusedNorm, Input, Launch, Step,
-    MOE_PER_TOKEN_MAX, MOE_TILE, NORM_IN_GEMV_ROWS, ONE, SKINNY_ROWS,
+    MOE_TILE, NORM_IN_GEMV_ROWS, ONE, SKINNY_ROWS,
 };
 use crate::CodegenError;
 use ir::{DType, FusionKind, Op};
@@ -488,7 +488,6 @@ fn moe(b: &mut Builder, i: usize, router: Option<usize>) -> Result<(), CodegenEr
         return Err(CodegenError::Unsupported(format!("`{}`: gate and up biases of different dtypes", n.label)));
     }
     let (ids, weights) = (b.new_val(k, DType::I32, Count::Tokens), b.new_val(k, DType::F32, Count::Tokens));
-    let a = b.new_val(k * inter, DType::F32, Count::Tokens);
     let out = b.out(i, DType::F32);
     // The router logits: the fused router linear's, in f32 from the f32 input, or the plan's.
     let logits = match router {
@@ -505,33 +504,30 @@ fn moe(b: &mut Builder, i: usize, router: Option<usize>) -> Result<(), CodegenEr
     };
     let route = KernelKey::MoeRoute { e, k, norm, logits: DType::F32 };
     let route = launch(route, vec![Arg::Buf(logits), Arg::Buf(ids), Arg::Buf(weights)], [per_token(1, 1), ONE], 32);
-    let up = KernelKey::MoeUp { h, i: inter, k, w, bias: up_bias, act };
-    let up_args = vec![
-        Arg::Buf(x),
-        Arg::Buf(ids),
-        Arg::Weight(ins[2]),
-        Arg::Weight(ins[3]),
-        bias_arg(5),
-        bias_arg(6),
-        Arg::Buf(a),
-    ];
-    let up = launch(up, up_args, [per_token(k, 1), Dim::Fixed(inter.div_ceil(8))], 256);
-    let down = KernelKey::MoeDown { h, i: inter, k, w, bias: down_bias };
-    let down_args =
-        vec![Arg::Buf(a), Arg::Buf(ids), Arg::Buf(weights), Arg::Weight(ins[4]), bias_arg(7), Arg::Buf(out)];
-    let down = launch(down, down_args, [per_token(1, 1), Dim::Fixed(h.div_ceil(8))], 256);
-    let per_token = vec![route.clone(), up, down];
-    // Above a few tokens, the grouped kernels over the pairs sorted by expert.
+    // 16-bit experts: the grouped kernels over the pairs sorted by expert at every batch
+    // (faster than per pair from one token, docs/perf.md); others per pair.
     let variants = if w == b.half && h.is_multiple_of(32) && inter.is_multiple_of(32) {
         let groups = Grouped { x, ids, weights, out, e, h, inter, k, up_bias, down_bias, act };
         let [rows, tiles] = grouped_moe(b, &ins, &groups, &bias_arg);
-        vec![
-            (MOE_PER_TOKEN_MAX, per_token),
-            (moe_rows_max(e, k), [vec![route.clone()], rows].concat()),
-            (usize::MAX, [vec![route], tiles].concat()),
-        ]
+        vec![(moe_rows_max(e, k), [vec![route.clone()], rows].concat()), (usize::MAX, [vec![route], tiles].concat())]
     } else {
-        vec![(usize::MAX, per_token)]
+        let a = b.new_val(k * inter, DType::F32, Count::Tokens);
+        let up = KernelKey::MoeUp { h, i: inter, k, w, bias: up_bias, act };
+        let up_args = vec![
+            Arg::Buf(x),
+            Arg::Buf(ids),
+            Arg::Weight(ins[2]),
+            Arg::Weight(ins[3]),
+            bias_arg(5),
+            bias_arg(6),
+            Arg::Buf(a),
+        ];
+        let up = launch(up, up_args, [per_token(k, 1), Dim::Fixed(inter.div_ceil(8))], 256);
+        let down = KernelKey::MoeDown { h, i: inter, k, w, bias: down_bias };
+        let down_args =
+            vec![Arg::Buf(a), Arg::Buf(ids), Arg::Buf(weights), Arg::Weight(ins[4]), bias_arg(7), Arg::Buf(out)];
+        let down = launch(down, down_args, [per_token(1, 1), Dim::Fixed(h.div_ceil(8))], 256);
+        vec![(usize::MAX, vec![route, up, down])]
     };
     b.steps.push(Step::Kernels { by: Count::Tokens, variants });
     Ok(())

@@ -167,10 +167,6 @@ pub const W8_GROUP: usize = 128;
 /// `kernels/moe.cuh`, defined by the generated source from this).
 pub const MOE_TILE: usize = 64;
 
-/// Steps of at most this many tokens run a mixture of experts per (token, chosen expert) pair;
-/// larger ones sort the pairs by expert and read every chosen expert once (the grouped kernels).
-pub const MOE_PER_TOKEN_MAX: usize = 3;
-
 /// Up to this many (token, chosen expert) pairs an expert on average, the grouped experts run
 /// a warp per feature looping over each tile's pairs; above, on tensor cores (measured on the
 /// Qwen3-30B-A3B and gpt-oss-20b shapes, docs/perf.md).
@@ -179,7 +175,7 @@ pub const MOE_ROWS_PAIRS: usize = 8;
 /// The most tokens a step of a mixture of `experts` choosing `k` a token runs the grouped
 /// experts a warp per feature ([`MOE_ROWS_PAIRS`] pairs an expert on average).
 pub fn moe_rows_max(experts: usize, k: usize) -> usize {
-    (MOE_ROWS_PAIRS * experts / k.max(1)).max(MOE_PER_TOKEN_MAX)
+    (MOE_ROWS_PAIRS * experts / k.max(1)).max(1)
 }
 
 /// Steps of at most this many tokens leave an RMS norm that only feeds the linears of one
@@ -536,7 +532,7 @@ fn map_bufs(step: &mut Step, f: impl Fn(usize) -> usize) {
 
 #[cfg(test)]
 mod tests {
-    use super::{moe_rows_max, Count, Dim, MOE_PER_TOKEN_MAX, MOE_TILE};
+    use super::{moe_rows_max, Count, Dim, MOE_TILE};
 
     /// `Dim::Groups` bounds the tiles of splits of `count * per` items into at most `groups`
     /// groups (the grouped MoE kernels' grid): all in one group, even, and pseudo-random ones.
@@ -563,12 +559,13 @@ mod tests {
         assert_eq!(Dim::Per(Count::Tokens, 3, 2).size(|_| 5), 8);
     }
 
-    /// A warp per feature up to 8 pairs an expert on average, never below the per-token path.
+    /// A warp per feature up to 8 pairs an expert on average, at least for one token.
     #[test]
     fn rows_up_to_eight_pairs_an_expert() {
         assert_eq!(moe_rows_max(128, 8), 128);
         assert_eq!(moe_rows_max(32, 4), 64);
         assert_eq!(moe_rows_max(8, 2), 32);
-        assert_eq!(moe_rows_max(4, 4), 8.max(MOE_PER_TOKEN_MAX));
+        assert_eq!(moe_rows_max(4, 4), 8);
+        assert_eq!(moe_rows_max(1, 16), 1);
     }
 }
