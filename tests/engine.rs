@@ -380,6 +380,30 @@ fn max_running_requests_caps_every_step() {
     }
 }
 
+/// With overlap, every running request decodes in every step: a request whose token of the
+/// step in flight is still pending is fed it as the placeholder, even while the step before
+/// that one's results are processed. Two groups admitted a step apart must not fall into
+/// alternate steps (they did: a batch of 128 ran as steps of 64, 64 and 128 in turn).
+#[test]
+fn overlap_runs_every_request_every_step() {
+    let mut rng = Rng(31);
+    let reqs: Vec<Request> =
+        (0..8).map(|_| Request { ignore_eos: true, ..Request::greedy(rng.tokens(16), 12) }).collect();
+    for overlap in [false, true] {
+        let mut e = engine(EngineConfig { overlap, chunked_prefill_size: 64, max_prefill_tokens: 64, ..config() });
+        e.record_steps();
+        let outs = e.generate(reqs.clone()).unwrap();
+        let widths: Vec<usize> = e.take_records().iter().map(|r| r.seqs).collect();
+        // Step 1 prefills 4 requests; step 2 decodes them and prefills the other 4; then all 8
+        // decode together until the first group's 12 tokens are out, and the second's last.
+        assert_eq!(widths, [vec![4, 8], vec![8; 10], vec![4]].concat(), "overlap {overlap}");
+        let mut s = seqs(CpuBackend::new(&bundle()).unwrap());
+        for (i, (r, o)) in reqs.iter().zip(&outs).enumerate() {
+            assert_eq!(o.tokens, alone(&mut s, r, &[]).0, "overlap {overlap}: request {i}");
+        }
+    }
+}
+
 /// A `--tp 2` bundle on the CPU (one rank per thread) serves through the engine with the radix
 /// cache: prompts sharing prefixes reuse the cached pages, and every output equals the request
 /// run alone on the same bundle.

@@ -54,8 +54,9 @@ struct Req {
     /// Positions whose KV has been submitted to the worker / is complete.
     scheduled: usize,
     done: usize,
-    /// A token is being sampled in a submitted step.
-    pending: bool,
+    /// Tokens being sampled in submitted steps (with overlap, up to two: the step running and
+    /// the one planned behind it, which feeds the first as its placeholder).
+    pending: usize,
     cached_tokens: Option<usize>,
     /// An embedding's pooled hidden states so far (a sum for a mean, else the last row).
     pooled: Vec<f32>,
@@ -79,13 +80,14 @@ impl Req {
         range.map(|i| self.token(i)).collect()
     }
 
-    /// Tokens still to feed: the unfed part of prompt + output, plus the pending one.
+    /// Tokens still to feed: the unfed part of prompt + output, plus the last pending one
+    /// (the earlier pending ones were fed as placeholders already).
     fn feed(&self) -> usize {
-        self.seq_len() + self.pending as usize - self.scheduled
+        self.seq_len() + self.pending - self.scheduled
     }
 
     fn will_finish(&self) -> bool {
-        self.output.len() + self.pending as usize >= self.req.max_tokens
+        self.output.len() + self.pending >= self.req.max_tokens
     }
 
     fn embeds(&self) -> bool {
@@ -250,7 +252,7 @@ impl Scheduler {
             node: RadixCache::ROOT,
             scheduled: 0,
             done: 0,
-            pending: false,
+            pending: 0,
             cached_tokens: None,
             pooled: vec![],
         };
@@ -403,8 +405,9 @@ impl Scheduler {
         let r = self.reqs.get_mut(&id).expect("known request");
         r.pages.extend(new);
         let end = r.scheduled + n;
-        let prev = r.pending && end == r.seq_len() + 1;
-        let sample = !r.embeds() && end == r.seq_len() + r.pending as usize;
+        // The chunk ends at the last pending token: it is fed as the placeholder.
+        let prev = r.pending > 0 && end == r.seq_len() + r.pending;
+        let sample = !r.embeds() && end == r.seq_len() + r.pending;
         let hidden_rows = match r.req.embed {
             Some(crate::Pooling::Mean) => (0..n).collect(),
             Some(crate::Pooling::Last) if end == r.seq_len() => vec![n - 1],
@@ -422,7 +425,7 @@ impl Scheduler {
             hidden_rows,
         };
         r.scheduled = end;
-        r.pending |= sample;
+        r.pending += sample as usize;
         plan.seqs.push(seq);
         if extend {
             plan.extend_tokens += n;
@@ -547,7 +550,7 @@ impl Scheduler {
 
     fn retract(&mut self, id: ReqId) {
         let mut r = self.reqs.remove(&id).expect("known request");
-        assert!(!r.pending && r.done == r.scheduled, "retracting a request with a step in flight");
+        assert!(r.pending == 0 && r.done == r.scheduled, "retracting a request with a step in flight");
         self.cache(&mut r, false);
         r.pages.clear();
         r.tree_pages = 0;
@@ -611,7 +614,7 @@ impl Scheduler {
                 SeqOut::Token(s) => s,
             };
             let r = self.reqs.get_mut(&seq.req).expect("known request");
-            r.pending = false;
+            r.pending -= 1;
             let eos = !r.req.ignore_eos && self.cfg.eos_ids.contains(&s.token);
             if eos || r.req.stop_ids.contains(&s.token) {
                 events.push((seq.req, self.finish(seq.req, FinishReason::Stop)));
