@@ -1159,6 +1159,165 @@ __device__ void attention_fa(const float* q, const h16_t* kc, const h16_t* vc, c
   }
 }
 
+// Decode attention on tensor cores, for rows of any sequences: a block per row t and kv head,
+// whose G = H / KVH query heads (at most 16) are the 16 rows of attention_fa's mma.sync tiles
+// (rows past G are zero and not stored), so each K and V tile feeds every head sharing it. The
+// row's keys (positions first..pos[t] of its sequence, in the cache already) come in tiles of 16,
+// the four warps taking every fourth tile (cp.async into the warp's shared memory), each with
+// attention_fa's online softmax (f32, log2 units, P rounded to h16 for P·V); the warps' states
+// merge through shared memory. With MIXED_ONLY, only rows whose group of 16 (see
+// attention_fa) spans two sequences run. Window, cap and sinks as attention_fa's.
+// grid: (T, KVH), block: 128. D <= 128.
+template <int H, int KVH, int D, typename O, bool MIXED_ONLY, int WIN, unsigned CAP, typename SW>
+__device__ void attention_dec(const float* q, const h16_t* kc, const h16_t* vc, const int* slots,
+                              const int* seq_off, const int* pos, float scale, O* out, int T, const SW* sinks) {
+  constexpr int G = H / KVH, S = D + 8, KS = D / 16, DT = D / 8, WARPS = 4;
+  static_assert(G <= 16 && D % 16 == 0 && D <= 128, "a kv head's query heads fill one mma tile");
+  __shared__ __align__(16) h16_t sk[WARPS][16 * S];
+  __shared__ __align__(16) h16_t sv[WARPS][16 * S];
+  __shared__ float sm_m[WARPS][16], sm_l[WARPS][16];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+  const int t = blockIdx.x, kvh = blockIdx.y, h0 = kvh * G;
+  if (MIXED_ONLY && seq_off[t & ~15] == seq_off[min((t & ~15) + 15, T - 1)]) return;
+  const int* sl = slots + seq_off[t];
+  const int n = pos[t] + 1, first = WIN ? max(0, n - WIN) : 0;
+  const float qs = scale * 1.4426950408889634f;
+  unsigned qf[KS][4];
+#pragma unroll
+  for (int ks = 0; ks < KS; ks++) {
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+      const int row = g + (e & 1) * 8, d = ks * 16 + 2 * c + (e >> 1) * 8;
+      float a = 0.0f, b = 0.0f;
+      if (row < G) {
+        const float* src = q + ((long)t * H + h0 + row) * D + d;
+        a = src[0] * qs;
+        b = src[1] * qs;
+      }
+      qf[ks][e] = pack_h16x2(a, b);
+    }
+  }
+  float o[DT][4];
+#pragma unroll
+  for (int i = 0; i < DT; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+  float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
+  h16_t* k_s = sk[warp];
+  h16_t* v_s = sv[warp];
+  for (int p0 = (first & ~15) + warp * 16; p0 < n; p0 += WARPS * 16) {
+    for (int i = lane; i < 16 * DT; i += 32) {
+      const int key = i / DT, ch = i % DT, p = p0 + key;
+      const bool valid = p < n;
+      const long src = (long)(valid ? sl[p] : sl[0]) * (KVH * D) + kvh * D + ch * 8;
+      cp_async16(smem_addr(k_s + key * S + ch * 8), kc + src, valid ? 16 : 0);
+      cp_async16(smem_addr(v_s + key * S + ch * 8), vc + src, valid ? 16 : 0);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncwarp();
+    float s[2][4];
+#pragma unroll
+    for (int nt = 0; nt < 2; nt++) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+#pragma unroll
+    for (int ks = 0; ks < KS; ks++) {
+      unsigned kf[4];
+      ldmatrix_x4(kf, smem_addr(k_s + ((lane & 7) + (lane >> 4) * 8) * S + ks * 16 + ((lane >> 3) & 1) * 8));
+      const unsigned b0[2] = {kf[0], kf[1]}, b1[2] = {kf[2], kf[3]};
+      mma_h16(s[0], qf[ks], b0);
+      mma_h16(s[1], qf[ks], b1);
+    }
+    // Keys past the row's position or before its window are masked; every head row alike.
+#pragma unroll
+    for (int hr = 0; hr < 2; hr++) {
+      float mx = NEG_INF;
+#pragma unroll
+      for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+          const int p = p0 + nt * 8 + 2 * c + e;
+          float& v = s[nt][hr * 2 + e];
+          if (CAP) v = softcap<CAP>(v * 0.6931471805599453f) * 1.4426950408889634f;
+          if (p >= n || p < first) v = NEG_INF;
+          mx = fmaxf(mx, v);
+        }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(m[hr], mx);
+      const float base = m_new == NEG_INF ? 0.0f : m_new;
+      const float corr = exp2f(m[hr] - base);
+      m[hr] = m_new;
+      float sum = 0.0f;
+#pragma unroll
+      for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+          float& v = s[nt][hr * 2 + e];
+          v = exp2f(v - base);
+          sum += v;
+        }
+      l[hr] = l[hr] * corr + sum;
+#pragma unroll
+      for (int i = 0; i < DT; i++) {
+        o[i][hr * 2] *= corr;
+        o[i][hr * 2 + 1] *= corr;
+      }
+    }
+    const unsigned pa[4] = {pack_h16x2(s[0][0], s[0][1]), pack_h16x2(s[0][2], s[0][3]),
+                            pack_h16x2(s[1][0], s[1][1]), pack_h16x2(s[1][2], s[1][3])};
+#pragma unroll
+    for (int j = 0; j < D / 16; j++) {
+      unsigned vf[4];
+      ldmatrix_x4_trans(vf, smem_addr(v_s + ((lane & 7) + ((lane >> 3) & 1) * 8) * S + j * 16 + (lane >> 4) * 8));
+      const unsigned b0[2] = {vf[0], vf[1]}, b1[2] = {vf[2], vf[3]};
+      mma_h16(o[2 * j], pa, b0);
+      mma_h16(o[2 * j + 1], pa, b1);
+    }
+    __syncwarp();
+  }
+  // Each warp's row maxima and sums, then the rows' totals (with the sinks, log2 units as m).
+#pragma unroll
+  for (int hr = 0; hr < 2; hr++) {
+    float lt = l[hr];
+    lt += __shfl_xor_sync(0xffffffffu, lt, 1);
+    lt += __shfl_xor_sync(0xffffffffu, lt, 2);
+    if (c == 0) {
+      sm_m[warp][g + hr * 8] = m[hr];
+      sm_l[warp][g + hr * 8] = lt;
+    }
+  }
+  __syncthreads();
+  float f[2];
+#pragma unroll
+  for (int hr = 0; hr < 2; hr++) {
+    const int row = g + hr * 8;
+    const float sink = sinks && row < G ? to_f32(sinks[h0 + row]) * 1.4426950408889634f : NEG_INF;
+    float mm = sink;
+#pragma unroll
+    for (int w = 0; w < WARPS; w++) mm = fmaxf(mm, sm_m[w][row]);
+    float ll = sink == NEG_INF ? 0.0f : exp2f(sink - mm);
+#pragma unroll
+    for (int w = 0; w < WARPS; w++) ll += sm_m[w][row] == NEG_INF ? 0.0f : sm_l[w][row] * exp2f(sm_m[w][row] - mm);
+    f[hr] = m[hr] == NEG_INF ? 0.0f : exp2f(m[hr] - mm) / ll;
+  }
+  // The warps' outputs summed in turn into shared memory (the K tiles' space, done with).
+  float* so = (float*)&sk[0][0];
+  static_assert(16 * D * sizeof(float) <= sizeof(sk), "the merged rows fit where the K tiles were");
+  __syncthreads();
+#pragma unroll
+  for (int w = 0; w < WARPS; w++) {
+    if (warp == w) {
+#pragma unroll
+      for (int i = 0; i < DT; i++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+          const int idx = (g + (e >> 1) * 8) * D + i * 8 + 2 * c + (e & 1);
+          so[idx] = (w ? so[idx] : 0.0f) + o[i][e] * f[e >> 1];
+        }
+    }
+    __syncthreads();
+  }
+  for (int i = threadIdx.x; i < G * D; i += WARPS * 32) store(out + ((long)t * H + h0) * D + i, so[i]);
+}
+
 // out[r] = x[rows[r]] for the rows whose logits are wanted. grid: R, block: 256.
 template <int H, typename X, typename O>
 __device__ void gather(const X* x, const int* rows, O* out) {

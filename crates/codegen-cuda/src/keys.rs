@@ -184,6 +184,22 @@ pub enum KernelKey {
         /// Sliding window and score soft-capping.
         mask: Mask,
     },
+    /// Decode attention on tensor cores: a block per row and kv head, whose query heads (at
+    /// most 16) are the rows of the mma tiles, for rows of any sequences.
+    AttentionDec {
+        /// Query heads.
+        heads: usize,
+        /// KV heads.
+        kv_heads: usize,
+        /// Head size (a multiple of 16, at most 128).
+        d: usize,
+        /// Output dtype.
+        out: DType,
+        /// Only the rows [`KernelKey::AttentionFa`] leaves (groups of 16 spanning sequences).
+        mixed_only: bool,
+        /// Sliding window and score soft-capping.
+        mask: Mask,
+    },
     /// `a + b` (f32).
     Add,
     /// `a * b` (f32).
@@ -636,6 +652,11 @@ impl KernelKey {
             KernelKey::AttentionFa { heads, kv_heads, d, out, mask } => {
                 format!("attention_fa_h{heads}_kv{kv_heads}_d{d}_to_{out}{}", mask.suffix())
             }
+            KernelKey::AttentionDec { heads, kv_heads, d, out, mixed_only, mask } => format!(
+                "attention_dec_h{heads}_kv{kv_heads}_d{d}_to_{out}{}{}",
+                if mixed_only { "_mixed" } else { "" },
+                mask.suffix()
+            ),
             KernelKey::AttentionRope1 { heads, kv_heads, d, rot, out, rope_q, rope_k, norm, mask } => format!(
                 "attention_rope1_h{heads}_kv{kv_heads}_d{d}{}_to_{out}_{}{}{}{}",
                 rot_suffix(d, rot),
@@ -819,6 +840,17 @@ impl KernelKey {
                     format!(
                         "attention_fa<{heads}, {kv_heads}, {d}, {o}, {}>(q, kc, vc, slots, seq_off, pos, scale, out, T, \
                          sinks)",
+                        mask.args()?
+                    ),
+                )
+            }
+            KernelKey::AttentionDec { heads, kv_heads, d, out, mixed_only, mask } => {
+                let o = ctype(out)?;
+                (
+                    format!("{}, {}", attention_params(o), mask.sinks_param()?),
+                    format!(
+                        "attention_dec<{heads}, {kv_heads}, {d}, {o}, {mixed_only}, {}>(q, kc, vc, slots, seq_off, pos, \
+                         scale, out, T, sinks)",
                         mask.args()?
                     ),
                 )

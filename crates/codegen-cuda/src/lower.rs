@@ -455,7 +455,15 @@ fn attention(b: &mut Builder, i: usize, pre: &[usize]) -> Result<(), CodegenErro
     if d <= 128 {
         let fa = KernelKey::AttentionFa { heads, kv_heads, d, out: o, mask };
         let fa = launch(fa, args.clone(), [per_token(1, 64), Dim::Fixed(heads)], 128);
-        variants.push((usize::MAX, vec![rope, fa, rows(true, group)]));
+        // The rows FA leaves (decode rows, mostly) on tensor cores too, a kv head's query
+        // heads as the rows of a tile, where they fit one.
+        let rest = if group <= 16 {
+            let key = KernelKey::AttentionDec { heads, kv_heads, d, out: o, mixed_only: true, mask };
+            launch(key, args.clone(), [per_token(1, 1), Dim::Fixed(kv_heads)], 128)
+        } else {
+            rows(true, group)
+        };
+        variants.push((usize::MAX, vec![rope, fa, rest]));
     } else {
         variants.push((usize::MAX, vec![rope, rows(false, group)]));
     }
