@@ -126,7 +126,9 @@ fn unsupported_dtype() {
     c.compile_fails(&qwen(), &d, &[], &["model.embed_tokens.weight", "F64", "not supported"]);
 }
 
-/// A tensor name in two of the directory's safetensors files is refused, naming both.
+/// Without an index, a `model.safetensors` is the whole checkpoint (as HF loads it): a file
+/// beside it holding the same name is not read. Without either, every safetensors file of the
+/// directory is, and a tensor name in two of them is refused, naming both.
 #[test]
 fn tensor_in_two_files() {
     let c = Case::new();
@@ -134,7 +136,13 @@ fn tensor_in_two_files() {
     let data = vec![0u8; 1024 * 64 * 2];
     let view = safetensors::tensor::TensorView::new(safetensors::Dtype::BF16, vec![1024, 64], &data).unwrap();
     safetensors::serialize_to_file([("model.embed_tokens.weight", view)], &None, &d.join("stray.safetensors")).unwrap();
-    c.compile_fails(&qwen(), &d, &[], &["model.embed_tokens.weight", "stray.safetensors", "model.safetensors"]);
+    let out = c.path("beside.bundle");
+    let yaml = qwen();
+    let args = ["compile", yaml.to_str().unwrap(), "--checkpoint", d.to_str().unwrap(), "-o", out.to_str().unwrap()];
+    let o = run("engc", &args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    std::fs::rename(d.join("model.safetensors"), d.join("a.safetensors")).unwrap();
+    c.compile_fails(&qwen(), &d, &[], &["model.embed_tokens.weight", "stray.safetensors", "a.safetensors"]);
 }
 
 /// A weight beyond f16's range cannot become an f16 bundle (it would be infinity).

@@ -291,7 +291,7 @@ impl Checkpoint {
 }
 
 /// The safetensors files of a checkpoint: those named by the index when there is one, else
-/// every `*.safetensors` in the directory.
+/// `model.safetensors` when there is one, else every `*.safetensors` in the directory.
 fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, CompileError> {
     let index = dir.join("model.safetensors.index.json");
     if index.is_file() {
@@ -316,6 +316,12 @@ fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, CompileError> {
                 }
             })
             .collect();
+    }
+    // HF's single-file checkpoint: other safetensors files beside it (reference outputs, a
+    // stray copy) are not part of it, as `from_pretrained` does not read them either.
+    let single = dir.join("model.safetensors");
+    if single.is_file() {
+        return Ok(vec![single]);
     }
     let rd = std::fs::read_dir(dir).map_err(|e| ckpt_err(dir, e.to_string()))?;
     let mut files: Vec<PathBuf> = rd
