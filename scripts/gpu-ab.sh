@@ -12,6 +12,9 @@
 # tok/s, and (ENGINE_CUDA_PROFILE=steps) the GPU time of the graph replay and of sampling, and the step's host wall time.
 # $OUT/ab.jsonl: each run's whole JSON report after the same labels.
 # $OUT/gemm-SHAPE-BINDIR.txt: the GEMM choices each binary logged at load (ours or cuBLASLt).
+# Every variant runs the GEMM choices the first run timed (ENGINE_GEMM_CHOICES, one file per
+# shape): each process times ours against cuBLASLt at load, near ties fall differently, and a
+# step's time would follow them. SHARED_GEMM=0 lets each binary time its own (an A/B of GEMMs).
 set -euo pipefail
 out="${OUT:-/tmp/gpu-out}"
 mkdir -p "$out"
@@ -20,6 +23,7 @@ export ENGINE_CACHE_DIR=/tmp/engine-cache NCCL_NVLS_ENABLE=0
 : "${AB_ENVS:?set AB_ENVS, e.g. AB_ENVS=ENGINE_NORM_IN_GEMV=0}"
 for shape in ${SHAPES:-qwen2.5-0.5b}; do
   ck=/tmp/ck-$shape
+  if [ "${SHARED_GEMM:-1}" = 1 ]; then export ENGINE_GEMM_CHOICES=$out/gemm-choices-$shape.txt; fi
   for rep in $(seq "${REPS:-2}"); do
     for n in ${BATCHES:-1}; do
       for e in ENGINE_AB=default $AB_ENVS; do

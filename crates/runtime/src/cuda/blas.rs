@@ -308,9 +308,14 @@ impl CudaBackend {
 /// (`codegen_cuda::nvrtc::cache_dir`), one file per GPU model and CUDA source (our kernels and
 /// the 16-bit type). A later load reuses them, so every process on one machine runs the same
 /// GEMMs: where the two time within the noise the choice would otherwise differ from run to
-/// run, and the logits with it. `None`: no cache folder.
+/// run, and the logits with it. `None`: no cache folder. `ENGINE_GEMM_CHOICES=FILE` names the
+/// file instead, so that binaries with different kernels run the same GEMMs (an A/B of
+/// anything but the GEMMs: `scripts/gpu-ab.sh`).
 fn choices_file(stream: &CudaStream, source: &str) -> Option<std::path::PathBuf> {
     use std::hash::{Hash, Hasher};
+    if let Some(f) = std::env::var_os("ENGINE_GEMM_CHOICES") {
+        return Some(f.into());
+    }
     let name = stream.context().name().ok()?;
     let mut h = std::collections::hash_map::DefaultHasher::new();
     (name, source).hash(&mut h);
