@@ -7,6 +7,8 @@
 //! ops of the plan follow (see `docs/perf.md` and the CPU backend issue).
 #![deny(missing_docs)]
 
+#[cfg(target_arch = "x86_64")]
+mod avx2;
 pub mod blocks;
 mod kernels;
 mod linear;

@@ -27,6 +27,10 @@ pub struct LinearKernel {
     _code: Compiled,
     /// For a block type: its rows dequantized and the f32 kernel, for calls of 4 rows or more.
     expand: Option<Expand>,
+    /// For a block type the CPU reads with AVX2 (`crate::avx2`): calls of fewer rows, in pairs
+    /// of features.
+    #[cfg(target_arch = "x86_64")]
+    avx2: Option<crate::avx2::Kind>,
 }
 
 /// A block type's weight rows dequantized to f32 (exactly: `ir::quant::value`) and the f32
@@ -325,7 +329,16 @@ impl LinearKernel {
             }
             false => None,
         };
-        Ok(LinearKernel { f, k, n, wdtype, _code: c, expand })
+        Ok(LinearKernel {
+            f,
+            k,
+            n,
+            wdtype,
+            _code: c,
+            expand,
+            #[cfg(target_arch = "x86_64")]
+            avx2: blocks_ok.then(|| crate::avx2::kind(wdtype)).flatten(),
+        })
     }
 
     /// `out[t, j] = x[t] · w[j]` for every row of `x` (`rows × k` floats) and every `j` in
@@ -344,9 +357,39 @@ impl LinearKernel {
             let (j0, j1) = (i * chunk, ((i + 1) * chunk).min(self.n));
             match &self.expand {
                 Some(e) if rows >= EXPAND_ROWS => self.run_expanded(e, x, w, out_ptr, (j0, j1)),
-                _ => self.run_rows(self.f, x, w.as_ptr(), out_ptr, (j0, j1)),
+                _ => {
+                    let j = self.run_pairs(x, w, out_ptr, (j0, j1));
+                    self.run_rows(self.f, x, w.as_ptr(), out_ptr, (j, j1))
+                }
             }
         });
+    }
+
+    /// Output features from `j0` on in pairs through `crate::avx2` where it reads the weights;
+    /// returns the first feature left for the JIT's kernel.
+    #[cfg(target_arch = "x86_64")]
+    fn run_pairs(&self, x: &[f32], w: &[u8], out: usize, (j0, j1): (usize, usize)) -> usize {
+        let Some(kind) = self.avx2 else { return j0 };
+        let rows = x.len() / self.k;
+        let row_bytes = blocks::row_bytes(self.k, self.wdtype);
+        let call = crate::avx2::Call {
+            x: x.as_ptr(),
+            k: self.k,
+            rows,
+            w: w.as_ptr(),
+            row_bytes,
+            out: out as *mut f32,
+            n: self.n,
+        };
+        // SAFETY: `kind` is set only where the CPU has AVX2 and FMA; `run` checked the sizes
+        // of x, w (whole blocks: `compile` required k to be a multiple of 32) and out; callers
+        // give disjoint columns j0..j1 of out.
+        unsafe { crate::avx2::pairs(kind, &call, j0, j1) }
+    }
+
+    #[cfg(not(target_arch = "x86_64"))]
+    fn run_pairs(&self, _: &[f32], _: &[u8], _: usize, (j0, _): (usize, usize)) -> usize {
+        j0
     }
 
     /// Output features `j0..j1` of every row of x by `f`, over weights `w` (row `j` at `w +
@@ -497,6 +540,35 @@ mod tests {
         for &(k, n, rows) in &[(256, 40, 1), (512, 33, 5)] {
             for dtype in [DType::Q4_K, DType::Q5_K, DType::Q6_K] {
                 check_blocks(dtype, &blocks::k_quant_sample(dtype, n * k / 256, 5), (k, n, rows));
+            }
+        }
+    }
+
+    /// Where the CPU has AVX2 and FMA, every block type runs in pairs of features through
+    /// `crate::avx2`, bit for bit the JIT's block kernel (an odd feature left to it).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx2_pairs_equal_the_jit_bit_for_bit() {
+        let cpu = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
+        let on = std::env::var("ENGINE_CPU_AVX2").map_or(true, |v| v != "0");
+        let cases = [(64, 6, 1), (576, 9, 3), (32, 1, 2), (256, 5, 1), (512, 4, 3)];
+        for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q4_K, DType::Q5_K, DType::Q6_K] {
+            for (k, n, rows) in cases.into_iter().filter(|c| c.0 % dtype.block().map_or(32, |b| b.0) == 0) {
+                let kernel = LinearKernel::compile(k, n, dtype).unwrap();
+                assert_eq!(kernel.avx2.is_some(), cpu && on, "{dtype}");
+                let gguf = match dtype {
+                    DType::Q4_K | DType::Q5_K | DType::Q6_K => blocks::k_quant_sample(dtype, n * k / 256, 9),
+                    _ => dtype.from_f32(&values(n * k, 11)),
+                };
+                let w = blocks::repack(dtype, &gguf);
+                let x = values(rows * k, 4);
+                let (mut fast, mut jit) = (vec![f32::NAN; rows * n], vec![f32::NAN; rows * n]);
+                let done = kernel.run_pairs(&x, &w, fast.as_mut_ptr() as usize, (0, n));
+                assert_eq!(done, if kernel.avx2.is_some() { n / 2 * 2 } else { 0 }, "{dtype}");
+                kernel.run_rows(kernel.f, &x, w.as_ptr(), fast.as_mut_ptr() as usize, (done, n));
+                kernel.run_rows(kernel.f, &x, w.as_ptr(), jit.as_mut_ptr() as usize, (0, n));
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&fast), bits(&jit), "k={k} n={n} rows={rows} {dtype}");
             }
         }
     }

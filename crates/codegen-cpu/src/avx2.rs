@@ -1,0 +1,188 @@
+//! Block weights read with AVX2 and FMA (x86-64), for the linear calls of fewer than four rows
+//! (a decode step's): two output features at a time in the two halves of a 256-bit register,
+//! each half computing exactly what the JIT's block kernel computes for its feature (the same
+//! weights `ir::quant::value`, the same f32x4 accumulator order, the same horizontal sum), so
+//! the results are bit for bit the JIT's and the expanded path's (batch-invariance holds).
+//! Cranelift emits 128-bit vectors only; these loops do twice the work per instruction. The
+//! nibble types (Q4_0, Q4_1, Q4_K as Q4_1 blocks) and Q8_0 are read here; the others stay with
+//! the JIT. `ENGINE_CPU_AVX2=0` turns it off.
+
+use ir::{DType, BLOCK};
+use std::arch::x86_64::*;
+
+/// How a block type's values are laid out (`crate::blocks`) and become weights.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Kind {
+    /// Q4_0, Q4_1, Q4_K: `d`, `m` (f32), 16 bytes of nibbles: weight `fma(q, d, m)`.
+    Nibbles = 0,
+    /// Q5_K: `d`, `m` (f32), 32 bytes: weight `fma(q, d, m)`.
+    Bytes = 1,
+    /// Q8_0: `d` (f32), 32 `i8`: weight `(q·2²⁴)·(d·2⁻²⁴)`, `q·d` rounded once.
+    Q8 = 2,
+    /// Q6_K: two scales (f32), 32 `i8`: weights 0..16 times the first, 16..32 the second.
+    Q6 = 3,
+}
+
+/// The kind this module reads `dtype` as, when the CPU has AVX2 and FMA (and
+/// `ENGINE_CPU_AVX2` is not `0`).
+pub(crate) fn kind(dtype: DType) -> Option<Kind> {
+    let kind = match dtype {
+        DType::Q4_0 | DType::Q4_1 | DType::Q4_K => Kind::Nibbles,
+        DType::Q5_K => Kind::Bytes,
+        DType::Q8_0 => Kind::Q8,
+        DType::Q6_K => Kind::Q6,
+        _ => return None,
+    };
+    let on = std::env::var("ENGINE_CPU_AVX2").map_or(true, |v| v != "0");
+    (on && is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")).then_some(kind)
+}
+
+/// Where a call's operands are: `rows` rows of `k` floats at `x`; weight rows of `row_bytes`
+/// bytes at `w` (row `j` at `w + j·row_bytes`); `out` rows of `n` floats.
+pub(crate) struct Call {
+    pub x: *const f32,
+    pub k: usize,
+    pub rows: usize,
+    pub w: *const u8,
+    pub row_bytes: usize,
+    pub out: *mut f32,
+    pub n: usize,
+}
+
+/// `pshufb` masks taking bytes `4g .. 4g + 4` of each 128-bit half into its four i32 lanes: in
+/// each lane's low byte (unsigned values) or high byte (signed: the lane is `q·2²⁴`).
+fn masks(signed: bool) -> [[i8; 32]; 4] {
+    let at = if signed { 3 } else { 0 };
+    [0, 1, 2, 3].map(|g| std::array::from_fn(|i| if i % 4 == at { (4 * g + (i % 16) / 4) as i8 } else { -128 }))
+}
+
+/// Features `j0, j0 + 1, ...` in pairs, for every row of the call; returns the first feature
+/// left (the last one when `j1 - j0` is odd).
+///
+/// # Safety
+/// The CPU has AVX2 and FMA ([`kind`]); `c` describes valid memory: `c.rows` rows of `c.k`
+/// floats at `c.x`, weight rows `j0..j1` of `kind` blocks (`c.k` a multiple of 32), and output
+/// rows of `c.n` floats whose columns `j0..j1` no other thread writes.
+#[target_feature(enable = "avx2,fma")]
+pub(crate) unsafe fn pairs(kind: Kind, c: &Call, j0: usize, j1: usize) -> usize {
+    match kind {
+        Kind::Nibbles => pairs_of::<0>(c, j0, j1),
+        Kind::Bytes => pairs_of::<1>(c, j0, j1),
+        Kind::Q8 => pairs_of::<2>(c, j0, j1),
+        Kind::Q6 => pairs_of::<3>(c, j0, j1),
+    }
+}
+
+/// [`pairs`] for the kind numbered `K`.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn pairs_of<const K: u8>(c: &Call, j0: usize, j1: usize) -> usize {
+    let m = masks(K >= Kind::Q8 as u8);
+    let mask = m.map(|b| _mm256_loadu_si256(b.as_ptr() as *const __m256i));
+    let mut j = j0;
+    // Four pairs at a time: a feature's sum is one chain of dependent FMAs (its order is the
+    // JIT's), so eight features keep the FMA units busy where two would wait on latency.
+    while j + 2 <= j1 {
+        let p = if j + 2 * PAIRS <= j1 { PAIRS } else { 1 };
+        let w: [*const u8; 2 * PAIRS] = std::array::from_fn(|i| c.w.add((j + i.min(2 * p - 1)) * c.row_bytes));
+        for t in 0..c.rows {
+            let x = c.x.add(t * c.k);
+            let acc = if p == PAIRS {
+                rows::<K, PAIRS>(x, c.k, &w, &mask)
+            } else {
+                [rows::<K, 1>(x, c.k, &w, &mask)[0]; PAIRS]
+            };
+            for (i, a) in acc.iter().take(p).enumerate() {
+                let (lo, hi) = (_mm256_castps256_ps128(*a), _mm256_extractf128_ps(*a, 1));
+                *c.out.add(t * c.n + j + 2 * i) = hsum(lo);
+                *c.out.add(t * c.n + j + 2 * i + 1) = hsum(hi);
+            }
+        }
+        j += 2 * p;
+    }
+    j
+}
+
+/// Pairs of features a pass of [`pairs`] computes together.
+const PAIRS: usize = 4;
+
+/// `((l0 + l1) + l2) + l3`: the JIT's horizontal sum.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn hsum(v: __m128) -> f32 {
+    let mut l = [0.0f32; 4];
+    _mm_storeu_ps(l.as_mut_ptr(), v);
+    ((l[0] + l[1]) + l[2]) + l[3]
+}
+
+/// The f32 at `p` of both rows, splat: `pf`'s in the low half, `pg`'s in the high one, times
+/// `s`.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn halves(pf: *const u8, pg: *const u8, s: f32) -> __m256 {
+    let rd = |p: *const u8| (p as *const f32).read_unaligned() * s;
+    _mm256_set_m128(_mm_set1_ps(rd(pg)), _mm_set1_ps(rd(pf)))
+}
+
+/// The 16 bytes at `pf` (low half) and `pg` (high half).
+#[target_feature(enable = "avx2,fma")]
+unsafe fn bytes(pf: *const u8, pg: *const u8) -> __m256i {
+    _mm256_set_m128i(_mm_loadu_si128(pg as *const __m128i), _mm_loadu_si128(pf as *const __m128i))
+}
+
+/// One x row against `P` pairs of weight rows (`w[2i]` in the low half of result `i`,
+/// `w[2i + 1]` in its high half) of the kind numbered `K`: the JIT's `Dequant::open` and `group`
+/// per block, `fma(x, w, acc)` per four weights.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn rows<const K: u8, const P: usize>(
+    x: *const f32,
+    k: usize,
+    w: &[*const u8; 2 * PAIRS],
+    mask: &[__m256i; 4],
+) -> [__m256; P] {
+    let mut acc = [_mm256_setzero_ps(); P];
+    for blk in 0..k / BLOCK {
+        for (i, a) in acc.iter_mut().enumerate() {
+            *a = block::<K>(x.add(blk * BLOCK), w[2 * i], w[2 * i + 1], blk, mask, *a);
+        }
+    }
+    acc
+}
+
+/// Block `blk` of weight rows `wf` (low half) and `wg` (high half) against its 32 x values at
+/// `xb`, added to `acc`.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn block<const K: u8>(
+    xb: *const f32,
+    wf: *const u8,
+    wg: *const u8,
+    blk: usize,
+    mask: &[__m256i; 4],
+    mut acc: __m256,
+) -> __m256 {
+    let lb = [24, 40, 36, 40][K as usize];
+    // The signed kinds' lanes hold q·2²⁴: their scales times 2⁻²⁴.
+    let s = if K >= Kind::Q8 as u8 { 1.0f32 / 16_777_216.0 } else { 1.0 };
+    {
+        let (pf, pg) = (wf.add(blk * lb), wg.add(blk * lb));
+        let d = halves(pf, pg, s);
+        let m = if K == Kind::Q8 as u8 { d } else { halves(pf.add(4), pg.add(4), s) };
+        let (lo, hi) = match K {
+            0 => {
+                let (qs, low4) = (bytes(pf.add(8), pg.add(8)), _mm256_set1_epi8(0x0F));
+                (_mm256_and_si256(qs, low4), _mm256_and_si256(_mm256_srli_epi16(qs, 4), low4))
+            }
+            2 => (bytes(pf.add(4), pg.add(4)), bytes(pf.add(20), pg.add(20))),
+            _ => (bytes(pf.add(8), pg.add(8)), bytes(pf.add(24), pg.add(24))),
+        };
+        for g in 0..BLOCK / 4 {
+            let f = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(if g < 4 { lo } else { hi }, mask[g % 4]));
+            let w = match K {
+                0 | 1 => _mm256_fmadd_ps(f, d, m),
+                2 => _mm256_mul_ps(f, d),
+                _ => _mm256_mul_ps(f, if g < 4 { d } else { m }),
+            };
+            let xv = _mm256_broadcast_ps(&*(xb.add(4 * g) as *const __m128));
+            acc = _mm256_fmadd_ps(xv, w, acc);
+        }
+    }
+    acc
+}
