@@ -1025,6 +1025,105 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned* r, unsigned addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
+// The mma.sync A fragments of 16 query rows (row r's D features at row(r), null past the
+// rows), times qs, rounded to h16: the Q of attention_fa and attention_dec.
+template <int D, typename ROW>
+__device__ __forceinline__ void fa_q(unsigned (&qf)[D / 16][4], ROW row, float qs) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ks++) {
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+      const float* src = row(g + (e & 1) * 8);
+      const int d = ks * 16 + 2 * c + (e >> 1) * 8;
+      qf[ks][e] = src ? pack_h16x2(src[d] * qs, src[d + 1] * qs) : pack_h16x2(0.0f, 0.0f);
+    }
+  }
+}
+
+// One warp's tile of 16 keys at positions p0.. (slots sl, kv head kvh; keys at n or past are
+// zero-filled and masked) for the 16 query rows whose mma A fragments are qf (scaled to log2
+// units): K and V staged through the warp's k_s and v_s (cp.async), S = Q·Kᵀ, the soft cap, the
+// keys `masked(hr, p)` says (row g + 8 hr of the lane's quad, position p) set to -inf, the
+// online softmax of rows g and g + 8 (m, l: the quad's max, the lane's partial sum) and
+// O += P·V with P rounded to h16: attention_fa's and attention_dec's step.
+template <int KVH, int D, unsigned CAP, typename MASK>
+__device__ __forceinline__ void fa_tile(const unsigned (&qf)[D / 16][4], const h16_t* kc, const h16_t* vc,
+                                        const int* sl, int kvh, int p0, int n, h16_t* k_s, h16_t* v_s,
+                                        MASK masked, float (&m)[2], float (&l)[2], float (&o)[D / 8][4]) {
+  constexpr int S = D + 8, KS = D / 16, DT = D / 8;
+  const int lane = threadIdx.x & 31, c = lane & 3;
+  for (int i = lane; i < 16 * DT; i += 32) {
+    const int key = i / DT, ch = i % DT, p = p0 + key;
+    const bool valid = p < n;
+    const long src = (long)(valid ? sl[p] : sl[0]) * (KVH * D) + kvh * D + ch * 8;
+    cp_async16(smem_addr(k_s + key * S + ch * 8), kc + src, valid ? 16 : 0);
+    cp_async16(smem_addr(v_s + key * S + ch * 8), vc + src, valid ? 16 : 0);
+  }
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncwarp();
+  float s[2][4];
+#pragma unroll
+  for (int nt = 0; nt < 2; nt++) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+#pragma unroll
+  for (int ks = 0; ks < KS; ks++) {
+    unsigned kf[4];
+    ldmatrix_x4(kf, smem_addr(k_s + ((lane & 7) + (lane >> 4) * 8) * S + ks * 16 + ((lane >> 3) & 1) * 8));
+    const unsigned b0[2] = {kf[0], kf[1]}, b1[2] = {kf[2], kf[3]};
+    mma_h16(s[0], qf[ks], b0);
+    mma_h16(s[1], qf[ks], b1);
+  }
+  // the mask, then the online softmax of rows g (hr 0) and g + 8 (hr 1)
+#pragma unroll
+  for (int hr = 0; hr < 2; hr++) {
+    float mx = NEG_INF;
+#pragma unroll
+    for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+      for (int e = 0; e < 2; e++) {
+        const int p = p0 + nt * 8 + 2 * c + e;
+        float& v = s[nt][hr * 2 + e];
+        // scores are in log2 units here (q was scaled by log2 e)
+        if (CAP) v = softcap<CAP>(v * 0.6931471805599453f) * 1.4426950408889634f;
+        if (p >= n || masked(hr, p)) v = NEG_INF;
+        mx = fmaxf(mx, v);
+      }
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_new = fmaxf(m[hr], mx);
+    const float base = m_new == NEG_INF ? 0.0f : m_new;
+    const float corr = exp2f(m[hr] - base);
+    m[hr] = m_new;
+    float sum = 0.0f;
+#pragma unroll
+    for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+      for (int e = 0; e < 2; e++) {
+        float& v = s[nt][hr * 2 + e];
+        v = exp2f(v - base);
+        sum += v;
+      }
+    l[hr] = l[hr] * corr + sum;
+#pragma unroll
+    for (int i = 0; i < DT; i++) {
+      o[i][hr * 2] *= corr;
+      o[i][hr * 2 + 1] *= corr;
+    }
+  }
+  const unsigned pa[4] = {pack_h16x2(s[0][0], s[0][1]), pack_h16x2(s[0][2], s[0][3]),
+                          pack_h16x2(s[1][0], s[1][1]), pack_h16x2(s[1][2], s[1][3])};
+#pragma unroll
+  for (int j = 0; j < D / 16; j++) {
+    unsigned vf[4];
+    ldmatrix_x4_trans(vf, smem_addr(v_s + ((lane & 7) + ((lane >> 3) & 1) * 8) * S + j * 16 + (lane >> 4) * 8));
+    const unsigned b0[2] = {vf[0], vf[1]}, b1[2] = {vf[2], vf[3]};
+    mma_h16(o[2 * j], pa, b0);
+    mma_h16(o[2 * j + 1], pa, b1);
+  }
+  __syncwarp();
+}
+
 // Extend attention on tensor cores (FlashAttention-2 style, per warp): a warp takes 16
 // consecutive query rows of one head; when they belong to one sequence (rows of a sequence are
 // consecutive, at consecutive positions), it walks that sequence's keys in tiles of 16 staged
@@ -1048,20 +1147,7 @@ __device__ void attention_fa(const float* q, const h16_t* kc, const h16_t* vc, c
   const int p_first = pos[r0], n_keys = pos[last] + 1;
   const float qs = scale * 1.4426950408889634f;
   unsigned qf[KS][4];
-#pragma unroll
-  for (int ks = 0; ks < KS; ks++) {
-#pragma unroll
-    for (int e = 0; e < 4; e++) {
-      const int row = r0 + g + (e & 1) * 8, d = ks * 16 + 2 * c + (e >> 1) * 8;
-      float a = 0.0f, b = 0.0f;
-      if (row < T) {
-        const float* src = q + ((long)row * H + h) * D + d;
-        a = src[0] * qs;
-        b = src[1] * qs;
-      }
-      qf[ks][e] = pack_h16x2(a, b);
-    }
-  }
+  fa_q<D>(qf, [&](int r) { return r0 + r < T ? q + ((long)(r0 + r) * H + h) * D : nullptr; }, qs);
   float o[DT][4];
 #pragma unroll
   for (int i = 0; i < DT; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
@@ -1070,76 +1156,11 @@ __device__ void attention_fa(const float* q, const h16_t* kc, const h16_t* vc, c
   h16_t* v_s = sv[warp];
   const int p_lo = WIN ? max(0, p_first - WIN + 1) & ~15 : 0;
   for (int p0 = p_lo; p0 < n_keys; p0 += 16) {
-    for (int i = lane; i < 16 * DT; i += 32) {
-      const int key = i / DT, ch = i % DT, p = p0 + key;
-      const bool valid = p < n_keys;
-      const long src = (long)(valid ? sl[p] : sl[0]) * (KVH * D) + kvh * D + ch * 8;
-      cp_async16(smem_addr(k_s + key * S + ch * 8), kc + src, valid ? 16 : 0);
-      cp_async16(smem_addr(v_s + key * S + ch * 8), vc + src, valid ? 16 : 0);
-    }
-    cp_async_commit();
-    cp_async_wait<0>();
-    __syncwarp();
-    float s[2][4];
-#pragma unroll
-    for (int nt = 0; nt < 2; nt++) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
-#pragma unroll
-    for (int ks = 0; ks < KS; ks++) {
-      unsigned kf[4];
-      ldmatrix_x4(kf, smem_addr(k_s + ((lane & 7) + (lane >> 4) * 8) * S + ks * 16 + ((lane >> 3) & 1) * 8));
-      const unsigned b0[2] = {kf[0], kf[1]}, b1[2] = {kf[2], kf[3]};
-      mma_h16(s[0], qf[ks], b0);
-      mma_h16(s[1], qf[ks], b1);
-    }
-    // causal mask, then the online softmax of rows g (hr 0) and g + 8 (hr 1)
-#pragma unroll
-    for (int hr = 0; hr < 2; hr++) {
+    const auto masked = [&](int hr, int p) {
       const int row_pos = p_first + g + hr * 8;
-      float mx = NEG_INF;
-#pragma unroll
-      for (int nt = 0; nt < 2; nt++)
-#pragma unroll
-        for (int e = 0; e < 2; e++) {
-          const int p = p0 + nt * 8 + 2 * c + e;
-          float& v = s[nt][hr * 2 + e];
-          // scores are in log2 units here (q was scaled by log2 e)
-          if (CAP) v = softcap<CAP>(v * 0.6931471805599453f) * 1.4426950408889634f;
-          if (p > row_pos || p >= n_keys || (WIN && p <= row_pos - WIN)) v = NEG_INF;
-          mx = fmaxf(mx, v);
-        }
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_new = fmaxf(m[hr], mx);
-      const float base = m_new == NEG_INF ? 0.0f : m_new;
-      const float corr = exp2f(m[hr] - base);
-      m[hr] = m_new;
-      float sum = 0.0f;
-#pragma unroll
-      for (int nt = 0; nt < 2; nt++)
-#pragma unroll
-        for (int e = 0; e < 2; e++) {
-          float& v = s[nt][hr * 2 + e];
-          v = exp2f(v - base);
-          sum += v;
-        }
-      l[hr] = l[hr] * corr + sum;
-#pragma unroll
-      for (int i = 0; i < DT; i++) {
-        o[i][hr * 2] *= corr;
-        o[i][hr * 2 + 1] *= corr;
-      }
-    }
-    const unsigned pa[4] = {pack_h16x2(s[0][0], s[0][1]), pack_h16x2(s[0][2], s[0][3]),
-                            pack_h16x2(s[1][0], s[1][1]), pack_h16x2(s[1][2], s[1][3])};
-#pragma unroll
-    for (int j = 0; j < D / 16; j++) {
-      unsigned vf[4];
-      ldmatrix_x4_trans(vf, smem_addr(v_s + ((lane & 7) + ((lane >> 3) & 1) * 8) * S + j * 16 + (lane >> 4) * 8));
-      const unsigned b0[2] = {vf[0], vf[1]}, b1[2] = {vf[2], vf[3]};
-      mma_h16(o[2 * j], pa, b0);
-      mma_h16(o[2 * j + 1], pa, b1);
-    }
-    __syncwarp();
+      return p > row_pos || (WIN && p <= row_pos - WIN);
+    };
+    fa_tile<KVH, D, CAP>(qf, kc, vc, sl, kvh, p0, n_keys, k_s, v_s, masked, m, l, o);
   }
 #pragma unroll
   for (int hr = 0; hr < 2; hr++) {
@@ -1183,96 +1204,15 @@ __device__ void attention_dec(const float* q, const h16_t* kc, const h16_t* vc, 
   const int n = pos[t] + 1, first = WIN ? max(0, n - WIN) : 0;
   const float qs = scale * 1.4426950408889634f;
   unsigned qf[KS][4];
-#pragma unroll
-  for (int ks = 0; ks < KS; ks++) {
-#pragma unroll
-    for (int e = 0; e < 4; e++) {
-      const int row = g + (e & 1) * 8, d = ks * 16 + 2 * c + (e >> 1) * 8;
-      float a = 0.0f, b = 0.0f;
-      if (row < G) {
-        const float* src = q + ((long)t * H + h0 + row) * D + d;
-        a = src[0] * qs;
-        b = src[1] * qs;
-      }
-      qf[ks][e] = pack_h16x2(a, b);
-    }
-  }
+  fa_q<D>(qf, [&](int r) { return r < G ? q + ((long)t * H + h0 + r) * D : nullptr; }, qs);
   float o[DT][4];
 #pragma unroll
   for (int i = 0; i < DT; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
   float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
   h16_t* k_s = sk[warp];
   h16_t* v_s = sv[warp];
-  for (int p0 = (first & ~15) + warp * 16; p0 < n; p0 += WARPS * 16) {
-    for (int i = lane; i < 16 * DT; i += 32) {
-      const int key = i / DT, ch = i % DT, p = p0 + key;
-      const bool valid = p < n;
-      const long src = (long)(valid ? sl[p] : sl[0]) * (KVH * D) + kvh * D + ch * 8;
-      cp_async16(smem_addr(k_s + key * S + ch * 8), kc + src, valid ? 16 : 0);
-      cp_async16(smem_addr(v_s + key * S + ch * 8), vc + src, valid ? 16 : 0);
-    }
-    cp_async_commit();
-    cp_async_wait<0>();
-    __syncwarp();
-    float s[2][4];
-#pragma unroll
-    for (int nt = 0; nt < 2; nt++) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
-#pragma unroll
-    for (int ks = 0; ks < KS; ks++) {
-      unsigned kf[4];
-      ldmatrix_x4(kf, smem_addr(k_s + ((lane & 7) + (lane >> 4) * 8) * S + ks * 16 + ((lane >> 3) & 1) * 8));
-      const unsigned b0[2] = {kf[0], kf[1]}, b1[2] = {kf[2], kf[3]};
-      mma_h16(s[0], qf[ks], b0);
-      mma_h16(s[1], qf[ks], b1);
-    }
-    // Keys past the row's position or before its window are masked; every head row alike.
-#pragma unroll
-    for (int hr = 0; hr < 2; hr++) {
-      float mx = NEG_INF;
-#pragma unroll
-      for (int nt = 0; nt < 2; nt++)
-#pragma unroll
-        for (int e = 0; e < 2; e++) {
-          const int p = p0 + nt * 8 + 2 * c + e;
-          float& v = s[nt][hr * 2 + e];
-          if (CAP) v = softcap<CAP>(v * 0.6931471805599453f) * 1.4426950408889634f;
-          if (p >= n || p < first) v = NEG_INF;
-          mx = fmaxf(mx, v);
-        }
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_new = fmaxf(m[hr], mx);
-      const float base = m_new == NEG_INF ? 0.0f : m_new;
-      const float corr = exp2f(m[hr] - base);
-      m[hr] = m_new;
-      float sum = 0.0f;
-#pragma unroll
-      for (int nt = 0; nt < 2; nt++)
-#pragma unroll
-        for (int e = 0; e < 2; e++) {
-          float& v = s[nt][hr * 2 + e];
-          v = exp2f(v - base);
-          sum += v;
-        }
-      l[hr] = l[hr] * corr + sum;
-#pragma unroll
-      for (int i = 0; i < DT; i++) {
-        o[i][hr * 2] *= corr;
-        o[i][hr * 2 + 1] *= corr;
-      }
-    }
-    const unsigned pa[4] = {pack_h16x2(s[0][0], s[0][1]), pack_h16x2(s[0][2], s[0][3]),
-                            pack_h16x2(s[1][0], s[1][1]), pack_h16x2(s[1][2], s[1][3])};
-#pragma unroll
-    for (int j = 0; j < D / 16; j++) {
-      unsigned vf[4];
-      ldmatrix_x4_trans(vf, smem_addr(v_s + ((lane & 7) + ((lane >> 3) & 1) * 8) * S + j * 16 + (lane >> 4) * 8));
-      const unsigned b0[2] = {vf[0], vf[1]}, b1[2] = {vf[2], vf[3]};
-      mma_h16(o[2 * j], pa, b0);
-      mma_h16(o[2 * j + 1], pa, b1);
-    }
-    __syncwarp();
-  }
+  for (int p0 = (first & ~15) + warp * 16; p0 < n; p0 += WARPS * 16)
+    fa_tile<KVH, D, CAP>(qf, kc, vc, sl, kvh, p0, n, k_s, v_s, [&](int, int p) { return p < first; }, m, l, o);
   // Each warp's row maxima and sums, then the rows' totals (with the sinks, log2 units as m).
 #pragma unroll
   for (int hr = 0; hr < 2; hr++) {

@@ -7,6 +7,7 @@
 //! nibble types (Q4_0, Q4_1, Q4_K as Q4_1 blocks) and Q8_0 are read here; the others stay with
 //! the JIT. `ENGINE_CPU_AVX2=0` turns it off.
 
+use crate::blocks;
 use ir::{DType, BLOCK};
 use std::arch::x86_64::*;
 
@@ -45,15 +46,18 @@ pub(crate) struct Call {
     pub rows: usize,
     pub w: *const u8,
     pub row_bytes: usize,
+    /// Bytes of one block (`blocks::layout_bytes`).
+    pub block_bytes: usize,
     pub out: *mut f32,
     pub n: usize,
 }
 
-/// `pshufb` masks taking bytes `4g .. 4g + 4` of each 128-bit half into its four i32 lanes: in
-/// each lane's low byte (unsigned values) or high byte (signed: the lane is `q·2²⁴`).
-fn masks(signed: bool) -> [[i8; 32]; 4] {
-    let at = if signed { 3 } else { 0 };
-    [0, 1, 2, 3].map(|g| std::array::from_fn(|i| if i % 4 == at { (4 * g + (i % 16) / 4) as i8 } else { -128 }))
+/// `blocks::lane_mask` for both 128-bit halves.
+fn masks(signed: bool) -> [[u8; 32]; 4] {
+    [0, 1, 2, 3].map(|g| {
+        let m = blocks::lane_mask(signed, g);
+        std::array::from_fn(|i| m[i % 16])
+    })
 }
 
 /// Features `j0, j0 + 1, ...` in pairs, for every row of the call; returns the first feature
@@ -86,11 +90,8 @@ unsafe fn pairs_of<const K: u8>(c: &Call, j0: usize, j1: usize) -> usize {
         let w: [*const u8; 2 * PAIRS] = std::array::from_fn(|i| c.w.add((j + i.min(2 * p - 1)) * c.row_bytes));
         for t in 0..c.rows {
             let x = c.x.add(t * c.k);
-            let acc = if p == PAIRS {
-                rows::<K, PAIRS>(x, c.k, &w, &mask)
-            } else {
-                [rows::<K, 1>(x, c.k, &w, &mask)[0]; PAIRS]
-            };
+            let acc =
+                if p == PAIRS { rows::<K, PAIRS>(x, c, &w, &mask) } else { [rows::<K, 1>(x, c, &w, &mask)[0]; PAIRS] };
             for (i, a) in acc.iter().take(p).enumerate() {
                 let (lo, hi) = (_mm256_castps256_ps128(*a), _mm256_extractf128_ps(*a, 1));
                 *c.out.add(t * c.n + j + 2 * i) = hsum(lo);
@@ -133,56 +134,52 @@ unsafe fn bytes(pf: *const u8, pg: *const u8) -> __m256i {
 #[target_feature(enable = "avx2,fma")]
 unsafe fn rows<const K: u8, const P: usize>(
     x: *const f32,
-    k: usize,
+    c: &Call,
     w: &[*const u8; 2 * PAIRS],
     mask: &[__m256i; 4],
 ) -> [__m256; P] {
     let mut acc = [_mm256_setzero_ps(); P];
-    for blk in 0..k / BLOCK {
+    for blk in 0..c.k / BLOCK {
+        let off = blk * c.block_bytes;
         for (i, a) in acc.iter_mut().enumerate() {
-            *a = block::<K>(x.add(blk * BLOCK), w[2 * i], w[2 * i + 1], blk, mask, *a);
+            *a = block::<K>(x.add(blk * BLOCK), w[2 * i].add(off), w[2 * i + 1].add(off), mask, *a);
         }
     }
     acc
 }
 
-/// Block `blk` of weight rows `wf` (low half) and `wg` (high half) against its 32 x values at
+/// The block at `pf` (low half) and the one at `pg` (high half) against their 32 x values at
 /// `xb`, added to `acc`.
 #[target_feature(enable = "avx2,fma")]
 #[inline]
 unsafe fn block<const K: u8>(
     xb: *const f32,
-    wf: *const u8,
-    wg: *const u8,
-    blk: usize,
+    pf: *const u8,
+    pg: *const u8,
     mask: &[__m256i; 4],
     mut acc: __m256,
 ) -> __m256 {
-    let lb = [24, 40, 36, 40][K as usize];
     // The signed kinds' lanes hold q·2²⁴: their scales times 2⁻²⁴.
     let s = if K >= Kind::Q8 as u8 { 1.0f32 / 16_777_216.0 } else { 1.0 };
-    {
-        let (pf, pg) = (wf.add(blk * lb), wg.add(blk * lb));
-        let d = halves(pf, pg, s);
-        let m = if K == Kind::Q8 as u8 { d } else { halves(pf.add(4), pg.add(4), s) };
-        let (lo, hi) = match K {
-            0 => {
-                let (qs, low4) = (bytes(pf.add(8), pg.add(8)), _mm256_set1_epi8(0x0F));
-                (_mm256_and_si256(qs, low4), _mm256_and_si256(_mm256_srli_epi16(qs, 4), low4))
-            }
-            2 => (bytes(pf.add(4), pg.add(4)), bytes(pf.add(20), pg.add(20))),
-            _ => (bytes(pf.add(8), pg.add(8)), bytes(pf.add(24), pg.add(24))),
-        };
-        for g in 0..BLOCK / 4 {
-            let f = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(if g < 4 { lo } else { hi }, mask[g % 4]));
-            let w = match K {
-                0 | 1 => _mm256_fmadd_ps(f, d, m),
-                2 => _mm256_mul_ps(f, d),
-                _ => _mm256_mul_ps(f, if g < 4 { d } else { m }),
-            };
-            let xv = _mm256_broadcast_ps(&*(xb.add(4 * g) as *const __m128));
-            acc = _mm256_fmadd_ps(xv, w, acc);
+    let d = halves(pf, pg, s);
+    let m = if K == Kind::Q8 as u8 { d } else { halves(pf.add(4), pg.add(4), s) };
+    let (lo, hi) = match K {
+        0 => {
+            let (qs, low4) = (bytes(pf.add(8), pg.add(8)), _mm256_set1_epi8(0x0F));
+            (_mm256_and_si256(qs, low4), _mm256_and_si256(_mm256_srli_epi16(qs, 4), low4))
         }
+        2 => (bytes(pf.add(4), pg.add(4)), bytes(pf.add(20), pg.add(20))),
+        _ => (bytes(pf.add(8), pg.add(8)), bytes(pf.add(24), pg.add(24))),
+    };
+    for g in 0..BLOCK / 4 {
+        let f = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(if g < 4 { lo } else { hi }, mask[g % 4]));
+        let w = match K {
+            0 | 1 => _mm256_fmadd_ps(f, d, m),
+            2 => _mm256_mul_ps(f, d),
+            _ => _mm256_mul_ps(f, if g < 4 { d } else { m }),
+        };
+        let xv = _mm256_broadcast_ps(&*(xb.add(4 * g) as *const __m128));
+        acc = _mm256_fmadd_ps(xv, w, acc);
     }
     acc
 }

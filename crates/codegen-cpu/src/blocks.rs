@@ -122,6 +122,13 @@ fn lanes() -> MemFlagsData {
     MemFlagsData::new().with_endianness(Endianness::Little)
 }
 
+/// The `pshufb` mask taking bytes `4g .. 4g + 4` of 16 into four i32 lanes: each in its lane's
+/// low byte (unsigned values), or in its high byte for `signed` ones (the lane is `q·2²⁴`).
+pub(crate) fn lane_mask(signed: bool, g: usize) -> [u8; 16] {
+    let at = if signed { 3 } else { 0 };
+    std::array::from_fn(|i| if i % 4 == at { (4 * g + i / 4) as u8 } else { 0x80 })
+}
+
 /// Emits the dequantization of blocks: the shuffle masks, made once per function.
 pub(crate) struct Dequant {
     dtype: DType,
@@ -145,10 +152,8 @@ pub(crate) struct Open {
 impl Dequant {
     /// The constants for `dtype` (a block type).
     pub(crate) fn new(b: &mut FunctionBuilder, dtype: DType) -> Dequant {
-        let at = if signed(dtype) { 3 } else { 0 };
-        let masks = [0u8, 1, 2, 3].map(|g| {
-            let bytes: Vec<u8> = (0..16).map(|i| if i % 4 == at { 4 * g + i as u8 / 4 } else { 0x80 }).collect();
-            let c = b.func.dfg.constants.insert(ConstantData::from(bytes));
+        let masks = [0, 1, 2, 3].map(|g| {
+            let c = b.func.dfg.constants.insert(ConstantData::from(&lane_mask(signed(dtype), g)[..]));
             b.ins().vconst(types::I8X16, c)
         });
         let f = b.ins().iconst(types::I8, 0x0F);

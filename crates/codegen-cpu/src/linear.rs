@@ -378,6 +378,7 @@ impl LinearKernel {
             rows,
             w: w.as_ptr(),
             row_bytes,
+            block_bytes: blocks::layout_bytes(self.wdtype),
             out: out as *mut f32,
             n: self.n,
         };
