@@ -108,6 +108,69 @@ __device__ __forceinline__ void e4m3x16_h16(uint4 w, float s, uint4& lo, uint4& 
                   pack_h16x2(f[12] * s, f[13] * s), pack_h16x2(f[14] * s, f[15] * s));
 }
 
+// Eight f32 as eight E4M3 codes (8 bytes, the first value in the low byte), rounded to nearest
+// even and saturated to +-448.
+__device__ __forceinline__ uint2 f32x8_e4m3(const float* f) {
+  unsigned short c[4];
+#pragma unroll
+  for (int i = 0; i < 4; i++) asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(c[i]) : "f"(f[2 * i + 1]), "f"(f[2 * i]));
+  return make_uint2(c[0] | ((unsigned)c[1] << 16), c[2] | ((unsigned)c[3] << 16));
+}
+
+// The activations of an FP8 tensor-core GEMM (W8A8 through cuBLASLt): x's rows of K as E4M3
+// codes q ([T, K]) with one f32 scale per row and `group` columns, s = max|x| / 448,
+// q = e4m3(x / s); a group of zeros has s = 1. Group K: s [T], cuBLASLt's outer-vector scales;
+// group 128: s [K / 128, T] (the rows of a group contiguous), its 1 x 128 block scales.
+// grid: (T, ceil(K / 512) for group 128, else 1), block: 128. Group 128: a warp per group, four
+// values a lane; else the block over the row.
+__device__ void quant_e4m3(const h16_t* __restrict__ x, unsigned char* __restrict__ q, float* __restrict__ s, int K,
+                           int group) {
+  const long row = blockIdx.x;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const h16_t* xr = x + row * K;
+  unsigned char* qr = q + row * K;
+  if (group == 128) {
+    const int g = blockIdx.y * 4 + warp;
+    if (g * 128 >= K) return;
+    const uint2 raw = *reinterpret_cast<const uint2*>(xr + g * 128 + lane * 4);
+    const h16_t* h = reinterpret_cast<const h16_t*>(&raw);
+    float f[8], m = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 4; i++) m = fmaxf(m, fabsf(f[i] = to_f32(h[i])));
+    m = warp_max(m);
+    const float sc = m > 0.0f ? m / 448.0f : 1.0f;
+#pragma unroll
+    for (int i = 0; i < 4; i++) f[i] /= sc;
+    f[4] = f[5] = f[6] = f[7] = 0.0f;
+    *reinterpret_cast<unsigned*>(qr + g * 128 + lane * 4) = f32x8_e4m3(f).x;
+    if (lane == 0) s[(long)g * gridDim.x + row] = sc;
+    return;
+  }
+  float m = 0.0f;
+  for (int i = threadIdx.x * 8; i < K; i += blockDim.x * 8) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(xr + i);
+    const h16_t* h = reinterpret_cast<const h16_t*>(&raw);
+#pragma unroll
+    for (int j = 0; j < 8; j++) m = fmaxf(m, fabsf(to_f32(h[j])));
+  }
+  __shared__ float part[32];
+  m = warp_max(m);
+  if (lane == 0) part[warp] = m;
+  __syncthreads();
+  m = lane < (int)(blockDim.x >> 5) ? part[lane] : 0.0f;
+  m = warp_max(m);
+  const float sc = m > 0.0f ? m / 448.0f : 1.0f;
+  for (int i = threadIdx.x * 8; i < K; i += blockDim.x * 8) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(xr + i);
+    const h16_t* h = reinterpret_cast<const h16_t*>(&raw);
+    float f[8];
+#pragma unroll
+    for (int j = 0; j < 8; j++) f[j] = to_f32(h[j]) / sc;
+    *reinterpret_cast<uint2*>(qr + i) = f32x8_e4m3(f);
+  }
+  if (threadIdx.x == 0) s[row] = sc;
+}
+
 // ---- residual add + RMS norm ----
 // One row: v = a (+ b), written to s when s is not null; out = v * rsqrt(mean(v^2) + eps) * w.
 // With PRE, b is normalised first: v = a + b * rsqrt(mean(b^2) + peps) * pw (Gemma's norm of a

@@ -14,6 +14,11 @@ OUT_DIR/hf_logits.safetensors over those sequences:
   f32   HF's float32 forward of the checkpoint's weights: every FP8 weight dequantized here as
         code * weight_scale_inv of its block, exactly in f32, into the unquantized model class;
   bf16  the same forward in bf16 (HF's own error in a 16-bit type, as for the bf16 check);
+  w8a8  the f32 forward with the input of every FP8 linear quantized to E4M3 as the
+        checkpoint's config says (per token and 128 columns for the block-wise format, per token
+        for compressed-tensors' dynamic per-token activations) and dequantized: HF's own FP8
+        forward (W8A8) emulated in f32, whose error against f32 is what activation quantization
+        costs; the engine runs W8A8 where cuBLASLt's FP8 matmul times faster at load;
   fp8   HF's own FP8 forward (its W8A8 kernels, activations quantized per group of 128), where
         its triton kernels load (the `kernels` package): for information, the engine reads FP8
         weights with 16-bit activations.
@@ -130,8 +135,31 @@ assert all("lm_head" in m for m in missing) and not unexpected, (missing, unexpe
 if missing:
     model.tie_weights()
 f32 = run(model)
+
+
+def fake_quant(x, group):
+    """x's rows as E4M3 codes times one scale per `group` columns (max |x| / 448), in f32."""
+    k = x.shape[-1]
+    v = x.float().reshape(-1, k // group, group)
+    s = v.abs().amax(-1, keepdim=True) / 448.0
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    q = (v / s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float() * s
+    return q.reshape(x.shape).to(x.dtype)
+
+
+fp8_names = {k[: -len(".weight")] for k in state if k.endswith(".weight") and k.rsplit(".", 2)[-2] in LINEARS}
+hooks = []
+for name, mod in model.named_modules():
+    if name in fp8_names:
+        group = None if os.environ.get("FP8") == "channel" else 128
+        hooks.append(mod.register_forward_pre_hook(
+            lambda m, args, g=group: (fake_quant(args[0], g or args[0].shape[-1]),) + args[1:]))
+w8a8 = run(model)
+for h in hooks:
+    h.remove()
+print(f"W8A8 (emulated) off by {((w8a8 - f32).abs().max() / f32.abs().max()).item():.4f} of the largest")
 bf = run(model.to(torch.bfloat16))
-logits = {"f32": f32.contiguous(), "bf16": bf.contiguous()}
+logits = {"f32": f32.contiguous(), "bf16": bf.contiguous(), "w8a8": w8a8.contiguous()}
 if fp8_logits is not None:
     logits["fp8"] = fp8_logits.contiguous()
     print(f"HF's FP8 forward off by {((fp8_logits - f32).abs().max() / f32.abs().max()).item():.4f} of the largest")

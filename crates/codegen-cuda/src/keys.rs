@@ -105,6 +105,10 @@ pub enum KernelKey {
     },
     /// f32 to the 16-bit float.
     ToH16,
+    /// 16-bit rows to E4M3 codes with one f32 scale per row and `group` columns: the
+    /// activations of an E4M3-weight linear run on FP8 tensor cores through cuBLASLt (the
+    /// runtime launches it before the matmul; `kernels/fast.cuh`'s `quant_e4m3`).
+    QuantE4M3,
     /// Rotate-half RoPE over heads of `d` in rows of `cols` (a RoPE not feeding attention).
     Rope {
         /// Row width.
@@ -636,6 +640,7 @@ impl KernelKey {
             KernelKey::Linear { k, n, w, bias } => format!("linear_k{k}_n{n}_{w}{}", if bias { "_bias" } else { "" }),
             KernelKey::GluMul { act } => format!("glu_mul_to_h16_{}", act_tag(act)),
             KernelKey::ToH16 => "f32_to_h16_rows".into(),
+            KernelKey::QuantE4M3 => "quant_e4m3_rows".into(),
             KernelKey::Rope { cols, d, rot } => format!("rope_c{cols}_d{d}{}", rot_suffix(d, rot)),
             KernelKey::RopeKv { heads, kv_heads, d, rot, rope_q, rope_k, norm } => format!(
                 "rope_kv_h{heads}_kv{kv_heads}_d{d}{}_{}{}{}",
@@ -721,6 +726,12 @@ impl KernelKey {
         )
     }
 
+    /// A tensor-core linear of E4M3 weights (`Gemm` or `GemmSkinny` with `w8`): what cuBLASLt
+    /// may run as W8A8 after [`KernelKey::QuantE4M3`].
+    pub fn w8_tensor_core(&self) -> bool {
+        matches!(self, KernelKey::Gemm { w8: true, .. } | KernelKey::GemmSkinny { w8: true, .. })
+    }
+
     /// The `extern "C"` wrapper that instantiates the template.
     pub(crate) fn instance(&self) -> Result<String, CodegenError> {
         let name = self.name();
@@ -795,6 +806,10 @@ impl KernelKey {
                 format!("glu_mul(a, b, out, n, {})", act_lambda(act)),
             ),
             KernelKey::ToH16 => ("const float* a, h16_t* out, long n".into(), "to_h16(a, out, n)".into()),
+            KernelKey::QuantE4M3 => (
+                "const h16_t* x, unsigned char* q, float* s, int K, int group".into(),
+                "quant_e4m3(x, q, s, K, group)".into(),
+            ),
             KernelKey::Rope { cols, d, rot } => (
                 "const float* x, const int* pos, const float* inv_freq, float scale, float* out".into(),
                 format!("rope<{cols}, {d}, {rot}>(x, pos, inv_freq, scale, out)"),

@@ -134,7 +134,13 @@ pub fn emit(plan: &Plan) -> Result<Program, CodegenError> {
         KernelKey::AdjustLogits { vocab: plan.vocab },
         KernelKey::MaskLogits { vocab: plan.vocab },
     ];
-    for k in launched.chain(sampling).chain(one_shot).chain(gather) {
+    // E4M3-weight tensor-core linears may run as W8A8 through cuBLASLt, their input quantized first.
+    let w8 = s.steps.iter().any(|st| match st {
+        Step::Kernels { variants, .. } => variants.iter().flat_map(|(_, ls)| ls).any(|l| l.key.w8_tensor_core()),
+        _ => false,
+    });
+    let quant = w8.then_some(KernelKey::QuantE4M3);
+    for k in launched.chain(sampling).chain(one_shot).chain(gather).chain(quant) {
         if !kernels.contains(&k) {
             kernels.push(k);
         }

@@ -733,7 +733,8 @@ mod tests {
     }
 
     /// An E4M3 linear weight takes the `w8` variants: the GEMV up to `GEMV_MAX_ROWS`, the
-    /// small-batch kernel to 64 rows, the tiled GEMM above; over 64 input features (not a
+    /// small-batch kernel to 64 rows, the tiled GEMM above, and the program the W8A8 input
+    /// quantizer; over 64 input features (not a
     /// multiple of 128) it is refused, naming the weight.
     #[test]
     fn e4m3_linears_take_the_w8_variants_or_are_refused() {
@@ -757,6 +758,11 @@ mod tests {
             (usize::MAX, "gemm_k128_n128_f8"),
         ];
         assert_eq!(names, want.map(|(r, n)| (r, n.to_string())));
+        // Its tensor-core variants may run as W8A8 through cuBLASLt: the program carries the
+        // input's quantizer; a 16-bit program does not.
+        assert!(program.kernels.contains(&KernelKey::QuantE4M3) && program.source.contains("void quant_e4m3_rows("));
+        let h16 = crate::emit(&plan_of(128, 128, DType::BF16)).unwrap();
+        assert!(!h16.kernels.contains(&KernelKey::QuantE4M3));
         let refused = crate::emit(&plan_of(64, 64, DType::F8_E4M3)).unwrap_err().to_string();
         assert!(refused.contains("`lin` is f8_e4m3") && refused.contains("multiple of 128"), "{refused}");
     }

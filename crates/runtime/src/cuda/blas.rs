@@ -7,6 +7,7 @@
 //! bucket, the largest's), and the decode graphs capture it. The library is optional: where it cannot be loaded, our kernels
 //! run throughout.
 
+use super::w8a8::{Fp8In, Fp8Scales};
 use super::{driver, CudaBackend};
 use crate::RuntimeError;
 use codegen_cuda::without_panic;
@@ -26,15 +27,16 @@ fn buckets() -> Vec<usize> {
     decode.chain([512, 1024, 4096]).collect()
 }
 
-/// The linear shape a tensor-core launch computes, `(k, n)`, whatever its row variant: the key
-/// cuBLASLt's choices are kept under.
-pub(crate) type Shape = (usize, [usize; 3]);
+/// The linear shape a tensor-core launch computes, `(k, n, w8)`, whatever its row variant: the
+/// key cuBLASLt's choices are kept under.
+pub(crate) type Shape = (usize, [usize; 3], bool);
 
-/// The shape of a launch cuBLASLt can replace (`None` for every other kernel).
+/// The shape of a launch cuBLASLt can replace (`None` for every other kernel). 16-bit weights
+/// run as they are; E4M3 ones as W8A8 on FP8 tensor cores, the input quantized first
+/// ([`KernelKey::QuantE4M3`]), where their scales are per output channel or 128 x 128 blocks.
 pub(crate) fn gemm_shape(key: &KernelKey) -> Option<Shape> {
     match *key {
-        // cuBLASLt reads 16-bit weights; E4M3 ones stay with ours.
-        KernelKey::Gemm { k, n, w8: false } | KernelKey::GemmSkinny { k, n, w8: false, .. } => Some((k, n)),
+        KernelKey::Gemm { k, n, w8 } | KernelKey::GemmSkinny { k, n, w8, .. } => Some((k, n, w8)),
         _ => None,
     }
 }
@@ -46,15 +48,19 @@ const MAX_LOGITS_ROWS: usize = 256;
 /// Workspace for cuBLASLt's split-K and stream-K algorithms (NVIDIA's recommendation on Hopper).
 const WORKSPACE: usize = 32 << 20;
 
-/// One linear of a GEMM launch: device pointers of its weight `[n, k]`, bias `[n]` (f32, or 0)
-/// and output `[t, n]` f32.
+/// One linear of a GEMM launch: device pointers of its weight `[n, k]`, bias `[n]` (f32, or 16-bit
+/// for W8A8; or 0), output `[t, n]` f32 and, for E4M3 weights, their compact scales.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Part {
     pub w: u64,
     pub bias: u64,
     pub out: u64,
     pub n: usize,
+    pub w_scales: u64,
 }
+
+/// What an algorithm is found for: n, t, k, with a bias, and the FP8 scale mode (W8A8).
+type AlgoKey = (usize, usize, usize, bool, Option<Fp8Scales>);
 
 /// A cuBLASLt handle, its workspace and the best algorithm found per shape.
 pub(crate) struct Blas {
@@ -62,7 +68,7 @@ pub(crate) struct Blas {
     /// The 16-bit type of x and the weights (the program's `half`).
     half: sys::cudaDataType_t,
     workspace: CudaSlice<u8>,
-    algos: RefCell<HashMap<(usize, usize, usize, bool), sys::cublasLtMatmulAlgo_t>>,
+    algos: RefCell<HashMap<AlgoKey, sys::cublasLtMatmulAlgo_t>>,
 }
 
 // The handle is used only by the thread that owns the backend.
@@ -90,18 +96,38 @@ impl Blas {
         Ok(Some(Blas { handle, half, workspace, algos: RefCell::default() }))
     }
 
-    /// `out = x · wᵀ (+ bias)` for each part: x `[t, k]` 16-bit, row-major throughout.
-    pub(crate) fn gemm(&self, stream: &CudaStream, x: u64, k: usize, t: usize, parts: &[Part]) -> Result<(), String> {
+    /// `out = x · wᵀ (+ bias)` for each part: x `[t, k]` 16-bit, or E4M3 codes with `fp8` for
+    /// E4M3 weights; row-major throughout.
+    pub(crate) fn gemm(
+        &self,
+        stream: &CudaStream,
+        x: u64,
+        fp8: Option<Fp8In>,
+        k: usize,
+        t: usize,
+        parts: &[Part],
+    ) -> Result<(), String> {
         for p in parts {
-            unsafe { self.one(stream, x, k, t, p) }.map_err(|e| format!("cuBLASLt matmul {t}x{}x{k}: {e:?}", p.n))?;
+            unsafe { self.one(stream, x, fp8, k, t, p) }.map_err(|e| {
+                format!("cuBLASLt matmul {t}x{}x{k}{}: {e:?}", p.n, if fp8.is_some() { " e4m3" } else { "" })
+            })?;
         }
         Ok(())
     }
 
     /// In cuBLASLt's column-major terms: D (n x t) = op(W) (n x k) · X (k x t), W stored as k x n.
-    unsafe fn one(&self, stream: &CudaStream, x: u64, k: usize, t: usize, p: &Part) -> Result<(), lt::CublasError> {
+    unsafe fn one(
+        &self,
+        stream: &CudaStream,
+        x: u64,
+        fp8: Option<Fp8In>,
+        k: usize,
+        t: usize,
+        p: &Part,
+    ) -> Result<(), lt::CublasError> {
         use sys::cublasLtMatmulDescAttributes_t as D;
-        let (h16, f32t) = (self.half, sys::cudaDataType_t::CUDA_R_32F);
+        let f32t = sys::cudaDataType_t::CUDA_R_32F;
+        let h16 = if fp8.is_some() { sys::cudaDataType_t::CUDA_R_8F_E4M3 } else { self.half };
         let a = lt::create_matrix_layout(h16, k as u64, p.n as u64, k as i64)?;
         let b = lt::create_matrix_layout(h16, k as u64, t as u64, k as i64)?;
         let c = lt::create_matrix_layout(f32t, p.n as u64, t as u64, p.n as i64)?;
@@ -116,8 +142,20 @@ impl Blas {
                 let epi = sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS;
                 set(D::CUBLASLT_MATMUL_DESC_EPILOGUE, &epi as *const _ as *const c_void, std::mem::size_of_val(&epi))?;
                 set(D::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &p.bias as *const _ as *const c_void, 8)?;
+                if fp8.is_some() {
+                    // FP8 with an f32 D takes a 16-bit bias (cuBLASLt's FP8 type table).
+                    let bt = self.half;
+                    set(D::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt as *const _ as *const c_void, 4)?;
+                }
             }
-            let key = (p.n, t, k, p.bias != 0);
+            if let Some(f) = fp8 {
+                let (wm, xm) = f.mode.modes();
+                set(D::CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &wm as *const i32 as *const c_void, 4)?;
+                set(D::CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &xm as *const i32 as *const c_void, 4)?;
+                set(D::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &p.w_scales as *const u64 as *const c_void, 8)?;
+                set(D::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &f.scales as *const u64 as *const c_void, 8)?;
+            }
+            let key = (p.n, t, k, p.bias != 0, fp8.map(|f| f.mode));
             let found = self.algos.borrow().get(&key).copied();
             let algo = match found {
                 Some(a) => a,
@@ -185,13 +223,27 @@ impl CudaBackend {
         self.blas = Some(blas);
         let firsts: Vec<Launch> = shapes.iter().flat_map(|(_, ls)| ls.iter().map(|(_, l)| l.clone())).collect();
         self.convert_biases(&firsts)?;
+        self.convert_w8_scales()?;
         self.ensure_cap(buckets[buckets.len() - 1], MAX_LOGITS_ROWS)?;
         let file = choices_file(&self.stream, &self.program.source);
         let cached = file.as_deref().map(read_choices).unwrap_or_default();
         let mut timed = false;
         for (shape, launches) in &shapes {
             let mut choice = vec![];
-            let mut line = format!("GEMM k{} n{:?} (us, ours / cuBLASLt):", shape.0, shape.1);
+            let w8 = if shape.2 { " e4m3" } else { "" };
+            let mut line = format!("GEMM k{} n{:?}{w8} (us, ours / cuBLASLt):", shape.0, shape.1);
+            let check = match (shape.2, launches.first()) {
+                (true, Some((t, l))) if !launches.iter().all(|(t, _)| cached.contains_key(&(*shape, *t))) => {
+                    self.w8a8_disagrees(l, *t)?
+                }
+                _ => None,
+            };
+            if let Some(why) = check {
+                eprintln!("{line} ours throughout: cuBLASLt's W8A8 is refused ({why})");
+                self.blas_choice.insert(*shape, launches.iter().map(|(t, _)| (*t, false)).collect());
+                timed = true;
+                continue;
+            }
             for (t, l) in launches {
                 if let Some(&blas) = cached.get(&(*shape, *t)) {
                     let _ = write!(line, " t={t} {}", if blas { "cached*" } else { "cached" });
@@ -273,21 +325,42 @@ impl CudaBackend {
     }
 
     /// A GEMM launch (`KernelKey::Gemm`: x, then weight, bias and output of up to three linears)
-    /// of `t` tokens through cuBLASLt.
+    /// of `t` tokens through cuBLASLt; E4M3 weights as W8A8 (`w8a8`), refused where their scales
+    /// fit no cuBLASLt mode.
     pub(super) fn launch_blas(&self, l: &Launch, t: usize) -> Result<(), RuntimeError> {
-        let (Some((k, n)), Some(blas)) = (gemm_shape(&l.key), &self.blas) else {
+        let (Some((k, n, w8)), Some(blas)) = (gemm_shape(&l.key), &self.blas) else {
             return Err(RuntimeError::Unsupported(format!("{} is not a cuBLASLt GEMM", l.key.name())));
         };
         let mut parts = Vec::with_capacity(3);
+        let mut modes = Vec::with_capacity(3);
         for (g, &n) in n.iter().enumerate().filter(|(_, &n)| n > 0) {
             let bias = match l.args.get(2 + 3 * g) {
+                // W8A8 adds a 16-bit bias (the weight as stored), 16-bit GEMMs an f32 one.
+                Some(a @ Arg::Weight(_)) if w8 => self.arg_ptr(a),
                 Some(Arg::Weight(b)) => self.bias_f32.get(b).map_or(0, |s| self.ptr(s)),
                 _ => 0,
             };
             let (w, out) = (self.arg_ptr(&l.args[1 + 3 * g]), self.arg_ptr(&l.args[3 + 3 * g]));
-            parts.push(Part { w, bias, out, n });
+            let mut w_scales = 0;
+            if let (true, Arg::Weight(i)) = (w8, &l.args[1 + 3 * g]) {
+                let Some((mode, s)) = self.w8_scales.get(i) else {
+                    return Err(RuntimeError::Unsupported("E4M3 scales fit no cuBLASLt FP8 mode".into()));
+                };
+                modes.push(*mode);
+                w_scales = self.ptr(s);
+            }
+            parts.push(Part { w, bias, out, n, w_scales });
         }
-        blas.gemm(&self.stream, self.arg_ptr(&l.args[0]), k, t, &parts).map_err(RuntimeError::Unsupported)
+        let x = self.arg_ptr(&l.args[0]);
+        let (x, fp8) = match modes.first() {
+            None => (x, None),
+            Some(&m) if modes.iter().all(|&o| o == m) => {
+                let (q, f) = self.quantize_input(x, k, t, m)?;
+                (q, Some(f))
+            }
+            Some(_) => return Err(RuntimeError::Unsupported("the linears of a launch mix E4M3 scale modes".into())),
+        };
+        blas.gemm(&self.stream, x, fp8, k, t, &parts).map_err(RuntimeError::Unsupported)
     }
 
     /// Milliseconds per run of `f` on the stream (one warm-up, then the mean of three).
@@ -322,14 +395,14 @@ fn choices_file(stream: &CudaStream, source: &str) -> Option<std::path::PathBuf>
     Some(codegen_cuda::nvrtc::cache_dir()?.join(format!("gemm-choices-{:016x}.txt", h.finish())))
 }
 
-/// The choices of a file [`write_choices`] wrote: lines `k n0 n1 n2 t blas` (`blas` 1 or 0);
-/// unreadable lines (and a missing file) are left out, so they are timed again.
+/// The choices of a file [`write_choices`] wrote: lines `k n0 n1 n2 w8 t blas` (`w8` and `blas`
+/// 1 or 0); unreadable lines (and a missing file) are left out, so they are timed again.
 fn read_choices(path: &std::path::Path) -> HashMap<(Shape, usize), bool> {
     let text = std::fs::read_to_string(path).unwrap_or_default();
     let parse = |l: &str| -> Option<((Shape, usize), bool)> {
         let v: Vec<usize> = l.split_whitespace().map(|w| w.parse().ok()).collect::<Option<_>>()?;
-        let [k, n0, n1, n2, t, b] = v[..] else { return None };
-        Some((((k, [n0, n1, n2]), t), b == 1))
+        let [k, n0, n1, n2, w8, t, b] = v[..] else { return None };
+        Some((((k, [n0, n1, n2], w8 == 1), t), b == 1))
     };
     text.lines().filter_map(parse).collect()
 }
@@ -338,9 +411,9 @@ fn read_choices(path: &std::path::Path) -> HashMap<(Shape, usize), bool> {
 /// written is only a cache.
 fn write_choices(path: &std::path::Path, choices: &HashMap<Shape, Vec<(usize, bool)>>) {
     let mut text = String::new();
-    for ((k, n), ch) in choices {
+    for ((k, n, w8), ch) in choices {
         for (t, b) in ch {
-            let _ = writeln!(text, "{k} {} {} {} {t} {}", n[0], n[1], n[2], u8::from(*b));
+            let _ = writeln!(text, "{k} {} {} {} {} {t} {}", n[0], n[1], n[2], u8::from(*w8), u8::from(*b));
         }
     }
     let tmp = path.with_extension(format!("tmp{}", std::process::id()));
@@ -378,12 +451,13 @@ mod tests {
     fn choices_survive_the_file_and_bad_lines_are_timed_again() {
         let dir = std::env::temp_dir().join(format!("gemm-choices-test-{}", std::process::id()));
         let path = dir.join("sub/choices.txt");
-        let shape = (896, [4864, 4864, 0]);
-        let choices = HashMap::from([(shape, vec![(16, false), (64, true)])]);
+        let (shape, w8) = ((896, [4864, 4864, 0], false), (896, [4864, 4864, 0], true));
+        let choices = HashMap::from([(shape, vec![(16, false), (64, true)]), (w8, vec![(16, true)])]);
         write_choices(&path, &choices);
         let back = read_choices(&path);
-        assert_eq!(back, HashMap::from([((shape, 16), false), ((shape, 64), true)]));
-        std::fs::write(&path, "896 4864 4864 0 16 0\n896 4864 x 0 64 1\n1 2 3\n").unwrap();
+        assert_eq!(back, HashMap::from([((shape, 16), false), ((shape, 64), true), ((w8, 16), true)]));
+        // The six-field lines of a file from before E4M3 shapes are timed again.
+        std::fs::write(&path, "896 4864 4864 0 0 16 0\n896 4864 x 0 0 64 1\n896 4864 4864 0 16 0\n1 2 3\n").unwrap();
         assert_eq!(read_choices(&path), HashMap::from([((shape, 16), false)]));
         assert!(read_choices(&dir.join("none.txt")).is_empty());
         std::fs::remove_dir_all(&dir).unwrap();
@@ -392,9 +466,9 @@ mod tests {
     #[test]
     fn the_tensor_core_variants_of_one_linear_share_a_shape() {
         let (k, n) = (896, [4864, 4864, 0]);
-        assert_eq!(gemm_shape(&KernelKey::Gemm { k, n, w8: false }), Some((k, n)));
-        assert_eq!(gemm_shape(&KernelKey::GemmSkinny { k, n, tiles: 8, w8: false }), Some((k, n)));
-        assert_eq!(gemm_shape(&KernelKey::GemmSkinny { k, n, tiles: 8, w8: true }), None);
+        assert_eq!(gemm_shape(&KernelKey::Gemm { k, n, w8: false }), Some((k, n, false)));
+        assert_eq!(gemm_shape(&KernelKey::GemmSkinny { k, n, tiles: 8, w8: false }), Some((k, n, false)));
+        assert_eq!(gemm_shape(&KernelKey::GemmSkinny { k, n, tiles: 8, w8: true }), Some((k, n, true)));
         assert_eq!(gemm_shape(&KernelKey::ToH16), None);
     }
 }

@@ -25,6 +25,7 @@ mod device;
 pub(crate) mod probe;
 mod profile;
 pub mod tp;
+mod w8a8;
 
 use profile::Profile;
 
@@ -80,6 +81,10 @@ pub struct CudaBackend {
     blas: Option<blas::Blas>,
     blas_choice: HashMap<blas::Shape, Vec<(usize, bool)>>,
     bias_f32: HashMap<usize, CudaSlice<f32>>,
+    /// W8A8 ([`w8a8`]): the compact cuBLASLt scales of E4M3 weights, and the quantized input
+    /// (codes `[cap.0, k]`, scales) of a launch.
+    w8_scales: HashMap<usize, (w8a8::Fp8Scales, CudaSlice<f32>)>,
+    w8_input: Option<(CudaSlice<u8>, CudaSlice<f32>)>,
     /// `ENGINE_CUDA_PROFILE` ([`profile`]).
     profile: Option<Profile>,
     /// `ENGINE_CUDA_SKIP` ([`profile::skip_from_env`]): kernels left out, for timing only.
@@ -249,6 +254,8 @@ impl CudaBackend {
             blas: None,
             blas_choice: HashMap::new(),
             bias_f32: HashMap::new(),
+            w8_scales: HashMap::new(),
+            w8_input: None,
             profile,
             skip: vec![],
         };
@@ -283,7 +290,7 @@ impl CudaBackend {
             self.bufs.push(self.stream.alloc_zeros::<f32>((n * b.row_bytes).div_ceil(4).max(1)).map_err(oom)?);
         }
         self.cap = cap;
-        Ok(())
+        self.ensure_w8_input(cap.0)
     }
 
     /// Packs the inputs of `batch` (checked against the plan and the pool) into the one array a
@@ -355,9 +362,10 @@ impl CudaBackend {
                     let (_, launches) = variants.iter().find(|(max, _)| c <= *max).expect("an unbounded variant");
                     for l in launches {
                         let shape = blas::gemm_shape(&l.key);
-                        if shape.and_then(|s| self.blas_choice.get(&s)).is_some_and(|ch| blas::use_blas(ch, c)) {
-                            self.launch_blas(l, c)?;
-                        } else {
+                        // Where cuBLASLt refuses a row count its choice covers (W8A8 with block
+                        // scales at rows not a multiple of four), ours runs.
+                        let blas = shape.and_then(|s| self.blas_choice.get(&s)).is_some_and(|ch| blas::use_blas(ch, c));
+                        if !blas || self.launch_blas(l, c).is_err() {
                             self.launch(l, t, r, off)?;
                         }
                     }

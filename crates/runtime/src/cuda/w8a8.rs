@@ -1,0 +1,244 @@
+//! W8A8 on FP8 tensor cores through cuBLASLt for the tensor-core linears of E4M3 weights
+//! (`KernelKey::Gemm` / `GemmSkinny` with `w8`): the launch's 16-bit input is quantized to E4M3
+//! first (`KernelKey::QuantE4M3`, per token, or per token and 128 columns), then cuBLASLt
+//! multiplies codes by codes with both operands' scales applied in its epilogue (outer-vector
+//! scales for per-channel weights, 1 x 128 and 128 x 128 block scales for block-wise ones).
+//! Like the 16-bit GEMMs it is timed against our kernel (W8A16: the codes converted on the CUDA
+//! cores) at load per shape and row bucket, and runs where it is faster (`blas`).
+
+use super::{driver, CudaBackend};
+use crate::RuntimeError;
+use codegen_cuda::{Arg, KernelKey, Launch, Step, W8_GROUP};
+use cudarc::driver::LaunchConfig;
+
+/// How an E4M3 weight's scales (`fp8_device_layout`: one per row and 128 columns) map onto
+/// cuBLASLt's FP8 scale modes, and so how the input is quantized.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum Fp8Scales {
+    /// One scale per output channel (`--quant fp8`, compressed-tensors per channel): outer-vector
+    /// scales on both operands, the input quantized per token.
+    Rows,
+    /// 128 x 128 blocks (transformers' fine-grained FP8): the weight's block scales, the input
+    /// quantized per token and 128 columns.
+    Blocks,
+}
+
+impl Fp8Scales {
+    /// Columns per input scale ([`KernelKey::QuantE4M3`]'s `group`) for `k` input features.
+    pub(crate) fn group(self, k: usize) -> usize {
+        match self {
+            Fp8Scales::Rows => k,
+            Fp8Scales::Blocks => W8_GROUP,
+        }
+    }
+
+    /// The mode of a weight's scales `[n, k / 128]` and the compact scales cuBLASLt reads:
+    /// `[n]`, or `[n / 128, k / 128]` row by row, each row padded with zeros to a multiple of
+    /// four (the layout torch's `_scaled_mm` hands cuBLASLt for 128 x 128 blocks); `None` for
+    /// any other pattern.
+    pub(crate) fn of(scales: &[f32], n: usize, k: usize) -> Option<(Fp8Scales, Vec<f32>)> {
+        let g = k / W8_GROUP;
+        if g == 0 || scales.len() != n * g {
+            return None;
+        }
+        let rows: Vec<&[f32]> = scales.chunks_exact(g).collect();
+        if rows.iter().all(|r| r.iter().all(|&s| s == r[0])) {
+            return Some((Fp8Scales::Rows, rows.iter().map(|r| r[0]).collect()));
+        }
+        let blocks = n.is_multiple_of(W8_GROUP) && rows.chunks(W8_GROUP).all(|b| b.iter().all(|r| *r == b[0]));
+        let pad = g.next_multiple_of(4) - g;
+        let padded = |r: &[f32]| r.iter().copied().chain(std::iter::repeat_n(0.0, pad)).collect::<Vec<f32>>();
+        blocks.then(|| (Fp8Scales::Blocks, rows.iter().step_by(W8_GROUP).flat_map(|r| padded(r)).collect()))
+    }
+
+    /// Whether cuBLASLt takes a launch of `t` rows in this mode: 1 x 128 block scales want a
+    /// multiple of four (it answered NOT_SUPPORTED at 257 rows); other row counts run ours.
+    pub(crate) fn takes(self, t: usize) -> bool {
+        self == Fp8Scales::Rows || t.is_multiple_of(4)
+    }
+
+    /// cuBLASLt's `cublasLtMatmulMatrixScale_t` for the weight and for the input (OUTER_VEC_32F
+    /// 3, VEC128_32F 4, BLK128x128_32F 5: cuBLAS 12.9 and later, Hopper).
+    pub(crate) fn modes(self) -> (i32, i32) {
+        match self {
+            Fp8Scales::Rows => (3, 3),
+            Fp8Scales::Blocks => (5, 4),
+        }
+    }
+}
+
+/// The quantized input of a W8A8 launch: E4M3 codes `[t, k]` and their scales.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Fp8In {
+    pub scales: u64,
+    pub mode: Fp8Scales,
+}
+
+impl CudaBackend {
+    /// Compact cuBLASLt scales of every E4M3 weight a tensor-core launch reads
+    /// ([`Fp8Scales::of`]); a weight whose scales fit neither mode is left out, and its launches
+    /// stay with ours (`launch_blas` refuses them, so the timing at load keeps ours).
+    pub(super) fn convert_w8_scales(&mut self) -> Result<(), RuntimeError> {
+        let program = self.program.clone();
+        for step in &program.steps {
+            let Step::Kernels { variants, .. } = step else { continue };
+            for l in variants.iter().flat_map(|(_, ls)| ls).filter(|l| l.key.w8_tensor_core()) {
+                let (KernelKey::Gemm { k, n, .. } | KernelKey::GemmSkinny { k, n, .. }) = l.key else { continue };
+                for (g, &n) in n.iter().enumerate().filter(|(_, &n)| n > 0) {
+                    let Some(Arg::Weight(w)) = l.args.get(1 + 3 * g) else { continue };
+                    if self.w8_scales.contains_key(w) {
+                        continue;
+                    }
+                    let Some(dev) = &self.weights[*w] else { continue };
+                    let at = n * k;
+                    let view = dev.slice(at..at + n * (k / W8_GROUP) * 4);
+                    let bytes = self.stream.clone_dtoh(&view).map_err(driver("reading E4M3 scales"))?;
+                    let f: Vec<f32> =
+                        bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+                    if let Some((mode, compact)) = Fp8Scales::of(&f, n, k) {
+                        let d = self.stream.clone_htod(&compact).map_err(driver("uploading E4M3 scales"))?;
+                        self.w8_scales.insert(*w, (mode, d));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Why cuBLASLt's W8A8 result of launch `l` at `t` rows is not to be used, if it is not:
+    /// each linear's output against ours (W8A16) on a random input, the rms of the difference
+    /// within a tenth of the rms of ours (activation quantization costs a few percent; a scale
+    /// layout cuBLASLt reads otherwise than written costs all of it). Checked once per shape at
+    /// load, before the timing, so a wrong result never runs.
+    pub(super) fn w8a8_disagrees(&mut self, l: &Launch, t: usize) -> Result<Option<String>, RuntimeError> {
+        let (Some(&Arg::Buf(xb)), KernelKey::Gemm { k, n, .. } | KernelKey::GemmSkinny { k, n, .. }) =
+            (l.args.first(), l.key)
+        else {
+            return Ok(Some("not a linear launch".into()));
+        };
+        let mut seed = 0x9E37_79B9_7F4A_7C15u64;
+        let x: Vec<f32> = (0..t * k)
+            .map(|_| {
+                seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+                (seed >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+            })
+            .collect();
+        let bytes = self.program.half.from_f32(&x);
+        let mut view = self.bufs[xb].slice_mut(..bytes.len().div_ceil(4));
+        let words: Vec<f32> = bytes
+            .chunks(4)
+            .map(|b| f32::from_le_bytes(std::array::from_fn(|i| b.get(i).copied().unwrap_or(0))))
+            .collect();
+        self.stream.memcpy_htod(&words, &mut view).map_err(driver("a W8A8 check's input"))?;
+        let outs: Vec<(usize, usize)> = (0..3)
+            .filter(|&g| n[g] > 0)
+            .filter_map(|g| match l.args.get(3 + 3 * g) {
+                Some(&Arg::Buf(b)) => Some((b, n[g])),
+                _ => None,
+            })
+            .collect();
+        let read = |be: &Self| -> Result<Vec<Vec<f32>>, RuntimeError> {
+            outs.iter()
+                .map(|&(b, n)| {
+                    be.stream.clone_dtoh(&be.bufs[b].slice(..t * n)).map_err(driver("a W8A8 check's output"))
+                })
+                .collect()
+        };
+        self.launch(l, t, t, &[0; 6])?;
+        let ours = read(self)?;
+        if let Err(e) = self.launch_blas(l, t) {
+            return Ok(Some(e.to_string()));
+        }
+        let theirs = read(self)?;
+        for (a, b) in ours.iter().zip(&theirs) {
+            let rms =
+                |v: &mut dyn Iterator<Item = f32>| (v.map(|x| (x as f64).powi(2)).sum::<f64>() / a.len() as f64).sqrt();
+            let (d, r) = (rms(&mut a.iter().zip(b).map(|(x, y)| x - y)), rms(&mut a.iter().copied()));
+            // NaN counts as off.
+            if d.is_nan() || d > 0.1 * r {
+                return Ok(Some(format!("its result is off by {:.3} of ours (rms)", d / r)));
+            }
+        }
+        Ok(None)
+    }
+
+    /// The widest input of the program's E4M3 tensor-core linears (0: none).
+    fn w8_k_max(&self) -> usize {
+        let k = |key: &KernelKey| match *key {
+            KernelKey::Gemm { k, w8: true, .. } | KernelKey::GemmSkinny { k, w8: true, .. } => k,
+            _ => 0,
+        };
+        self.program.kernels.iter().map(k).max().unwrap_or(0)
+    }
+
+    /// Room for `tokens` quantized input rows (codes and scales), where the program has E4M3
+    /// tensor-core linears.
+    pub(super) fn ensure_w8_input(&mut self, tokens: usize) -> Result<(), RuntimeError> {
+        let k = self.w8_k_max();
+        if k == 0 {
+            return Ok(());
+        }
+        let q = self.stream.alloc_zeros::<u8>(tokens * k).map_err(driver("alloc"))?;
+        let s = self.stream.alloc_zeros::<f32>(tokens * (k / W8_GROUP).max(1)).map_err(driver("alloc"))?;
+        self.w8_input = Some((q, s));
+        Ok(())
+    }
+
+    /// Quantizes the 16-bit input `x` (`[t, k]`) of a W8A8 launch into the codes and scales
+    /// buffer; returns the codes' pointer and what the matmul reads of the scales.
+    pub(super) fn quantize_input(
+        &self,
+        x: u64,
+        k: usize,
+        t: usize,
+        mode: Fp8Scales,
+    ) -> Result<(u64, Fp8In), RuntimeError> {
+        if !mode.takes(t) {
+            return Err(RuntimeError::Unsupported(format!(
+                "cuBLASLt takes no {t}-row launch with 1 x 128 block scales"
+            )));
+        }
+        let Some((q, s)) = &self.w8_input else {
+            return Err(RuntimeError::Unsupported("no E4M3 input buffers".into()));
+        };
+        let group = mode.group(k);
+        let blocks = if group == W8_GROUP { (k / W8_GROUP).div_ceil(4) } else { 1 };
+        let (qp, sp) = (self.ptr(q), self.ptr(s));
+        let (k32, g32) = (k as i32, group as i32);
+        let mut params: Vec<*mut std::ffi::c_void> = vec![
+            &x as *const u64 as *mut _,
+            &qp as *const u64 as *mut _,
+            &sp as *const u64 as *mut _,
+            &k32 as *const i32 as *mut _,
+            &g32 as *const i32 as *mut _,
+        ];
+        let cfg = LaunchConfig { grid_dim: (t as u32, blocks as u32, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+        let Some(func) = self.funcs.get(&KernelKey::QuantE4M3) else {
+            return Err(RuntimeError::Unsupported("the program has no quant_e4m3_rows kernel".into()));
+        };
+        unsafe { super::device::launch(&self.stream, func, cfg, &mut params, false) }
+            .map_err(driver("quant_e4m3_rows"))?;
+        Ok((qp, Fp8In { scales: sp, mode }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn per_channel_and_block_scales_are_told_apart_and_compacted() {
+        let (n, k) = (256, 384);
+        let rows: Vec<f32> = (0..n).flat_map(|r| std::iter::repeat_n(r as f32 + 1.0, 3)).collect();
+        assert_eq!(Fp8Scales::of(&rows, n, k), Some((Fp8Scales::Rows, (1..=n).map(|r| r as f32).collect())));
+        let blocks: Vec<f32> = (0..n).flat_map(|r| (0..3).map(move |c| (r / 128 * 3 + c) as f32)).collect();
+        let padded = vec![0.0, 1.0, 2.0, 0.0, 3.0, 4.0, 5.0, 0.0];
+        assert_eq!(Fp8Scales::of(&blocks, n, k), Some((Fp8Scales::Blocks, padded)));
+        let mut mixed = blocks.clone();
+        mixed[3 * 5 + 1] = 99.0;
+        assert_eq!(Fp8Scales::of(&mixed, n, k), None);
+        assert_eq!(Fp8Scales::of(&blocks[..3 * 200], 200, k), None);
+        assert_eq!((Fp8Scales::Rows.group(k), Fp8Scales::Blocks.group(k)), (k, 128));
+        assert!(Fp8Scales::Rows.takes(257) && !Fp8Scales::Blocks.takes(257) && Fp8Scales::Blocks.takes(256));
+    }
+}
