@@ -694,6 +694,122 @@ __device__ void gemm_skinny(const h16_t* x, const WT* w0, const h16_t* b0, float
   }
 }
 
+// d += A (16 x 32 E4M3, row) x B (32 x 8 E4M3, col), f32 accumulate (sm_89+).
+__device__ __forceinline__ void mma_e4m3(float* d, const unsigned* a, const unsigned* b) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// mma_rows8 for E4M3 codes: one 16-byte chunk (16 codes at k + 16c for lane (g, c)) of weight
+// rows g (a0) and g + 8 (a1) with the same chunk of 8 activation rows (xb, row g), added to d:
+// two m16n8k32 over the same permutation of k for both operands.
+__device__ __forceinline__ void mma_rows8_e4m3(float* d, uint4 a0, uint4 a1, uint4 xb) {
+  const unsigned fa[4] = {a0.x, a1.x, a0.y, a1.y}, fb[2] = {xb.x, xb.y};
+  const unsigned ga[4] = {a0.z, a1.z, a0.w, a1.w}, gb[2] = {xb.z, xb.w};
+  mma_e4m3(d, fa, fb);
+  mma_e4m3(d, ga, gb);
+}
+
+// ---- small-batch linear, W8A8: E4M3 weights times E4M3 activations on tensor cores ----
+// gemm_skinny's scheme with both operands E4M3 (m16n8k32): the input quantized by quant_e4m3
+// with 128-column groups (codes xq [T, K], scales xs [K / 128, T]). A warp holds 32 features
+// (two 16-row A tiles) so each activation fragment it loads serves both; each 64-wide chunk's
+// products are added times the weight rows' and the tokens' scales. Four warps split K and
+// reduce through shared memory. Every N_g is a multiple of 32. grid: (N0 + N1 + N2) / 32,
+// block: 128.
+template <int K, int N0, int N1, int N2, int NT>
+__device__ void gemm_skinny_a8(const unsigned char* xq, const float* xs, const fp8_t* w0, const h16_t* b0, float* o0,
+                               const fp8_t* w1, const h16_t* b1, float* o1, const fp8_t* w2, const h16_t* b2,
+                               float* o2, int T) {
+  constexpr int WARPS = 4, CW = 64, CH = K / CW;
+  __shared__ float red[WARPS][32][NT * 8 + 1];
+  int f0 = blockIdx.x * 32;
+  const LinearOut<fp8_t> grp = pick_group(f0, N0, N1, LinearOut<fp8_t>{w0, b0, o0, N0},
+                                          LinearOut<fp8_t>{w1, b1, o1, N1}, LinearOut<fp8_t>{w2, b2, o2, N2});
+  const int N = grp.n;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+  float acc[2][NT][4];
+#pragma unroll
+  for (int j = 0; j < 2; j++)
+#pragma unroll
+    for (int i = 0; i < NT; i++) acc[j][i][0] = acc[j][i][1] = acc[j][i][2] = acc[j][i][3] = 0.0f;
+  const unsigned char* wr[4];
+  const float* ws[4];
+#pragma unroll
+  for (int q = 0; q < 4; q++) {
+    wr[q] = (const unsigned char*)grp.w + (long)(f0 + g + 8 * q) * K + c * 16;
+    ws[q] = row_scales<K>(grp.w, N, f0 + g + 8 * q);
+  }
+  const unsigned char* xr[NT];
+  int tok[NT][2];
+  bool live[NT];
+#pragma unroll
+  for (int i = 0; i < NT; i++) {
+    live[i] = i * 8 + g < T;
+    xr[i] = xq + (long)min(i * 8 + g, T - 1) * K + c * 16;
+    tok[i][0] = min(i * 8 + 2 * c, T - 1);
+    tok[i][1] = min(i * 8 + 2 * c + 1, T - 1);
+  }
+  auto chunk = [&](int k, const uint4* a) {
+    const int grp128 = k / W8_GROUP;
+    const float s[4] = {ws[0][grp128], ws[1][grp128], ws[2][grp128], ws[3][grp128]};
+    const float* xsg = xs + (long)grp128 * T;
+#pragma unroll
+    for (int i = 0; i < NT; i++) {
+      uint4 xb = *(const uint4*)(xr[i] + k);
+      if (!live[i]) xb = make_uint4(0, 0, 0, 0);
+      const float x0 = xsg[tok[i][0]], x1 = xsg[tok[i][1]];
+#pragma unroll
+      for (int j = 0; j < 2; j++) {
+        float p[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        mma_rows8_e4m3(p, a[2 * j], a[2 * j + 1], xb);
+        acc[j][i][0] = fmaf(s[2 * j] * x0, p[0], acc[j][i][0]);
+        acc[j][i][1] = fmaf(s[2 * j] * x1, p[1], acc[j][i][1]);
+        acc[j][i][2] = fmaf(s[2 * j + 1] * x0, p[2], acc[j][i][2]);
+        acc[j][i][3] = fmaf(s[2 * j + 1] * x1, p[3], acc[j][i][3]);
+      }
+    }
+  };
+  int ch = warp;
+  for (; ch + WARPS < CH; ch += 2 * WARPS) {
+    const int k = ch * CW, k2 = k + WARPS * CW;
+    uint4 a[4], b[4];
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+      a[q] = ld_stream(wr[q] + k);
+      b[q] = ld_stream(wr[q] + k2);
+    }
+    chunk(k, a);
+    chunk(k2, b);
+  }
+  if (ch < CH) {
+    uint4 a[4];
+#pragma unroll
+    for (int q = 0; q < 4; q++) a[q] = ld_stream(wr[q] + ch * CW);
+    chunk(ch * CW, a);
+  }
+#pragma unroll
+  for (int j = 0; j < 2; j++)
+#pragma unroll
+    for (int i = 0; i < NT; i++) {
+      red[warp][16 * j + g][i * 8 + 2 * c] = acc[j][i][0];
+      red[warp][16 * j + g][i * 8 + 2 * c + 1] = acc[j][i][1];
+      red[warp][16 * j + g + 8][i * 8 + 2 * c] = acc[j][i][2];
+      red[warp][16 * j + g + 8][i * 8 + 2 * c + 1] = acc[j][i][3];
+    }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < 32 * NT * 8; idx += blockDim.x) {
+    const int t = idx >> 5, f = idx & 31;
+    if (t >= T) break;
+    float v = grp.b ? to_f32(grp.b[f0 + f]) : 0.0f;
+#pragma unroll
+    for (int q = 0; q < WARPS; q++) v += red[q][f][t];
+    grp.o[(long)t * N + f0 + f] = v;
+  }
+}
+
 // ---- attention ----
 // The RMS norm scale of one head row x of D features, rsqrt(mean(x^2) + eps), computed by one
 // warp (every lane gets it): the per-head q/k norm a rope_attention fusion applies before

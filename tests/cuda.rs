@@ -36,7 +36,7 @@ fn generated_kernels_compile_with_nvrtc_for_sm90() {
     let source = std::fs::read_to_string(f16.join("kernels/model.cu")).unwrap();
     assert!(source.contains("#define H16_F16 1"), "the f16 bundle's source does not select f16");
     runs.push(vec![f16.display().to_string()]);
-    // An FP8 checkpoint kept in E4M3: the linears' fp8_t GEMV / GEMM variants (its k and v
+    // An FP8 checkpoint kept in E4M3: the linears' fp8_t GEMV / GEMM variants and the W8A8 ones (its k and v
     // projections, [64, 128], stayed bf16 in HF's quantizer: their own launch beside q's).
     let fp8 = compile_to("qwen3", &fixture("tiny-qwen3-fp8-block"), &dir.join("fp8.bundle"), |_| {});
     let source = std::fs::read_to_string(fp8.join("kernels/model.cu")).unwrap();
@@ -45,6 +45,9 @@ fn generated_kernels_compile_with_nvrtc_for_sm90() {
         "gemm_skinny_k256_n128_t2_f8(",
         "gemm_k128_n128_f8(",
         "gemm_k128_n64_64(",
+        // W8A8 candidates: the input quantizer and the E4M3 x E4M3 small-batch kernel.
+        "quant_e4m3_rows(",
+        "gemm_skinny_a8_k256_n128_t2(",
     ] {
         assert!(source.contains(kernel), "the fp8 bundle's source has no {kernel}");
     }

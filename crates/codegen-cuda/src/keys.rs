@@ -105,6 +105,17 @@ pub enum KernelKey {
     },
     /// f32 to the 16-bit float.
     ToH16,
+    /// W8A8 small-batch linear: `GemmSkinny` of E4M3 weights over an input quantized by
+    /// [`KernelKey::QuantE4M3`] (128-column groups), on E4M3 tensor cores (m16n8k32); every
+    /// `n` a multiple of 32. The runtime times it against the other GEMMs at load.
+    GemmSkinnyA8 {
+        /// Input features.
+        k: usize,
+        /// Output features of each group (0: absent).
+        n: [usize; 3],
+        /// Tiles of 8 rows.
+        tiles: usize,
+    },
     /// 16-bit rows to E4M3 codes with one f32 scale per row and `group` columns: the
     /// activations of an E4M3-weight linear run on FP8 tensor cores through cuBLASLt (the
     /// runtime launches it before the matmul; `kernels/fast.cuh`'s `quant_e4m3`).
@@ -641,6 +652,7 @@ impl KernelKey {
             KernelKey::GluMul { act } => format!("glu_mul_to_h16_{}", act_tag(act)),
             KernelKey::ToH16 => "f32_to_h16_rows".into(),
             KernelKey::QuantE4M3 => "quant_e4m3_rows".into(),
+            KernelKey::GemmSkinnyA8 { k, n, tiles } => format!("gemm_skinny_a8_k{k}_n{}_t{tiles}", n3(n)),
             KernelKey::Rope { cols, d, rot } => format!("rope_c{cols}_d{d}{}", rot_suffix(d, rot)),
             KernelKey::RopeKv { heads, kv_heads, d, rot, rope_q, rope_k, norm } => format!(
                 "rope_kv_h{heads}_kv{kv_heads}_d{d}{}_{}{}{}",
@@ -732,6 +744,17 @@ impl KernelKey {
         matches!(self, KernelKey::Gemm { w8: true, .. } | KernelKey::GemmSkinny { w8: true, .. })
     }
 
+    /// The W8A8 small-batch kernel that may stand in for this launch (a `GemmSkinny` of E4M3
+    /// weights whose every output count is a multiple of 32).
+    pub fn a8(&self) -> Option<KernelKey> {
+        match *self {
+            KernelKey::GemmSkinny { k, n, tiles, w8: true } if n.iter().all(|c| c % 32 == 0) => {
+                Some(KernelKey::GemmSkinnyA8 { k, n, tiles })
+            }
+            _ => None,
+        }
+    }
+
     /// The `extern "C"` wrapper that instantiates the template.
     pub(crate) fn instance(&self) -> Result<String, CodegenError> {
         let name = self.name();
@@ -806,6 +829,10 @@ impl KernelKey {
                 format!("glu_mul(a, b, out, n, {})", act_lambda(act)),
             ),
             KernelKey::ToH16 => ("const float* a, h16_t* out, long n".into(), "to_h16(a, out, n)".into()),
+            KernelKey::GemmSkinnyA8 { k, n, tiles } => (
+                format!("const unsigned char* xq, const float* xs, {}", out_params("fp8_t")),
+                format!("gemm_skinny_a8<{k}, {}, {}, {}, {tiles}>(xq, xs, {OUT_ARGS})", n[0], n[1], n[2]),
+            ),
             KernelKey::QuantE4M3 => (
                 "const h16_t* x, unsigned char* q, float* s, int K, int group".into(),
                 "quant_e4m3(x, q, s, K, group)".into(),

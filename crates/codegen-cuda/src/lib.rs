@@ -140,7 +140,17 @@ pub fn emit(plan: &Plan) -> Result<Program, CodegenError> {
         _ => false,
     });
     let quant = w8.then_some(KernelKey::QuantE4M3);
-    for k in launched.chain(sampling).chain(one_shot).chain(gather).chain(quant) {
+    let a8: Vec<KernelKey> = s
+        .steps
+        .iter()
+        .flat_map(|st| match st {
+            Step::Kernels { variants, .. } => {
+                variants.iter().flat_map(|(_, ls)| ls.iter().filter_map(|l| l.key.a8())).collect()
+            }
+            _ => vec![],
+        })
+        .collect();
+    for k in launched.chain(sampling).chain(one_shot).chain(gather).chain(quant).chain(a8) {
         if !kernels.contains(&k) {
             kernels.push(k);
         }

@@ -200,16 +200,44 @@ impl Blas {
     }
 }
 
-/// Which GEMM runs a launch of `t` tokens, given the choices per bucket, ascending (`true`:
-/// cuBLASLt): the smallest bucket's not below `t`, as a decode graph pads `t` to that bucket
-/// (every captured size from 8 rows is one; fewer rows follow the 8-row bucket), else the largest's.
-pub(crate) fn use_blas(choice: &[(usize, bool)], t: usize) -> bool {
-    choice.iter().find(|(b, _)| *b >= t).or(choice.last()).is_some_and(|(_, blas)| *blas)
+/// Which kernel runs a linear launch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum Gemm {
+    /// The schedule's own (16-bit, or W8A16 for E4M3 weights).
+    Ours,
+    /// cuBLASLt (W8A8 for E4M3 weights: `w8a8`).
+    Blas,
+    /// Our W8A8 small-batch kernel (`KernelKey::GemmSkinnyA8`).
+    A8,
+}
+
+impl Gemm {
+    /// The mark of the log line and the number of the choices file.
+    fn mark(self) -> (&'static str, u8) {
+        match self {
+            Gemm::Ours => ("", 0),
+            Gemm::Blas => ("*", 1),
+            Gemm::A8 => ("+", 2),
+        }
+    }
+
+    fn from_number(n: usize) -> Option<Gemm> {
+        [Gemm::Ours, Gemm::Blas, Gemm::A8].get(n).copied()
+    }
+}
+
+/// Which GEMM runs a launch of `t` tokens, given the choices per bucket, ascending: the smallest
+/// bucket's not below `t`, as a decode graph pads `t` to that bucket (every captured size from 8
+/// rows is one; fewer rows follow the 8-row bucket), else the largest's; ours without choices.
+pub(crate) fn chosen(choice: &[(usize, Gemm)], t: usize) -> Gemm {
+    choice.iter().find(|(b, _)| *b >= t).or(choice.last()).map_or(Gemm::Ours, |(_, g)| *g)
 }
 
 impl CudaBackend {
-    /// Times every linear shape of the schedule with our kernel and with cuBLASLt at each bucket
-    /// and keeps the faster per bucket (`ENGINE_CUBLASLT=0`: ours only).
+    /// Times every linear shape of the schedule with our kernel and with cuBLASLt (and, for
+    /// E4M3 weights at small batches, our W8A8 kernel) at each bucket and keeps the fastest per
+    /// bucket (`ENGINE_CUBLASLT=0`: ours only). A W8A8 candidate whose result on a random input
+    /// is off from ours is refused for the shape first (`w8a8_disagrees`).
     pub(super) fn choose_gemms(&mut self) -> Result<(), RuntimeError> {
         let buckets = buckets();
         let shapes = self.gemm_launches(&buckets);
@@ -231,37 +259,48 @@ impl CudaBackend {
         for (shape, launches) in &shapes {
             let mut choice = vec![];
             let w8 = if shape.2 { " e4m3" } else { "" };
-            let mut line = format!("GEMM k{} n{:?}{w8} (us, ours / cuBLASLt):", shape.0, shape.1);
-            let check = match (shape.2, launches.first()) {
-                (true, Some((t, l))) if !launches.iter().all(|(t, _)| cached.contains_key(&(*shape, *t))) => {
-                    self.w8a8_disagrees(l, *t)?
+            let mut line = format!("GEMM k{} n{:?}{w8} (us, ours / cuBLASLt [/ ours W8A8]):", shape.0, shape.1);
+            let fresh = !launches.iter().all(|(t, _)| cached.contains_key(&(*shape, *t)));
+            let mut refused = vec![];
+            if let (true, true, Some((t, l))) = (shape.2, fresh, launches.first()) {
+                for g in [Gemm::Blas, Gemm::A8] {
+                    if let Some(why) = self.w8a8_disagrees(l, *t, g)? {
+                        let _ = write!(line, " [{} refused: {why}]", if g == Gemm::A8 { "W8A8" } else { "cuBLASLt" });
+                        refused.push(g);
+                    }
                 }
-                _ => None,
-            };
-            if let Some(why) = check {
-                eprintln!("{line} ours throughout: cuBLASLt's W8A8 is refused ({why})");
-                self.blas_choice.insert(*shape, launches.iter().map(|(t, _)| (*t, false)).collect());
-                timed = true;
-                continue;
             }
             for (t, l) in launches {
-                if let Some(&blas) = cached.get(&(*shape, *t)) {
-                    let _ = write!(line, " t={t} {}", if blas { "cached*" } else { "cached" });
-                    choice.push((*t, blas));
+                if let Some(&g) = cached.get(&(*shape, *t)) {
+                    let _ = write!(line, " t={t} cached{}", g.mark().0);
+                    choice.push((*t, g));
                     continue;
                 }
                 // t tokens, or t logits rows (a decode step's lm_head).
-                let ours = self.time(|be| be.launch(l, *t, *t, &[0; 6]))?;
-                let theirs = self.time(|be| be.launch_blas(l, *t));
-                let blas = theirs.as_ref().is_ok_and(|&ms| ms < ours);
-                let _ = match &theirs {
-                    Ok(ms) => write!(line, " t={t} {:.0}/{:.0}{}", ours * 1e3, ms * 1e3, if blas { "*" } else { "" }),
-                    Err(e) => write!(line, " t={t} {:.0}/failed ({e})", ours * 1e3),
-                };
-                choice.push((*t, blas));
+                let ours = self.time(|be| be.run_gemm(l, *t, Gemm::Ours))?;
+                let mut best = (Gemm::Ours, ours);
+                let _ = write!(line, " t={t} {:.0}", ours * 1e3);
+                for g in [Gemm::Blas, Gemm::A8] {
+                    if refused.contains(&g) || (g == Gemm::A8 && l.key.a8().is_none()) {
+                        continue;
+                    }
+                    match self.time(|be| be.run_gemm(l, *t, g)) {
+                        Ok(ms) => {
+                            let _ = write!(line, "/{:.0}", ms * 1e3);
+                            if ms < best.1 {
+                                best = (g, ms);
+                            }
+                        }
+                        Err(e) => {
+                            let _ = write!(line, "/failed ({e})");
+                        }
+                    }
+                }
+                line += best.0.mark().0;
+                choice.push((*t, best.0));
                 timed = true;
             }
-            eprintln!("{line} (*: cuBLASLt runs)");
+            eprintln!("{line} (*: cuBLASLt runs, +: ours W8A8)");
             choice.sort_by_key(|(t, _)| *t);
             self.blas_choice.insert(*shape, choice);
         }
@@ -269,6 +308,15 @@ impl CudaBackend {
             write_choices(f, &self.blas_choice);
         }
         Ok(())
+    }
+
+    /// Runs linear launch `l` of `t` tokens (or logits rows) with GEMM `g`.
+    pub(super) fn run_gemm(&self, l: &Launch, t: usize, g: Gemm) -> Result<(), RuntimeError> {
+        match g {
+            Gemm::Ours => self.launch(l, t, t, &[0; 6]),
+            Gemm::Blas => self.launch_blas(l, t),
+            Gemm::A8 => self.launch_a8(l, t),
+        }
     }
 
     /// Per linear shape of the schedule, the launch ours runs at each bucket: of the per-token
@@ -354,9 +402,12 @@ impl CudaBackend {
         let x = self.arg_ptr(&l.args[0]);
         let (x, fp8) = match modes.first() {
             None => (x, None),
+            Some(&m) if !m.takes(t) => {
+                return Err(RuntimeError::Unsupported(format!("cuBLASLt takes no {t}-row launch with block scales")));
+            }
             Some(&m) if modes.iter().all(|&o| o == m) => {
-                let (q, f) = self.quantize_input(x, k, t, m)?;
-                (q, Some(f))
+                let (q, scales) = self.quantize_input(x, k, t, m.group(k))?;
+                (q, Some(Fp8In { scales, mode: m }))
             }
             Some(_) => return Err(RuntimeError::Unsupported("the linears of a launch mix E4M3 scale modes".into())),
         };
@@ -395,25 +446,26 @@ fn choices_file(stream: &CudaStream, source: &str) -> Option<std::path::PathBuf>
     Some(codegen_cuda::nvrtc::cache_dir()?.join(format!("gemm-choices-{:016x}.txt", h.finish())))
 }
 
-/// The choices of a file [`write_choices`] wrote: lines `k n0 n1 n2 w8 t blas` (`w8` and `blas`
-/// 1 or 0); unreadable lines (and a missing file) are left out, so they are timed again.
-fn read_choices(path: &std::path::Path) -> HashMap<(Shape, usize), bool> {
+/// The choices of a file [`write_choices`] wrote: lines `k n0 n1 n2 w8 t gemm` (`w8` 1 or 0;
+/// `gemm` 0 ours, 1 cuBLASLt, 2 ours W8A8); unreadable lines (and a missing file) are left out,
+/// so they are timed again.
+fn read_choices(path: &std::path::Path) -> HashMap<(Shape, usize), Gemm> {
     let text = std::fs::read_to_string(path).unwrap_or_default();
-    let parse = |l: &str| -> Option<((Shape, usize), bool)> {
+    let parse = |l: &str| -> Option<((Shape, usize), Gemm)> {
         let v: Vec<usize> = l.split_whitespace().map(|w| w.parse().ok()).collect::<Option<_>>()?;
-        let [k, n0, n1, n2, w8, t, b] = v[..] else { return None };
-        Some((((k, [n0, n1, n2], w8 == 1), t), b == 1))
+        let [k, n0, n1, n2, w8, t, g] = v[..] else { return None };
+        Some((((k, [n0, n1, n2], w8 == 1), t), Gemm::from_number(g)?))
     };
     text.lines().filter_map(parse).collect()
 }
 
 /// Writes every shape's choices (atomically: a temporary file renamed); a cache that cannot be
 /// written is only a cache.
-fn write_choices(path: &std::path::Path, choices: &HashMap<Shape, Vec<(usize, bool)>>) {
+fn write_choices(path: &std::path::Path, choices: &HashMap<Shape, Vec<(usize, Gemm)>>) {
     let mut text = String::new();
     for ((k, n, w8), ch) in choices {
-        for (t, b) in ch {
-            let _ = writeln!(text, "{k} {} {} {} {} {t} {}", n[0], n[1], n[2], u8::from(*w8), u8::from(*b));
+        for (t, g) in ch {
+            let _ = writeln!(text, "{k} {} {} {} {} {t} {}", n[0], n[1], n[2], u8::from(*w8), g.mark().1);
         }
     }
     let tmp = path.with_extension(format!("tmp{}", std::process::id()));
@@ -441,10 +493,11 @@ mod tests {
 
     #[test]
     fn a_step_follows_the_bucket_a_graph_pads_its_rows_to() {
-        let choice = [(16, false), (32, true), (64, false)];
-        let runs: Vec<bool> = [8, 16, 17, 24, 32, 33, 63, 64, 4096].iter().map(|&t| use_blas(&choice, t)).collect();
-        assert_eq!(runs, [false, false, true, true, true, false, false, false, false]);
-        assert!(!use_blas(&[], 64));
+        let (o, b, a) = (Gemm::Ours, Gemm::Blas, Gemm::A8);
+        let choice = [(16, o), (32, b), (64, a)];
+        let runs: Vec<Gemm> = [8, 16, 17, 24, 32, 33, 63, 64, 4096].iter().map(|&t| chosen(&choice, t)).collect();
+        assert_eq!(runs, [o, o, b, b, b, a, a, a, a]);
+        assert_eq!(chosen(&[], 64), o);
     }
 
     #[test]
@@ -452,13 +505,15 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("gemm-choices-test-{}", std::process::id()));
         let path = dir.join("sub/choices.txt");
         let (shape, w8) = ((896, [4864, 4864, 0], false), (896, [4864, 4864, 0], true));
-        let choices = HashMap::from([(shape, vec![(16, false), (64, true)]), (w8, vec![(16, true)])]);
+        let choices = HashMap::from([(shape, vec![(16, Gemm::Ours), (64, Gemm::Blas)]), (w8, vec![(16, Gemm::A8)])]);
         write_choices(&path, &choices);
         let back = read_choices(&path);
-        assert_eq!(back, HashMap::from([((shape, 16), false), ((shape, 64), true), ((w8, 16), true)]));
-        // The six-field lines of a file from before E4M3 shapes are timed again.
-        std::fs::write(&path, "896 4864 4864 0 0 16 0\n896 4864 x 0 0 64 1\n896 4864 4864 0 16 0\n1 2 3\n").unwrap();
-        assert_eq!(read_choices(&path), HashMap::from([((shape, 16), false)]));
+        let want = [((shape, 16), Gemm::Ours), ((shape, 64), Gemm::Blas), ((w8, 16), Gemm::A8)];
+        assert_eq!(back, HashMap::from(want));
+        // The six-field lines of a file from before E4M3 shapes, and unknown kernels, are timed again.
+        let lines = "896 4864 4864 0 0 16 0\n896 4864 x 0 0 64 1\n896 4864 4864 0 16 0\n896 4864 4864 0 1 8 3\n1 2 3\n";
+        std::fs::write(&path, lines).unwrap();
+        assert_eq!(read_choices(&path), HashMap::from([((shape, 16), Gemm::Ours)]));
         assert!(read_choices(&dir.join("none.txt")).is_empty());
         std::fs::remove_dir_all(&dir).unwrap();
     }

@@ -76,10 +76,10 @@ pub struct CudaBackend {
     use_graphs: bool,
     /// Forward-step kernels launched as programmatic dependent launches (`device::pdl_enabled`).
     pdl: bool,
-    /// cuBLASLt, where it loads; per linear shape, the token buckets it runs (`blas::use_blas`) and
-    /// f32 copies of their biases.
+    /// cuBLASLt, where it loads; per linear shape, which GEMM runs at each token bucket
+    /// (`blas::chosen`) and f32 copies of the biases.
     blas: Option<blas::Blas>,
-    blas_choice: HashMap<blas::Shape, Vec<(usize, bool)>>,
+    blas_choice: HashMap<blas::Shape, Vec<(usize, blas::Gemm)>>,
     bias_f32: HashMap<usize, CudaSlice<f32>>,
     /// W8A8 ([`w8a8`]): the compact cuBLASLt scales of E4M3 weights, and the quantized input
     /// (codes `[cap.0, k]`, scales) of a launch.
@@ -362,10 +362,12 @@ impl CudaBackend {
                     let (_, launches) = variants.iter().find(|(max, _)| c <= *max).expect("an unbounded variant");
                     for l in launches {
                         let shape = blas::gemm_shape(&l.key);
-                        // Where cuBLASLt refuses a row count its choice covers (W8A8 with block
-                        // scales at rows not a multiple of four), ours runs.
-                        let blas = shape.and_then(|s| self.blas_choice.get(&s)).is_some_and(|ch| blas::use_blas(ch, c));
-                        if !blas || self.launch_blas(l, c).is_err() {
+                        // Where the chosen GEMM refuses a row count its choice covers (cuBLASLt's
+                        // W8A8 with block scales at rows not a multiple of four), ours runs.
+                        let g = shape
+                            .and_then(|s| self.blas_choice.get(&s))
+                            .map_or(blas::Gemm::Ours, |ch| blas::chosen(ch, c));
+                        if g == blas::Gemm::Ours || self.run_gemm(l, c, g).is_err() {
                             self.launch(l, t, r, off)?;
                         }
                     }

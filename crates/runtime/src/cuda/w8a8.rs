@@ -6,6 +6,7 @@
 //! Like the 16-bit GEMMs it is timed against our kernel (W8A16: the codes converted on the CUDA
 //! cores) at load per shape and row bucket, and runs where it is faster (`blas`).
 
+use super::blas::Gemm;
 use super::{driver, CudaBackend};
 use crate::RuntimeError;
 use codegen_cuda::{Arg, KernelKey, Launch, Step, W8_GROUP};
@@ -105,12 +106,12 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Why cuBLASLt's W8A8 result of launch `l` at `t` rows is not to be used, if it is not:
-    /// each linear's output against ours (W8A16) on a random input, the rms of the difference
-    /// within a tenth of the rms of ours (activation quantization costs a few percent; a scale
-    /// layout cuBLASLt reads otherwise than written costs all of it). Checked once per shape at
-    /// load, before the timing, so a wrong result never runs.
-    pub(super) fn w8a8_disagrees(&mut self, l: &Launch, t: usize) -> Result<Option<String>, RuntimeError> {
+    /// Why W8A8 GEMM `g` (cuBLASLt's or ours) of launch `l` at `t` rows is not to be used, if it
+    /// is not: each linear's output against ours (W8A16) on a random input, the rms of the
+    /// difference within a tenth of the rms of ours (activation quantization costs a few
+    /// percent; a scale layout read otherwise than written costs all of it). Checked once per
+    /// shape at load, before the timing, so a wrong result never runs.
+    pub(super) fn w8a8_disagrees(&mut self, l: &Launch, t: usize, g: Gemm) -> Result<Option<String>, RuntimeError> {
         let (Some(&Arg::Buf(xb)), KernelKey::Gemm { k, n, .. } | KernelKey::GemmSkinny { k, n, .. }) =
             (l.args.first(), l.key)
         else {
@@ -146,7 +147,7 @@ impl CudaBackend {
         };
         self.launch(l, t, t, &[0; 6])?;
         let ours = read(self)?;
-        if let Err(e) = self.launch_blas(l, t) {
+        if let Err(e) = self.run_gemm(l, t, g) {
             return Ok(Some(e.to_string()));
         }
         let theirs = read(self)?;
@@ -185,24 +186,13 @@ impl CudaBackend {
     }
 
     /// Quantizes the 16-bit input `x` (`[t, k]`) of a W8A8 launch into the codes and scales
-    /// buffer; returns the codes' pointer and what the matmul reads of the scales.
-    pub(super) fn quantize_input(
-        &self,
-        x: u64,
-        k: usize,
-        t: usize,
-        mode: Fp8Scales,
-    ) -> Result<(u64, Fp8In), RuntimeError> {
-        if !mode.takes(t) {
-            return Err(RuntimeError::Unsupported(format!(
-                "cuBLASLt takes no {t}-row launch with 1 x 128 block scales"
-            )));
-        }
+    /// buffers with one scale per row and `group` columns; returns the codes' and the scales'
+    /// pointers.
+    pub(super) fn quantize_input(&self, x: u64, k: usize, t: usize, group: usize) -> Result<(u64, u64), RuntimeError> {
         let Some((q, s)) = &self.w8_input else {
             return Err(RuntimeError::Unsupported("no E4M3 input buffers".into()));
         };
-        let group = mode.group(k);
-        let blocks = if group == W8_GROUP { (k / W8_GROUP).div_ceil(4) } else { 1 };
+        let blocks = if group == W8_GROUP { k.div_ceil(4 * W8_GROUP) } else { 1 };
         let (qp, sp) = (self.ptr(q), self.ptr(s));
         let (k32, g32) = (k as i32, group as i32);
         let mut params: Vec<*mut std::ffi::c_void> = vec![
@@ -213,12 +203,42 @@ impl CudaBackend {
             &g32 as *const i32 as *mut _,
         ];
         let cfg = LaunchConfig { grid_dim: (t as u32, blocks as u32, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
-        let Some(func) = self.funcs.get(&KernelKey::QuantE4M3) else {
-            return Err(RuntimeError::Unsupported("the program has no quant_e4m3_rows kernel".into()));
+        self.raw_launch(&KernelKey::QuantE4M3, cfg, &mut params)?;
+        Ok((qp, sp))
+    }
+
+    /// Launches kernel `key` of the program as it is (not a programmatic dependent launch).
+    fn raw_launch(
+        &self,
+        key: &KernelKey,
+        cfg: LaunchConfig,
+        params: &mut [*mut std::ffi::c_void],
+    ) -> Result<(), RuntimeError> {
+        let Some(func) = self.funcs.get(key) else {
+            return Err(RuntimeError::Unsupported(format!("the program has no {} kernel", key.name())));
         };
-        unsafe { super::device::launch(&self.stream, func, cfg, &mut params, false) }
-            .map_err(driver("quant_e4m3_rows"))?;
-        Ok((qp, Fp8In { scales: sp, mode }))
+        unsafe { super::device::launch(&self.stream, func, cfg, params, false) }.map_err(driver("a W8A8 launch"))
+    }
+
+    /// A small-batch launch of E4M3 weights (`GemmSkinny`) of `t` rows as W8A8 by our kernel
+    /// (`KernelKey::GemmSkinnyA8`): the input quantized per token and 128 columns, then the
+    /// E4M3 tensor-core kernel, writing the launch's outputs.
+    pub(super) fn launch_a8(&self, l: &Launch, t: usize) -> Result<(), RuntimeError> {
+        let (Some(key), KernelKey::GemmSkinny { k, n, tiles, .. }) = (l.key.a8(), l.key) else {
+            return Err(RuntimeError::Unsupported(format!("{} has no W8A8 kernel", l.key.name())));
+        };
+        if t > tiles * 8 {
+            return Err(RuntimeError::Unsupported(format!("{t} rows in a {}-row W8A8 kernel", tiles * 8)));
+        }
+        let (q, s) = self.quantize_input(self.arg_ptr(&l.args[0]), k, t, W8_GROUP)?;
+        let ptrs: Vec<u64> =
+            [q, s].into_iter().chain((1..10).map(|i| l.args.get(i).map_or(0, |a| self.arg_ptr(a)))).collect();
+        let t32 = t as i32;
+        let mut params: Vec<*mut std::ffi::c_void> = ptrs.iter().map(|p| p as *const u64 as *mut _).collect();
+        params.push(&t32 as *const i32 as *mut _);
+        let blocks = n.iter().sum::<usize>() / 32;
+        let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+        self.raw_launch(&key, cfg, &mut params)
     }
 }
 
