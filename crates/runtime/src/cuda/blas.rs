@@ -5,20 +5,16 @@
 //! logged, and a step uses the choice of the smallest bucket not below its token count (the
 //! size a decode graph pads it to: graphs and eager steps run the same GEMMs; past the largest
 //! bucket, the largest's), and the decode graphs capture it. The library is optional: where it cannot be loaded, our kernels
-//! run throughout.
+//! run throughout. The library's own wrapper (matmuls, algorithms) is `lt`.
 
-use super::w8a8::{Fp8In, Fp8Scales};
+use super::lt::{Blas, Part};
+use super::w8a8::Fp8In;
 use super::{driver, CudaBackend};
 use crate::RuntimeError;
-use codegen_cuda::without_panic;
 use codegen_cuda::{Arg, Count, KernelKey, Launch, Step, SKINNY_ROWS};
-use cudarc::cublaslt::{result as lt, sys};
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
-use std::cell::RefCell;
+use cudarc::driver::CudaStream;
 use std::collections::HashMap;
-use std::ffi::c_void;
 use std::fmt::Write;
-use std::sync::Arc;
 
 /// Token counts at which both GEMMs are timed: each captured decode batch from the smallest
 /// tensor-core variant's rows on, then prefill sizes.
@@ -44,161 +40,6 @@ pub(crate) fn gemm_shape(key: &KernelKey) -> Option<Shape> {
 /// The logits rows the buffers hold while the GEMMs are timed at load (the most a decode step
 /// captures).
 const MAX_LOGITS_ROWS: usize = 256;
-
-/// Workspace for cuBLASLt's split-K and stream-K algorithms (NVIDIA's recommendation on Hopper).
-const WORKSPACE: usize = 32 << 20;
-
-/// One linear of a GEMM launch: device pointers of its weight `[n, k]`, bias `[n]` (f32, or 16-bit
-/// for W8A8; or 0), output `[t, n]` f32 and, for E4M3 weights, their compact scales.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Part {
-    pub w: u64,
-    pub bias: u64,
-    pub out: u64,
-    pub n: usize,
-    pub w_scales: u64,
-}
-
-/// What an algorithm is found for: n, t, k, with a bias, and the FP8 scale mode (W8A8).
-type AlgoKey = (usize, usize, usize, bool, Option<Fp8Scales>);
-
-/// A cuBLASLt handle, its workspace and the best algorithm found per shape.
-pub(crate) struct Blas {
-    handle: sys::cublasLtHandle_t,
-    /// The 16-bit type of x and the weights (the program's `half`).
-    half: sys::cudaDataType_t,
-    workspace: CudaSlice<u8>,
-    algos: RefCell<HashMap<AlgoKey, sys::cublasLtMatmulAlgo_t>>,
-}
-
-// The handle is used only by the thread that owns the backend.
-unsafe impl Send for Blas {}
-
-impl Drop for Blas {
-    fn drop(&mut self) {
-        unsafe {
-            let _ = lt::destroy_handle(self.handle);
-        }
-    }
-}
-
-impl Blas {
-    /// A handle on `stream`'s device; `None` when the cuBLASLt library cannot be loaded.
-    pub(crate) fn new(stream: &Arc<CudaStream>, half: ir::DType) -> Result<Option<Blas>, RuntimeError> {
-        let Some(Ok(handle)) = without_panic(lt::create_handle) else {
-            return Ok(None);
-        };
-        let workspace = stream.alloc_zeros::<u8>(WORKSPACE).map_err(driver("alloc"))?;
-        let half = match half {
-            ir::DType::F16 => sys::cudaDataType_t::CUDA_R_16F,
-            _ => sys::cudaDataType_t::CUDA_R_16BF,
-        };
-        Ok(Some(Blas { handle, half, workspace, algos: RefCell::default() }))
-    }
-
-    /// `out = x · wᵀ (+ bias)` for each part: x `[t, k]` 16-bit, or E4M3 codes with `fp8` for
-    /// E4M3 weights; row-major throughout.
-    pub(crate) fn gemm(
-        &self,
-        stream: &CudaStream,
-        x: u64,
-        fp8: Option<Fp8In>,
-        k: usize,
-        t: usize,
-        parts: &[Part],
-    ) -> Result<(), String> {
-        for p in parts {
-            unsafe { self.one(stream, x, fp8, k, t, p) }.map_err(|e| {
-                format!("cuBLASLt matmul {t}x{}x{k}{}: {e:?}", p.n, if fp8.is_some() { " e4m3" } else { "" })
-            })?;
-        }
-        Ok(())
-    }
-
-    /// In cuBLASLt's column-major terms: D (n x t) = op(W) (n x k) · X (k x t), W stored as k x n.
-    unsafe fn one(
-        &self,
-        stream: &CudaStream,
-        x: u64,
-        fp8: Option<Fp8In>,
-        k: usize,
-        t: usize,
-        p: &Part,
-    ) -> Result<(), lt::CublasError> {
-        use sys::cublasLtMatmulDescAttributes_t as D;
-        let f32t = sys::cudaDataType_t::CUDA_R_32F;
-        let h16 = if fp8.is_some() { sys::cudaDataType_t::CUDA_R_8F_E4M3 } else { self.half };
-        let a = lt::create_matrix_layout(h16, k as u64, p.n as u64, k as i64)?;
-        let b = lt::create_matrix_layout(h16, k as u64, t as u64, k as i64)?;
-        let c = lt::create_matrix_layout(f32t, p.n as u64, t as u64, p.n as i64)?;
-        let desc = lt::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, f32t)?;
-        let set = |attr: D, v: *const c_void, size: usize| lt::set_matmul_desc_attribute(desc, attr, v, size);
-        // cublasOperation_t: 1 transposes, 0 does not.
-        let (op_t, op_n) = (1i32, 0i32);
-        let r = (|| {
-            set(D::CUBLASLT_MATMUL_DESC_TRANSA, &op_t as *const _ as *const c_void, std::mem::size_of_val(&op_t))?;
-            set(D::CUBLASLT_MATMUL_DESC_TRANSB, &op_n as *const _ as *const c_void, std::mem::size_of_val(&op_n))?;
-            if p.bias != 0 {
-                let epi = sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS;
-                set(D::CUBLASLT_MATMUL_DESC_EPILOGUE, &epi as *const _ as *const c_void, std::mem::size_of_val(&epi))?;
-                set(D::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &p.bias as *const _ as *const c_void, 8)?;
-                if fp8.is_some() {
-                    // FP8 with an f32 D takes a 16-bit bias (cuBLASLt's FP8 type table).
-                    let bt = self.half;
-                    set(D::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt as *const _ as *const c_void, 4)?;
-                }
-            }
-            if let Some(f) = fp8 {
-                let (wm, xm) = f.mode.modes();
-                set(D::CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &wm as *const i32 as *const c_void, 4)?;
-                set(D::CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &xm as *const i32 as *const c_void, 4)?;
-                set(D::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &p.w_scales as *const u64 as *const c_void, 8)?;
-                set(D::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &f.scales as *const u64 as *const c_void, 8)?;
-            }
-            let key = (p.n, t, k, p.bias != 0, fp8.map(|f| f.mode));
-            let found = self.algos.borrow().get(&key).copied();
-            let algo = match found {
-                Some(a) => a,
-                None => {
-                    let pref = lt::create_matmul_pref()?;
-                    let ws = WORKSPACE as u64;
-                    let attr = sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES;
-                    let h = lt::set_matmul_pref_attribute(pref, attr, &ws as *const _ as *const c_void, 8)
-                        .and_then(|_| lt::get_matmul_algo_heuristic(self.handle, desc, a, b, c, c, pref));
-                    let _ = lt::destroy_matmul_pref(pref);
-                    let algo = h?.algo;
-                    self.algos.borrow_mut().insert(key, algo);
-                    algo
-                }
-            };
-            let (alpha, beta) = (1.0f32, 0.0f32);
-            let (ws, _sync) = self.workspace.device_ptr(stream);
-            lt::matmul(
-                self.handle,
-                desc,
-                &alpha as *const f32 as *const c_void,
-                &beta as *const f32 as *const c_void,
-                p.w as *const c_void,
-                a,
-                x as *const c_void,
-                b,
-                p.out as *const c_void,
-                c,
-                p.out as *mut c_void,
-                c,
-                &algo,
-                ws as *mut c_void,
-                WORKSPACE,
-                stream.cu_stream() as sys::cudaStream_t,
-            )
-        })();
-        let _ = lt::destroy_matmul_desc(desc);
-        for l in [a, b, c] {
-            let _ = lt::destroy_matrix_layout(l);
-        }
-        r
-    }
-}
 
 /// Which kernel runs a linear launch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -248,12 +89,17 @@ impl CudaBackend {
             eprintln!("cuBLASLt not found: every GEMM runs our kernel");
             return Ok(());
         };
+        let file = choices_file(&self.stream, &self.program.source);
+        let algos_file = file.as_ref().map(|f| f.with_extension("algos"));
+        if let Some(f) = &algos_file {
+            blas.load_algos(f);
+        }
+        blas.explore(true);
         self.blas = Some(blas);
         let firsts: Vec<Launch> = shapes.iter().flat_map(|(_, ls)| ls.iter().map(|(_, l)| l.clone())).collect();
         self.convert_biases(&firsts)?;
         self.convert_w8_scales()?;
         self.ensure_cap(buckets[buckets.len() - 1], MAX_LOGITS_ROWS)?;
-        let file = choices_file(&self.stream, &self.program.source);
         let cached = file.as_deref().map(read_choices).unwrap_or_default();
         let mut timed = false;
         for (shape, launches) in &shapes {
@@ -306,6 +152,12 @@ impl CudaBackend {
         }
         if let (true, Some(f)) = (timed, &file) {
             write_choices(f, &self.blas_choice);
+        }
+        if let Some(b) = &self.blas {
+            b.explore(false);
+            if let Some(f) = &algos_file {
+                b.save_algos(f);
+            }
         }
         Ok(())
     }
@@ -468,6 +320,12 @@ fn write_choices(path: &std::path::Path, choices: &HashMap<Shape, Vec<(usize, Ge
             let _ = writeln!(text, "{k} {} {} {} {} {t} {}", n[0], n[1], n[2], u8::from(*w8), g.mark().1);
         }
     }
+    write_atomically(path, &text);
+}
+
+/// Writes `text` to `path` through a temporary file renamed (a cache that cannot be written is
+/// only a cache).
+pub(crate) fn write_atomically(path: &std::path::Path, text: &str) {
     let tmp = path.with_extension(format!("tmp{}", std::process::id()));
     let ok = path.parent().is_some_and(|d| std::fs::create_dir_all(d).is_ok())
         && std::fs::write(&tmp, text).is_ok()

@@ -22,6 +22,7 @@ use std::sync::Arc;
 
 mod blas;
 mod device;
+mod lt;
 pub(crate) mod probe;
 mod profile;
 pub mod tp;
@@ -78,7 +79,7 @@ pub struct CudaBackend {
     pdl: bool,
     /// cuBLASLt, where it loads; per linear shape, which GEMM runs at each token bucket
     /// (`blas::chosen`) and f32 copies of the biases.
-    blas: Option<blas::Blas>,
+    blas: Option<lt::Blas>,
     blas_choice: HashMap<blas::Shape, Vec<(usize, blas::Gemm)>>,
     bias_f32: HashMap<usize, CudaSlice<f32>>,
     /// W8A8 ([`w8a8`]): the compact cuBLASLt scales of E4M3 weights, and the quantized input

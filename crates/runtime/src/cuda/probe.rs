@@ -5,9 +5,9 @@
 //! recorded on one stream, the runs queued back to back so the GPU never waits on the host;
 //! every buffer is freed when its measurement returns.
 
-use super::blas::{Blas, Part};
 use super::device::context;
 use super::driver;
+use super::lt::{Blas, Part};
 use crate::probe::{CopyRate, GpuReport, MatmulRate, ProbeOptions, Timing};
 use crate::RuntimeError;
 use cudarc::driver::sys::CUevent_flags;
