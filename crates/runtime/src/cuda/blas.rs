@@ -107,43 +107,16 @@ impl CudaBackend {
             let w8 = if shape.2 { " e4m3" } else { "" };
             let mut line = format!("GEMM k{} n{:?}{w8} (us, ours / cuBLASLt [/ ours W8A8]):", shape.0, shape.1);
             let fresh = !launches.iter().all(|(t, _)| cached.contains_key(&(*shape, *t)));
-            let mut refused = vec![];
-            if let (true, true, Some((t, l))) = (shape.2, fresh, launches.first()) {
-                for g in [Gemm::Blas, Gemm::A8] {
-                    if let Some(why) = self.w8a8_disagrees(l, *t, g)? {
-                        let _ = write!(line, " [{} refused: {why}]", if g == Gemm::A8 { "W8A8" } else { "cuBLASLt" });
-                        refused.push(g);
-                    }
-                }
-            }
+            let refused = if shape.2 && fresh { self.w8a8_refusals(launches, &mut line)? } else { vec![] };
             for (t, l) in launches {
                 if let Some(&g) = cached.get(&(*shape, *t)) {
                     let _ = write!(line, " t={t} cached{}", g.mark().0);
                     choice.push((*t, g));
                     continue;
                 }
-                // t tokens, or t logits rows (a decode step's lm_head).
-                let ours = self.time(|be| be.run_gemm(l, *t, Gemm::Ours))?;
-                let mut best = (Gemm::Ours, ours);
-                let _ = write!(line, " t={t} {:.0}", ours * 1e3);
-                for g in [Gemm::Blas, Gemm::A8] {
-                    if refused.contains(&g) || (g == Gemm::A8 && l.key.a8().is_none()) {
-                        continue;
-                    }
-                    match self.time(|be| be.run_gemm(l, *t, g)) {
-                        Ok(ms) => {
-                            let _ = write!(line, "/{:.0}", ms * 1e3);
-                            if ms < best.1 {
-                                best = (g, ms);
-                            }
-                        }
-                        Err(e) => {
-                            let _ = write!(line, "/failed ({e})");
-                        }
-                    }
-                }
-                line += best.0.mark().0;
-                choice.push((*t, best.0));
+                let best = self.fastest_gemm(l, *t, &refused, &mut line)?;
+                line += best.mark().0;
+                choice.push((*t, best));
                 timed = true;
             }
             eprintln!("{line} (*: cuBLASLt runs, +: ours W8A8)");
@@ -160,6 +133,31 @@ impl CudaBackend {
             }
         }
         Ok(())
+    }
+
+    /// The fastest GEMM for launch `l` at `t` tokens (or logits rows, a decode step's lm_head)
+    /// of ours and the candidates not `refused`, the times appended to the log `line`.
+    fn fastest_gemm(&self, l: &Launch, t: usize, refused: &[Gemm], line: &mut String) -> Result<Gemm, RuntimeError> {
+        let ours = self.time(|be| be.run_gemm(l, t, Gemm::Ours))?;
+        let mut best = (Gemm::Ours, ours);
+        let _ = write!(line, " t={t} {:.0}", ours * 1e3);
+        for g in [Gemm::Blas, Gemm::A8] {
+            if refused.contains(&g) || (g == Gemm::A8 && l.key.a8().is_none()) {
+                continue;
+            }
+            match self.time(|be| be.run_gemm(l, t, g)) {
+                Ok(ms) => {
+                    let _ = write!(line, "/{:.0}", ms * 1e3);
+                    if ms < best.1 {
+                        best = (g, ms);
+                    }
+                }
+                Err(e) => {
+                    let _ = write!(line, "/failed ({e})");
+                }
+            }
+        }
+        Ok(best.0)
     }
 
     /// Runs linear launch `l` of `t` tokens (or logits rows) with GEMM `g`.

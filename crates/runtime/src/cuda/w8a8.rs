@@ -163,6 +163,34 @@ impl CudaBackend {
         Ok(None)
     }
 
+    /// The W8A8 candidates refused for a shape of E4M3 weights: each kernel variant of its
+    /// `launches` (the small-batch ones per row tiles, the tiled one) is checked at the first
+    /// bucket it runs ([`CudaBackend::w8a8_disagrees`]); a refusal is noted in the log `line`.
+    pub(super) fn w8a8_refusals(
+        &mut self,
+        launches: &[(usize, Launch)],
+        line: &mut String,
+    ) -> Result<Vec<Gemm>, RuntimeError> {
+        let (mut refused, mut seen) = (vec![], vec![]);
+        for (t, l) in launches {
+            if seen.contains(&l.key) {
+                continue;
+            }
+            seen.push(l.key);
+            for g in [Gemm::Blas, Gemm::A8] {
+                if refused.contains(&g) || (g == Gemm::A8 && l.key.a8().is_none()) {
+                    continue;
+                }
+                if let Some(why) = self.w8a8_disagrees(l, *t, g)? {
+                    let who = if g == Gemm::A8 { "W8A8" } else { "cuBLASLt" };
+                    line.push_str(&format!(" [{who} refused at t={t}: {why}]"));
+                    refused.push(g);
+                }
+            }
+        }
+        Ok(refused)
+    }
+
     /// The widest input of the program's E4M3 tensor-core linears (0: none).
     fn w8_k_max(&self) -> usize {
         let k = |key: &KernelKey| match *key {
