@@ -1,11 +1,12 @@
-//! Block weights read with AVX2 and FMA (x86-64), for the linear calls of fewer than four rows
-//! (a decode step's): two output features at a time in the two halves of a 256-bit register,
+//! Linear calls read with AVX2 and FMA (x86-64). Block weights, for the calls of fewer than four
+//! rows (a decode step's): two output features at a time in the two halves of a 256-bit register,
 //! each half computing exactly what the JIT's block kernel computes for its feature (the same
 //! weights `ir::quant::value`, the same f32x4 accumulator order, the same horizontal sum), so
 //! the results are bit for bit the JIT's and the expanded path's (batch-invariance holds).
 //! Cranelift emits 128-bit vectors only; these loops do twice the work per instruction. The
-//! nibble types (Q4_0, Q4_1, Q4_K as Q4_1 blocks) and Q8_0 are read here; the others stay with
-//! the JIT. `ENGINE_CPU_AVX2=0` turns it off.
+//! block types of the CPU layout are read here (`pairs`), and dense weights (f32, bf16, and the
+//! block rows dequantized for a call of four rows or more) in tiles of rows by pairs of features
+//! (`dense`), bit for bit the JIT's dense kernel. `ENGINE_CPU_AVX2=0` turns both off.
 
 use crate::blocks;
 use ir::{DType, BLOCK};
@@ -106,6 +107,14 @@ unsafe fn pairs_of<const K: u8>(c: &Call, j0: usize, j1: usize) -> usize {
 /// Pairs of features a pass of [`pairs`] computes together.
 const PAIRS: usize = 4;
 
+/// The four floats at `p` (any alignment) in both halves.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn bcast4(p: *const f32) -> __m256 {
+    let v = _mm_loadu_ps(p);
+    _mm256_set_m128(v, v)
+}
+
 /// `((l0 + l1) + l2) + l3`: the JIT's horizontal sum.
 #[target_feature(enable = "avx2,fma")]
 unsafe fn hsum(v: __m128) -> f32 {
@@ -178,8 +187,141 @@ unsafe fn block<const K: u8>(
             2 => _mm256_mul_ps(f, d),
             _ => _mm256_mul_ps(f, if g < 4 { d } else { m }),
         };
-        let xv = _mm256_broadcast_ps(&*(xb.add(4 * g) as *const __m128));
+        let xv = bcast4(xb.add(4 * g));
         acc = _mm256_fmadd_ps(xv, w, acc);
     }
     acc
+}
+
+/// A call over dense weights (f32, or bf16 widened exactly): `rows` rows of `k` floats at `x`,
+/// weight row `j` at `w + j·k·size`, `out` rows of `n` floats.
+pub(crate) struct DenseCall {
+    pub x: *const f32,
+    pub k: usize,
+    pub rows: usize,
+    pub w: *const u8,
+    pub bf16: bool,
+    pub out: *mut f32,
+    pub n: usize,
+}
+
+/// Whether the CPU reads dense weights of `dtype` here (f32 and bf16, with AVX2 and FMA, and
+/// `ENGINE_CPU_AVX2` not `0`).
+pub(crate) fn dense_ok(dtype: DType) -> bool {
+    matches!(dtype, DType::F32 | DType::BF16) && kind(DType::Q8_0).is_some()
+}
+
+/// Rows of a dense tile.
+const TILE_ROWS: usize = 4;
+/// Pairs of features of a dense tile.
+const TILE_PAIRS: usize = 2;
+
+/// Features `j0, j0 + 1, ...` in pairs for every row of the call, in tiles of [`TILE_ROWS`]
+/// rows by [`TILE_PAIRS`] pairs: the JIT's dense kernel's sums bit for bit (each (row, feature)
+/// one f32x4 accumulator stepping 4 along k, the same horizontal sum, then the k tail one FMA
+/// at a time), each 256-bit register holding two features' accumulators. Returns the first
+/// feature left (the last one when `j1 - j0` is odd).
+///
+/// # Safety
+/// The CPU has AVX2 and FMA ([`dense_ok`]); `c` describes valid memory: `c.rows` rows of `c.k`
+/// floats at `c.x`, weight rows `j0..j1`, and output rows of `c.n` floats whose columns
+/// `j0..j1` no other thread writes.
+#[target_feature(enable = "avx2,fma")]
+pub(crate) unsafe fn dense(c: &DenseCall, j0: usize, j1: usize) -> usize {
+    if c.bf16 {
+        dense_of::<true>(c, j0, j1)
+    } else {
+        dense_of::<false>(c, j0, j1)
+    }
+}
+
+/// [`dense`] for f32 (`BF` false) or bf16 weights.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dense_of<const BF: bool>(c: &DenseCall, j0: usize, j1: usize) -> usize {
+    let mut j = j0;
+    while j + 2 <= j1 {
+        let wide = j + 2 * TILE_PAIRS <= j1;
+        let mut r = 0;
+        while r < c.rows {
+            match (c.rows - r >= TILE_ROWS, wide) {
+                (true, true) => tile::<BF, TILE_ROWS, TILE_PAIRS>(c, r, j),
+                (true, false) => tile::<BF, TILE_ROWS, 1>(c, r, j),
+                (false, true) => tile::<BF, 1, TILE_PAIRS>(c, r, j),
+                (false, false) => tile::<BF, 1, 1>(c, r, j),
+            }
+            r += if c.rows - r >= TILE_ROWS { TILE_ROWS } else { 1 };
+        }
+        j += if wide { 2 * TILE_PAIRS } else { 2 };
+    }
+    j
+}
+
+/// Four weights of row `j` from `kk` as f32 (bf16 widened exactly).
+#[target_feature(enable = "avx2,fma")]
+unsafe fn w4<const BF: bool>(c: &DenseCall, j: usize, kk: usize) -> __m128 {
+    if BF {
+        let p = c.w.add((j * c.k + kk) * 2) as *const __m128i;
+        _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(_mm_loadl_epi64(p)), 16))
+    } else {
+        _mm_loadu_ps((c.w as *const f32).add(j * c.k + kk))
+    }
+}
+
+/// bf16 weights `kk + 4h .. kk + 4h + 4` of rows `j` (low half) and `j + 1` (high half) as f32.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn bf16_pair(c: &DenseCall, j: usize, kk: usize, h: usize) -> __m256 {
+    let row = |j: usize| _mm_loadu_si128(c.w.add((j * c.k + kk) * 2) as *const __m128i);
+    let (a, b) = (row(j), row(j + 1));
+    let both = if h == 0 { _mm_unpacklo_epi64(a, b) } else { _mm_unpackhi_epi64(a, b) };
+    _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(both), 16))
+}
+
+/// One weight of row `j` at `i` as f32.
+unsafe fn w1<const BF: bool>(c: &DenseCall, j: usize, i: usize) -> f32 {
+    if BF {
+        f32::from_bits(((c.w.add((j * c.k + i) * 2) as *const u16).read_unaligned() as u32) << 16)
+    } else {
+        (c.w as *const f32).add(j * c.k + i).read_unaligned()
+    }
+}
+
+/// Rows `r0..r0 + R` against features `j..j + 2P`.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn tile<const BF: bool, const R: usize, const P: usize>(c: &DenseCall, r0: usize, j: usize) {
+    let main = c.k / 4 * 4;
+    let mut acc = [[_mm256_setzero_ps(); P]; R];
+    let mut step = |kk: usize, w: &[__m256; P]| {
+        for (r, a) in acc.iter_mut().enumerate() {
+            let xv = bcast4(c.x.add((r0 + r) * c.k + kk));
+            for p in 0..P {
+                a[p] = _mm256_fmadd_ps(xv, w[p], a[p]);
+            }
+        }
+    };
+    // bf16 rows widen 8 weights at a time (two steps of 4, in order).
+    let main8 = if BF { c.k / 8 * 8 } else { 0 };
+    for kk in (0..main8).step_by(8) {
+        let w: [[__m256; P]; 2] = std::array::from_fn(|h| std::array::from_fn(|p| bf16_pair(c, j + 2 * p, kk, h)));
+        step(kk, &w[0]);
+        step(kk + 4, &w[1]);
+    }
+    for kk in (main8..main).step_by(4) {
+        let w: [__m256; P] =
+            std::array::from_fn(|p| _mm256_set_m128(w4::<BF>(c, j + 2 * p + 1, kk), w4::<BF>(c, j + 2 * p, kk)));
+        step(kk, &w);
+    }
+    for (r, a) in acc.iter().enumerate() {
+        let x = c.x.add((r0 + r) * c.k);
+        for (p, v) in a.iter().enumerate() {
+            for (h, half) in [_mm256_castps256_ps128(*v), _mm256_extractf128_ps(*v, 1)].into_iter().enumerate() {
+                let f = j + 2 * p + h;
+                let mut sum = hsum(half);
+                for i in main..c.k {
+                    sum = (*x.add(i)).mul_add(w1::<BF>(c, f, i), sum);
+                }
+                *c.out.add((r0 + r) * c.n + f) = sum;
+            }
+        }
+    }
 }

@@ -31,6 +31,9 @@ pub struct LinearKernel {
     /// of features.
     #[cfg(target_arch = "x86_64")]
     avx2: Option<crate::avx2::Kind>,
+    /// Dense (f32, bf16) weights read in AVX2 tiles (`crate::avx2::dense`), bit for bit `f`.
+    #[cfg(target_arch = "x86_64")]
+    dense_avx2: bool,
 }
 
 /// A block type's weight rows dequantized to f32 (exactly: `ir::quant::value`) and the f32
@@ -338,6 +341,8 @@ impl LinearKernel {
             expand,
             #[cfg(target_arch = "x86_64")]
             avx2: blocks_ok.then(|| crate::avx2::kind(wdtype)).flatten(),
+            #[cfg(target_arch = "x86_64")]
+            dense_avx2: crate::avx2::dense_ok(wdtype),
         })
     }
 
@@ -359,7 +364,7 @@ impl LinearKernel {
                 Some(e) if rows >= EXPAND_ROWS => self.run_expanded(e, x, w, out_ptr, (j0, j1)),
                 _ => {
                     let j = self.run_pairs(x, w, out_ptr, (j0, j1));
-                    self.run_rows(self.f, x, w.as_ptr(), out_ptr, (j, j1))
+                    self.run_rows(x, w.as_ptr(), out_ptr, (j, j1))
                 }
             }
         });
@@ -393,24 +398,53 @@ impl LinearKernel {
         j0
     }
 
-    /// Output features `j0..j1` of every row of x by `f`, over weights `w` (row `j` at `w +
-    /// j·row bytes`).
-    fn run_rows(&self, f: LinearFn, x: &[f32], w: *const u8, out: usize, (j0, j1): (usize, usize)) {
+    /// Output features `j0..j1` of every row of x over weights `w` (row `j` at `w + j·row
+    /// bytes`): in AVX2 tiles where this kernel reads dense weights so, then by its JIT function.
+    fn run_rows(&self, x: &[f32], w: *const u8, out: usize, (j0, j1): (usize, usize)) {
         let rows = x.len() / self.k;
         // Rows in blocks that stay in cache while every weight row of the part streams past
         // them (the kernel is batch-invariant, so blocking changes no result).
         for r0 in (0..rows).step_by(ROW_BLOCK) {
             let nr = ROW_BLOCK.min(rows - r0);
-            if j0 < j1 {
-                // SAFETY: `run` checked the sizes; callers give disjoint columns j0..j1 of out
-                // and weight rows j0..j1 at `w`; rows r0..r0 + nr are inside x and out.
-                unsafe {
-                    let xb = x.as_ptr().add(r0 * self.k);
-                    let ob = (out as *mut f32).add(r0 * self.n);
-                    f(xb, w, ob, nr as i64, j0 as i64, j1 as i64)
+            // SAFETY: `run` checked the sizes; callers give disjoint columns j0..j1 of out
+            // and weight rows j0..j1 at `w`; rows r0..r0 + nr are inside x and out.
+            unsafe {
+                let xb = x.as_ptr().add(r0 * self.k);
+                let ob = (out as *mut f32).add(r0 * self.n);
+                let j = self.dense_tiles(xb, nr, w, ob, (j0, j1));
+                if j < j1 {
+                    (self.f)(xb, w, ob, nr as i64, j as i64, j1 as i64)
                 }
             }
         }
+    }
+
+    /// Features from `j0` on through `crate::avx2::dense` where this kernel reads its dense
+    /// weights so; returns the first feature left for the JIT's function.
+    ///
+    /// # Safety
+    /// As for the JIT's function: `nr` rows at `x`, weight rows `j0..j1` at `w`, output rows
+    /// at `out` whose columns `j0..j1` no other thread writes.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn dense_tiles(
+        &self,
+        x: *const f32,
+        nr: usize,
+        w: *const u8,
+        out: *mut f32,
+        (j0, j1): (usize, usize),
+    ) -> usize {
+        if !self.dense_avx2 {
+            return j0;
+        }
+        let call =
+            crate::avx2::DenseCall { x, k: self.k, rows: nr, w, bf16: self.wdtype == DType::BF16, out, n: self.n };
+        crate::avx2::dense(&call, j0, j1)
+    }
+
+    #[cfg(not(target_arch = "x86_64"))]
+    unsafe fn dense_tiles(&self, _: *const f32, _: usize, _: *const u8, _: *mut f32, (j0, _): (usize, usize)) -> usize {
+        j0
     }
 
     /// Output features `j0..j1` from block weights dequantized, a few rows at a time, into this
@@ -427,7 +461,7 @@ impl LinearKernel {
                 unsafe { (e.f)(w.as_ptr(), scratch.as_mut_ptr(), c0 as i64, c1 as i64) };
                 // The f32 kernel finds row j at `base + j·k·4`: row c0 at the scratch's start.
                 let base = (scratch.as_ptr() as *const u8).wrapping_sub(c0 * self.k * 4);
-                self.run_rows(e.dense.f, x, base, out, (c0, c1));
+                e.dense.run_rows(x, base, out, (c0, c1));
             }
         })
     }
@@ -566,8 +600,32 @@ mod tests {
                 let (mut fast, mut jit) = (vec![f32::NAN; rows * n], vec![f32::NAN; rows * n]);
                 let done = kernel.run_pairs(&x, &w, fast.as_mut_ptr() as usize, (0, n));
                 assert_eq!(done, if kernel.avx2.is_some() { n / 2 * 2 } else { 0 }, "{dtype}");
-                kernel.run_rows(kernel.f, &x, w.as_ptr(), fast.as_mut_ptr() as usize, (done, n));
-                kernel.run_rows(kernel.f, &x, w.as_ptr(), jit.as_mut_ptr() as usize, (0, n));
+                kernel.run_rows(&x, w.as_ptr(), fast.as_mut_ptr() as usize, (done, n));
+                kernel.run_rows(&x, w.as_ptr(), jit.as_mut_ptr() as usize, (0, n));
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&fast), bits(&jit), "k={k} n={n} rows={rows} {dtype}");
+            }
+        }
+    }
+
+    /// `crate::avx2::dense` (f32 and bf16 weights, and the dequantized block weights of
+    /// prefill), bit for bit the JIT's dense kernel: tiles of 4 rows and single rows, pairs and
+    /// an odd feature left to the JIT, k tails.
+    #[test]
+    fn avx2_dense_tiles_equal_the_jit_bit_for_bit() {
+        let cpu = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
+        let on = std::env::var("ENGINE_CPU_AVX2").map_or(true, |v| v != "0");
+        let cases = [(64, 6, 1), (576, 9, 7), (13, 5, 4), (100, 8, 9), (6, 3, 2), (512, 17, 16)];
+        for dtype in [DType::F32, DType::BF16] {
+            for (k, n, rows) in cases {
+                let kernel = LinearKernel::compile(k, n, dtype).unwrap();
+                assert_eq!(kernel.dense_avx2, cpu && on, "{dtype}");
+                let w = dtype.from_f32(&values(n * k, 11));
+                let x = values(rows * k, 4);
+                let (mut fast, mut jit) = (vec![f32::NAN; rows * n], vec![f32::NAN; rows * n]);
+                kernel.run_rows(&x, w.as_ptr(), fast.as_mut_ptr() as usize, (0, n));
+                // SAFETY: x, w and jit hold rows x k, n x k and rows x n values.
+                unsafe { (kernel.f)(x.as_ptr(), w.as_ptr(), jit.as_mut_ptr(), rows as i64, 0, n as i64) };
                 let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
                 assert_eq!(bits(&fast), bits(&jit), "k={k} n={n} rows={rows} {dtype}");
             }
