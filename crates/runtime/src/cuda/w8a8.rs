@@ -3,8 +3,10 @@
 //! first (`KernelKey::QuantE4M3`, per token, or per token and 128 columns), then cuBLASLt
 //! multiplies codes by codes with both operands' scales applied in its epilogue (outer-vector
 //! scales for per-channel weights, 1 x 128 and 128 x 128 block scales for block-wise ones).
-//! Like the 16-bit GEMMs it is timed against our kernel (W8A16: the codes converted on the CUDA
-//! cores) at load per shape and row bucket, and runs where it is faster (`blas`).
+//! Our own W8A8 small-batch kernel (`launch_a8`: `KernelKey::GemmSkinnyA8`, E4M3 x E4M3 on
+//! `mma.sync`) reads the same quantized input. Both are timed against our W8A16 kernel (the
+//! codes converted on the CUDA cores) at load per shape and row bucket, after a check of their
+//! results (`w8a8_refusals`), and run where faster (`blas`).
 
 use super::blas::Gemm;
 use super::{driver, CudaBackend};
@@ -68,7 +70,8 @@ impl Fp8Scales {
     }
 }
 
-/// The quantized input of a W8A8 launch: E4M3 codes `[t, k]` and their scales.
+/// What cuBLASLt reads of a W8A8 launch's quantized input besides its codes: the scales' device
+/// pointer and their mode.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Fp8In {
     pub scales: u64,
