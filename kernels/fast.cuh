@@ -714,31 +714,33 @@ __device__ __forceinline__ void mma_rows8_e4m3(float* d, uint4 a0, uint4 a1, uin
 
 // ---- small-batch linear, W8A8: E4M3 weights times E4M3 activations on tensor cores ----
 // gemm_skinny's scheme with both operands E4M3 (m16n8k32): the input quantized by quant_e4m3
-// with 128-column groups (codes xq [T, K], scales xs [K / 128, T]). A warp holds 32 features
-// (two 16-row A tiles) so each activation fragment it loads serves both; each 64-wide chunk's
-// products are added times the weight rows' and the tokens' scales. Four warps split K and
-// reduce through shared memory. Every N_g is a multiple of 32. grid: (N0 + N1 + N2) / 32,
-// block: 128.
-template <int K, int N0, int N1, int N2, int NT>
+// with 128-column groups (codes xq [T, K], scales xs [K / 128, T]). A warp holds FT tiles of 16
+// features, so each activation fragment it loads serves all of them; each 64-wide chunk's
+// products are added times the weight rows' and the tokens' scales. WARPS warps split K and
+// reduce through shared memory. FT = 2, WARPS = 4 up to 4 row tiles; FT = 1, WARPS = 8 above,
+// where two tiles' accumulators would not fit the registers (codegen_cuda's `a8_layout` says
+// the same). Every N_g is a multiple of 16 * FT. grid: (N0 + N1 + N2) / (16 * FT), block:
+// 32 * WARPS.
+template <int K, int N0, int N1, int N2, int NT, int FT, int WARPS>
 __device__ void gemm_skinny_a8(const unsigned char* xq, const float* xs, const fp8_t* w0, const h16_t* b0, float* o0,
                                const fp8_t* w1, const h16_t* b1, float* o1, const fp8_t* w2, const h16_t* b2,
                                float* o2, int T) {
-  constexpr int WARPS = 4, CW = 64, CH = K / CW;
-  __shared__ float red[WARPS][32][NT * 8 + 1];
-  int f0 = blockIdx.x * 32;
+  constexpr int CW = 64, CH = K / CW, F = 16 * FT;
+  __shared__ float red[WARPS][F][NT * 8 + 1];
+  int f0 = blockIdx.x * F;
   const LinearOut<fp8_t> grp = pick_group(f0, N0, N1, LinearOut<fp8_t>{w0, b0, o0, N0},
                                           LinearOut<fp8_t>{w1, b1, o1, N1}, LinearOut<fp8_t>{w2, b2, o2, N2});
   const int N = grp.n;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
-  float acc[2][NT][4];
+  float acc[FT][NT][4];
 #pragma unroll
-  for (int j = 0; j < 2; j++)
+  for (int j = 0; j < FT; j++)
 #pragma unroll
     for (int i = 0; i < NT; i++) acc[j][i][0] = acc[j][i][1] = acc[j][i][2] = acc[j][i][3] = 0.0f;
-  const unsigned char* wr[4];
-  const float* ws[4];
+  const unsigned char* wr[2 * FT];
+  const float* ws[2 * FT];
 #pragma unroll
-  for (int q = 0; q < 4; q++) {
+  for (int q = 0; q < 2 * FT; q++) {
     wr[q] = (const unsigned char*)grp.w + (long)(f0 + g + 8 * q) * K + c * 16;
     ws[q] = row_scales<K>(grp.w, N, f0 + g + 8 * q);
   }
@@ -754,7 +756,9 @@ __device__ void gemm_skinny_a8(const unsigned char* xq, const float* xs, const f
   }
   auto chunk = [&](int k, const uint4* a) {
     const int grp128 = k / W8_GROUP;
-    const float s[4] = {ws[0][grp128], ws[1][grp128], ws[2][grp128], ws[3][grp128]};
+    float s[2 * FT];
+#pragma unroll
+    for (int q = 0; q < 2 * FT; q++) s[q] = ws[q][grp128];
     const float* xsg = xs + (long)grp128 * T;
 #pragma unroll
     for (int i = 0; i < NT; i++) {
@@ -762,7 +766,7 @@ __device__ void gemm_skinny_a8(const unsigned char* xq, const float* xs, const f
       if (!live[i]) xb = make_uint4(0, 0, 0, 0);
       const float x0 = xsg[tok[i][0]], x1 = xsg[tok[i][1]];
 #pragma unroll
-      for (int j = 0; j < 2; j++) {
+      for (int j = 0; j < FT; j++) {
         float p[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         mma_rows8_e4m3(p, a[2 * j], a[2 * j + 1], xb);
         acc[j][i][0] = fmaf(s[2 * j] * x0, p[0], acc[j][i][0]);
@@ -775,9 +779,9 @@ __device__ void gemm_skinny_a8(const unsigned char* xq, const float* xs, const f
   int ch = warp;
   for (; ch + WARPS < CH; ch += 2 * WARPS) {
     const int k = ch * CW, k2 = k + WARPS * CW;
-    uint4 a[4], b[4];
+    uint4 a[2 * FT], b[2 * FT];
 #pragma unroll
-    for (int q = 0; q < 4; q++) {
+    for (int q = 0; q < 2 * FT; q++) {
       a[q] = ld_stream(wr[q] + k);
       b[q] = ld_stream(wr[q] + k2);
     }
@@ -785,13 +789,13 @@ __device__ void gemm_skinny_a8(const unsigned char* xq, const float* xs, const f
     chunk(k2, b);
   }
   if (ch < CH) {
-    uint4 a[4];
+    uint4 a[2 * FT];
 #pragma unroll
-    for (int q = 0; q < 4; q++) a[q] = ld_stream(wr[q] + ch * CW);
+    for (int q = 0; q < 2 * FT; q++) a[q] = ld_stream(wr[q] + ch * CW);
     chunk(ch * CW, a);
   }
 #pragma unroll
-  for (int j = 0; j < 2; j++)
+  for (int j = 0; j < FT; j++)
 #pragma unroll
     for (int i = 0; i < NT; i++) {
       red[warp][16 * j + g][i * 8 + 2 * c] = acc[j][i][0];
@@ -800,8 +804,8 @@ __device__ void gemm_skinny_a8(const unsigned char* xq, const float* xs, const f
       red[warp][16 * j + g + 8][i * 8 + 2 * c + 1] = acc[j][i][3];
     }
   __syncthreads();
-  for (int idx = threadIdx.x; idx < 32 * NT * 8; idx += blockDim.x) {
-    const int t = idx >> 5, f = idx & 31;
+  for (int idx = threadIdx.x; idx < F * NT * 8; idx += blockDim.x) {
+    const int t = idx / F, f = idx % F;
     if (t >= T) break;
     float v = grp.b ? to_f32(grp.b[f0 + f]) : 0.0f;
 #pragma unroll

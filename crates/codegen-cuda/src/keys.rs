@@ -588,6 +588,18 @@ fn out_params(wt: &str) -> String {
 }
 const OUT_ARGS: &str = "w0, b0, o0, w1, b1, o1, w2, b2, o2, T";
 
+/// Output features and threads of a block of [`KernelKey::GemmSkinnyA8`] over `tiles` tiles of 8
+/// rows: two 16-feature tiles a warp and four warps up to 4 row tiles, one tile a warp and eight
+/// warps above (two tiles' accumulators over 8 row tiles took 255 registers and spilled: ptxas,
+/// docs/perf.md 2026-11-25).
+pub fn a8_layout(tiles: usize) -> (usize, u32) {
+    if tiles <= 4 {
+        (32, 128)
+    } else {
+        (16, 256)
+    }
+}
+
 /// The C type of a fast linear's weights: E4M3 codes (`fp8_t`) or the 16-bit float.
 fn wtype(w8: bool) -> &'static str {
     if w8 {
@@ -745,10 +757,10 @@ impl KernelKey {
     }
 
     /// The W8A8 small-batch kernel that may stand in for this launch (a `GemmSkinny` of E4M3
-    /// weights whose every output count is a multiple of 32).
+    /// weights whose every output count is a multiple of [`a8_layout`]'s features a block).
     pub fn a8(&self) -> Option<KernelKey> {
         match *self {
-            KernelKey::GemmSkinny { k, n, tiles, w8: true } if n.iter().all(|c| c % 32 == 0) => {
+            KernelKey::GemmSkinny { k, n, tiles, w8: true } if n.iter().all(|c| c % a8_layout(tiles).0 == 0) => {
                 Some(KernelKey::GemmSkinnyA8 { k, n, tiles })
             }
             _ => None,
@@ -829,10 +841,19 @@ impl KernelKey {
                 format!("glu_mul(a, b, out, n, {})", act_lambda(act)),
             ),
             KernelKey::ToH16 => ("const float* a, h16_t* out, long n".into(), "to_h16(a, out, n)".into()),
-            KernelKey::GemmSkinnyA8 { k, n, tiles } => (
-                format!("const unsigned char* xq, const float* xs, {}", out_params("fp8_t")),
-                format!("gemm_skinny_a8<{k}, {}, {}, {}, {tiles}>(xq, xs, {OUT_ARGS})", n[0], n[1], n[2]),
-            ),
+            KernelKey::GemmSkinnyA8 { k, n, tiles } => {
+                (format!("const unsigned char* xq, const float* xs, {}", out_params("fp8_t")), {
+                    let (features, threads) = a8_layout(tiles);
+                    format!(
+                        "gemm_skinny_a8<{k}, {}, {}, {}, {tiles}, {}, {}>(xq, xs, {OUT_ARGS})",
+                        n[0],
+                        n[1],
+                        n[2],
+                        features / 16,
+                        threads / 32
+                    )
+                })
+            }
             KernelKey::QuantE4M3 => (
                 "const h16_t* x, unsigned char* q, float* s, int K, int group".into(),
                 "quant_e4m3(x, q, s, K, group)".into(),

@@ -14,7 +14,9 @@ pub mod nvrtc;
 pub mod schedule;
 
 pub use fp8::fp8_device_layout;
-pub use keys::{HeadNorm, KernelKey, Mask, NormIn, ALL_REDUCE_MAX_BLOCKS, ARGMAX_BLOCKS, MAP_INPUTS, MASK_SPAN};
+pub use keys::{
+    a8_layout, HeadNorm, KernelKey, Mask, NormIn, ALL_REDUCE_MAX_BLOCKS, ARGMAX_BLOCKS, MAP_INPUTS, MASK_SPAN,
+};
 pub use schedule::{
     moe_rows_max, Arg, Buffer, Count, Dim, Input, Launch, Step, GEMV_MAX_ROWS, GEMV_ROWS, MOE_ROWS_PAIRS, MOE_TILE,
     NORM_IN_GEMV_ROWS, SKINNY_ROWS, W8_GROUP,

@@ -732,6 +732,19 @@ mod tests {
         }
     }
 
+    /// The W8A8 stand-in of a small-batch E4M3 launch: two 16-feature tiles a warp up to 4 row
+    /// tiles (output counts multiples of 32), one above (multiples of 16); none for 16-bit weights.
+    #[test]
+    fn w8a8_stand_ins_follow_their_layout() {
+        let skinny = |n: usize, tiles: usize, w8: bool| KernelKey::GemmSkinny { k: 256, n: [n, 0, 0], tiles, w8 };
+        let a8 = |n: usize, tiles: usize| Some(KernelKey::GemmSkinnyA8 { k: 256, n: [n, 0, 0], tiles });
+        assert_eq!(skinny(64, 4, true).a8(), a8(64, 4));
+        assert_eq!(skinny(48, 4, true).a8(), None);
+        assert_eq!(skinny(48, 8, true).a8(), a8(48, 8));
+        assert_eq!(skinny(64, 8, false).a8(), None);
+        assert_eq!((crate::a8_layout(4), crate::a8_layout(5)), ((32, 128), (16, 256)));
+    }
+
     /// An E4M3 linear weight takes the `w8` variants: the GEMV up to `GEMV_MAX_ROWS`, the
     /// small-batch kernel to 64 rows, the tiled GEMM above, and the program the W8A8 input
     /// quantizer; over 64 input features (not a

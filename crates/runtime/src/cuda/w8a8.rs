@@ -267,8 +267,9 @@ impl CudaBackend {
         let t32 = t as i32;
         let mut params: Vec<*mut std::ffi::c_void> = ptrs.iter().map(|p| p as *const u64 as *mut _).collect();
         params.push(&t32 as *const i32 as *mut _);
-        let blocks = n.iter().sum::<usize>() / 32;
-        let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+        let (features, threads) = codegen_cuda::a8_layout(tiles);
+        let blocks = n.iter().sum::<usize>() / features;
+        let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
         self.raw_launch(&key, cfg, &mut params)
     }
 }
