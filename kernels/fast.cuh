@@ -963,6 +963,27 @@ __device__ __forceinline__ void kv16_scan(const float* qv, const h16_t* kc, cons
   }
 }
 
+// e^v, or 2^v for logits in base-2 units (EXP2).
+template <bool EXP2>
+__device__ __forceinline__ float softmax_exp(float v) {
+  return EXP2 ? exp2f(v) : __expf(v);
+}
+
+// N partial softmax states merged, with a `sink` logit (NEG_INF: none; gpt-oss's attention
+// sinks): each state a running max ms[i * stride] (NEG_INF: empty) and a sum ls[i * stride]
+// relative to it. Returns the merged max M (x) and the sum of every state's and the sink's
+// terms relative to M (y): a state's values then count times exp(ms - M) / y.
+template <int N, bool EXP2>
+__device__ __forceinline__ float2 merge_states(float sink, const float* ms, const float* ls, int stride) {
+  float mm = sink;
+#pragma unroll
+  for (int s = 0; s < N; s++) mm = fmaxf(mm, ms[s * stride]);
+  float ll = sink == NEG_INF ? 0.0f : softmax_exp<EXP2>(sink - mm);
+#pragma unroll
+  for (int s = 0; s < N; s++) ll += ms[s * stride] == NEG_INF ? 0.0f : ls[s * stride] * softmax_exp<EXP2>(ms[s * stride] - mm);
+  return make_float2(mm, ll);
+}
+
 // Merges the lanes' states through shared memory and writes the head's output row `o`; a
 // finite `sink` is one more logit in the softmax's sum (gpt-oss's attention sinks).
 template <int D, typename O>
@@ -981,12 +1002,8 @@ __device__ __forceinline__ void kv16_merge(float m, float l, const float* acc, O
     sm_l[state] = l;
   }
   __syncthreads();
-  float mm = sink;
-#pragma unroll
-  for (int s = 0; s < STATES; s++) mm = fmaxf(mm, sm_m[s]);
-  float ll = sink == NEG_INF ? 0.0f : __expf(sink - mm);
-#pragma unroll
-  for (int s = 0; s < STATES; s++) ll += sm_m[s] == NEG_INF ? 0.0f : sm_l[s] * __expf(sm_m[s] - mm);
+  const float2 merged = merge_states<STATES, false>(sink, sm_m, sm_l, 1);
+  const float mm = merged.x, ll = merged.y;
   for (int d = threadIdx.x; d < D; d += blockDim.x) {
     float v = 0.0f;
 #pragma unroll
@@ -1105,13 +1122,8 @@ __device__ void attention_gqa(const float* q, const h16_t* kc, const h16_t* vc, 
 #pragma unroll
   for (int g = 0; g < G; g++) {
     const float sink = sinks ? to_f32(sinks[h0 + g]) : NEG_INF;
-    float mm = sink;
-#pragma unroll
-    for (int w = 0; w < WARPS; w++) mm = fmaxf(mm, sm[w][g]);
-    float ll = sink == NEG_INF ? 0.0f : __expf(sink - mm);
-#pragma unroll
-    for (int w = 0; w < WARPS; w++) ll += sm[w][g] == NEG_INF ? 0.0f : sl[w][g] * __expf(sm[w][g] - mm);
-    f[g] = m[g] == NEG_INF ? 0.0f : __expf(m[g] - mm) / ll;
+    const float2 merged = merge_states<WARPS, false>(sink, &sm[0][g], &sl[0][g], G);
+    f[g] = m[g] == NEG_INF ? 0.0f : __expf(m[g] - merged.x) / merged.y;
   }
 #pragma unroll
   for (int w = 0; w < WARPS; w++) {
@@ -1413,13 +1425,8 @@ __device__ void attention_dec(const float* q, const h16_t* kc, const h16_t* vc, 
   for (int hr = 0; hr < 2; hr++) {
     const int row = g + hr * 8;
     const float sink = sinks && row < G ? to_f32(sinks[h0 + row]) * 1.4426950408889634f : NEG_INF;
-    float mm = sink;
-#pragma unroll
-    for (int w = 0; w < WARPS; w++) mm = fmaxf(mm, sm_m[w][row]);
-    float ll = sink == NEG_INF ? 0.0f : exp2f(sink - mm);
-#pragma unroll
-    for (int w = 0; w < WARPS; w++) ll += sm_m[w][row] == NEG_INF ? 0.0f : sm_l[w][row] * exp2f(sm_m[w][row] - mm);
-    f[hr] = m[hr] == NEG_INF ? 0.0f : exp2f(m[hr] - mm) / ll;
+    const float2 merged = merge_states<WARPS, true>(sink, &sm_m[0][row], &sm_l[0][row], 16);
+    f[hr] = m[hr] == NEG_INF ? 0.0f : exp2f(m[hr] - merged.x) / merged.y;
   }
   // The warps' outputs summed in turn into shared memory (the K tiles' space, done with).
   float* so = (float*)&sk[0][0];
