@@ -35,8 +35,13 @@ pub(crate) fn kind(dtype: DType) -> Option<Kind> {
         DType::Q6_K => Kind::Q6,
         _ => return None,
     };
+    enabled().then_some(kind)
+}
+
+/// The CPU has AVX2 and FMA, and `ENGINE_CPU_AVX2` is not `0`.
+fn enabled() -> bool {
     let on = std::env::var("ENGINE_CPU_AVX2").map_or(true, |v| v != "0");
-    (on && is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")).then_some(kind)
+    on && is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
 }
 
 /// Where a call's operands are: `rows` rows of `k` floats at `x`; weight rows of `row_bytes`
@@ -208,7 +213,7 @@ pub(crate) struct DenseCall {
 /// Whether the CPU reads dense weights of `dtype` here (f32 and bf16, with AVX2 and FMA, and
 /// `ENGINE_CPU_AVX2` not `0`).
 pub(crate) fn dense_ok(dtype: DType) -> bool {
-    matches!(dtype, DType::F32 | DType::BF16) && kind(DType::Q8_0).is_some()
+    matches!(dtype, DType::F32 | DType::BF16) && enabled()
 }
 
 /// Rows of a dense tile.

@@ -67,6 +67,13 @@ impl Gemm {
     }
 }
 
+/// The GEMMs besides ours that may run launch `l`, less the `refused`: cuBLASLt, and our W8A8
+/// kernel where the launch has one.
+pub(crate) fn candidates<'a>(l: &'a Launch, refused: &'a [Gemm]) -> impl Iterator<Item = Gemm> + 'a {
+    let has = |g: &Gemm| *g != Gemm::A8 || l.key.a8().is_some();
+    [Gemm::Blas, Gemm::A8].into_iter().filter(move |g| has(g) && !refused.contains(g))
+}
+
 /// Which GEMM runs a launch of `t` tokens, given the choices per bucket, ascending: the smallest
 /// bucket's not below `t`, as a decode graph pads `t` to that bucket (every captured size from 8
 /// rows is one; fewer rows follow the 8-row bucket), else the largest's; ours without choices.
@@ -141,10 +148,7 @@ impl CudaBackend {
         let ours = self.time(|be| be.run_gemm(l, t, Gemm::Ours))?;
         let mut best = (Gemm::Ours, ours);
         let _ = write!(line, " t={t} {:.0}", ours * 1e3);
-        for g in [Gemm::Blas, Gemm::A8] {
-            if refused.contains(&g) || (g == Gemm::A8 && l.key.a8().is_none()) {
-                continue;
-            }
+        for g in candidates(l, refused) {
             match self.time(|be| be.run_gemm(l, t, g)) {
                 Ok(ms) => {
                     let _ = write!(line, "/{:.0}", ms * 1e3);
@@ -266,15 +270,7 @@ impl CudaBackend {
 
     /// Milliseconds per run of `f` on the stream (one warm-up, then the mean of three).
     fn time(&self, f: impl Fn(&Self) -> Result<(), RuntimeError>) -> Result<f64, RuntimeError> {
-        let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
-        f(self)?;
-        let start = self.stream.record_event(timing).map_err(driver("timing"))?;
-        for _ in 0..3 {
-            f(self)?;
-        }
-        let end = self.stream.record_event(timing).map_err(driver("timing"))?;
-        end.synchronize().map_err(driver("timing"))?;
-        Ok(start.elapsed_ms(&end).map_err(driver("timing"))? as f64 / 3.0)
+        super::device::mean_ms(&self.stream, || f(self), driver("timing"))
     }
 }
 

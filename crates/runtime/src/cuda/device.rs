@@ -163,3 +163,21 @@ pub(crate) unsafe fn launch(
     };
     sys::cuLaunchKernelEx(&config, func.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()).result()
 }
+
+/// Milliseconds per run of `f` on `stream`: one warm-up, then the mean of three between CUDA
+/// events (the load's timing of GEMMs and of cuBLASLt's algorithms).
+pub(crate) fn mean_ms<E>(
+    stream: &cudarc::driver::CudaStream,
+    f: impl Fn() -> Result<(), E>,
+    err: impl Fn(cudarc::driver::DriverError) -> E,
+) -> Result<f64, E> {
+    let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+    f()?;
+    let start = stream.record_event(timing).map_err(&err)?;
+    for _ in 0..3 {
+        f()?;
+    }
+    let end = stream.record_event(timing).map_err(&err)?;
+    end.synchronize().map_err(&err)?;
+    Ok(start.elapsed_ms(&end).map_err(&err)? as f64 / 3.0)
+}

@@ -23,24 +23,14 @@ use std::sync::Arc;
 /// algorithms does better there is what the load's timing finds out.
 const ALGOS: usize = 8;
 
-/// The fastest of `algos` for `run` on `stream` (one warm-up, then three runs each, CUDA
-/// events); the first where none can be timed.
+/// The fastest of `algos` for `run` on `stream` (`device::mean_ms` each); the first where none
+/// can be timed.
 fn fastest(
     stream: &CudaStream,
     algos: &[sys::cublasLtMatmulAlgo_t],
     run: impl Fn(&sys::cublasLtMatmulAlgo_t) -> Result<(), lt::CublasError>,
 ) -> sys::cublasLtMatmulAlgo_t {
-    let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
-    let time = |algo| -> Option<f32> {
-        run(algo).ok()?;
-        let start = stream.record_event(timing).ok()?;
-        for _ in 0..3 {
-            run(algo).ok()?;
-        }
-        let end = stream.record_event(timing).ok()?;
-        end.synchronize().ok()?;
-        start.elapsed_ms(&end).ok()
-    };
+    let time = |algo| super::device::mean_ms(stream, || run(algo).map_err(|_| ()), |_| ()).ok();
     let timed = algos.iter().filter_map(|a| Some((time(a)?, *a)));
     timed.min_by(|x, y| x.0.total_cmp(&y.0)).map_or(algos[0], |(_, a)| a)
 }

@@ -180,10 +180,8 @@ impl CudaBackend {
                 continue;
             }
             seen.push(l.key);
-            for g in [Gemm::Blas, Gemm::A8] {
-                if refused.contains(&g) || (g == Gemm::A8 && l.key.a8().is_none()) {
-                    continue;
-                }
+            let todo: Vec<Gemm> = super::blas::candidates(l, &refused).collect();
+            for g in todo {
                 if let Some(why) = self.w8a8_disagrees(l, *t, g)? {
                     let who = if g == Gemm::A8 { "W8A8" } else { "cuBLASLt" };
                     line.push_str(&format!(" [{who} refused at t={t}: {why}]"));
