@@ -694,123 +694,210 @@ __device__ void gemm_skinny(const h16_t* x, const WT* w0, const h16_t* b0, float
   }
 }
 
-// d += A (16 x 32 E4M3, row) x B (32 x 8 E4M3, col), f32 accumulate (sm_89+).
-__device__ __forceinline__ void mma_e4m3(float* d, const unsigned* a, const unsigned* b) {
+// ---- small-batch linear, W8A8 on Hopper's tensor cores (wgmma, sm_90a) ----
+// The input quantized by quant_e4m3 with 128-column groups (codes xq [T, K], scales xs
+// [K / 128, T]), up to 64 rows. The work is (128-feature tile, 128-column group) units, tile by
+// tile, shared evenly by BLOCKS blocks (stream-K: a block's units may end one tile and start
+// the next), so every SM streams weights to the end whatever the tile count. A block (one
+// warpgroup) takes its units a tile at a time: per group, the T input rows and the 128 weight
+// rows go to shared memory by cp.async in STAGES stages, laid out as wgmma's 128-byte swizzle
+// wants them (16-byte chunk j of row r at j ^ (r % 8), 8-row atoms 1024 bytes apart), four
+// m64n128k32 E4M3 wgmma give the group's products, and they are added times the rows' and the
+// weight rows' scales (the scales change every group). A tile done by one block is written by
+// it; otherwise each of its blocks writes its sums to its slot of part [slots, 64, N0 + N1 +
+// N2], and the last to finish (count[tile], which it resets) adds the slots in order, so the
+// result does not depend on which block ends first. codegen_cuda's `a8_blocks` picks BLOCKS,
+// `a8_slots` says SLOTS (the most a tile has), `A8_SMEM` is the dynamic shared memory.
+// Every N_g is a multiple of 128. grid: BLOCKS, block: 128.
+#define A8_ROWS 64
+#define A8_STAGE (A8_ROWS * 128 + 128 * 128)
+
+// The shared-memory descriptor of a K-major tile of 128-byte rows in the 128-byte swizzle: 8-row
+// atoms 1024 bytes apart (the leading offset is unused at this swizzle).
+__device__ __forceinline__ unsigned long long wg_desc(unsigned addr) {
+  return (unsigned long long)((addr & 0x3FFFF) >> 4) | (1ull << 16) | ((unsigned long long)(1024 >> 4) << 32) |
+         (1ull << 62);
+}
+
+// d = (acc ? d : 0) + A (64 x 32 E4M3, K-major, descriptor a) x B (128 x 32, descriptor b)ᵀ.
+__device__ __forceinline__ void wgmma_e4m3_n128(float* d, unsigned long long a, unsigned long long b, int acc) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   asm volatile(
-      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "
+      "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, "
+      "%43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "%64, %65, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
+        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]),
+        "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]),
+        "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
+        "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(a), "l"(b), "r"(acc));
+#else
+  __trap();
+#endif
 }
 
-// mma_rows8 for E4M3 codes: one 16-byte chunk (16 codes at k + 16c for lane (g, c)) of weight
-// rows g (a0) and g + 8 (a1) with the same chunk of 8 activation rows (xb, row g), added to d:
-// two m16n8k32 over the same permutation of k for both operands.
-__device__ __forceinline__ void mma_rows8_e4m3(float* d, uint4 a0, uint4 a1, uint4 xb) {
-  const unsigned fa[4] = {a0.x, a1.x, a0.y, a1.y}, fb[2] = {xb.x, xb.y};
-  const unsigned ga[4] = {a0.z, a1.z, a0.w, a1.w}, gb[2] = {xb.z, xb.w};
-  mma_e4m3(d, fa, fb);
-  mma_e4m3(d, ga, gb);
+__device__ __forceinline__ void wgmma_fence() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wgmma_commit_wait() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;" ::: "memory");
+#endif
 }
 
-// ---- small-batch linear, W8A8: E4M3 weights times E4M3 activations on tensor cores ----
-// gemm_skinny's scheme with both operands E4M3 (m16n8k32): the input quantized by quant_e4m3
-// with 128-column groups (codes xq [T, K], scales xs [K / 128, T]). A warp holds FT tiles of 16
-// features, so each activation fragment it loads serves all of them; each 64-wide chunk's
-// products are added times the weight rows' and the tokens' scales. WARPS warps split K and
-// reduce through shared memory. FT = 2, WARPS = 4 up to 4 row tiles; FT = 1, WARPS = 8 above,
-// where two tiles' accumulators would not fit the registers (codegen_cuda's `a8_layout` says
-// the same). Every N_g is a multiple of 16 * FT. grid: (N0 + N1 + N2) / (16 * FT), block:
-// 32 * WARPS.
-template <int K, int N0, int N1, int N2, int NT, int FT, int WARPS>
+// The first unit (a tile's 128-column group) of block b when U units are shared by B blocks.
+__device__ __forceinline__ int a8_start(int b, long U, int B) { return (int)((long)b * U / B); }
+
+// The block whose units hold unit u.
+__device__ __forceinline__ int a8_block(int u, long U, int B) {
+  int b = (int)((long)u * B / U);
+  while (b + 1 < B && a8_start(b + 1, U, B) <= u) b++;
+  return b;
+}
+
+template <int K, int N0, int N1, int N2, int BLOCKS, int SLOTS, int STAGES>
 __device__ void gemm_skinny_a8(const unsigned char* xq, const float* xs, const fp8_t* w0, const h16_t* b0, float* o0,
                                const fp8_t* w1, const h16_t* b1, float* o1, const fp8_t* w2, const h16_t* b2,
-                               float* o2, int T) {
-  constexpr int CW = 64, CH = K / CW, F = 16 * FT;
-  __shared__ float red[WARPS][F][NT * 8 + 1];
-  int f0 = blockIdx.x * F;
-  const LinearOut<fp8_t> grp = pick_group(f0, N0, N1, LinearOut<fp8_t>{w0, b0, o0, N0},
-                                          LinearOut<fp8_t>{w1, b1, o1, N1}, LinearOut<fp8_t>{w2, b2, o2, N2});
-  const int N = grp.n;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
-  float acc[FT][NT][4];
+                               float* o2, float* part, unsigned* count, int T) {
+  constexpr int F = 128, G = K / W8_GROUP, S = STAGES, NTOT = N0 + N1 + N2;
+  constexpr long U = (long)(NTOT / F) * G;
+  extern __shared__ unsigned char a8_smem[];
+  // Stage s: input tile at tiles + s * A8_STAGE, weight tile 8 KB after it, 1024-aligned; then
+  // the scales of every stage: input [S][64], weight [S][128].
+  const unsigned raw = smem_addr(a8_smem), tiles = (raw + 1023) & ~1023u;
+  unsigned char* const gen = a8_smem + (tiles - raw);
+  float* const sxs = (float*)(gen + S * A8_STAGE);
+  float* const sws = sxs + S * A8_ROWS;
+  __shared__ bool last;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
+  // Thread (warp, g, c) holds rows 16 warp + g (+ 8) and features 8 j + 2 c (+ 1), j < 16.
+  const int r0 = 16 * warp + g;
+  auto cp4 = [](unsigned dst, const void* src, int bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(bytes));
+  };
+  const int u_end = a8_start(blockIdx.x + 1, U, BLOCKS);
+  for (int u = a8_start(blockIdx.x, U, BLOCKS); u < u_end;) {
+    const int tile = u / G, gs = u % G, gn = min(G - gs, u_end - u);
+    u += gn;
+    int f0 = tile * F;
+    const LinearOut<fp8_t> grp = pick_group(f0, N0, N1, LinearOut<fp8_t>{w0, b0, o0, N0},
+                                            LinearOut<fp8_t>{w1, b1, o1, N1}, LinearOut<fp8_t>{w2, b2, o2, N2});
+    const int N = grp.n;
+    const unsigned char* wbase = (const unsigned char*)grp.w + (long)f0 * K;
+    const float* wsc = row_scales<K>(grp.w, N, f0 + tid);
+    auto stage = [&](int st, int gi) {
+      const unsigned a = tiles + st * A8_STAGE, b = a + A8_ROWS * 128;
+      // Rows past T are left as they are: a row of the products depends on its own input row
+      // only, and those rows are not written.
 #pragma unroll
-  for (int j = 0; j < FT; j++)
+      for (int i = 0; i < A8_ROWS * 8 / 128; i++) {
+        const int id = tid + i * 128, r = id >> 3, j = id & 7;
+        if (r < T) cp_async16(a + r * 128 + ((j ^ (r & 7)) << 4), xq + (long)r * K + gi * W8_GROUP + j * 16, 16);
+      }
 #pragma unroll
-    for (int i = 0; i < NT; i++) acc[j][i][0] = acc[j][i][1] = acc[j][i][2] = acc[j][i][3] = 0.0f;
-  const unsigned char* wr[2 * FT];
-  const float* ws[2 * FT];
+      for (int i = 0; i < F * 8 / 128; i++) {
+        const int id = tid + i * 128, r = id >> 3, j = id & 7;
+        cp_async16(b + r * 128 + ((j ^ (r & 7)) << 4), wbase + (long)r * K + gi * W8_GROUP + j * 16, 16);
+      }
+      if (tid < T) cp4(smem_addr(&sxs[st * A8_ROWS + tid]), xs + (long)gi * T + tid, 4);
+      cp4(smem_addr(&sws[st * F + tid]), wsc + gi, 4);
+    };
+    float acc[64], d[64];
 #pragma unroll
-  for (int q = 0; q < 2 * FT; q++) {
-    wr[q] = (const unsigned char*)grp.w + (long)(f0 + g + 8 * q) * K + c * 16;
-    ws[q] = row_scales<K>(grp.w, N, f0 + g + 8 * q);
-  }
-  const unsigned char* xr[NT];
-  int tok[NT][2];
-  bool live[NT];
+    for (int i = 0; i < 64; i++) acc[i] = 0.0f;
+    __syncthreads();  // the last segment's stages are read
 #pragma unroll
-  for (int i = 0; i < NT; i++) {
-    live[i] = i * 8 + g < T;
-    xr[i] = xq + (long)min(i * 8 + g, T - 1) * K + c * 16;
-    tok[i][0] = min(i * 8 + 2 * c, T - 1);
-    tok[i][1] = min(i * 8 + 2 * c + 1, T - 1);
-  }
-  auto chunk = [&](int k, const uint4* a) {
-    const int grp128 = k / W8_GROUP;
-    float s[2 * FT];
+    for (int s = 0; s < S - 1; s++) {
+      if (s < gn) stage(s, gs + s);
+      cp_async_commit();
+    }
+    for (int i = 0; i < gn; i++) {
+      cp_async_wait<S - 2>();
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      __syncthreads();
+      if (i + S - 1 < gn) stage((i + S - 1) % S, gs + i + S - 1);
+      cp_async_commit();
+      const int st = i % S;
+      const unsigned long long da = wg_desc(tiles + st * A8_STAGE);
+      const unsigned long long db = wg_desc(tiles + st * A8_STAGE + A8_ROWS * 128);
+      wgmma_fence();
 #pragma unroll
-    for (int q = 0; q < 2 * FT; q++) s[q] = ws[q][grp128];
-    const float* xsg = xs + (long)grp128 * T;
+      for (int kk = 0; kk < 4; kk++) wgmma_e4m3_n128(d, da + 2 * kk, db + 2 * kk, kk);
+      wgmma_commit_wait();
+      const float x0 = sxs[st * A8_ROWS + r0], x1 = sxs[st * A8_ROWS + r0 + 8];
 #pragma unroll
-    for (int i = 0; i < NT; i++) {
-      uint4 xb = *(const uint4*)(xr[i] + k);
-      if (!live[i]) xb = make_uint4(0, 0, 0, 0);
-      const float x0 = xsg[tok[i][0]], x1 = xsg[tok[i][1]];
+      for (int j = 0; j < 16; j++)
 #pragma unroll
-      for (int j = 0; j < FT; j++) {
-        float p[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        mma_rows8_e4m3(p, a[2 * j], a[2 * j + 1], xb);
-        acc[j][i][0] = fmaf(s[2 * j] * x0, p[0], acc[j][i][0]);
-        acc[j][i][1] = fmaf(s[2 * j] * x1, p[1], acc[j][i][1]);
-        acc[j][i][2] = fmaf(s[2 * j + 1] * x0, p[2], acc[j][i][2]);
-        acc[j][i][3] = fmaf(s[2 * j + 1] * x1, p[3], acc[j][i][3]);
+        for (int e = 0; e < 2; e++) {
+          const float w = sws[st * F + 8 * j + 2 * c + e];
+          acc[4 * j + e] = fmaf(x0 * w, d[4 * j + e], acc[4 * j + e]);
+          acc[4 * j + 2 + e] = fmaf(x1 * w, d[4 * j + 2 + e], acc[4 * j + 2 + e]);
+        }
+    }
+    cp_async_wait<0>();
+    // The blocks that share this tile: one writes it; several each write their sums to their
+    // slot of part, and the last to arrive adds the slots in order.
+    const int first = a8_block(tile * G, U, BLOCKS), n = a8_block(tile * G + G - 1, U, BLOCKS) - first + 1;
+    float* const mine = part + ((long)(blockIdx.x - first) * A8_ROWS) * NTOT + tile * F;
+#pragma unroll
+    for (int j = 0; j < 16; j++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) {
+        const int tok = r0 + 8 * (e >> 1), f = 8 * j + 2 * c + (e & 1);
+        if (tok >= T) continue;
+        if (n == 1)
+          grp.o[(long)tok * N + f0 + f] = acc[4 * j + e] + (grp.b ? to_f32(grp.b[f0 + f]) : 0.0f);
+        else
+          mine[(long)tok * NTOT + f] = acc[4 * j + e];
+      }
+    if (n == 1) continue;
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) last = atomicAdd(&count[tile], 1u) == (unsigned)n - 1;
+    __syncthreads();
+    if (!last) continue;
+    __threadfence();
+    // Every slot's sums of two float4 columns are loaded before any is added: the loads are in
+    // flight together, not one slot after the other.
+    const float* const slots = part + tile * F;
+    for (int i0 = tid; i0 < T * (F / 4); i0 += 256) {
+      float4 p[2][SLOTS];
+#pragma unroll
+      for (int h = 0; h < 2; h++) {
+        const int i = min(i0 + 128 * h, T * (F / 4) - 1), tok = i / (F / 4), f = (i % (F / 4)) * 4;
+#pragma unroll
+        for (int q = 0; q < SLOTS; q++)
+          if (q < n) p[h][q] = __ldcg((const float4*)&slots[((long)q * A8_ROWS + tok) * NTOT + f]);
+      }
+#pragma unroll
+      for (int h = 0; h < 2; h++) {
+        const int i = i0 + 128 * h, tok = i / (F / 4), f = (i % (F / 4)) * 4;
+        if (i >= T * (F / 4)) break;
+        float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (grp.b)
+          v = make_float4(to_f32(grp.b[f0 + f]), to_f32(grp.b[f0 + f + 1]), to_f32(grp.b[f0 + f + 2]),
+                          to_f32(grp.b[f0 + f + 3]));
+#pragma unroll
+        for (int q = 0; q < SLOTS; q++)
+          if (q < n) {
+            v.x += p[h][q].x;
+            v.y += p[h][q].y;
+            v.z += p[h][q].z;
+            v.w += p[h][q].w;
+          }
+        *(float4*)&grp.o[(long)tok * N + f0 + f] = v;
       }
     }
-  };
-  int ch = warp;
-  for (; ch + WARPS < CH; ch += 2 * WARPS) {
-    const int k = ch * CW, k2 = k + WARPS * CW;
-    uint4 a[2 * FT], b[2 * FT];
-#pragma unroll
-    for (int q = 0; q < 2 * FT; q++) {
-      a[q] = ld_stream(wr[q] + k);
-      b[q] = ld_stream(wr[q] + k2);
-    }
-    chunk(k, a);
-    chunk(k2, b);
-  }
-  if (ch < CH) {
-    uint4 a[2 * FT];
-#pragma unroll
-    for (int q = 0; q < 2 * FT; q++) a[q] = ld_stream(wr[q] + ch * CW);
-    chunk(ch * CW, a);
-  }
-#pragma unroll
-  for (int j = 0; j < FT; j++)
-#pragma unroll
-    for (int i = 0; i < NT; i++) {
-      red[warp][16 * j + g][i * 8 + 2 * c] = acc[j][i][0];
-      red[warp][16 * j + g][i * 8 + 2 * c + 1] = acc[j][i][1];
-      red[warp][16 * j + g + 8][i * 8 + 2 * c] = acc[j][i][2];
-      red[warp][16 * j + g + 8][i * 8 + 2 * c + 1] = acc[j][i][3];
-    }
-  __syncthreads();
-  for (int idx = threadIdx.x; idx < F * NT * 8; idx += blockDim.x) {
-    const int t = idx / F, f = idx % F;
-    if (t >= T) break;
-    float v = grp.b ? to_f32(grp.b[f0 + f]) : 0.0f;
-#pragma unroll
-    for (int q = 0; q < WARPS; q++) v += red[q][f][t];
-    grp.o[(long)t * N + f0 + f] = v;
+    if (tid == 0) count[tile] = 0;
   }
 }
 

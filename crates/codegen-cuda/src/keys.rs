@@ -105,16 +105,15 @@ pub enum KernelKey {
     },
     /// f32 to the 16-bit float.
     ToH16,
-    /// W8A8 small-batch linear: `GemmSkinny` of E4M3 weights over an input quantized by
-    /// [`KernelKey::QuantE4M3`] (128-column groups), on E4M3 tensor cores (m16n8k32); every
-    /// `n` a multiple of 32. The runtime times it against the other GEMMs at load.
+    /// W8A8 small-batch linear (up to [`A8_ROWS`] rows): `GemmSkinny` of E4M3 weights over an
+    /// input quantized by [`KernelKey::QuantE4M3`] (128-column groups), on Hopper's E4M3
+    /// `wgmma` (sm_90a: [`KernelKey::arch`]) over [`a8_blocks`] blocks; every `n` a multiple of
+    /// [`A8_FEATURES`]. The runtime times it against the other GEMMs at load.
     GemmSkinnyA8 {
         /// Input features.
         k: usize,
         /// Output features of each group (0: absent).
         n: [usize; 3],
-        /// Tiles of 8 rows.
-        tiles: usize,
     },
     /// 16-bit rows to E4M3 codes with one f32 scale per row and `group` columns: the
     /// activations of an E4M3-weight linear run on FP8 tensor cores through cuBLASLt (the
@@ -588,16 +587,45 @@ fn out_params(wt: &str) -> String {
 }
 const OUT_ARGS: &str = "w0, b0, o0, w1, b1, o1, w2, b2, o2, T";
 
-/// Output features and threads of a block of [`KernelKey::GemmSkinnyA8`] over `tiles` tiles of 8
-/// rows: two 16-feature tiles a warp and four warps up to 4 row tiles, one tile a warp and eight
-/// warps above (two tiles' accumulators over 8 row tiles took 255 registers and spilled: ptxas,
-/// docs/perf.md 2026-11-25).
-pub fn a8_layout(tiles: usize) -> (usize, u32) {
-    if tiles <= 4 {
-        (32, 128)
-    } else {
-        (16, 256)
-    }
+/// Output features of a block of [`KernelKey::GemmSkinnyA8`] (one warpgroup's m64n128
+/// `wgmma`): every output count of a W8A8 stand-in is a multiple of it.
+pub const A8_FEATURES: usize = 128;
+
+/// The most rows of a [`KernelKey::GemmSkinnyA8`] launch (the `wgmma`'s M).
+pub const A8_ROWS: usize = 64;
+
+/// Shared-memory stages of [`KernelKey::GemmSkinnyA8`]: each holds a 128-column group of the
+/// input rows and of the block's weight rows, and their scales.
+const A8_STAGES: usize = 4;
+
+/// The dynamic shared memory of a [`KernelKey::GemmSkinnyA8`] block (`kernels/fast.cuh`'s
+/// layout: the stages' tiles, their scales, and room to align the tiles to 1024 bytes).
+pub const A8_SMEM: usize = A8_STAGES * (A8_ROWS * 128 + A8_FEATURES * 128 + (A8_ROWS + A8_FEATURES) * 4) + 1024;
+
+/// Blocks of a [`KernelKey::GemmSkinnyA8`] launch: two a streaming multiprocessor of an H100 /
+/// H200 (132, two blocks' shared memory each), so the weights stream from every SM to the end.
+const A8_BLOCKS: usize = 264;
+
+/// The (128-feature tile, 128-column group) units of a [`KernelKey::GemmSkinnyA8`] launch of
+/// `k` inputs and `n` outputs in all.
+fn a8_units(k: usize, n: usize) -> usize {
+    (n / A8_FEATURES) * (k / crate::W8_GROUP)
+}
+
+/// The blocks a [`KernelKey::GemmSkinnyA8`] launch shares its units among (stream-K): at most
+/// [`A8_BLOCKS`], and four units a block at least (fewer blocks to a tile, whose split sums the
+/// last of them adds).
+pub fn a8_blocks(k: usize, n: usize) -> usize {
+    (a8_units(k, n) / 4).clamp(1, A8_BLOCKS)
+}
+
+/// The most blocks that share one output tile of a [`KernelKey::GemmSkinnyA8`] launch (its
+/// slots of split sums), by the kernel's own split: block `b` takes units
+/// `b * units / blocks ..`.
+pub fn a8_slots(k: usize, n: usize) -> usize {
+    let (units, blocks, groups) = (a8_units(k, n), a8_blocks(k, n), k / crate::W8_GROUP);
+    let block_of = |u: usize| (0..blocks).rev().find(|b| b * units / blocks <= u).unwrap_or(0);
+    (0..n / A8_FEATURES).map(|t| block_of(t * groups + groups - 1) - block_of(t * groups) + 1).max().unwrap_or(1)
 }
 
 /// The C type of a fast linear's weights: E4M3 codes (`fp8_t`) or the 16-bit float.
@@ -664,7 +692,7 @@ impl KernelKey {
             KernelKey::GluMul { act } => format!("glu_mul_to_h16_{}", act_tag(act)),
             KernelKey::ToH16 => "f32_to_h16_rows".into(),
             KernelKey::QuantE4M3 => "quant_e4m3_rows".into(),
-            KernelKey::GemmSkinnyA8 { k, n, tiles } => format!("gemm_skinny_a8_k{k}_n{}_t{tiles}", n3(n)),
+            KernelKey::GemmSkinnyA8 { k, n } => format!("gemm_skinny_a8_k{k}_n{}", n3(n)),
             KernelKey::Rope { cols, d, rot } => format!("rope_c{cols}_d{d}{}", rot_suffix(d, rot)),
             KernelKey::RopeKv { heads, kv_heads, d, rot, rope_q, rope_k, norm } => format!(
                 "rope_kv_h{heads}_kv{kv_heads}_d{d}{}_{}{}{}",
@@ -757,13 +785,25 @@ impl KernelKey {
     }
 
     /// The W8A8 small-batch kernel that may stand in for this launch (a `GemmSkinny` of E4M3
-    /// weights whose every output count is a multiple of [`a8_layout`]'s features a block).
+    /// weights whose every output count is a multiple of [`A8_FEATURES`]).
     pub fn a8(&self) -> Option<KernelKey> {
         match *self {
-            KernelKey::GemmSkinny { k, n, tiles, w8: true } if n.iter().all(|c| c % a8_layout(tiles).0 == 0) => {
-                Some(KernelKey::GemmSkinnyA8 { k, n, tiles })
+            KernelKey::GemmSkinny { k, n, tiles, w8: true }
+                if tiles * 8 <= A8_ROWS && n.iter().all(|c| c % A8_FEATURES == 0) =>
+            {
+                Some(KernelKey::GemmSkinnyA8 { k, n })
             }
             _ => None,
+        }
+    }
+
+    /// The target NVRTC compiles this kernel for on a device of `arch` (`sm_90`, or
+    /// `compute_90` for PTX): Hopper's own (`sm_90a`) for the `wgmma` of
+    /// [`KernelKey::GemmSkinnyA8`], the device's for every other kernel.
+    pub fn arch(&self, arch: &str) -> String {
+        match self {
+            KernelKey::GemmSkinnyA8 { .. } if arch == "sm_90" || arch == "compute_90" => format!("{arch}a"),
+            _ => arch.to_string(),
         }
     }
 
@@ -841,19 +881,21 @@ impl KernelKey {
                 format!("glu_mul(a, b, out, n, {})", act_lambda(act)),
             ),
             KernelKey::ToH16 => ("const float* a, h16_t* out, long n".into(), "to_h16(a, out, n)".into()),
-            KernelKey::GemmSkinnyA8 { k, n, tiles } => {
-                (format!("const unsigned char* xq, const float* xs, {}", out_params("fp8_t")), {
-                    let (features, threads) = a8_layout(tiles);
-                    format!(
-                        "gemm_skinny_a8<{k}, {}, {}, {}, {tiles}, {}, {}>(xq, xs, {OUT_ARGS})",
-                        n[0],
-                        n[1],
-                        n[2],
-                        features / 16,
-                        threads / 32
-                    )
-                })
-            }
+            KernelKey::GemmSkinnyA8 { k, n } => (
+                format!(
+                    "const unsigned char* xq, const float* xs, {}, float* part, unsigned* count, int T",
+                    out_params("fp8_t").trim_end_matches(", int T")
+                ),
+                format!(
+                    "gemm_skinny_a8<{k}, {}, {}, {}, {}, {}, {A8_STAGES}>(xq, xs, {}, part, count, T)",
+                    n[0],
+                    n[1],
+                    n[2],
+                    a8_blocks(k, n.iter().sum()),
+                    a8_slots(k, n.iter().sum()),
+                    OUT_ARGS.trim_end_matches(", T")
+                ),
+            ),
             KernelKey::QuantE4M3 => (
                 "const h16_t* x, unsigned char* q, float* s, int K, int group".into(),
                 "quant_e4m3(x, q, s, K, group)".into(),
@@ -1035,6 +1077,7 @@ impl KernelKey {
             | KernelKey::NormAddRmsNorm { .. } => "pdl_trigger(); ",
             _ => "pdl_enter(); ",
         };
-        Ok(format!("extern \"C\" __global__ void {name}({params}) {{ {enter}{call}; }}\n"))
+        let bounds = if matches!(self, KernelKey::GemmSkinnyA8 { .. }) { "__launch_bounds__(128, 1) " } else { "" };
+        Ok(format!("extern \"C\" __global__ void {bounds}{name}({params}) {{ {enter}{call}; }}\n"))
     }
 }

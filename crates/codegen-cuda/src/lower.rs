@@ -732,17 +732,30 @@ mod tests {
         }
     }
 
-    /// The W8A8 stand-in of a small-batch E4M3 launch: two 16-feature tiles a warp up to 4 row
-    /// tiles (output counts multiples of 32), one above (multiples of 16); none for 16-bit weights.
+    /// The W8A8 stand-in of a small-batch E4M3 launch: up to 64 rows, output counts multiples of
+    /// 128, one kernel for every row count, none for 16-bit weights, compiled for sm_90a; K split
+    /// so a launch has about two blocks an SM, two groups a part at least, no part empty.
     #[test]
     fn w8a8_stand_ins_follow_their_layout() {
         let skinny = |n: usize, tiles: usize, w8: bool| KernelKey::GemmSkinny { k: 256, n: [n, 0, 0], tiles, w8 };
-        let a8 = |n: usize, tiles: usize| Some(KernelKey::GemmSkinnyA8 { k: 256, n: [n, 0, 0], tiles });
-        assert_eq!(skinny(64, 4, true).a8(), a8(64, 4));
-        assert_eq!(skinny(48, 4, true).a8(), None);
-        assert_eq!(skinny(48, 8, true).a8(), a8(48, 8));
-        assert_eq!(skinny(64, 8, false).a8(), None);
-        assert_eq!((crate::a8_layout(4), crate::a8_layout(5)), ((32, 128), (16, 256)));
+        let a8 = |n: usize| Some(KernelKey::GemmSkinnyA8 { k: 256, n: [n, 0, 0] });
+        assert_eq!(skinny(128, 4, true).a8(), a8(128));
+        assert_eq!(skinny(128, 8, true).a8(), a8(128));
+        assert_eq!(skinny(128, 9, true).a8(), None);
+        assert_eq!(skinny(64, 8, true).a8(), None);
+        assert_eq!(skinny(128, 8, false).a8(), None);
+        let key = KernelKey::GemmSkinnyA8 { k: 256, n: [128, 0, 0] };
+        assert_eq!(
+            (key.arch("sm_90"), key.arch("compute_90"), key.arch("sm_100")),
+            ("sm_90a".into(), "compute_90a".into(), "sm_100".into())
+        );
+        assert_eq!(skinny(128, 8, true).arch("sm_90"), "sm_90");
+        // Qwen2.5-7B: gate/up 296 tiles of 28 groups on 264 blocks (a tile over two blocks at
+        // most), down 28 of 148 (five or six blocks a tile); a 0.5B q/k/v: 9 tiles of 7 groups.
+        let (blocks, slots) = (crate::a8_blocks, crate::a8_slots);
+        assert_eq!((blocks(3584, 37888), slots(3584, 37888)), (264, 2));
+        assert_eq!((blocks(18944, 3584), slots(18944, 3584)), (264, 11));
+        assert_eq!((blocks(896, 1152), slots(896, 1152)), (15, 3));
     }
 
     /// An E4M3 linear weight takes the `w8` variants: the GEMV up to `GEMV_MAX_ROWS`, the

@@ -112,8 +112,8 @@ pub struct CompileReport {
 /// One kernel's binary and whether it came from the cache.
 type Compiled = Result<(Vec<u8>, bool), CodegenError>;
 
-/// Compiles every kernel of `program` for `arch` (`sm_90`: CUBIN; `compute_90`: PTX) on all
-/// cores, each its own NVRTC program, through the disk cache. Returns one binary per kernel, in
+/// Compiles every kernel of `program` for `arch` (`sm_90`: CUBIN; `compute_90`: PTX; a kernel
+/// that needs Hopper's own instructions for [`KernelKey::arch`]'s) on all cores, each its own NVRTC program, through the disk cache. Returns one binary per kernel, in
 /// `program.kernels` order.
 pub fn compile_kernels(program: &Program, arch: &str) -> Result<(Vec<Vec<u8>>, CompileReport), CodegenError> {
     let version = version()?;
@@ -123,9 +123,11 @@ pub fn compile_kernels(program: &Program, arch: &str) -> Result<(Vec<Vec<u8>>, C
     }
     let sources: Vec<String> = program.kernels.iter().map(|k| kernel_source(program, k)).collect::<Result<_, _>>()?;
     let flags = FLAGS.join(" ");
+    let archs: Vec<String> = program.kernels.iter().map(|k| k.arch(arch)).collect();
     let paths: Vec<Option<PathBuf>> = sources
         .iter()
-        .map(|s| dir.as_ref().map(|d| d.join(format!("{:016x}.{arch}.bin", fnv(&[s, arch, &version, &flags])))))
+        .zip(&archs)
+        .map(|(s, a)| dir.as_ref().map(|d| d.join(format!("{:016x}.{a}.bin", fnv(&[s, a, &version, &flags])))))
         .collect();
     let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(4).min(sources.len().max(1));
     let next = std::sync::atomic::AtomicUsize::new(0);
@@ -143,7 +145,7 @@ pub fn compile_kernels(program: &Program, arch: &str) -> Result<(Vec<Vec<u8>>, C
                     Some(b) => Ok((b, true)),
                     None => {
                         let src = sources[i].clone();
-                        let arch = arch.to_string();
+                        let arch = archs[i].clone();
                         guarded(move || compile(&src, &arch)).map(|b| {
                             if let Some(p) = &paths[i] {
                                 let tmp = p.with_extension(format!("tmp{}", std::process::id()));

@@ -77,15 +77,17 @@ pub struct CudaBackend {
     use_graphs: bool,
     /// Forward-step kernels launched as programmatic dependent launches (`device::pdl_enabled`).
     pdl: bool,
+    /// [`Compiled`]'s `wgmma`: our W8A8 kernel runs only there.
+    wgmma: bool,
     /// cuBLASLt, where it loads; per linear shape, which GEMM runs at each token bucket
     /// (`blas::chosen`) and f32 copies of the biases.
     blas: Option<lt::Blas>,
     blas_choice: HashMap<blas::Shape, Vec<(usize, blas::Gemm)>>,
     bias_f32: HashMap<usize, CudaSlice<f32>>,
-    /// W8A8 ([`w8a8`]): the compact cuBLASLt scales of E4M3 weights, and the quantized input
-    /// (codes `[cap.0, k]`, scales) of a launch.
+    /// W8A8 ([`w8a8`]): the compact cuBLASLt scales of E4M3 weights, and the quantized input of
+    /// a launch with our W8A8 kernel's split sums.
     w8_scales: HashMap<usize, (w8a8::Fp8Scales, CudaSlice<f32>)>,
-    w8_input: Option<(CudaSlice<u8>, CudaSlice<f32>)>,
+    w8_input: Option<w8a8::W8Input>,
     /// `ENGINE_CUDA_PROFILE` ([`profile`]).
     profile: Option<Profile>,
     /// `ENGINE_CUDA_SKIP` ([`profile::skip_from_env`]): kernels left out, for timing only.
@@ -115,6 +117,8 @@ unsafe impl Send for Nccl {}
 pub(crate) struct Compiled {
     program: Arc<Program>,
     bins: Vec<Vec<u8>>,
+    /// Whether the device runs Hopper's own instructions (`sm_90`: the W8A8 kernel's `wgmma`).
+    wgmma: bool,
 }
 
 impl Compiled {
@@ -132,7 +136,7 @@ impl Compiled {
             report.cached,
             t.elapsed().as_secs_f64()
         );
-        Ok(Compiled { program: Arc::new(program), bins })
+        Ok(Compiled { program: Arc::new(program), bins, wgmma: arch == "sm_90" })
     }
 }
 
@@ -177,7 +181,12 @@ impl CudaBackend {
         for (k, bin) in program.kernels.iter().zip(&compiled.bins) {
             let m =
                 ctx.load_module(cudarc::nvrtc::Ptx::from_binary(bin.clone())).map_err(driver("loading a kernel"))?;
-            funcs.insert(*k, m.load_function(&k.name()).map_err(driver("finding a kernel"))?);
+            let f = m.load_function(&k.name()).map_err(driver("finding a kernel"))?;
+            if let KernelKey::GemmSkinnyA8 { .. } = k {
+                use cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX;
+                f.set_attribute(MAX, codegen_cuda::A8_SMEM as i32).map_err(driver("W8A8 shared memory"))?;
+            }
+            funcs.insert(*k, f);
         }
         let t = std::time::Instant::now();
         let file = bundle.weights(rank)?;
@@ -252,6 +261,7 @@ impl CudaBackend {
             graphs: HashMap::new(),
             use_graphs,
             pdl: device::pdl_enabled(&ctx),
+            wgmma: compiled.wgmma,
             blas: None,
             blas_choice: HashMap::new(),
             bias_f32: HashMap::new(),

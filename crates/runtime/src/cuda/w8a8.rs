@@ -12,7 +12,7 @@ use super::blas::Gemm;
 use super::{driver, CudaBackend};
 use crate::RuntimeError;
 use codegen_cuda::{Arg, KernelKey, Launch, Step, W8_GROUP};
-use cudarc::driver::LaunchConfig;
+use cudarc::driver::{CudaSlice, LaunchConfig};
 
 /// How an E4M3 weight's scales (`fp8_device_layout`: one per row and 128 columns) map onto
 /// cuBLASLt's FP8 scale modes, and so how the input is quantized.
@@ -68,6 +68,17 @@ impl Fp8Scales {
             Fp8Scales::Blocks => (5, 4),
         }
     }
+}
+
+/// The device buffers of W8A8 launches: the quantized input (codes `[tokens, k]` and scales,
+/// [`CudaBackend::quantize_input`]), and `gemm_skinny_a8`'s split sums (`[parts, rows, n]` for
+/// the largest of the program's launches) with one arrival count per output tile (zero between
+/// launches: the last split of a tile resets it).
+pub(crate) struct W8Input {
+    q: CudaSlice<u8>,
+    s: CudaSlice<f32>,
+    sums: CudaSlice<f32>,
+    count: CudaSlice<u32>,
 }
 
 /// What cuBLASLt reads of a W8A8 launch's quantized input besides its codes: the scales' device
@@ -201,16 +212,31 @@ impl CudaBackend {
         self.program.kernels.iter().map(k).max().unwrap_or(0)
     }
 
-    /// Room for `tokens` quantized input rows (codes and scales), where the program has E4M3
-    /// tensor-core linears.
+    /// Room for `tokens` quantized input rows (codes and scales), and for the split sums of our
+    /// W8A8 kernel ([`W8Input`]), where the program has E4M3 tensor-core linears.
     pub(super) fn ensure_w8_input(&mut self, tokens: usize) -> Result<(), RuntimeError> {
         let k = self.w8_k_max();
         if k == 0 {
             return Ok(());
         }
-        let q = self.stream.alloc_zeros::<u8>(tokens * k).map_err(driver("alloc"))?;
-        let s = self.stream.alloc_zeros::<f32>(tokens * (k / W8_GROUP).max(1)).map_err(driver("alloc"))?;
-        self.w8_input = Some((q, s));
+        let (mut sums, mut tiles) = (1, 1);
+        for key in &self.program.kernels {
+            if let KernelKey::GemmSkinnyA8 { k, n } = *key {
+                let n: usize = n.iter().sum();
+                let slots = codegen_cuda::a8_slots(k, n);
+                if slots > 1 {
+                    sums = sums.max(slots * codegen_cuda::A8_ROWS * n);
+                }
+                tiles = tiles.max(n / codegen_cuda::A8_FEATURES);
+            }
+        }
+        let alloc = driver("alloc");
+        self.w8_input = Some(W8Input {
+            q: self.stream.alloc_zeros::<u8>(tokens * k).map_err(alloc)?,
+            s: self.stream.alloc_zeros::<f32>(tokens * (k / W8_GROUP).max(1)).map_err(driver("alloc"))?,
+            sums: self.stream.alloc_zeros::<f32>(sums).map_err(driver("alloc"))?,
+            count: self.stream.alloc_zeros::<u32>(tiles).map_err(driver("alloc"))?,
+        });
         Ok(())
     }
 
@@ -218,7 +244,7 @@ impl CudaBackend {
     /// buffers with one scale per row and `group` columns; returns the codes' and the scales'
     /// pointers.
     pub(super) fn quantize_input(&self, x: u64, k: usize, t: usize, group: usize) -> Result<(u64, u64), RuntimeError> {
-        let Some((q, s)) = &self.w8_input else {
+        let Some(W8Input { q, s, .. }) = &self.w8_input else {
             return Err(RuntimeError::Unsupported("no E4M3 input buffers".into()));
         };
         let blocks = if group == W8_GROUP { k.div_ceil(4 * W8_GROUP) } else { 1 };
@@ -253,21 +279,31 @@ impl CudaBackend {
     /// (`KernelKey::GemmSkinnyA8`): the input quantized per token and 128 columns, then the
     /// E4M3 tensor-core kernel, writing the launch's outputs.
     pub(super) fn launch_a8(&self, l: &Launch, t: usize) -> Result<(), RuntimeError> {
-        let (Some(key), KernelKey::GemmSkinny { k, n, tiles, .. }) = (l.key.a8(), l.key) else {
+        let (Some(key), KernelKey::GemmSkinny { k, n, .. }) = (l.key.a8(), l.key) else {
             return Err(RuntimeError::Unsupported(format!("{} has no W8A8 kernel", l.key.name())));
         };
-        if t > tiles * 8 {
-            return Err(RuntimeError::Unsupported(format!("{t} rows in a {}-row W8A8 kernel", tiles * 8)));
+        if !self.wgmma {
+            return Err(RuntimeError::Unsupported("our W8A8 kernel runs on Hopper (sm_90) only".into()));
+        }
+        if t > codegen_cuda::A8_ROWS {
+            return Err(RuntimeError::Unsupported(format!("{t} rows in a {}-row W8A8 kernel", codegen_cuda::A8_ROWS)));
         }
         let (q, s) = self.quantize_input(self.arg_ptr(&l.args[0]), k, t, W8_GROUP)?;
-        let ptrs: Vec<u64> =
-            [q, s].into_iter().chain((1..10).map(|i| l.args.get(i).map_or(0, |a| self.arg_ptr(a)))).collect();
+        let Some(W8Input { sums, count, .. }) = &self.w8_input else {
+            return Err(RuntimeError::Unsupported("no E4M3 input buffers".into()));
+        };
+        let ptrs: Vec<u64> = [q, s]
+            .into_iter()
+            .chain((1..10).map(|i| l.args.get(i).map_or(0, |a| self.arg_ptr(a))))
+            .chain([self.ptr(sums), self.ptr(count)])
+            .collect();
         let t32 = t as i32;
         let mut params: Vec<*mut std::ffi::c_void> = ptrs.iter().map(|p| p as *const u64 as *mut _).collect();
         params.push(&t32 as *const i32 as *mut _);
-        let (features, threads) = codegen_cuda::a8_layout(tiles);
-        let blocks = n.iter().sum::<usize>() / features;
-        let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
+        let n: usize = n.iter().sum();
+        let grid = (codegen_cuda::a8_blocks(k, n) as u32, 1, 1);
+        let cfg =
+            LaunchConfig { grid_dim: grid, block_dim: (128, 1, 1), shared_mem_bytes: codegen_cuda::A8_SMEM as u32 };
         self.raw_launch(&key, cfg, &mut params)
     }
 }
