@@ -45,12 +45,18 @@ fn generated_kernels_compile_with_nvrtc_for_sm90() {
         "gemm_skinny_k256_n128_t2_f8(",
         "gemm_k128_n128_f8(",
         "gemm_k128_n64_64(",
-        // W8A8 candidates: the input quantizer and the E4M3 x E4M3 small-batch kernel.
+        // W8A8 candidates: the input quantizer and the E4M3 x E4M3 small-batch kernel (wgmma,
+        // one instance for every row count up to 64).
         "quant_e4m3_rows(",
-        "gemm_skinny_a8_k256_n128_t2(",
+        "gemm_skinny_a8_k256_n128(",
     ] {
         assert!(source.contains(kernel), "the fp8 bundle's source has no {kernel}");
     }
+    // Its wgmma is assembled for sm_90a besides the PTX for compute_90 (inline assembly that
+    // ptxas rejects fails here).
+    let o = cuda_check(&[fp8.to_str().unwrap(), "--arch", "compute_90"], Some(&lib));
+    assert!(o.status.success(), "fp8: {}", stderr(&o));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("assembled for sm_90a (wgmma)"), "fp8: no sm_90a pass");
     runs.push(vec![fp8.display().to_string()]);
     let shapes = [
         ("qwen2", "tests/configs/qwen2.5-0.5b.json", "bf16"),

@@ -62,6 +62,17 @@ impl Gemm {
         }
     }
 
+    /// What a launch of `key` through this GEMM is called in `ENGINE_CUDA_PROFILE`'s table:
+    /// cuBLASLt's under the kernel it stands in for, ours W8A8 under its own kernel (both with
+    /// the input's quantization, for E4M3 weights).
+    pub(crate) fn label(self, key: &KernelKey) -> String {
+        match (self, key.a8()) {
+            (Gemm::Blas, _) => format!("cublaslt[{}]", key.name()),
+            (Gemm::A8, Some(a8)) => format!("{} (+quant_e4m3)", a8.name()),
+            _ => key.name(),
+        }
+    }
+
     fn from_number(n: usize) -> Option<Gemm> {
         [Gemm::Ours, Gemm::Blas, Gemm::A8].get(n).copied()
     }

@@ -378,7 +378,11 @@ impl CudaBackend {
                         let g = shape
                             .and_then(|s| self.blas_choice.get(&s))
                             .map_or(blas::Gemm::Ours, |ch| blas::chosen(ch, c));
-                        if g == blas::Gemm::Ours || self.run_gemm(l, c, g).is_err() {
+                        // ENGINE_CUDA_PROFILE=1 times cuBLASLt's and our W8A8 launches too.
+                        let other = || {
+                            Profile::launch(&self.profile, &self.stream, || g.label(&l.key), || self.run_gemm(l, c, g))
+                        };
+                        if g == blas::Gemm::Ours || other().is_err() {
                             self.launch(l, t, r, off)?;
                         }
                     }
