@@ -271,7 +271,11 @@ impl CudaBackend {
             skip: vec![],
         };
         be.ensure_cap(256, 256)?;
+        // Not through the profiler: it would time ours with its per-launch sync and the others
+        // without, and choose by that.
+        let profile = be.profile.take();
         be.choose_gemms()?;
+        be.profile = profile;
         // After the GEMM timings, so that ours vs cuBLASLt is chosen on what they really take.
         be.skip = profile::skip_from_env();
         Ok(be)
