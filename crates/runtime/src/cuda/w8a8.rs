@@ -71,9 +71,9 @@ impl Fp8Scales {
 }
 
 /// The device buffers of W8A8 launches: the quantized input (codes `[tokens, k]` and scales,
-/// [`CudaBackend::quantize_input`]), and `gemm_skinny_a8`'s split sums (`[parts, rows, n]` for
-/// the largest of the program's launches) with one arrival count per output tile (zero between
-/// launches: the last split of a tile resets it).
+/// [`CudaBackend::quantize_input`]), and `gemm_skinny_a8`'s split sums (`[slots, 64, n]` for
+/// the largest of the program's launches, `codegen_cuda::a8_slots`) with one arrival count per
+/// output tile (zero between launches: the last block of a tile resets it).
 pub(crate) struct W8Input {
     q: CudaSlice<u8>,
     s: CudaSlice<f32>,
@@ -230,9 +230,8 @@ impl CudaBackend {
                 tiles = tiles.max(n / codegen_cuda::A8_FEATURES);
             }
         }
-        let alloc = driver("alloc");
         self.w8_input = Some(W8Input {
-            q: self.stream.alloc_zeros::<u8>(tokens * k).map_err(alloc)?,
+            q: self.stream.alloc_zeros::<u8>(tokens * k).map_err(driver("alloc"))?,
             s: self.stream.alloc_zeros::<f32>(tokens * (k / W8_GROUP).max(1)).map_err(driver("alloc"))?,
             sums: self.stream.alloc_zeros::<f32>(sums).map_err(driver("alloc"))?,
             count: self.stream.alloc_zeros::<u32>(tiles).map_err(driver("alloc"))?,
