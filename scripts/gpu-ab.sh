@@ -7,7 +7,8 @@
 # AB_ENVS=ENGINE_NORM_IN_GEMV=0: engrun emits the schedule from the bundle's plan, so schedule
 # settings apply there too; BIN=DIR: another binary set; CK=SUFFIX: the checkpoint
 # /tmp/ck-SHAPE$SUFFIX, e.g. CK=-fp8 for the FP8 one scripts/gpu/hf_fp8.py makes; Q=fp8: the
-# bundle compiled with --quant fp8; several joined by commas, e.g. BIN=bin-gpu-new,CK=-fp8), at each batch size in BATCHES (default 1), REPS times (default 2),
+# bundle compiled with --quant fp8; several joined by commas, environment settings too, e.g.
+# BIN=bin-gpu-new,CK=-fp8 or Q=fp8,ENGINE_PDL=0), at each batch size in BATCHES (default 1), REPS times (default 2),
 # variants interleaved. One line per run in $OUT/ab.txt: shape, setting, batch, TPOT p50, output
 # tok/s, and (ENGINE_CUDA_PROFILE=steps) the GPU time of the graph replay and of sampling, and the step's host wall time.
 # $OUT/ab.jsonl: each run's whole JSON report after the same labels.
@@ -27,14 +28,16 @@ for shape in ${SHAPES:-qwen2.5-0.5b}; do
   for rep in $(seq "${REPS:-2}"); do
     for n in ${BATCHES:-1}; do
       for e in ENGINE_AB=default $AB_ENVS; do
-        bin=bin-gpu cks="" quant=()
+        bin=bin-gpu cks="" quant=() envs=()
         for part in ${e//,/ }; do
-          case $part in BIN=*) bin=${part#BIN=} ;; CK=*) cks=${part#CK=} ;; Q=*) quant=(--quant "${part#Q=}") ;; esac
+          case $part in
+            BIN=*) bin=${part#BIN=} ;; CK=*) cks=${part#CK=} ;; Q=*) quant=(--quant "${part#Q=}") ;; *) envs+=("$part") ;;
+          esac
         done
         # Each binary runs the bundle its own engc compiled (a bundle carries its CUDA source).
         b=$ck$cks${quant[1]:+-${quant[1]}}.$(basename "$bin").bundle
         [ -d "$b" ] || $bin/engc compile "${MODEL:-models/qwen2.yaml}" --checkpoint "$ck$cks" "${quant[@]}" -o "$b" 2>&1 | tail -1
-        r=$(env "$e" ENGINE_CUDA_PROFILE=steps $bin/engrun bench "$b" --device cuda --num-prompts "$n" \
+        r=$(env "${envs[@]}" ENGINE_CUDA_PROFILE=steps $bin/engrun bench "$b" --device cuda --num-prompts "$n" \
           --input-len "${INPUT_LEN:-128}" --output-len "${OUTPUT_LEN:-128}" --json 2>&1)
         j=$(echo "$r" | grep '^{' | tail -1)
         # cuBLASLt's choices at load, per shape and row count (the last run of each binary).
