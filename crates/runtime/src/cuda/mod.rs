@@ -57,6 +57,9 @@ pub struct CudaBackend {
     k_cache: Vec<CudaSlice<u16>>,
     v_cache: Vec<CudaSlice<u16>>,
     slots: usize,
+    /// The KV positions the step's sequences hold (its slot table's length, less the scratch
+    /// slot's entry), for the profile's bytes.
+    positions: usize,
     /// The schedule's buffers, `cap.0` token rows (or `cap.1` logit rows) each.
     bufs: Vec<CudaSlice<f32>>,
     cap: (usize, usize),
@@ -249,6 +252,7 @@ impl CudaBackend {
             k_cache: vec![],
             v_cache: vec![],
             slots: 0,
+            positions: 0,
             bufs: vec![],
             cap: (0, 0),
             inputs,
@@ -384,7 +388,14 @@ impl CudaBackend {
                             .map_or(blas::Gemm::Ours, |ch| blas::chosen(ch, c));
                         // ENGINE_CUDA_PROFILE=1 times cuBLASLt's and our W8A8 launches too.
                         let other = || {
-                            Profile::launch(&self.profile, &self.stream, || g.label(&l.key), || self.run_gemm(l, c, g))
+                            let bytes = || self.launch_bytes(l, t, r);
+                            Profile::launch(
+                                &self.profile,
+                                &self.stream,
+                                || g.label(&l.key),
+                                bytes,
+                                || self.run_gemm(l, c, g),
+                            )
                         };
                         if g == blas::Gemm::Ours || other().is_err() {
                             self.launch(l, t, r, off)?;
@@ -445,6 +456,7 @@ impl CudaBackend {
             &self.profile,
             &self.stream,
             || l.key.name(),
+            || self.launch_bytes(l, t, r),
             || {
                 unsafe { device::launch(&self.stream, &self.funcs[&l.key], cfg, &mut params, pdl) }
                     .map_err(driver("launching a kernel"))
@@ -751,6 +763,7 @@ impl CudaBackend {
         let mut dst = self.inputs.slice_mut(0..p.host.len());
         self.stream.memcpy_htod(&p.host, &mut dst).map_err(driver("copying step inputs"))?;
         let t = p.t;
+        self.positions = (p.host.len() - p.off[5]).saturating_sub(1);
         if !p.graph {
             return self.enqueue(t, p.r, &p.off);
         }

@@ -1,5 +1,6 @@
 //! `ENGINE_CUDA_PROFILE`: `1` times every launch with events (graphs off) and prints a
-//! per-kernel summary at exit; `steps` keeps graphs and PDL and times each decode step replayed
+//! per-kernel summary at exit, with the bytes each launch must move and the bandwidth that makes
+//! (`CudaBackend::launch_bytes`); `steps` keeps graphs and PDL and times each decode step replayed
 //! from a graph: the replay and the sampling kernel on the GPU (events around each) against
 //! the step's wall time on the host (inputs, replay, sampling, the tokens' copy back), so the
 //! parts can be told apart.
@@ -9,7 +10,9 @@
 //! without it), where no profiler can see into CUDA graphs. The outputs are then wrong: for
 //! timing experiments only, and said so on stderr.
 
+use super::CudaBackend;
 use crate::RuntimeError;
+use codegen_cuda::{Arg, Count, Input, Launch};
 use cudarc::driver::{CudaEvent, CudaStream};
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -36,8 +39,8 @@ pub(super) fn skipped(skip: &[String], name: &str) -> bool {
 
 /// What is being profiled.
 pub(super) enum Profile {
-    /// Per kernel name: total ms and calls.
-    Kernels(RefCell<HashMap<String, (f64, usize)>>),
+    /// Per kernel name: total ms, calls and bytes.
+    Kernels(RefCell<HashMap<String, (f64, usize, f64)>>),
     /// Graph-replayed steps.
     Steps(RefCell<Steps>),
 }
@@ -90,11 +93,12 @@ impl Profile {
         matches!(this, Some(Profile::Kernels(_)))
     }
 
-    /// Times `launch` (kernel mode).
+    /// Times `launch`, which moves `bytes` (kernel mode).
     pub(super) fn launch(
         this: &Option<Profile>,
         stream: &CudaStream,
         name: impl FnOnce() -> String,
+        bytes: impl FnOnce() -> usize,
         launch: impl FnOnce() -> Result<(), RuntimeError>,
     ) -> Result<(), RuntimeError> {
         let Some(Profile::Kernels(p)) = this else { return launch() };
@@ -102,9 +106,10 @@ impl Profile {
         end.synchronize().map_err(profiling)?;
         let ms = start.elapsed_ms(&end).map_err(profiling)?;
         let mut p = p.borrow_mut();
-        let e = p.entry(name()).or_insert((0.0, 0));
+        let e = p.entry(name()).or_insert((0.0, 0, 0.0));
         e.0 += f64::from(ms);
         e.1 += 1;
+        e.2 += bytes() as f64;
         Ok(())
     }
 
@@ -152,13 +157,15 @@ impl Profile {
                 let total: f64 = p.values().map(|v| v.0).sum();
                 let mut rows: Vec<_> = p.iter().collect();
                 rows.sort_by(|a, b| b.1 .0.total_cmp(&a.1 .0));
-                eprintln!("CUDA kernel time: {total:.2} ms in all");
-                for (name, (ms, n)) in rows.iter().take(30) {
+                eprintln!("CUDA kernel time: {total:.2} ms in all (MB a call it must move at least, and at what rate)");
+                for (name, (ms, n, bytes)) in rows.iter().take(30) {
                     eprintln!(
-                        "{:>9.3} ms {:>5.1}% {n:>7} calls {:>8.2} us/call  {name}",
+                        "{:>9.3} ms {:>5.1}% {n:>7} calls {:>8.2} us/call {:>9.3} MB/call {:>8.1} GB/s  {name}",
                         ms,
                         100.0 * ms / total,
-                        1e3 * ms / *n as f64
+                        1e3 * ms / *n as f64,
+                        bytes / 1e6 / *n as f64,
+                        if *ms > 0.0 { bytes / 1e6 / ms } else { 0.0 }
                     );
                 }
             }
@@ -175,5 +182,68 @@ impl Profile {
                 );
             }
         }
+    }
+}
+
+impl CudaBackend {
+    /// The bytes launch `l` of `t` tokens and `r` logit rows must move at the least
+    /// ([`launch_bytes`]), for the profile's bandwidth column.
+    pub(super) fn launch_bytes(&self, l: &Launch, t: usize, r: usize) -> usize {
+        let weight = |w: usize| self.weights[w].as_ref().map_or(0, |d| d.len());
+        let kv = KvRead { positions: self.positions, row_bytes: self.plan.kv.row() * 2 };
+        launch_bytes(&l.args, t, r, kv, &self.program.buffers, weight)
+    }
+}
+
+/// What a step's KV caches hold: the positions of its sequences, and the bytes of one position
+/// of one layer's K (or V) cache.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct KvRead {
+    pub positions: usize,
+    pub row_bytes: usize,
+}
+
+/// The bytes a launch with `args` of `t` tokens and `r` logit rows must move at the least: its
+/// weights (`weight` gives a weight's bytes), its buffers' rows (each once, read or written),
+/// and of each KV cache every position of the step's sequences where it reads the slot table
+/// (attention), the step's own tokens where it only writes them. A kernel that reads something
+/// twice (prefill attention's KV, once per query tile) moves more.
+pub(super) fn launch_bytes(
+    args: &[Arg],
+    t: usize,
+    r: usize,
+    kv: KvRead,
+    buffers: &[codegen_cuda::Buffer],
+    weight: impl Fn(usize) -> usize,
+) -> usize {
+    let kv_rows = if args.contains(&Arg::Input(Input::Slots)) { kv.positions } else { t };
+    let arg = |a: &Arg| match *a {
+        Arg::Weight(w) => weight(w),
+        Arg::Buf(b) => buffers.get(b).map_or(0, |buf| buf.row_bytes * if buf.per == Count::Tokens { t } else { r }),
+        Arg::KCache(_) | Arg::VCache(_) => kv_rows * kv.row_bytes,
+        _ => 0,
+    };
+    args.iter().map(arg).sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use codegen_cuda::Buffer;
+
+    /// Weights once, buffers by their rows (tokens or logit rows), and the KV caches by every
+    /// position where the launch reads the slot table, by the step's tokens where it writes.
+    #[test]
+    fn a_launch_moves_its_weights_rows_and_the_kv_it_reads() {
+        let buffers = [Buffer { row_bytes: 100, per: Count::Tokens }, Buffer { row_bytes: 10, per: Count::Rows }];
+        let kv = KvRead { positions: 1000, row_bytes: 4 };
+        let weight = |w: usize| 1 << (10 + w);
+        let (t, r) = (7, 3);
+        let linear = [Arg::Buf(0), Arg::Weight(2), Arg::Null, Arg::Buf(1), Arg::Count(Count::Tokens)];
+        assert_eq!(launch_bytes(&linear, t, r, kv, &buffers, weight), 700 + 4096 + 30);
+        let write = [Arg::Buf(0), Arg::Input(Input::SlotOf), Arg::KCache(0), Arg::VCache(0)];
+        assert_eq!(launch_bytes(&write, t, r, kv, &buffers, weight), 700 + 2 * 7 * 4);
+        let attention = [Arg::Buf(0), Arg::KCache(0), Arg::VCache(0), Arg::Input(Input::Slots), Arg::Buf(0)];
+        assert_eq!(launch_bytes(&attention, t, r, kv, &buffers, weight), 1400 + 2 * 1000 * 4);
     }
 }
