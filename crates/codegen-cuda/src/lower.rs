@@ -750,6 +750,11 @@ mod tests {
             ("sm_90a".into(), "compute_90a".into(), "sm_100".into())
         );
         assert_eq!(skinny(128, 8, true).arch("sm_90"), "sm_90");
+        // The parameters in the order the runtime's `launch_a8` passes them.
+        let params = "(const unsigned char* xq, const float* xs, const fp8_t* w0, const h16_t* b0, float* o0, \
+                      const fp8_t* w1, const h16_t* b1, float* o1, const fp8_t* w2, const h16_t* b2, float* o2, \
+                      float* part, unsigned* count, int T)";
+        assert!(key.instance().unwrap().contains(params), "{}", key.instance().unwrap());
         // Qwen2.5-7B: gate/up 296 tiles of 28 groups on 264 blocks (a tile over two blocks at
         // most), down 28 of 148 (five or six blocks a tile); a 0.5B q/k/v: 9 tiles of 7 groups.
         let (blocks, slots) = (crate::a8_blocks, crate::a8_slots);
