@@ -628,6 +628,12 @@ pub fn a8_slots(k: usize, n: usize) -> usize {
     (0..n / A8_FEATURES).map(|t| block_of(t * groups + groups - 1) - block_of(t * groups) + 1).max().unwrap_or(1)
 }
 
+/// Whether `arch` (`sm_90`, or `compute_90` for PTX) is Hopper's, whose own target (`sm_90a`)
+/// runs the `wgmma` of [`KernelKey::GemmSkinnyA8`].
+pub fn hopper(arch: &str) -> bool {
+    arch == "sm_90" || arch == "compute_90"
+}
+
 /// The C type of a fast linear's weights: E4M3 codes (`fp8_t`) or the 16-bit float.
 fn wtype(w8: bool) -> &'static str {
     if w8 {
@@ -802,7 +808,7 @@ impl KernelKey {
     /// [`KernelKey::GemmSkinnyA8`], the device's for every other kernel.
     pub fn arch(&self, arch: &str) -> String {
         match self {
-            KernelKey::GemmSkinnyA8 { .. } if arch == "sm_90" || arch == "compute_90" => format!("{arch}a"),
+            KernelKey::GemmSkinnyA8 { .. } if hopper(arch) => format!("{arch}a"),
             _ => arch.to_string(),
         }
     }

@@ -113,8 +113,9 @@ pub struct CompileReport {
 type Compiled = Result<(Vec<u8>, bool), CodegenError>;
 
 /// Compiles every kernel of `program` for `arch` (`sm_90`: CUBIN; `compute_90`: PTX; a kernel
-/// that needs Hopper's own instructions for [`KernelKey::arch`]'s) on all cores, each its own NVRTC program, through the disk cache. Returns one binary per kernel, in
-/// `program.kernels` order.
+/// that needs Hopper's own instructions for [`KernelKey::arch`]'s) on all cores, each its own
+/// NVRTC program, through the disk cache. Returns one binary per kernel, in `program.kernels`
+/// order.
 pub fn compile_kernels(program: &Program, arch: &str) -> Result<(Vec<Vec<u8>>, CompileReport), CodegenError> {
     let version = version()?;
     let dir = cache_dir();

@@ -160,7 +160,7 @@ fn cuda_check(
     println!("compiled {kernels} kernels ({} bytes of PTX) for {arch} in {:.2}s", ptx.len(), t.elapsed().as_secs_f64());
     // The W8A8 kernels' wgmma is compiled only for Hopper's own target (`KernelKey::arch`), and
     // PTX leaves inline assembly unchecked: assemble the program for it too.
-    if arch == "compute_90" && source.contains(" gemm_skinny_a8_k") {
+    if codegen_cuda::hopper(arch) && source.contains(" gemm_skinny_a8_k") {
         codegen_cuda::nvrtc::compile_ptx(&source, "sm_90a").map_err(|e| format!("sm_90a: {e}"))?;
         println!("assembled for sm_90a (wgmma)");
     }

@@ -170,23 +170,22 @@ impl CudaBackend {
     /// of ours and the candidates not `refused`, the times appended to the log `line`.
     fn fastest_gemm(&self, l: &Launch, t: usize, refused: &[Gemm], line: &mut String) -> Result<Gemm, RuntimeError> {
         let ours = self.time(|be| be.run_gemm(l, t, Gemm::Ours))?;
-        let forced = Gemm::forced();
-        let mut best = (Gemm::Ours, if forced == Some(Gemm::Ours) { 0.0 } else { ours });
         let _ = write!(line, " t={t} {:.0}", ours * 1e3);
+        let mut timed = vec![(Gemm::Ours, ours)];
         for g in candidates(l, refused) {
             match self.time(|be| be.run_gemm(l, t, g)) {
                 Ok(ms) => {
                     let _ = write!(line, "/{:.0}", ms * 1e3);
-                    if ms < best.1 || forced == Some(g) {
-                        best = (g, if forced == Some(g) { 0.0 } else { ms });
-                    }
+                    timed.push((g, ms));
                 }
                 Err(e) => {
                     let _ = write!(line, "/failed ({e})");
                 }
             }
         }
-        Ok(best.0)
+        let forced = Gemm::forced();
+        let best = timed.iter().find(|(g, _)| Some(*g) == forced).or(timed.iter().min_by(|a, b| a.1.total_cmp(&b.1)));
+        Ok(best.map_or(Gemm::Ours, |(g, _)| *g))
     }
 
     /// Runs linear launch `l` of `t` tokens (or logits rows) with GEMM `g`.

@@ -139,7 +139,7 @@ impl Compiled {
             report.cached,
             t.elapsed().as_secs_f64()
         );
-        Ok(Compiled { program: Arc::new(program), bins, wgmma: arch == "sm_90" })
+        Ok(Compiled { program: Arc::new(program), bins, wgmma: codegen_cuda::hopper(&arch) })
     }
 }
 

@@ -239,13 +239,16 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// The W8A8 buffers ([`CudaBackend::ensure_w8_input`]).
+    fn w8_buffers(&self) -> Result<&W8Input, RuntimeError> {
+        self.w8_input.as_ref().ok_or_else(|| RuntimeError::Unsupported("no E4M3 input buffers".into()))
+    }
+
     /// Quantizes the 16-bit input `x` (`[t, k]`) of a W8A8 launch into the codes and scales
     /// buffers with one scale per row and `group` columns; returns the codes' and the scales'
     /// pointers.
     pub(super) fn quantize_input(&self, x: u64, k: usize, t: usize, group: usize) -> Result<(u64, u64), RuntimeError> {
-        let Some(W8Input { q, s, .. }) = &self.w8_input else {
-            return Err(RuntimeError::Unsupported("no E4M3 input buffers".into()));
-        };
+        let W8Input { q, s, .. } = self.w8_buffers()?;
         let blocks = if group == W8_GROUP { k.div_ceil(4 * W8_GROUP) } else { 1 };
         let (qp, sp) = (self.ptr(q), self.ptr(s));
         let (k32, g32) = (k as i32, group as i32);
@@ -288,9 +291,7 @@ impl CudaBackend {
             return Err(RuntimeError::Unsupported(format!("{t} rows in a {}-row W8A8 kernel", codegen_cuda::A8_ROWS)));
         }
         let (q, s) = self.quantize_input(self.arg_ptr(&l.args[0]), k, t, W8_GROUP)?;
-        let Some(W8Input { sums, count, .. }) = &self.w8_input else {
-            return Err(RuntimeError::Unsupported("no E4M3 input buffers".into()));
-        };
+        let W8Input { sums, count, .. } = self.w8_buffers()?;
         let ptrs: Vec<u64> = [q, s]
             .into_iter()
             .chain((1..10).map(|i| l.args.get(i).map_or(0, |a| self.arg_ptr(a))))
