@@ -613,7 +613,7 @@ __device__ __forceinline__ void rows8_spill(float (*red)[NT * 8 + 1], const floa
   }
 }
 
-// ---- small-batch linear: tensor cores over few rows (9..64) ----
+// ---- small-batch linear: tensor cores over few rows (9..128) ----
 // D[feature, token] = W · Xᵀ with mma.sync: W rows are the A operand (16 features per block),
 // the step's rows the B operand (NT tiles of 8). Lane (g, c) loads 16 contiguous bytes of a W
 // row and of an X row at k + 8c; both fragments use the same permutation of k inside each
@@ -624,8 +624,9 @@ __device__ __forceinline__ void rows8_spill(float (*red)[NT * 8 + 1], const floa
 template <int K, int N0, int N1, int N2, int NT, typename WT>
 __device__ void gemm_skinny(const h16_t* x, const WT* w0, const h16_t* b0, float* o0, const WT* w1,
                             const h16_t* b1, float* o1, const WT* w2, const h16_t* b2, float* o2, int T) {
-  constexpr int WARPS = 8, PER = WFmt<WT>::PER, CW = 4 * PER, CH = K / CW;
-  __shared__ float red[WARPS][16][NT * 8 + 1];
+  constexpr int WARPS = 8, PER = WFmt<WT>::PER, CW = 4 * PER, CH = K / CW, RT = NT < 8 ? NT : 8;
+  static_assert(NT % RT == 0, "row tiles in whole rounds of the reduction");
+  __shared__ float red[WARPS][16][RT * 8 + 1];
   int f0 = blockIdx.x * 16;
   const LinearOut<WT> grp = pick_group(f0, N0, N1, LinearOut<WT>{w0, b0, o0, N0}, LinearOut<WT>{w1, b1, o1, N1},
                                        LinearOut<WT>{w2, b2, o2, N2});
@@ -682,15 +683,20 @@ __device__ void gemm_skinny(const h16_t* x, const WT* w0, const h16_t* b0, float
     chunk(k2, c0, c1);
   }
   if (ch < CH) chunk(ch * CW, ld_stream(wa + ch * CW), ld_stream(wb + ch * CW));
-  rows8_spill<NT>(red[warp], acc);
-  __syncthreads();
-  for (int idx = threadIdx.x; idx < 16 * NT * 8; idx += blockDim.x) {
-    const int tok = idx >> 4, f = idx & 15;
-    if (tok >= T) break;
-    float v = bias ? to_f32(bias[f0 + f]) : 0.0f;
+  // The warps' sums meet in shared memory, RT row tiles at a time (RT * 8 rows fit in it).
 #pragma unroll
-    for (int q = 0; q < WARPS; q++) v += red[q][f][tok];
-    out[(long)tok * N + f0 + f] = v;
+  for (int h = 0; h < NT; h += RT) {
+    if (h > 0) __syncthreads();  // the last rows' sums are read
+    rows8_spill<RT>(red[warp], acc + h);
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < 16 * RT * 8; idx += blockDim.x) {
+      const int tok = h * 8 + (idx >> 4), f = idx & 15;
+      if (tok >= T) break;
+      float v = bias ? to_f32(bias[f0 + f]) : 0.0f;
+#pragma unroll
+      for (int q = 0; q < WARPS; q++) v += red[q][f][tok - h * 8];
+      out[(long)tok * N + f0 + f] = v;
+    }
   }
 }
 
@@ -708,7 +714,9 @@ __device__ void gemm_skinny(const h16_t* x, const WT* w0, const h16_t* b0, float
 // N2], and the last to finish (count[tile], which it resets) adds the slots in order, so the
 // result does not depend on which block ends first. codegen_cuda's `a8_blocks` picks BLOCKS,
 // `a8_slots` says SLOTS (the most a tile has), `A8_SMEM` is the dynamic shared memory.
-// Every N_g is a multiple of 128. grid: BLOCKS, block: 128.
+// Launched as a programmatic dependent launch, a block loads its first stages' weights before
+// it waits for the previous kernel (pdl_wait). Every N_g is a multiple of 128. grid: BLOCKS,
+// block: 128.
 #define A8_ROWS 64
 #define A8_STAGE (A8_ROWS * 128 + 128 * 128)
 
@@ -785,6 +793,7 @@ __device__ void gemm_skinny_a8(const unsigned char* xq, const float* xs, const f
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(bytes));
   };
   const int u_end = a8_start(blockIdx.x + 1, U, BLOCKS);
+  bool first = true;
   for (int u = a8_start(blockIdx.x, U, BLOCKS); u < u_end;) {
     const int tile = u / G, gs = u % G, gn = min(G - gs, u_end - u);
     u += gn;
@@ -794,31 +803,57 @@ __device__ void gemm_skinny_a8(const unsigned char* xq, const float* xs, const f
     const int N = grp.n;
     const unsigned char* wbase = (const unsigned char*)grp.w + (long)f0 * K;
     const float* wsc = row_scales<K>(grp.w, N, f0 + tid);
-    auto stage = [&](int st, int gi) {
-      const unsigned a = tiles + st * A8_STAGE, b = a + A8_ROWS * 128;
-      // Rows past T are left as they are: a row of the products depends on its own input row
-      // only, and those rows are not written.
-#pragma unroll
-      for (int i = 0; i < A8_ROWS * 8 / 128; i++) {
-        const int id = tid + i * 128, r = id >> 3, j = id & 7;
-        if (r < T) cp_async16(a + r * 128 + ((j ^ (r & 7)) << 4), xq + (long)r * K + gi * W8_GROUP + j * 16, 16);
-      }
+    // Stage st's weight rows and their scales (which no kernel writes), and its input rows.
+    auto stage_w = [&](int st, int gi) {
+      const unsigned b = tiles + st * A8_STAGE + A8_ROWS * 128;
 #pragma unroll
       for (int i = 0; i < F * 8 / 128; i++) {
         const int id = tid + i * 128, r = id >> 3, j = id & 7;
         cp_async16(b + r * 128 + ((j ^ (r & 7)) << 4), wbase + (long)r * K + gi * W8_GROUP + j * 16, 16);
       }
-      if (tid < T) cp4(smem_addr(&sxs[st * A8_ROWS + tid]), xs + (long)gi * T + tid, 4);
       cp4(smem_addr(&sws[st * F + tid]), wsc + gi, 4);
+    };
+    // Rows past T are left as they are: a row of the products depends on its own input row
+    // only, and those rows are not written.
+    auto stage_x = [&](int st, int gi) {
+      const unsigned a = tiles + st * A8_STAGE;
+#pragma unroll
+      for (int i = 0; i < A8_ROWS * 8 / 128; i++) {
+        const int id = tid + i * 128, r = id >> 3, j = id & 7;
+        if (r < T) cp_async16(a + r * 128 + ((j ^ (r & 7)) << 4), xq + (long)r * K + gi * W8_GROUP + j * 16, 16);
+      }
+      if (tid < T) cp4(smem_addr(&sxs[st * A8_ROWS + tid]), xs + (long)gi * T + tid, 4);
+    };
+    auto stage = [&](int st, int gi) {
+      stage_w(st, gi);
+      stage_x(st, gi);
     };
     float acc[64], d[64];
 #pragma unroll
     for (int i = 0; i < 64; i++) acc[i] = 0.0f;
     __syncthreads();  // the last segment's stages are read
+    if (first) {
+      // The first stages' weights load while the previous kernel still runs (the wrapper let
+      // this one launch early: pdl_trigger); the inputs after it ended. Groups W0 W1 W2 X0 X1
+      // X2: at step i, cp_async_wait<S - 2> has stage i's weights and inputs in.
 #pragma unroll
-    for (int s = 0; s < S - 1; s++) {
-      if (s < gn) stage(s, gs + s);
-      cp_async_commit();
+      for (int s = 0; s < S - 1; s++) {
+        if (s < gn) stage_w(s, gs + s);
+        cp_async_commit();
+      }
+      pdl_wait();
+#pragma unroll
+      for (int s = 0; s < S - 1; s++) {
+        if (s < gn) stage_x(s, gs + s);
+        cp_async_commit();
+      }
+      first = false;
+    } else {
+#pragma unroll
+      for (int s = 0; s < S - 1; s++) {
+        if (s < gn) stage(s, gs + s);
+        cp_async_commit();
+      }
     }
     for (int i = 0; i < gn; i++) {
       cp_async_wait<S - 2>();

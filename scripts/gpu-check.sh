@@ -13,7 +13,8 @@
 # machine has two GPUs) compiles a bundle and checks (scripts/gpu/compare.py says the limits):
 #   - our CUDA logits against HF's f32 forward, max and rms error and greedy tokens where clear:
 #     batch 1 (40 tokens prefilled, 24 decode steps), batch 16 of mixed lengths (24 prefilled,
-#     then one shrinking decode batch), and a 520-token sequence (512 prefilled, 8 decoded);
+#     then one shrinking decode batch; and 8 prefilled, 128 rows, on our GEMMs), and a 520-token
+#     sequence (512 prefilled, 8 decoded);
 #   - CUDA graphs off (ENGINE_CUDA_GRAPHS=0) and PDL off (ENGINE_PDL=0) equal to the default on
 #     batch 16, and our GEMM (ENGINE_CUBLASLT=0) equal to the default on the long prefill;
 #   - the GPU sampling kernels against the host's rule on the same logits (greedy through the
@@ -84,7 +85,7 @@ for shape in $shapes; do
       [ "$tp" = 1 ] || { b="$ck$dsfx.tp$tp.bundle"; sfx="$dsfx-tp$tp"; }
       [ -d "$b" ] || must compile "$work/$shape$sfx-compile.txt" \
         "$bin/engc" compile --checkpoint "$ckd" "${dflag[@]}" --tp "$tp" -o "$b" || continue
-      expected=$((expected + 18))
+      expected=$((expected + 21))
       rm -rf /tmp/engine-cache
       logits() { # RUN FILE-SUFFIX IDS PREFILL [ENV...]
         local run=$1 fs=$2 seqs=$3 pre=$4
@@ -94,6 +95,9 @@ for shape in $shapes; do
       }
       logits b1 "$sfx" "$one" 40 && cmp hf "$checks" "$ckd" "$shape" b1 "$sfx" "$tdt"
       logits b16 "$sfx" "$many" 24 && cmp hf "$checks" "$ckd" "$shape" b16 "$sfx" "$tdt"
+      # The same 16 sequences, 8 tokens each in the first step: 128 rows on our small-batch
+      # kernel's largest instance.
+      logits b16p8 "$sfx" "$many" 8 ENGINE_GEMM_FORCE=ours && cmp hf "$checks" "$ckd" "$shape" b16p8 "$sfx" "$tdt"
       logits long "$sfx" "$long" 512 && cmp hf "$checks" "$ckd" "$shape" long "$sfx" "$tdt"
       grep -h "cuBLASLt" "$work/$shape-long$sfx.txt" | head -5
       for v in graphs:ENGINE_CUDA_GRAPHS=0:b16:many:24 pdl:ENGINE_PDL=0:b16:many:24 cublaslt:ENGINE_CUBLASLT=0:long:long:512; do

@@ -1,7 +1,7 @@
 """Comparisons of the GPU check (scripts/gpu-check.sh), each appended to a checks file as one JSON
 line with its value, its limit and `pass`; scripts/gpu/verdict.py reads them all.
 
-  compare.py hf CHECKS CK SHAPE RUN SFX DTYPE      our logits of RUN (b1, b16, long) vs HF's
+  compare.py hf CHECKS CK SHAPE RUN SFX DTYPE      our logits of RUN (b1, b16, b16p8, long) vs HF's
   compare.py pair CHECKS NAME A B DTYPE CK RUN      two of our logits files of RUN
   compare.py sampling CHECKS NAME FILE             `engrun logits` sampling reports, one per line
   compare.py alone CHECKS NAME FILE                `engrun bench --verify-alone` JSON
@@ -29,7 +29,7 @@ from safetensors.torch import load_file
 ALLOWANCE = {"bf16": 5e-3, "f16": 1e-3}
 HF_OWN = {"bf16": "bf16", "f16": "f16"}
 # Sequences of each run in seqs.json (first index, count) and tokens prefilled before decoding.
-RUNS = {"b1": (0, 1, 40), "b16": (1, 16, 24), "long": (17, 1, 512)}
+RUNS = {"b1": (0, 1, 40), "b16": (1, 16, 24), "b16p8": (1, 16, 8), "long": (17, 1, 512)}
 
 
 def emit(checks, **line):

@@ -790,6 +790,15 @@ impl KernelKey {
         matches!(self, KernelKey::Gemm { w8: true, .. } | KernelKey::GemmSkinny { w8: true, .. })
     }
 
+    /// The tiled GEMM that may stand in for this launch (a `GemmSkinny`: the kernel the schedule
+    /// runs past the last small-batch row count, `crate::tiled`).
+    pub fn tiled(&self) -> Option<KernelKey> {
+        match *self {
+            KernelKey::GemmSkinny { k, n, w8, .. } => Some(KernelKey::Gemm { k, n, w8 }),
+            _ => None,
+        }
+    }
+
     /// The W8A8 small-batch kernel that may stand in for this launch (a `GemmSkinny` of E4M3
     /// weights whose every output count is a multiple of [`A8_FEATURES`]).
     pub fn a8(&self) -> Option<KernelKey> {
@@ -1074,11 +1083,13 @@ impl KernelKey {
                 format!("all_gather_oneshot<{ranks}>(x, out, rows, cols, table, rank, cap, counters)"),
             ),
         };
-        // The GEMVs and the norms wait for the previous kernel themselves, after loading weights.
+        // The GEMVs, the norms and the W8A8 GEMM wait for the previous kernel themselves, after
+        // loading weights.
         let enter = match self {
             _ if !self.pdl() => "",
             KernelKey::Gemv { .. }
             | KernelKey::GemvGlu { .. }
+            | KernelKey::GemmSkinnyA8 { .. }
             | KernelKey::AddRmsNorm { .. }
             | KernelKey::NormAddRmsNorm { .. } => "pdl_trigger(); ",
             _ => "pdl_enter(); ",

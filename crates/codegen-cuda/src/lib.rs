@@ -18,6 +18,7 @@ pub use keys::{
     a8_blocks, a8_slots, hopper, HeadNorm, KernelKey, Mask, NormIn, A8_FEATURES, A8_ROWS, A8_SMEM,
     ALL_REDUCE_MAX_BLOCKS, ARGMAX_BLOCKS, MAP_INPUTS, MASK_SPAN,
 };
+pub use lower::tiled;
 pub use schedule::{
     moe_rows_max, Arg, Buffer, Count, Dim, Input, Launch, Step, GEMV_MAX_ROWS, GEMV_ROWS, MOE_ROWS_PAIRS, MOE_TILE,
     NORM_IN_GEMV_ROWS, SKINNY_ROWS, W8_GROUP,

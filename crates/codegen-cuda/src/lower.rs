@@ -228,7 +228,6 @@ fn grouped(x: usize, k: usize, groups: &[Group], by: Count, norm: Option<&FusedN
     outs.push(Arg::Count(by));
     let args = [&[Arg::Buf(x)], &outs[..]].concat();
     let total: usize = n.iter().sum();
-    let tiles: usize = n.iter().map(|c| c.div_ceil(128)).sum();
     let mut variants: Vec<(usize, Vec<Launch>)> = gemv_rows(&n)
         .into_iter()
         .map(|rows| {
@@ -245,9 +244,24 @@ fn grouped(x: usize, k: usize, groups: &[Group], by: Count, norm: Option<&FusedN
             variants.push((rows, vec![launch(key, args.clone(), [Dim::Fixed(total / 16), ONE], 256)]));
         }
     }
-    let gemm = launch(KernelKey::Gemm { k, n, w8 }, args, [Dim::Fixed(tiles), Dim::Per(by, 1, 128)], 256);
-    variants.push((usize::MAX, vec![gemm]));
+    variants.push((usize::MAX, vec![gemm_launch(k, n, w8, args, by)]));
     Step::Kernels { by, variants }
+}
+
+/// The tiled GEMM launch of up to three linears over `by` rows (any row count; 128 x 128 output
+/// tiles).
+fn gemm_launch(k: usize, n: [usize; 3], w8: bool, args: Vec<Arg>, by: Count) -> Launch {
+    let tiles: usize = n.iter().map(|c| c.div_ceil(128)).sum();
+    launch(KernelKey::Gemm { k, n, w8 }, args, [Dim::Fixed(tiles), Dim::Per(by, 1, 128)], 256)
+}
+
+/// The tiled GEMM that computes what small-batch launch `l` (`KernelKey::GemmSkinny`) does, at
+/// any row count: the schedule's own launch past the last of `SKINNY_ROWS`, and a candidate the
+/// runtime times against the small-batch kernel below it. `None` for any other launch.
+pub fn tiled(l: &Launch) -> Option<Launch> {
+    let KernelKey::Gemm { k, n, w8 } = l.key.tiled()? else { return None };
+    let by = l.args.iter().rev().find_map(|a| if let Arg::Count(c) = a { Some(*c) } else { None })?;
+    Some(gemm_launch(k, n, w8, l.args.clone(), by))
 }
 
 /// Linears `ls` of one input: one launch (GEMV / GEMM variants) per weight format the fast
@@ -676,7 +690,8 @@ fn logits(b: &mut Builder, i: usize) -> Result<(), CodegenError> {
 
 #[cfg(test)]
 mod tests {
-    use crate::{Count, Dim, KernelKey, Step};
+    use super::grouped;
+    use crate::{tiled, Count, Dim, KernelKey, Launch, Step, SKINNY_ROWS};
     use ir::{DType, Graph, Op};
 
     /// embedding → rms_norm with a `[norm]` weight → linear → logits, all 64 wide, bf16.
@@ -730,6 +745,22 @@ mod tests {
             let in_gemv = launches.iter().any(|l| matches!(l.key, KernelKey::Gemv { norm: Some(_), .. }));
             assert_eq!(in_gemv, fused, "norm [{norm}] applied by a GEMV");
         }
+    }
+
+    /// Every small-batch variant of a linear has the schedule's own tiled launch as its stand-in
+    /// (same arguments, the grid of the variant past the last row count); nothing else has one.
+    #[test]
+    fn tiled_stand_ins_are_the_schedules_gemm() {
+        let groups = [(1, None, 2, 384), (3, Some(4), 5, 128)];
+        let Step::Kernels { variants, .. } = grouped(0, 256, &groups, Count::Tokens, None, true) else {
+            panic!("a linear is a kernel step")
+        };
+        let (max, last) = variants.last().unwrap();
+        assert_eq!((*max, last[0].grid[0]), (usize::MAX, Dim::Fixed(4)));
+        let skinny: Vec<&Launch> = variants.iter().flat_map(|(_, ls)| ls).filter(|l| tiled(l).is_some()).collect();
+        assert_eq!(skinny.len(), SKINNY_ROWS.len());
+        assert!(skinny.iter().all(|l| tiled(l).as_ref() == Some(&last[0])));
+        assert_eq!(tiled(&last[0]), None);
     }
 
     /// The W8A8 stand-in of a small-batch E4M3 launch: up to 64 rows, output counts multiples of
@@ -786,6 +817,7 @@ mod tests {
             (16, "gemm_skinny_k128_n128_t2_f8"),
             (32, "gemm_skinny_k128_n128_t4_f8"),
             (64, "gemm_skinny_k128_n128_t8_f8"),
+            (128, "gemm_skinny_k128_n128_t16_f8"),
             (usize::MAX, "gemm_k128_n128_f8"),
         ];
         assert_eq!(names, want.map(|(r, n)| (r, n.to_string())));

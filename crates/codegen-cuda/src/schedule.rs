@@ -144,7 +144,7 @@ pub struct Buffer {
 pub const GEMV_ROWS: [usize; 4] = [1, 2, 4, 8];
 
 /// Row counts of the small-batch tensor-core kernel; above the last, the GEMM runs.
-pub const SKINNY_ROWS: [usize; 4] = [8, 16, 32, 64];
+pub const SKINNY_ROWS: [usize; 5] = [8, 16, 32, 64, 128];
 
 /// The most rows the GEMV takes where the small-batch tensor-core kernel can (every output
 /// count a multiple of 16): above it, the GEMV's per-row FMAs cost more than the tensor cores'

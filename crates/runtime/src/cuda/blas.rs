@@ -50,59 +50,89 @@ pub(crate) enum Gemm {
     Blas,
     /// Our W8A8 small-batch kernel (`KernelKey::GemmSkinnyA8`).
     A8,
+    /// The schedule's tiled GEMM where the small-batch kernel is the variant at the row count
+    /// (`codegen_cuda::tiled`): it fills more SMs on narrow shapes.
+    Tiled,
 }
 
 impl Gemm {
-    /// The mark of the log line and the number of the choices file.
-    fn mark(self) -> (&'static str, u8) {
+    /// The mark of the log line where it runs, the letter before its time there, and the
+    /// number of the choices file.
+    pub(crate) fn mark(self) -> (&'static str, &'static str, u8) {
         match self {
-            Gemm::Ours => ("", 0),
-            Gemm::Blas => ("*", 1),
-            Gemm::A8 => ("+", 2),
+            Gemm::Ours => ("", "", 0),
+            Gemm::Blas => ("*", "L", 1),
+            Gemm::A8 => ("+", "A", 2),
+            Gemm::Tiled => ("^", "T", 3),
         }
     }
 
     /// What a launch of `key` through this GEMM is called in `ENGINE_CUDA_PROFILE`'s table:
     /// cuBLASLt's under the kernel it stands in for, ours W8A8 under its own kernel (both with
-    /// the input's quantization, for E4M3 weights).
+    /// the input's quantization, for E4M3 weights), the tiled GEMM under its own.
     pub(crate) fn label(self, key: &KernelKey) -> String {
         match (self, key.a8()) {
             (Gemm::Blas, _) => format!("cublaslt[{}]", key.name()),
             (Gemm::A8, Some(a8)) => format!("{} (+quant_e4m3)", a8.name()),
+            (Gemm::Tiled, _) => key.tiled().map_or_else(|| key.name(), |k| k.name()),
             _ => key.name(),
         }
     }
 
-    fn from_number(n: usize) -> Option<Gemm> {
-        [Gemm::Ours, Gemm::Blas, Gemm::A8].get(n).copied()
+    pub(crate) fn from_number(n: usize) -> Option<Gemm> {
+        [Gemm::Ours, Gemm::Blas, Gemm::A8, Gemm::Tiled].get(n).copied()
     }
 
-    /// `ENGINE_GEMM_FORCE` (`ours`, `cublaslt` or `a8`): the GEMM every launch runs where it
+    /// `ENGINE_GEMM_FORCE` (`ours`, `cublaslt`, `a8` or `tiled`): the GEMM every launch runs where it
     /// has it and its check passed, whatever the timing says, so the GPU check can test each
     /// (the choices are kept in a cache file of their own, so that the check's processes run
     /// the same GEMMs).
-    fn forced() -> Option<Gemm> {
+    pub(crate) fn forced() -> Option<Gemm> {
         match std::env::var("ENGINE_GEMM_FORCE").ok()?.as_str() {
             "ours" => Some(Gemm::Ours),
             "cublaslt" => Some(Gemm::Blas),
             "a8" => Some(Gemm::A8),
+            "tiled" => Some(Gemm::Tiled),
             _ => None,
         }
     }
 }
 
-/// The GEMMs besides ours that may run launch `l`, less the `refused`: cuBLASLt, and our W8A8
-/// kernel where the launch has one.
+/// The GEMMs besides ours that may run launch `l`, less the `refused`: cuBLASLt, our W8A8
+/// kernel and our tiled GEMM where the launch has them.
 pub(crate) fn candidates<'a>(l: &'a Launch, refused: &'a [Gemm]) -> impl Iterator<Item = Gemm> + 'a {
-    let has = |g: &Gemm| *g != Gemm::A8 || l.key.a8().is_some();
-    [Gemm::Blas, Gemm::A8].into_iter().filter(move |g| has(g) && !refused.contains(g))
+    let has = |g: &Gemm| match g {
+        Gemm::A8 => l.key.a8().is_some(),
+        Gemm::Tiled => l.key.tiled().is_some(),
+        _ => true,
+    };
+    [Gemm::Blas, Gemm::A8, Gemm::Tiled].into_iter().filter(move |g| has(g) && !refused.contains(g))
+}
+
+/// The GEMM a linear shape runs at one bucket, with what else could: the choice of the load's
+/// timing, then of the decode graph's (`tune`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Choice {
+    /// The one that runs.
+    pub gemm: Gemm,
+    /// Those that ran and agreed with ours at load (bit [`Gemm::mark`]'s number), ours included.
+    pub viable: u8,
+    /// Chosen by timing the decode graph of the bucket's size with each of them.
+    pub tuned: bool,
+}
+
+impl Choice {
+    /// Each viable GEMM, ours first.
+    pub(crate) fn each(&self) -> impl Iterator<Item = Gemm> + '_ {
+        (0..8).filter(|i| self.viable & (1 << i) != 0).filter_map(Gemm::from_number)
+    }
 }
 
 /// Which GEMM runs a launch of `t` tokens, given the choices per bucket, ascending: the smallest
 /// bucket's not below `t`, as a decode graph pads `t` to that bucket (every captured size from 8
 /// rows is one; fewer rows follow the 8-row bucket), else the largest's; ours without choices.
-pub(crate) fn chosen(choice: &[(usize, Gemm)], t: usize) -> Gemm {
-    choice.iter().find(|(b, _)| *b >= t).or(choice.last()).map_or(Gemm::Ours, |(_, g)| *g)
+pub(crate) fn chosen(choice: &[(usize, Choice)], t: usize) -> Gemm {
+    choice.iter().find(|(b, _)| *b >= t).or(choice.last()).map_or(Gemm::Ours, |(_, c)| c.gemm)
 }
 
 impl CudaBackend {
@@ -121,6 +151,7 @@ impl CudaBackend {
             return Ok(());
         };
         let file = choices_file(&self.stream, &self.program.source);
+        self.choices_file.clone_from(&file);
         let algos_file = file.as_ref().map(|f| f.with_extension("algos"));
         if let Some(f) = &algos_file {
             blas.load_algos(f);
@@ -136,26 +167,27 @@ impl CudaBackend {
         for (shape, launches) in &shapes {
             let mut choice = vec![];
             let w8 = if shape.2 { " e4m3" } else { "" };
-            let mut line = format!("GEMM k{} n{:?}{w8} (us, ours / cuBLASLt [/ ours W8A8]):", shape.0, shape.1);
+            let mut line =
+                format!("GEMM k{} n{:?}{w8} (us: ours / L cuBLASLt / A ours W8A8 / T ours tiled):", shape.0, shape.1);
             let fresh = !launches.iter().all(|(t, _)| cached.contains_key(&(*shape, *t)));
             let refused = if shape.2 && fresh { self.w8a8_refusals(launches, &mut line)? } else { vec![] };
             for (t, l) in launches {
-                if let Some(&g) = cached.get(&(*shape, *t)) {
-                    let _ = write!(line, " t={t} cached{}", g.mark().0);
-                    choice.push((*t, g));
+                if let Some(&c) = cached.get(&(*shape, *t)) {
+                    let _ = write!(line, " t={t} cached{}", c.gemm.mark().0);
+                    choice.push((*t, c));
                     continue;
                 }
                 let best = self.fastest_gemm(l, *t, &refused, &mut line)?;
-                line += best.mark().0;
+                line += best.gemm.mark().0;
                 choice.push((*t, best));
                 timed = true;
             }
-            eprintln!("{line} (*: cuBLASLt runs, +: ours W8A8)");
+            eprintln!("{line} (runs: *: cuBLASLt, +: ours W8A8, ^: ours tiled)");
             choice.sort_by_key(|(t, _)| *t);
             self.blas_choice.insert(*shape, choice);
         }
-        if let (true, Some(f)) = (timed, &file) {
-            write_choices(f, &self.blas_choice);
+        if timed {
+            self.save_choices();
         }
         if let Some(b) = &self.blas {
             b.explore(false);
@@ -166,26 +198,34 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// Writes the choices to their cache file, if there is one.
+    pub(super) fn save_choices(&self) {
+        if let Some(f) = &self.choices_file {
+            write_choices(f, &self.blas_choice);
+        }
+    }
+
     /// The fastest GEMM for launch `l` at `t` tokens (or logits rows, a decode step's lm_head)
     /// of ours and the candidates not `refused`, the times appended to the log `line`.
-    fn fastest_gemm(&self, l: &Launch, t: usize, refused: &[Gemm], line: &mut String) -> Result<Gemm, RuntimeError> {
+    fn fastest_gemm(&self, l: &Launch, t: usize, refused: &[Gemm], line: &mut String) -> Result<Choice, RuntimeError> {
         let ours = self.time(|be| be.run_gemm(l, t, Gemm::Ours))?;
         let _ = write!(line, " t={t} {:.0}", ours * 1e3);
         let mut timed = vec![(Gemm::Ours, ours)];
         for g in candidates(l, refused) {
             match self.time(|be| be.run_gemm(l, t, g)) {
                 Ok(ms) => {
-                    let _ = write!(line, "/{:.0}", ms * 1e3);
+                    let _ = write!(line, "/{}{:.0}", g.mark().1, ms * 1e3);
                     timed.push((g, ms));
                 }
                 Err(e) => {
-                    let _ = write!(line, "/failed ({e})");
+                    let _ = write!(line, "/{} failed ({e})", g.mark().1);
                 }
             }
         }
         let forced = Gemm::forced();
         let best = timed.iter().find(|(g, _)| Some(*g) == forced).or(timed.iter().min_by(|a, b| a.1.total_cmp(&b.1)));
-        Ok(best.map_or(Gemm::Ours, |(g, _)| *g))
+        let viable = timed.iter().fold(0, |m, (g, _)| m | 1 << g.mark().2);
+        Ok(Choice { gemm: best.map_or(Gemm::Ours, |(g, _)| *g), viable, tuned: false })
     }
 
     /// Runs linear launch `l` of `t` tokens (or logits rows) with GEMM `g`.
@@ -194,6 +234,10 @@ impl CudaBackend {
             Gemm::Ours => self.launch(l, t, t, &[0; 6]),
             Gemm::Blas => self.launch_blas(l, t),
             Gemm::A8 => self.launch_a8(l, t),
+            Gemm::Tiled => match codegen_cuda::tiled(l) {
+                Some(tiled) => self.launch(&tiled, t, t, &[0; 6]),
+                None => Err(RuntimeError::Unsupported(format!("{} has no tiled GEMM", l.key.name()))),
+            },
         }
     }
 
@@ -313,30 +357,33 @@ fn choices_file(stream: &CudaStream, source: &str) -> Option<std::path::PathBuf>
     let name = stream.context().name().ok()?;
     let mut h = std::collections::hash_map::DefaultHasher::new();
     (name, source).hash(&mut h);
-    let forced = Gemm::forced().map_or(String::new(), |g| format!("-forced{}", g.mark().1));
+    let forced = Gemm::forced().map_or(String::new(), |g| format!("-forced{}", g.mark().2));
     Some(codegen_cuda::nvrtc::cache_dir()?.join(format!("gemm-choices-{:016x}{forced}.txt", h.finish())))
 }
 
-/// The choices of a file [`write_choices`] wrote: lines `k n0 n1 n2 w8 t gemm` (`w8` 1 or 0;
-/// `gemm` 0 ours, 1 cuBLASLt, 2 ours W8A8); unreadable lines (and a missing file) are left out,
-/// so they are timed again.
-fn read_choices(path: &std::path::Path) -> HashMap<(Shape, usize), Gemm> {
+/// The choices of a file [`write_choices`] wrote: lines `k n0 n1 n2 w8 t gemm viable tuned`
+/// (`w8` and `tuned` 1 or 0; `gemm` 0 ours, 1 cuBLASLt, 2 ours W8A8, 3 ours tiled; `viable` the
+/// mask of [`Choice`]); unreadable lines (and a missing file) are left out, so they are timed
+/// again.
+fn read_choices(path: &std::path::Path) -> HashMap<(Shape, usize), Choice> {
     let text = std::fs::read_to_string(path).unwrap_or_default();
-    let parse = |l: &str| -> Option<((Shape, usize), Gemm)> {
+    let parse = |l: &str| -> Option<((Shape, usize), Choice)> {
         let v: Vec<usize> = l.split_whitespace().map(|w| w.parse().ok()).collect::<Option<_>>()?;
-        let [k, n0, n1, n2, w8, t, g] = v[..] else { return None };
-        Some((((k, [n0, n1, n2], w8 == 1), t), Gemm::from_number(g)?))
+        let [k, n0, n1, n2, w8, t, g, viable, tuned] = v[..] else { return None };
+        let choice = Choice { gemm: Gemm::from_number(g)?, viable: u8::try_from(viable).ok()?, tuned: tuned == 1 };
+        Some((((k, [n0, n1, n2], w8 == 1), t), choice))
     };
     text.lines().filter_map(parse).collect()
 }
 
 /// Writes every shape's choices (atomically: a temporary file renamed); a cache that cannot be
 /// written is only a cache.
-fn write_choices(path: &std::path::Path, choices: &HashMap<Shape, Vec<(usize, Gemm)>>) {
+fn write_choices(path: &std::path::Path, choices: &HashMap<Shape, Vec<(usize, Choice)>>) {
     let mut text = String::new();
     for ((k, n, w8), ch) in choices {
-        for (t, g) in ch {
-            let _ = writeln!(text, "{k} {} {} {} {} {t} {}", n[0], n[1], n[2], u8::from(*w8), g.mark().1);
+        for (t, c) in ch {
+            let (g, tuned) = (c.gemm.mark().2, u8::from(c.tuned));
+            let _ = writeln!(text, "{k} {} {} {} {} {t} {g} {} {tuned}", n[0], n[1], n[2], u8::from(*w8), c.viable);
         }
     }
     write_atomically(path, &text);
@@ -368,13 +415,19 @@ mod tests {
         assert!(b.windows(2).all(|w| w[0] < w[1]) && b.contains(&4096));
     }
 
+    /// A choice of `g`, with `g` and ours viable.
+    fn of(g: Gemm) -> Choice {
+        Choice { gemm: g, viable: 1 | 1 << g.mark().2, tuned: false }
+    }
+
     #[test]
     fn a_step_follows_the_bucket_a_graph_pads_its_rows_to() {
         let (o, b, a) = (Gemm::Ours, Gemm::Blas, Gemm::A8);
-        let choice = [(16, o), (32, b), (64, a)];
+        let choice = [(16, of(o)), (32, of(b)), (64, of(a))];
         let runs: Vec<Gemm> = [8, 16, 17, 24, 32, 33, 63, 64, 4096].iter().map(|&t| chosen(&choice, t)).collect();
         assert_eq!(runs, [o, o, b, b, b, a, a, a, a]);
         assert_eq!(chosen(&[], 64), o);
+        assert_eq!(of(Gemm::Tiled).each().collect::<Vec<_>>(), [o, Gemm::Tiled]);
     }
 
     #[test]
@@ -382,15 +435,27 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("gemm-choices-test-{}", std::process::id()));
         let path = dir.join("sub/choices.txt");
         let (shape, w8) = ((896, [4864, 4864, 0], false), (896, [4864, 4864, 0], true));
-        let choices = HashMap::from([(shape, vec![(16, Gemm::Ours), (64, Gemm::Blas)]), (w8, vec![(16, Gemm::A8)])]);
+        let tuned = Choice { tuned: true, ..of(Gemm::Tiled) };
+        let choices = HashMap::from([
+            (shape, vec![(16, of(Gemm::Ours)), (64, of(Gemm::Blas))]),
+            (w8, vec![(16, of(Gemm::A8)), (128, tuned)]),
+        ]);
         write_choices(&path, &choices);
         let back = read_choices(&path);
-        let want = [((shape, 16), Gemm::Ours), ((shape, 64), Gemm::Blas), ((w8, 16), Gemm::A8)];
+        let want = [
+            ((shape, 16), of(Gemm::Ours)),
+            ((shape, 64), of(Gemm::Blas)),
+            ((w8, 16), of(Gemm::A8)),
+            ((w8, 128), tuned),
+        ];
         assert_eq!(back, HashMap::from(want));
-        // The six-field lines of a file from before E4M3 shapes, and unknown kernels, are timed again.
-        let lines = "896 4864 4864 0 0 16 0\n896 4864 x 0 0 64 1\n896 4864 4864 0 16 0\n896 4864 4864 0 1 8 3\n1 2 3\n";
+        // The seven-field lines of a file from before the graph's tuning, the six-field ones from
+        // before E4M3 shapes, and unknown kernels, are timed again.
+        let lines =
+            "896 4864 4864 0 0 16 0 1 0\n896 4864 x 0 0 64 1 3 0\n896 4864 4864 0 16 0\n896 4864 4864 0 1 8 4 17 0\n\
+                     896 4864 4864 0 0 32 1\n1 2 3\n";
         std::fs::write(&path, lines).unwrap();
-        assert_eq!(read_choices(&path), HashMap::from([((shape, 16), Gemm::Ours)]));
+        assert_eq!(read_choices(&path), HashMap::from([((shape, 16), of(Gemm::Ours))]));
         assert!(read_choices(&dir.join("none.txt")).is_empty());
         std::fs::remove_dir_all(&dir).unwrap();
     }
@@ -402,5 +467,21 @@ mod tests {
         assert_eq!(gemm_shape(&KernelKey::GemmSkinny { k, n, tiles: 8, w8: false }), Some((k, n, false)));
         assert_eq!(gemm_shape(&KernelKey::GemmSkinny { k, n, tiles: 8, w8: true }), Some((k, n, true)));
         assert_eq!(gemm_shape(&KernelKey::ToH16), None);
+    }
+
+    /// The tiled GEMM stands in for the small-batch kernel's launches only; our W8A8 kernel for
+    /// those of E4M3 weights with output counts of whole 128-feature tiles.
+    #[test]
+    fn candidates_follow_the_launch() {
+        let (k, n) = (896, [4864, 4864, 0]);
+        let of = |key: KernelKey, refused: &[Gemm]| {
+            let l = Launch { key, args: vec![], grid: [codegen_cuda::Dim::Fixed(1); 2], block: 256 };
+            candidates(&l, refused).collect::<Vec<_>>()
+        };
+        let (b, a, t) = (Gemm::Blas, Gemm::A8, Gemm::Tiled);
+        assert_eq!(of(KernelKey::GemmSkinny { k, n, tiles: 8, w8: false }, &[]), [b, t]);
+        assert_eq!(of(KernelKey::GemmSkinny { k, n: [4864, 128, 0], tiles: 8, w8: true }, &[b]), [a, t]);
+        assert_eq!(of(KernelKey::GemmSkinny { k, n, tiles: 16, w8: true }, &[]), [b, t]);
+        assert_eq!(of(KernelKey::Gemm { k, n, w8: true }, &[]), [b]);
     }
 }

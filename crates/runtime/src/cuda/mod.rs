@@ -12,7 +12,6 @@ use crate::sampler::{Adjust, RowSampling};
 use crate::{Constraint, RuntimeError};
 use bundle::Bundle;
 use codegen_cuda::{Arg, Count, Dim, Input, KernelKey, Launch, Program, Step};
-use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
 };
@@ -26,6 +25,7 @@ mod lt;
 pub(crate) mod probe;
 mod profile;
 pub mod tp;
+mod tune;
 mod w8a8;
 
 use profile::Profile;
@@ -85,7 +85,9 @@ pub struct CudaBackend {
     /// cuBLASLt, where it loads; per linear shape, which GEMM runs at each token bucket
     /// (`blas::chosen`) and f32 copies of the biases.
     blas: Option<lt::Blas>,
-    blas_choice: HashMap<blas::Shape, Vec<(usize, blas::Gemm)>>,
+    blas_choice: HashMap<blas::Shape, Vec<(usize, blas::Choice)>>,
+    /// Where the choices are kept between runs (`blas::choices_file`).
+    choices_file: Option<std::path::PathBuf>,
     bias_f32: HashMap<usize, CudaSlice<f32>>,
     /// W8A8 ([`w8a8`]): the compact cuBLASLt scales of E4M3 weights, and the quantized input of
     /// a launch with our W8A8 kernel's split sums.
@@ -268,6 +270,7 @@ impl CudaBackend {
             wgmma: compiled.wgmma,
             blas: None,
             blas_choice: HashMap::new(),
+            choices_file: None,
             bias_f32: HashMap::new(),
             w8_scales: HashMap::new(),
             w8_input: None,
@@ -768,14 +771,9 @@ impl CudaBackend {
             return self.enqueue(t, p.r, &p.off);
         }
         if !self.graphs.contains_key(&t) {
+            self.tune_graph(p)?;
             let start = std::time::Instant::now();
-            self.stream
-                .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-                .map_err(driver("capturing a graph"))?;
-            let enq = self.enqueue(t, p.r, &p.off);
-            let graph = self.stream.end_capture(CUgraphInstantiate_flags(0)).map_err(driver("capturing a graph"))?;
-            enq?;
-            let graph = graph.ok_or_else(|| RuntimeError::Unsupported("CUDA: graph capture gave nothing".into()))?;
+            let graph = self.capture(p)?;
             if self.comm.as_ref().is_none_or(|c| c.0.rank() == 0) {
                 eprintln!("captured the decode graph for batch {t} in {:.0} ms", start.elapsed().as_secs_f64() * 1e3);
             }

@@ -9,6 +9,7 @@
 //! results (`w8a8_refusals`), and run where faster (`blas`).
 
 use super::blas::Gemm;
+use super::profile::Profile;
 use super::{driver, CudaBackend};
 use crate::RuntimeError;
 use codegen_cuda::{Arg, KernelKey, Launch, Step, W8_GROUP};
@@ -194,7 +195,11 @@ impl CudaBackend {
             let todo: Vec<Gemm> = super::blas::candidates(l, &refused).collect();
             for g in todo {
                 if let Some(why) = self.w8a8_disagrees(l, *t, g)? {
-                    let who = if g == Gemm::A8 { "W8A8" } else { "cuBLASLt" };
+                    let who = match g {
+                        Gemm::A8 => "W8A8",
+                        Gemm::Tiled => "tiled GEMM",
+                        _ => "cuBLASLt",
+                    };
                     line.push_str(&format!(" [{who} refused at t={t}: {why}]"));
                     refused.push(g);
                 }
@@ -264,7 +269,8 @@ impl CudaBackend {
         Ok((qp, sp))
     }
 
-    /// Launches kernel `key` of the program as it is (not a programmatic dependent launch).
+    /// Launches kernel `key` of the program as it is, as a programmatic dependent launch where
+    /// the forward step's are (`KernelKey::pdl`).
     fn raw_launch(
         &self,
         key: &KernelKey,
@@ -274,7 +280,8 @@ impl CudaBackend {
         let Some(func) = self.funcs.get(key) else {
             return Err(RuntimeError::Unsupported(format!("the program has no {} kernel", key.name())));
         };
-        unsafe { super::device::launch(&self.stream, func, cfg, params, false) }.map_err(driver("a W8A8 launch"))
+        let pdl = self.pdl && !Profile::per_launch(&self.profile) && key.pdl();
+        unsafe { super::device::launch(&self.stream, func, cfg, params, pdl) }.map_err(driver("a W8A8 launch"))
     }
 
     /// A small-batch launch of E4M3 weights (`GemmSkinny`) of `t` rows as W8A8 by our kernel

@@ -1,0 +1,86 @@
+//! The GEMM choices of a decode graph, by timing the graph itself. The load times each linear
+//! alone (`blas`), and that misleads inside a step: our kernels overlap their neighbours
+//! (programmatic dependent launches), cuBLASLt's do not, and a kernel that wins alone may slow
+//! the next one (Qwen2.5-0.5B at 32 rows: ours on the down projection takes 13 us alone against
+//! cuBLASLt's 12, yet the step is 0.33 ms longer with it). So before a decode graph of a size is
+//! captured the first time, each linear shape in turn (the others as chosen) is run with every
+//! GEMM viable at that size, the step's graph captured and replayed, and the fastest kept. The
+//! step being tuned is the real one: a replay writes the same KV rows and logits again. The
+//! choices, marked tuned, go to the choices file, so a later load captures at once.
+//! `ENGINE_GEMM_TUNE=0` keeps the load's choices; tensor-parallel ranks keep them too (their
+//! graphs meet in collectives, and would have to be timed in step).
+
+use super::blas::{Choice, Gemm, Shape};
+use super::{driver, CudaBackend, Packed};
+use crate::RuntimeError;
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::CudaGraph;
+use std::fmt::Write;
+
+impl CudaBackend {
+    /// Captures the graph of packed decode step `p` (its inputs already on the device).
+    pub(super) fn capture(&mut self, p: &Packed) -> Result<CudaGraph, RuntimeError> {
+        self.stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(driver("capturing a graph"))?;
+        let enq = self.enqueue(p.t, p.r, &p.off);
+        let graph = self.stream.end_capture(CUgraphInstantiate_flags(0)).map_err(driver("capturing a graph"))?;
+        enq?;
+        graph.ok_or_else(|| RuntimeError::Unsupported("CUDA: graph capture gave nothing".into()))
+    }
+
+    /// Chooses, by timing step `p`'s graph, the GEMM of every linear shape whose choice at the
+    /// step's size is not tuned yet and has more than one viable GEMM.
+    pub(super) fn tune_graph(&mut self, p: &Packed) -> Result<(), RuntimeError> {
+        let off = std::env::var("ENGINE_GEMM_TUNE").is_ok_and(|v| v == "0");
+        if off || self.comm.is_some() || Gemm::forced().is_some() {
+            return Ok(());
+        }
+        let t = p.t;
+        let mut todo: Vec<(Shape, usize)> = self
+            .blas_choice
+            .iter()
+            .filter_map(|(s, ch)| {
+                let at = ch.iter().position(|(b, _)| *b == t)?;
+                let c = ch[at].1;
+                (!c.tuned && c.each().count() > 1).then_some((*s, at))
+            })
+            .collect();
+        if todo.is_empty() {
+            return Ok(());
+        }
+        todo.sort();
+        let start = std::time::Instant::now();
+        // Two rounds: a shape's best may change once the shapes after it changed.
+        for round in 1..=2 {
+            let mut line =
+                format!("GEMMs in the batch-{t} graph, round {round} (us a step with each GEMM of a shape):");
+            for &(shape, at) in &todo {
+                let choice = self.blas_choice[&shape][at].1;
+                let _ = write!(line, " k{} n{:?}", shape.0, shape.1);
+                let mut best = (choice.gemm, f64::MAX);
+                for g in choice.each().collect::<Vec<_>>() {
+                    self.set_choice(shape, at, Choice { gemm: g, ..choice });
+                    let graph = self.capture(p)?;
+                    let replay = || graph.launch().map_err(driver("replaying a graph"));
+                    let ms = super::device::mean_ms(&self.stream, replay, driver("timing a graph"))?;
+                    let _ = write!(line, " {}{:.0}", g.mark().1, ms * 1e3);
+                    if ms < best.1 {
+                        best = (g, ms);
+                    }
+                }
+                self.set_choice(shape, at, Choice { gemm: best.0, tuned: round == 2, ..choice });
+                let _ = write!(line, " ->{}", if best.0 == Gemm::Ours { "ours" } else { best.0.mark().1 });
+            }
+            eprintln!("{line} ({:.0} ms)", start.elapsed().as_secs_f64() * 1e3);
+        }
+        self.save_choices();
+        Ok(())
+    }
+
+    fn set_choice(&mut self, shape: Shape, at: usize, c: Choice) {
+        if let Some(ch) = self.blas_choice.get_mut(&shape) {
+            ch[at].1 = c;
+        }
+    }
+}
