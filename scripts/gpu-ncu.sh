@@ -5,8 +5,9 @@
 # as it is), runs `engrun bench` once at BATCH prompts (default 64) to fix the GEMM choices
 # (ENV, e.g. ENGINE_GEMM_FORCE=a8, applies to both runs), then again under ncu for COUNT
 # launches (default 2) of the kernels matching KERNEL (a regex, default gemm_skinny_a8) after
-# SKIP (default 40) of them: the decode steps' launches, past the load's checks. Clocks are
-# left alone (--clock-control none). Output: $OUT/ncu-SHAPE-QUANT.txt (default /tmp/gpu-out).
+# SKIP (default 40) of them: the decode steps' launches, past the load's checks; BUNDLE: that
+# bundle instead of the few-layer one. Besides the sections, the warps' stall reasons. Clocks are
+# left alone (--clock-control none); the KV pool is kept small (ncu backs up device memory). Output: $OUT/ncu-SHAPE-QUANT.txt (default /tmp/gpu-out).
 set -euo pipefail
 out="${OUT:-/tmp/gpu-out}"
 mkdir -p "$out"
@@ -14,21 +15,25 @@ bin="${BIN:-bin-gpu}"
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
 export NCCL_NVLS_ENABLE=0 ENGINE_CACHE_DIR=/tmp/engine-cache
 shape="${SHAPE:-qwen2.5-7b}" q="${QUANT:-fp8}"
-cfg=/tmp/gemms-$shape.json ck=/tmp/gemms-ck-$shape
-python3 -c 'import json, sys; c = json.load(open(sys.argv[1])); c["num_hidden_layers"] = int(sys.argv[2]); json.dump(c, open(sys.argv[3], "w"))' \
-  "tests/configs/$shape.json" "${LAYERS:-4}" "$cfg"
-[ -f "$ck/config.json" ] || REF=0 python3 scripts/gpu/hf_reference.py "$shape" "$ck" "$cfg" >/dev/null
-model=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["model_type"])' "$cfg")
-flag=()
-[ "$q" = bf16 ] || flag=(--quant "$q")
-b=/tmp/gemms-$shape-$q.bundle
-[ -d "$b" ] || "$bin/engc" compile "models/$model.yaml" --checkpoint "$ck" "${flag[@]}" -o "$b" >/dev/null
+b="${BUNDLE:-/tmp/gemms-$shape-$q.bundle}"
+if [ ! -d "$b" ]; then
+  cfg=/tmp/gemms-$shape.json ck=/tmp/gemms-ck-$shape
+  python3 -c 'import json, sys; c = json.load(open(sys.argv[1])); c["num_hidden_layers"] = int(sys.argv[2]); json.dump(c, open(sys.argv[3], "w"))' \
+    "tests/configs/$shape.json" "${LAYERS:-4}" "$cfg"
+  [ -f "$ck/config.json" ] || REF=0 python3 scripts/gpu/hf_reference.py "$shape" "$ck" "$cfg" >/dev/null
+  model=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["model_type"])' "$cfg")
+  flag=()
+  [ "$q" = bf16 ] || flag=(--quant "$q")
+  "$bin/engc" compile "models/$model.yaml" --checkpoint "$ck" "${flag[@]}" -o "$b" >/dev/null
+fi
 export ENGINE_GEMM_CHOICES=/tmp/ncu-choices-$shape-$q.txt
-run=("$bin/engrun" bench "$b" --device cuda --num-prompts "${BATCH:-64}" --input-len 128 --output-len 8 --json)
+run=("$bin/engrun" bench "$b" --device cuda --num-prompts "${BATCH:-64}" --input-len 128 --output-len 8 --mem-fraction 0.05 --json)
 env ${ENV:-ENGINE_NCU=1} "${run[@]}" 2>&1 | grep -E '^GEMM|^\{' > "$out/ncu-$shape-$q.txt"
 ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
 env ${ENV:-ENGINE_NCU=1} "$ncu" --clock-control none --kernel-name "regex:${KERNEL:-gemm_skinny_a8}" \
   --launch-skip "${SKIP:-40}" --launch-count "${COUNT:-2}" --section SpeedOfLight --section MemoryWorkloadAnalysis \
   --section WarpStateStats --section Occupancy --section LaunchStats --section SchedulerStats \
+  --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
   "${run[@]}" >> "$out/ncu-$shape-$q.txt" 2>&1 || true
-grep -E "gemm|Duration|Throughput|Bandwidth|Stall|Occupancy|Registers|Warp Cycles|Issued" "$out/ncu-$shape-$q.txt" | head -80
+grep -E "gemm|Duration|Throughput|Bandwidth|stalled|Occupancy|Registers|Warp Cycles|Issued|Active Cycles" "$out/ncu-$shape-$q.txt" |
+  awk '!/stalled/ || $NF + 0 >= 0.05' | head -80
