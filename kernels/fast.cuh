@@ -701,13 +701,14 @@ __device__ void gemm_skinny(const h16_t* x, const WT* w0, const h16_t* b0, float
 }
 
 // ---- small-batch linear, W8A8 on Hopper's tensor cores (wgmma, sm_90a) ----
-// The input quantized by quant_e4m3 with 128-column groups (codes xq [T, K], scales xs
-// [K / 128, T]), up to 64 rows. The work is (128-feature tile, 128-column group) units, tile by
+// The input quantized by quant_e4m3 with 128-column groups (codes [T, K], read through the TMA
+// map mx; scales xs [K / 128, T]), up to 64 rows. The work is (128-feature tile, 128-column group) units, tile by
 // tile, shared evenly by BLOCKS blocks (stream-K: a block's units may end one tile and start
 // the next), so every SM streams weights to the end whatever the tile count. A block (one
-// warpgroup) takes its units a tile at a time: per group, the T input rows and the 128 weight
-// rows go to shared memory by cp.async in STAGES stages, laid out as wgmma's 128-byte swizzle
-// wants them (16-byte chunk j of row r at j ^ (r % 8), 8-row atoms 1024 bytes apart), four
+// warpgroup) takes its units a tile at a time: per group, a 64-row box of the input and the 128 weight
+// rows (TMA maps mw_g over each [N_g, K] code matrix) go to shared memory by TMA in STAGES stages (one thread
+// issues both copies, an mbarrier a stage counts their bytes), in
+// wgmma's 128-byte swizzle (16-byte chunk j of row r at j ^ (r % 8), 8-row atoms 1024 bytes apart), four
 // m64n128k32 E4M3 wgmma give the group's products, and they are added times the rows' and the
 // weight rows' scales (the scales change every group). A tile done by one block is written by
 // it; otherwise each of its blocks writes its sums to its slot of part [slots, 64, N0 + N1 +
@@ -762,6 +763,42 @@ __device__ __forceinline__ void wgmma_commit_wait() {
 #endif
 }
 
+// A TMA descriptor (CUtensorMap) passed by value as a __grid_constant__ kernel parameter.
+struct __align__(64) TmaMap {
+  unsigned long long v[16];
+};
+
+// An mbarrier in shared memory: `count` arrivals, then the bytes the TMA copies announced.
+__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count));
+}
+__device__ __forceinline__ void mbar_expect(unsigned bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+// Waits until the barrier's phase of parity `parity` completed; traps after about a second
+// (a copy that never lands must not hang the process).
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
+  for (long spins = 0;; spins++) {
+    unsigned done;
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+    if (done) return;
+    if (spins > (1l << 24)) __trap();
+  }
+}
+// TMA: the box at (x, y) of the 2-D tensor `map` to shared memory at dst (128-byte swizzle, as
+// the map says), its bytes counted on barrier bar.
+__device__ __forceinline__ void tma_load_2d(unsigned dst, const TmaMap* map, int x, int y, unsigned bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(
+          dst),
+      "l"(reinterpret_cast<unsigned long long>(map)), "r"(x), "r"(y), "r"(bar)
+      : "memory");
+}
+
 // The first unit (a tile's 128-column group) of block b when U units are shared by B blocks.
 __device__ __forceinline__ int a8_start(int b, long U, int B) { return (int)((long)b * U / B); }
 
@@ -773,9 +810,10 @@ __device__ __forceinline__ int a8_block(int u, long U, int B) {
 }
 
 template <int K, int N0, int N1, int N2, int BLOCKS, int SLOTS, int STAGES>
-__device__ void gemm_skinny_a8(const unsigned char* xq, const float* xs, const fp8_t* w0, const h16_t* b0, float* o0,
+__device__ void gemm_skinny_a8(const TmaMap* mx, const float* xs, const fp8_t* w0, const h16_t* b0, float* o0,
                                const fp8_t* w1, const h16_t* b1, float* o1, const fp8_t* w2, const h16_t* b2,
-                               float* o2, float* part, unsigned* count, int T) {
+                               float* o2, float* part, unsigned* count, int T, const TmaMap* mw0,
+                               const TmaMap* mw1, const TmaMap* mw2) {
   constexpr int F = 128, G = K / W8_GROUP, S = STAGES, NTOT = N0 + N1 + N2;
   constexpr long U = (long)(NTOT / F) * G;
   extern __shared__ unsigned char a8_smem[];
@@ -786,7 +824,16 @@ __device__ void gemm_skinny_a8(const unsigned char* xq, const float* xs, const f
   float* const sxs = (float*)(gen + S * A8_STAGE);
   float* const sws = sxs + S * A8_ROWS;
   __shared__ bool last;
+  // full[s]: stage s's two tiles landed (thread 0 arrives announcing their bytes).
+  __shared__ __align__(8) unsigned long long full[S];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
+  if (tid == 0) {
+#pragma unroll
+    for (int s = 0; s < S; s++) mbar_init(smem_addr(&full[s]), 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  unsigned phases = 0;  // bit s: the parity of stage s's next fill
   // Thread (warp, g, c) holds rows 16 warp + g (+ 8) and features 8 j + 2 c (+ 1), j < 16.
   const int r0 = 16 * warp + g;
   auto cp4 = [](unsigned dst, const void* src, int bytes) {
@@ -798,30 +845,23 @@ __device__ void gemm_skinny_a8(const unsigned char* xq, const float* xs, const f
     const int tile = u / G, gs = u % G, gn = min(G - gs, u_end - u);
     u += gn;
     int f0 = tile * F;
+    const TmaMap* const mw = f0 >= N0 + N1 ? mw2 : f0 >= N0 ? mw1 : mw0;
     const LinearOut<fp8_t> grp = pick_group(f0, N0, N1, LinearOut<fp8_t>{w0, b0, o0, N0},
                                             LinearOut<fp8_t>{w1, b1, o1, N1}, LinearOut<fp8_t>{w2, b2, o2, N2});
     const int N = grp.n;
-    const unsigned char* wbase = (const unsigned char*)grp.w + (long)f0 * K;
     const float* wsc = row_scales<K>(grp.w, N, f0 + tid);
-    // Stage st's weight rows and their scales (which no kernel writes), and its input rows.
+    // Stage st's weight tile and scales (which no kernel writes), and its input tile and
+    // scales: the tiles by TMA (thread 0, counted on full[st]), the scales by cp.async. The
+    // input box has 64 rows; those past T come as zeros.
     auto stage_w = [&](int st, int gi) {
-      const unsigned b = tiles + st * A8_STAGE + A8_ROWS * 128;
-#pragma unroll
-      for (int i = 0; i < F * 8 / 128; i++) {
-        const int id = tid + i * 128, r = id >> 3, j = id & 7;
-        cp_async16(b + r * 128 + ((j ^ (r & 7)) << 4), wbase + (long)r * K + gi * W8_GROUP + j * 16, 16);
+      if (tid == 0) {
+        mbar_expect(smem_addr(&full[st]), A8_STAGE);
+        tma_load_2d(tiles + st * A8_STAGE + A8_ROWS * 128, mw, gi * W8_GROUP, f0, smem_addr(&full[st]));
       }
       cp4(smem_addr(&sws[st * F + tid]), wsc + gi, 4);
     };
-    // Rows past T are left as they are: a row of the products depends on its own input row
-    // only, and those rows are not written.
     auto stage_x = [&](int st, int gi) {
-      const unsigned a = tiles + st * A8_STAGE;
-#pragma unroll
-      for (int i = 0; i < A8_ROWS * 8 / 128; i++) {
-        const int id = tid + i * 128, r = id >> 3, j = id & 7;
-        if (r < T) cp_async16(a + r * 128 + ((j ^ (r & 7)) << 4), xq + (long)r * K + gi * W8_GROUP + j * 16, 16);
-      }
+      if (tid == 0) tma_load_2d(tiles + st * A8_STAGE, mx, gi * W8_GROUP, 0, smem_addr(&full[st]));
       if (tid < T) cp4(smem_addr(&sxs[st * A8_ROWS + tid]), xs + (long)gi * T + tid, 4);
     };
     auto stage = [&](int st, int gi) {
@@ -856,12 +896,13 @@ __device__ void gemm_skinny_a8(const unsigned char* xq, const float* xs, const f
       }
     }
     for (int i = 0; i < gn; i++) {
+      const int st = i % S;
       cp_async_wait<S - 2>();
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      mbar_wait(smem_addr(&full[st]), (phases >> st) & 1);
+      phases ^= 1u << st;
       __syncthreads();
       if (i + S - 1 < gn) stage((i + S - 1) % S, gs + i + S - 1);
       cp_async_commit();
-      const int st = i % S;
       const unsigned long long da = wg_desc(tiles + st * A8_STAGE);
       const unsigned long long db = wg_desc(tiles + st * A8_STAGE + A8_ROWS * 128);
       wgmma_fence();

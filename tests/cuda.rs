@@ -228,11 +228,12 @@ fn cuda_schedule_fuses_and_reuses_buffers() {
             // The 7B shape's own lm_head is split by vocabulary (the 0.5B's is the embedding).
             let gathers = p.steps.iter().filter(|s| matches!(s, codegen_cuda::Step::AllGather { .. })).count();
             assert_eq!(gathers, usize::from(tp > 1 && shape == "qwen2.5-7b"), "{shape} tp{tp}");
-            for t in [1, 3, 8, 16, 40, 64, 65, 4096] {
+            let skinny = *codegen_cuda::SKINNY_ROWS.last().unwrap();
+            for t in [1, 3, 8, 16, 40, 64, 65, 128, 129, 4096] {
                 let kinds: Vec<String> = launches(&p, t).iter().map(|l| l.key.name()).collect();
                 let want = match t {
                     0..=codegen_cuda::GEMV_MAX_ROWS => "gemv_",
-                    3..=64 => "gemm_skinny_",
+                    t if t <= skinny => "gemm_skinny_",
                     _ => "gemm_k",
                 };
                 assert!(kinds.iter().any(|k| k.starts_with(want)), "{shape} t={t}: {kinds:?}");

@@ -12,7 +12,8 @@ use super::blas::Gemm;
 use super::profile::Profile;
 use super::{driver, CudaBackend};
 use crate::RuntimeError;
-use codegen_cuda::{Arg, KernelKey, Launch, Step, W8_GROUP};
+use codegen_cuda::{Arg, KernelKey, Launch, Step, A8_FEATURES, W8_GROUP};
+use cudarc::driver::sys::CUtensorMap as TmaMap;
 use cudarc::driver::{CudaSlice, LaunchConfig};
 
 /// How an E4M3 weight's scales (`fp8_device_layout`: one per row and 128 columns) map onto
@@ -299,20 +300,63 @@ impl CudaBackend {
         }
         let (q, s) = self.quantize_input(self.arg_ptr(&l.args[0]), k, t, W8_GROUP)?;
         let W8Input { sums, count, .. } = self.w8_buffers()?;
-        let ptrs: Vec<u64> = [q, s]
+        let ptrs: Vec<u64> = [s]
             .into_iter()
             .chain((1..10).map(|i| l.args.get(i).map_or(0, |a| self.arg_ptr(a))))
             .chain([self.ptr(sums), self.ptr(count)])
             .collect();
+        // The TMA maps: the input's 64-row boxes (rows past t read as zeros), each weight's
+        // 128-row boxes (a zeroed map where a group is empty), 128 codes wide.
+        let boxes = |ptr: u64, rows: usize, box_rows: u32| {
+            if rows == 0 {
+                return Ok(unsafe { std::mem::zeroed() });
+            }
+            tma_map(ptr, k, rows, box_rows)
+        };
+        let mx = boxes(q, t, codegen_cuda::A8_ROWS as u32)?;
+        let mw: Vec<TmaMap> = (0..3)
+            .map(|g| boxes(l.args.get(1 + 3 * g).map_or(0, |a| self.arg_ptr(a)), n[g], A8_FEATURES as u32))
+            .collect::<Result<_, _>>()?;
         let t32 = t as i32;
-        let mut params: Vec<*mut std::ffi::c_void> = ptrs.iter().map(|p| p as *const u64 as *mut _).collect();
+        let mut params: Vec<*mut std::ffi::c_void> = vec![&mx as *const TmaMap as *mut _];
+        params.extend(ptrs.iter().map(|p| p as *const u64 as *mut std::ffi::c_void));
         params.push(&t32 as *const i32 as *mut _);
+        params.extend(mw.iter().map(|m| m as *const TmaMap as *mut std::ffi::c_void));
         let n: usize = n.iter().sum();
         let grid = (codegen_cuda::a8_blocks(k, n) as u32, 1, 1);
         let cfg =
             LaunchConfig { grid_dim: grid, block_dim: (128, 1, 1), shared_mem_bytes: codegen_cuda::A8_SMEM as u32 };
         self.raw_launch(&key, cfg, &mut params)
     }
+}
+
+/// A TMA descriptor of the `rows` x `k` byte matrix at device address `ptr` (rows `k` bytes
+/// apart), copied in boxes of `box_rows` rows x 128 bytes into shared memory in the 128-byte
+/// swizzle `wgmma` reads; rows past the matrix read as zeros.
+fn tma_map(ptr: u64, k: usize, rows: usize, box_rows: u32) -> Result<TmaMap, RuntimeError> {
+    use cudarc::driver::sys;
+    let mut map: TmaMap = unsafe { std::mem::zeroed() };
+    let (dims, strides) = ([k as u64, rows as u64], [k as u64]);
+    let (boxes, steps) = ([W8_GROUP as u32, box_rows], [1u32, 1]);
+    unsafe {
+        sys::cuTensorMapEncodeTiled(
+            &mut map,
+            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8,
+            2,
+            ptr as *mut std::ffi::c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            steps.as_ptr(),
+            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    }
+    .result()
+    .map_err(driver("a TMA map of W8A8 tiles"))?;
+    Ok(map)
 }
 
 #[cfg(test)]
