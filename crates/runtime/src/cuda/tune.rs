@@ -15,6 +15,7 @@ use super::{driver, CudaBackend, Packed};
 use crate::RuntimeError;
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::CudaGraph;
+use std::collections::HashMap;
 use std::fmt::Write;
 
 impl CudaBackend {
@@ -37,19 +38,10 @@ impl CudaBackend {
             return Ok(());
         }
         let t = p.t;
-        let mut todo: Vec<(Shape, usize)> = self
-            .blas_choice
-            .iter()
-            .filter_map(|(s, ch)| {
-                let at = ch.iter().position(|(b, _)| *b == t)?;
-                let c = ch[at].1;
-                (!c.tuned && c.each().count() > 1).then_some((*s, at))
-            })
-            .collect();
+        let todo = untuned(&self.blas_choice, t);
         if todo.is_empty() {
             return Ok(());
         }
-        todo.sort();
         let start = std::time::Instant::now();
         // The first replays of a process run slower (clocks, caches): ten of the step as it is
         // first, so that the first shape's timings compare with the others'.
@@ -88,5 +80,42 @@ impl CudaBackend {
         if let Some(ch) = self.blas_choice.get_mut(&shape) {
             ch[at].1 = c;
         }
+    }
+}
+
+/// The linear shapes whose choice at bucket `t` (a graph's size) the graph should make: those
+/// with a choice there, not tuned yet, with more than one viable GEMM; in shape order, each with
+/// the index of its bucket.
+fn untuned(choices: &HashMap<Shape, Vec<(usize, Choice)>>, t: usize) -> Vec<(Shape, usize)> {
+    let mut todo: Vec<(Shape, usize)> = choices
+        .iter()
+        .filter_map(|(s, ch)| {
+            let at = ch.iter().position(|(b, _)| *b == t)?;
+            let c = ch[at].1;
+            (!c.tuned && c.each().count() > 1).then_some((*s, at))
+        })
+        .collect();
+    todo.sort();
+    todo
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_graph_chooses_where_the_load_left_a_choice() {
+        let c = |gemm, viable, tuned| Choice { gemm, viable, tuned };
+        let (a, b, d) = ((896, [896, 0, 0], false), (896, [4864, 4864, 0], true), (4864, [896, 0, 0], false));
+        let choices = HashMap::from([
+            (b, vec![(16, c(Gemm::Blas, 0b0111, false)), (64, c(Gemm::A8, 0b0101, false))]),
+            (a, vec![(16, c(Gemm::Ours, 0b0011, false)), (64, c(Gemm::Blas, 0b0011, true))]),
+            (d, vec![(16, c(Gemm::Ours, 0b0001, false)), (64, c(Gemm::Ours, 0b1001, false))]),
+        ]);
+        // At 16 rows: a and b, in shape order (d has ours alone); at 64: b and d (a's is tuned);
+        // a size no bucket has: none.
+        assert_eq!(untuned(&choices, 16), [(a, 0), (b, 0)]);
+        assert_eq!(untuned(&choices, 64), [(b, 1), (d, 1)]);
+        assert!(untuned(&choices, 8).is_empty());
     }
 }
