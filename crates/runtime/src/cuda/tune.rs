@@ -59,12 +59,17 @@ impl CudaBackend {
                 let mut best = (choice.gemm, f64::MAX);
                 for g in choice.each().collect::<Vec<_>>() {
                     self.set_choice(shape, at, Choice { gemm: g, ..choice });
-                    let graph = self.capture(p)?;
-                    let replay = || graph.launch().map_err(driver("replaying a graph"));
-                    let ms = super::device::mean_ms(&self.stream, replay, driver("timing a graph"))?;
-                    let _ = write!(line, " {}{:.0}", g.mark().1, ms * 1e3);
-                    if ms < best.1 {
-                        best = (g, ms);
+                    // A GEMM whose graph cannot be captured or replayed is passed over.
+                    match self.time_graph(p) {
+                        Ok(ms) => {
+                            let _ = write!(line, " {}{:.0}", g.mark().1, ms * 1e3);
+                            if ms < best.1 {
+                                best = (g, ms);
+                            }
+                        }
+                        Err(e) => {
+                            let _ = write!(line, " {} failed ({e})", g.mark().1);
+                        }
                     }
                 }
                 self.set_choice(shape, at, Choice { gemm: best.0, tuned: round == 2, ..choice });
@@ -74,6 +79,13 @@ impl CudaBackend {
         }
         self.save_choices();
         Ok(())
+    }
+
+    /// Milliseconds a replay of step `p`'s graph takes (one warm-up, the mean of three).
+    fn time_graph(&mut self, p: &Packed) -> Result<f64, RuntimeError> {
+        let graph = self.capture(p)?;
+        let replay = || graph.launch().map_err(driver("replaying a graph"));
+        super::device::mean_ms(&self.stream, replay, driver("timing a graph"))
     }
 
     fn set_choice(&mut self, shape: Shape, at: usize, c: Choice) {
