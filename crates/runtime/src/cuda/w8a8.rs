@@ -122,6 +122,45 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// `ENGINE_A8_LAYOUT=groups` (an experiment; by default our W8A8 kernel reads the weights as
+    /// they are, `[n][k]` codes): a copy of every E4M3 weight the kernel may read, in
+    /// group-major order (`[k / 128][n][128]` codes), so each (128-feature tile, 128-column
+    /// group) unit it streams is 16 contiguous KB, one TMA box. One 2-D copy per group.
+    pub(super) fn copy_a8_groups(&mut self) -> Result<(), RuntimeError> {
+        if !self.wgmma || std::env::var("ENGINE_A8_LAYOUT").map_or(true, |v| v != "groups") {
+            return Ok(());
+        }
+        let program = self.program.clone();
+        for step in &program.steps {
+            let Step::Kernels { variants, .. } = step else { continue };
+            for l in variants.iter().flat_map(|(_, ls)| ls).filter(|l| l.key.a8().is_some()) {
+                let KernelKey::GemmSkinny { k, n, .. } = l.key else { continue };
+                for (g, &n) in n.iter().enumerate().filter(|(_, &n)| n > 0) {
+                    let Some(&Arg::Weight(w)) = l.args.get(1 + 3 * g) else { continue };
+                    let Some(dev) = &self.weights[w] else { continue };
+                    if self.a8_groups.contains_key(&w) {
+                        continue;
+                    }
+                    let src = self.ptr(dev);
+                    let copy =
+                        self.stream.alloc_zeros::<u8>(n * k).map_err(driver("a group-major copy of E4M3 codes"))?;
+                    let dst = self.ptr(&copy);
+                    for gi in 0..k / W8_GROUP {
+                        copy_2d(
+                            &self.stream,
+                            (src + (gi * W8_GROUP) as u64, k),
+                            (dst + (gi * n * W8_GROUP) as u64, W8_GROUP),
+                            W8_GROUP,
+                            n,
+                        )?;
+                    }
+                    self.a8_groups.insert(w, copy);
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Why W8A8 GEMM `g` (cuBLASLt's or ours) of launch `l` at `t` rows is not to be used, if it
     /// is not: each linear's output against ours (W8A16) on a random input, the rms of the
     /// difference within a tenth of the rms of ours (activation quantization costs a few
@@ -307,21 +346,32 @@ impl CudaBackend {
             .collect();
         // The TMA maps: the input's 64-row boxes (rows past t read as zeros), each weight's
         // 128-row boxes (a zeroed map where a group is empty), 128 codes wide.
-        let boxes = |ptr: u64, rows: usize, box_rows: u32| {
+        let boxes = |ptr: u64, row_bytes: usize, rows: usize, box_rows: u32| {
             if rows == 0 {
                 return Ok(unsafe { std::mem::zeroed() });
             }
-            tma_map(ptr, k, rows, box_rows)
+            tma_map(ptr, row_bytes, rows, box_rows)
         };
-        let mx = boxes(q, t, codegen_cuda::A8_ROWS as u32)?;
+        let mx = boxes(q, k, t, codegen_cuda::A8_ROWS as u32)?;
+        // Group-major copies (`copy_a8_groups`) where every weight of the launch has one.
+        let copy = |g: usize| match l.args.get(1 + 3 * g) {
+            Some(Arg::Weight(w)) => self.a8_groups.get(w),
+            _ => None,
+        };
+        let groups = (0..3).filter(|&g| n[g] > 0).all(|g| copy(g).is_some());
         let mw: Vec<TmaMap> = (0..3)
-            .map(|g| boxes(l.args.get(1 + 3 * g).map_or(0, |a| self.arg_ptr(a)), n[g], A8_FEATURES as u32))
+            .map(|g| match copy(g) {
+                Some(c) if groups => boxes(self.ptr(c), W8_GROUP, (k / W8_GROUP) * n[g], A8_FEATURES as u32),
+                _ => boxes(l.args.get(1 + 3 * g).map_or(0, |a| self.arg_ptr(a)), k, n[g], A8_FEATURES as u32),
+            })
             .collect::<Result<_, _>>()?;
+        let layout = i32::from(groups);
         let t32 = t as i32;
         let mut params: Vec<*mut std::ffi::c_void> = vec![&mx as *const TmaMap as *mut _];
         params.extend(ptrs.iter().map(|p| p as *const u64 as *mut std::ffi::c_void));
         params.push(&t32 as *const i32 as *mut _);
         params.extend(mw.iter().map(|m| m as *const TmaMap as *mut std::ffi::c_void));
+        params.push(&layout as *const i32 as *mut _);
         let n: usize = n.iter().sum();
         let grid = (codegen_cuda::a8_blocks(k, n) as u32, 1, 1);
         let cfg =
@@ -330,13 +380,13 @@ impl CudaBackend {
     }
 }
 
-/// A TMA descriptor of the `rows` x `k` byte matrix at device address `ptr` (rows `k` bytes
-/// apart), copied in boxes of `box_rows` rows x 128 bytes into shared memory in the 128-byte
-/// swizzle `wgmma` reads; rows past the matrix read as zeros.
-fn tma_map(ptr: u64, k: usize, rows: usize, box_rows: u32) -> Result<TmaMap, RuntimeError> {
+/// A TMA descriptor of the `rows` x `row_bytes` byte matrix at device address `ptr`, copied in
+/// boxes of `box_rows` rows x 128 bytes into shared memory in the 128-byte swizzle `wgmma`
+/// reads; rows past the matrix read as zeros.
+fn tma_map(ptr: u64, row_bytes: usize, rows: usize, box_rows: u32) -> Result<TmaMap, RuntimeError> {
     use cudarc::driver::sys;
     let mut map: TmaMap = unsafe { std::mem::zeroed() };
-    let (dims, strides) = ([k as u64, rows as u64], [k as u64]);
+    let (dims, strides) = ([row_bytes as u64, rows as u64], [row_bytes as u64]);
     let (boxes, steps) = ([W8_GROUP as u32, box_rows], [1u32, 1]);
     unsafe {
         sys::cuTensorMapEncodeTiled(
@@ -357,6 +407,24 @@ fn tma_map(ptr: u64, k: usize, rows: usize, box_rows: u32) -> Result<TmaMap, Run
     .result()
     .map_err(driver("a TMA map of W8A8 tiles"))?;
     Ok(map)
+}
+
+/// Copies `rows` rows of `width` bytes on the device from `src` (address, pitch) to `dst`.
+fn copy_2d(
+    stream: &cudarc::driver::CudaStream,
+    src: (u64, usize),
+    dst: (u64, usize),
+    width: usize,
+    rows: usize,
+) -> Result<(), RuntimeError> {
+    use cudarc::driver::sys;
+    let mut c: sys::CUDA_MEMCPY2D = unsafe { std::mem::zeroed() };
+    c.srcMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_DEVICE;
+    (c.srcDevice, c.srcPitch) = src;
+    c.dstMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_DEVICE;
+    (c.dstDevice, c.dstPitch) = dst;
+    (c.WidthInBytes, c.Height) = (width, rows);
+    unsafe { sys::cuMemcpy2DAsync_v2(&c, stream.cu_stream()) }.result().map_err(driver("a 2-D device copy"))
 }
 
 #[cfg(test)]
