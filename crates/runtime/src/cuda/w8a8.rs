@@ -344,28 +344,9 @@ impl CudaBackend {
             .chain((1..10).map(|i| l.args.get(i).map_or(0, |a| self.arg_ptr(a))))
             .chain([self.ptr(sums), self.ptr(count)])
             .collect();
-        // The TMA maps: the input's 64-row boxes (rows past t read as zeros), each weight's
-        // 128-row boxes (a zeroed map where a group is empty), 128 codes wide.
-        let boxes = |ptr: u64, row_bytes: usize, rows: usize, box_rows: u32| {
-            if rows == 0 {
-                return Ok(unsafe { std::mem::zeroed() });
-            }
-            tma_map(ptr, row_bytes, rows, box_rows)
-        };
-        let mx = boxes(q, k, t, codegen_cuda::A8_ROWS as u32)?;
-        // Group-major copies (`copy_a8_groups`) where every weight of the launch has one.
-        let copy = |g: usize| match l.args.get(1 + 3 * g) {
-            Some(Arg::Weight(w)) => self.a8_groups.get(w),
-            _ => None,
-        };
-        let groups = (0..3).filter(|&g| n[g] > 0).all(|g| copy(g).is_some());
-        let mw: Vec<TmaMap> = (0..3)
-            .map(|g| match copy(g) {
-                Some(c) if groups => boxes(self.ptr(c), W8_GROUP, (k / W8_GROUP) * n[g], A8_FEATURES as u32),
-                _ => boxes(l.args.get(1 + 3 * g).map_or(0, |a| self.arg_ptr(a)), k, n[g], A8_FEATURES as u32),
-            })
-            .collect::<Result<_, _>>()?;
-        let layout = i32::from(groups);
+        // The input's 64-row boxes (rows past t read as zeros).
+        let mx = tma_map(q, k, t, codegen_cuda::A8_ROWS as u32)?;
+        let (mw, layout) = self.a8_weight_maps(l, k, n)?;
         let t32 = t as i32;
         let mut params: Vec<*mut std::ffi::c_void> = vec![&mx as *const TmaMap as *mut _];
         params.extend(ptrs.iter().map(|p| p as *const u64 as *mut std::ffi::c_void));
@@ -377,6 +358,26 @@ impl CudaBackend {
         let cfg =
             LaunchConfig { grid_dim: grid, block_dim: (128, 1, 1), shared_mem_bytes: codegen_cuda::A8_SMEM as u32 };
         self.raw_launch(&key, cfg, &mut params)
+    }
+
+    /// The TMA maps of W8A8 launch `l`'s weights (`k` inputs, `n` outputs each): 128-row boxes,
+    /// 128 codes wide, of the weights as they are or, where every weight of the launch has one,
+    /// of their group-major copies (`copy_a8_groups`; then the layout flag is 1); a zeroed map
+    /// where a group is empty.
+    fn a8_weight_maps(&self, l: &Launch, k: usize, n: [usize; 3]) -> Result<(Vec<TmaMap>, i32), RuntimeError> {
+        let copy = |g: usize| match l.args.get(1 + 3 * g) {
+            Some(Arg::Weight(w)) => self.a8_groups.get(w),
+            _ => None,
+        };
+        let groups = (0..3).filter(|&g| n[g] > 0).all(|g| copy(g).is_some());
+        let maps = (0..3)
+            .map(|g| match copy(g) {
+                _ if n[g] == 0 => Ok(unsafe { std::mem::zeroed() }),
+                Some(c) if groups => tma_map(self.ptr(c), W8_GROUP, (k / W8_GROUP) * n[g], A8_FEATURES as u32),
+                _ => tma_map(l.args.get(1 + 3 * g).map_or(0, |a| self.arg_ptr(a)), k, n[g], A8_FEATURES as u32),
+            })
+            .collect::<Result<_, _>>()?;
+        Ok((maps, i32::from(groups)))
     }
 }
 
