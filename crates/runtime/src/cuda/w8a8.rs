@@ -145,14 +145,8 @@ impl CudaBackend {
                     let copy =
                         self.stream.alloc_zeros::<u8>(n * k).map_err(driver("a group-major copy of E4M3 codes"))?;
                     let dst = self.ptr(&copy);
-                    for gi in 0..k / W8_GROUP {
-                        copy_2d(
-                            &self.stream,
-                            (src + (gi * W8_GROUP) as u64, k),
-                            (dst + (gi * n * W8_GROUP) as u64, W8_GROUP),
-                            W8_GROUP,
-                            n,
-                        )?;
+                    for (from, to) in group_major(src, dst, n, k) {
+                        copy_2d(&self.stream, from, to, W8_GROUP, n)?;
                     }
                     self.a8_groups.insert(w, copy);
                 }
@@ -410,6 +404,13 @@ fn tma_map(ptr: u64, row_bytes: usize, rows: usize, box_rows: u32) -> Result<Tma
     Ok(map)
 }
 
+/// The 2-D copies ((source, pitch), (destination, pitch)), each of `n` rows of 128 bytes, that
+/// turn the `[n][k]` codes at `src` into their group-major order `[k / 128][n][128]` at `dst`:
+/// one per 128-column group.
+fn group_major(src: u64, dst: u64, n: usize, k: usize) -> impl Iterator<Item = ((u64, usize), (u64, usize))> {
+    (0..k / W8_GROUP).map(move |g| ((src + (g * W8_GROUP) as u64, k), (dst + (g * n * W8_GROUP) as u64, W8_GROUP)))
+}
+
 /// Copies `rows` rows of `width` bytes on the device from `src` (address, pitch) to `dst`.
 fn copy_2d(
     stream: &cudarc::driver::CudaStream,
@@ -431,6 +432,29 @@ fn copy_2d(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The group-major copy puts unit (tile, group) of a weight, rows `128 tile..` and columns
+    /// `128 group..`, at rows `group * n + 128 tile..` of a `[.., 128]` matrix: the box the W8A8
+    /// kernel reads with `groups` set.
+    #[test]
+    fn group_major_copies_make_each_unit_one_box() {
+        let (n, k) = (256, 384);
+        let w: Vec<u8> = (0..n * k).map(|i| (i * 7 % 251) as u8).collect();
+        let mut out = vec![0u8; n * k];
+        for ((src, sp), (dst, dp)) in group_major(0, 0, n, k) {
+            for r in 0..n {
+                let (s, d) = (src as usize + r * sp, dst as usize + r * dp);
+                out[d..d + W8_GROUP].copy_from_slice(&w[s..s + W8_GROUP]);
+            }
+        }
+        for (tile, group) in [(0, 0), (1, 2), (1, 0), (0, 1)] {
+            for r in 0..128 {
+                let y = group * n + 128 * tile + r;
+                let row = 128 * tile + r;
+                assert_eq!(out[y * 128..y * 128 + 128], w[row * k + 128 * group..row * k + 128 * group + 128]);
+            }
+        }
+    }
 
     #[test]
     fn per_channel_and_block_scales_are_told_apart_and_compacted() {
