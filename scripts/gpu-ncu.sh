@@ -8,24 +8,9 @@
 # SKIP (default 40) of them: the decode steps' launches, past the load's checks; BUNDLE: that
 # bundle instead of the few-layer one. Besides the sections, the warps' stall reasons. Clocks are
 # left alone (--clock-control none); the KV pool is kept small (ncu backs up device memory). Output: $OUT/ncu-SHAPE-QUANT.txt (default /tmp/gpu-out).
-set -euo pipefail
-out="${OUT:-/tmp/gpu-out}"
-mkdir -p "$out"
-bin="${BIN:-bin-gpu}"
-export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
-export NCCL_NVLS_ENABLE=0 ENGINE_CACHE_DIR=/tmp/engine-cache
+source scripts/gpu/few-layer.sh
 shape="${SHAPE:-qwen2.5-7b}" q="${QUANT:-fp8}"
-b="${BUNDLE:-/tmp/gemms-$shape-$q.bundle}"
-if [ ! -d "$b" ]; then
-  cfg=/tmp/gemms-$shape.json ck=/tmp/gemms-ck-$shape
-  python3 -c 'import json, sys; c = json.load(open(sys.argv[1])); c["num_hidden_layers"] = int(sys.argv[2]); json.dump(c, open(sys.argv[3], "w"))' \
-    "tests/configs/$shape.json" "${LAYERS:-4}" "$cfg"
-  [ -f "$ck/config.json" ] || REF=0 python3 scripts/gpu/hf_reference.py "$shape" "$ck" "$cfg" >/dev/null
-  model=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["model_type"])' "$cfg")
-  flag=()
-  [ "$q" = bf16 ] || flag=(--quant "$q")
-  "$bin/engc" compile "models/$model.yaml" --checkpoint "$ck" "${flag[@]}" -o "$b" >/dev/null
-fi
+b="${BUNDLE:-$(few_layer_bundle "$shape" "$q")}"
 export ENGINE_GEMM_CHOICES=/tmp/ncu-choices-$shape-$q.txt
 run=("$bin/engrun" bench "$b" --device cuda --num-prompts "${BATCH:-64}" --input-len 128 --output-len 8 --mem-fraction 0.05 --json)
 env ${ENV:-ENGINE_NCU=1} "${run[@]}" 2>&1 | grep -E '^GEMM|^\{' > "$out/ncu-$shape-$q.txt"

@@ -96,27 +96,15 @@ impl CudaBackend {
     /// ([`Fp8Scales::of`]); a weight whose scales fit neither mode is left out, and its launches
     /// stay with ours (`launch_blas` refuses them, so the timing at load keeps ours).
     pub(super) fn convert_w8_scales(&mut self) -> Result<(), RuntimeError> {
-        let program = self.program.clone();
-        for step in &program.steps {
-            let Step::Kernels { variants, .. } = step else { continue };
-            for l in variants.iter().flat_map(|(_, ls)| ls).filter(|l| l.key.w8_tensor_core()) {
-                let (KernelKey::Gemm { k, n, .. } | KernelKey::GemmSkinny { k, n, .. }) = l.key else { continue };
-                for (g, &n) in n.iter().enumerate().filter(|(_, &n)| n > 0) {
-                    let Some(Arg::Weight(w)) = l.args.get(1 + 3 * g) else { continue };
-                    if self.w8_scales.contains_key(w) {
-                        continue;
-                    }
-                    let Some(dev) = &self.weights[*w] else { continue };
-                    let at = n * k;
-                    let view = dev.slice(at..at + n * (k / W8_GROUP) * 4);
-                    let bytes = self.stream.clone_dtoh(&view).map_err(driver("reading E4M3 scales"))?;
-                    let f: Vec<f32> =
-                        bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
-                    if let Some((mode, compact)) = Fp8Scales::of(&f, n, k) {
-                        let d = self.stream.clone_htod(&compact).map_err(driver("uploading E4M3 scales"))?;
-                        self.w8_scales.insert(*w, (mode, d));
-                    }
-                }
+        for (w, k, n) in linear_weights(&self.program, KernelKey::w8_tensor_core) {
+            let Some(dev) = &self.weights[w] else { continue };
+            let at = n * k;
+            let view = dev.slice(at..at + n * (k / W8_GROUP) * 4);
+            let bytes = self.stream.clone_dtoh(&view).map_err(driver("reading E4M3 scales"))?;
+            let f: Vec<f32> = bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+            if let Some((mode, compact)) = Fp8Scales::of(&f, n, k) {
+                let d = self.stream.clone_htod(&compact).map_err(driver("uploading E4M3 scales"))?;
+                self.w8_scales.insert(w, (mode, d));
             }
         }
         Ok(())
@@ -130,27 +118,15 @@ impl CudaBackend {
         if !self.wgmma || std::env::var("ENGINE_A8_LAYOUT").map_or(true, |v| v != "groups") {
             return Ok(());
         }
-        let program = self.program.clone();
-        for step in &program.steps {
-            let Step::Kernels { variants, .. } = step else { continue };
-            for l in variants.iter().flat_map(|(_, ls)| ls).filter(|l| l.key.a8().is_some()) {
-                let KernelKey::GemmSkinny { k, n, .. } = l.key else { continue };
-                for (g, &n) in n.iter().enumerate().filter(|(_, &n)| n > 0) {
-                    let Some(&Arg::Weight(w)) = l.args.get(1 + 3 * g) else { continue };
-                    let Some(dev) = &self.weights[w] else { continue };
-                    if self.a8_groups.contains_key(&w) {
-                        continue;
-                    }
-                    let src = self.ptr(dev);
-                    let copy =
-                        self.stream.alloc_zeros::<u8>(n * k).map_err(driver("a group-major copy of E4M3 codes"))?;
-                    let dst = self.ptr(&copy);
-                    for (from, to) in group_major(src, dst, n, k) {
-                        copy_2d(&self.stream, from, to, W8_GROUP, n)?;
-                    }
-                    self.a8_groups.insert(w, copy);
-                }
+        for (w, k, n) in linear_weights(&self.program, |key| key.a8().is_some()) {
+            let Some(dev) = &self.weights[w] else { continue };
+            let src = self.ptr(dev);
+            let copy = self.stream.alloc_zeros::<u8>(n * k).map_err(driver("a group-major copy of E4M3 codes"))?;
+            let dst = self.ptr(&copy);
+            for (from, to) in group_major(src, dst, n, k) {
+                copy_2d(&self.stream, from, to, W8_GROUP, n)?;
             }
+            self.a8_groups.insert(w, copy);
         }
         Ok(())
     }
@@ -402,6 +378,26 @@ fn tma_map(ptr: u64, row_bytes: usize, rows: usize, box_rows: u32) -> Result<Tma
     .result()
     .map_err(driver("a TMA map of W8A8 tiles"))?;
     Ok(map)
+}
+
+/// Each weight a tensor-core linear launch of `program` whose kernel `keep` takes reads, once:
+/// (weight, its inputs k, its outputs n).
+fn linear_weights(program: &codegen_cuda::Program, keep: impl Fn(&KernelKey) -> bool) -> Vec<(usize, usize, usize)> {
+    let mut out: Vec<(usize, usize, usize)> = vec![];
+    for step in &program.steps {
+        let Step::Kernels { variants, .. } = step else { continue };
+        for l in variants.iter().flat_map(|(_, ls)| ls).filter(|l| keep(&l.key)) {
+            let (KernelKey::Gemm { k, n, .. } | KernelKey::GemmSkinny { k, n, .. }) = l.key else { continue };
+            for (g, &n) in n.iter().enumerate().filter(|(_, &n)| n > 0) {
+                if let Some(&Arg::Weight(w)) = l.args.get(1 + 3 * g) {
+                    if !out.iter().any(|o| o.0 == w) {
+                        out.push((w, k, n));
+                    }
+                }
+            }
+        }
+    }
+    out
 }
 
 /// The 2-D copies ((source, pitch), (destination, pitch)), each of `n` rows of 128 bytes, that
