@@ -1178,6 +1178,12 @@ __device__ __forceinline__ void kv16_merge(float m, float l, const float* acc, O
   }
 }
 
+// Whether row t is one attention_fa does (its group of 16 rows is of one sequence), which the
+// MIXED_ONLY decode kernels leave.
+__device__ __forceinline__ bool fa_row(const int* seq_off, int t, int T) {
+  return seq_off[t & ~15] == seq_off[min((t & ~15) + 15, T - 1)];
+}
+
 // Causal GQA attention of query row t for HB of the query heads that share kv head kvh (all
 // G = H / KVH of them, or fewer for more blocks), over the h16 paged cache (positions
 // 0..pos[t], slots slots[seq_off[t] + p]): each K and V row is read once for the block's heads.
@@ -1199,7 +1205,7 @@ __device__ void attention_gqa(const float* q, const h16_t* kc, const h16_t* vc, 
   // h0: the block's first query head, of kv head kvh.
   const int t = blockIdx.x, h0 = blockIdx.y * HB, kvh = h0 / (H / KVH), lane = threadIdx.x & 31,
             warp = threadIdx.x >> 5;
-  if (MIXED_ONLY && seq_off[t & ~15] == seq_off[min((t & ~15) + 15, T - 1)]) return;
+  if (MIXED_ONLY && fa_row(seq_off, t, T)) return;
   const float* qr = q + ((long)t * H + h0) * D;
   for (int i = threadIdx.x; i < G * D; i += WARPS * 32) sq[i] = qr[i] * scale;
   float m[G], l[G], acc[G][2 * NP];
@@ -1401,28 +1407,38 @@ __device__ __forceinline__ void fa_q(unsigned (&qf)[D / 16][4], ROW row, float q
   }
 }
 
-// One warp's tile of 16 keys at positions p0.. (slots sl, kv head kvh; keys at n or past are
-// zero-filled and masked) for the 16 query rows whose mma A fragments are qf (scaled to log2
-// units): K and V staged through the warp's k_s and v_s (cp.async), S = Q·Kᵀ, the soft cap, the
-// keys `masked(hr, p)` says (row g + 8 hr of the lane's quad, position p) set to -inf, the
-// online softmax of rows g and g + 8 (m, l: the quad's max, the lane's partial sum) and
-// O += P·V with P rounded to h16: attention_fa's and attention_dec's step.
-template <int KVH, int D, unsigned CAP, typename MASK>
-__device__ __forceinline__ void fa_tile(const unsigned (&qf)[D / 16][4], const h16_t* kc, const h16_t* vc,
-                                        const int* sl, int kvh, int p0, int n, h16_t* k_s, h16_t* v_s,
-                                        MASK masked, float (&m)[2], float (&l)[2], float (&o)[D / 8][4]) {
-  constexpr int S = D + 8, KS = D / 16, DT = D / 8;
-  const int lane = threadIdx.x & 31, c = lane & 3;
+// Issues (cp.async, not committed) one warp's copies of the 16 keys at positions p0.. (slots
+// sl, kv head kvh; keys at n or past are zero-filled) into its K and V tiles k_s and v_s.
+template <int KVH, int D>
+__device__ __forceinline__ void fa_load(const h16_t* kc, const h16_t* vc, const int* sl, int kvh, int p0, int n,
+                                        h16_t* k_s, h16_t* v_s) {
+  constexpr int S = D + 8, DT = D / 8;
+  static_assert(16 * DT % 32 == 0, "every lane takes as many copies");
+  const int lane = threadIdx.x & 31;
+  // Lane j < 16 reads key j's slot once; the lanes copying its rows take it by shuffle.
+  const int mine = p0 + (lane & 15) < n ? sl[p0 + (lane & 15)] : sl[0];
+#pragma unroll
   for (int i = lane; i < 16 * DT; i += 32) {
-    const int key = i / DT, ch = i % DT, p = p0 + key;
-    const bool valid = p < n;
-    const long src = (long)(valid ? sl[p] : sl[0]) * (KVH * D) + kvh * D + ch * 8;
+    const int key = i / DT, ch = i % DT;
+    const bool valid = p0 + key < n;
+    const long src = (long)__shfl_sync(0xffffffffu, mine, key) * (KVH * D) + kvh * D + ch * 8;
     cp_async16(smem_addr(k_s + key * S + ch * 8), kc + src, valid ? 16 : 0);
     cp_async16(smem_addr(v_s + key * S + ch * 8), vc + src, valid ? 16 : 0);
   }
-  cp_async_commit();
-  cp_async_wait<0>();
-  __syncwarp();
+}
+
+// One warp's step over the 16 keys at positions p0.. staged in k_s and v_s (fa_load, copies
+// complete and the warp synchronized) for the 16 query rows whose mma A fragments are qf
+// (scaled to log2 units): S = Q·Kᵀ, the soft cap, the keys at n or past and those
+// `masked(hr, p)` says (row g + 8 hr of the lane's quad, position p) set to -inf, the online
+// softmax of rows g and g + 8 (m, l: the quad's max, the lane's partial sum) and O += P·V with
+// P rounded to h16: attention_fa's and attention_dec's step.
+template <int D, unsigned CAP, typename MASK>
+__device__ __forceinline__ void fa_step(const unsigned (&qf)[D / 16][4], int p0, int n, const h16_t* k_s,
+                                        const h16_t* v_s, MASK masked, float (&m)[2], float (&l)[2],
+                                        float (&o)[D / 8][4]) {
+  constexpr int S = D + 8, KS = D / 16, DT = D / 8;
+  const int lane = threadIdx.x & 31, c = lane & 3;
   float s[2][4];
 #pragma unroll
   for (int nt = 0; nt < 2; nt++) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
@@ -1481,6 +1497,19 @@ __device__ __forceinline__ void fa_tile(const unsigned (&qf)[D / 16][4], const h
     mma_h16(o[2 * j], pa, b0);
     mma_h16(o[2 * j + 1], pa, b1);
   }
+}
+
+// fa_load then fa_step, the copies awaited in between: one tile, nothing in flight across
+// tiles (attention_fa's loop).
+template <int KVH, int D, unsigned CAP, typename MASK>
+__device__ __forceinline__ void fa_tile(const unsigned (&qf)[D / 16][4], const h16_t* kc, const h16_t* vc,
+                                        const int* sl, int kvh, int p0, int n, h16_t* k_s, h16_t* v_s,
+                                        MASK masked, float (&m)[2], float (&l)[2], float (&o)[D / 8][4]) {
+  fa_load<KVH, D>(kc, vc, sl, kvh, p0, n, k_s, v_s);
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncwarp();
+  fa_step<D, CAP>(qf, p0, n, k_s, v_s, masked, m, l, o);
   __syncwarp();
 }
 
@@ -1540,28 +1569,54 @@ __device__ void attention_fa(const float* q, const h16_t* kc, const h16_t* vc, c
   }
 }
 
-// Decode attention on tensor cores, for rows of any sequences: a block per row t and kv head,
-// whose G = H / KVH query heads (at most 16) are the 16 rows of attention_fa's mma.sync tiles
-// (rows past G are zero and not stored), so each K and V tile feeds every head sharing it. The
-// row's keys (positions first..pos[t] of its sequence, in the cache already) come in tiles of 16,
-// the four warps taking every fourth tile (cp.async into the warp's shared memory), each with
-// attention_fa's online softmax (f32, log2 units, P rounded to h16 for P·V); the warps' states
-// merge through shared memory. With MIXED_ONLY, only rows whose group of 16 (see
-// attention_fa) spans two sequences run. Window, cap and sinks as attention_fa's.
-// grid: (T, KVH), block: 128. D <= 128.
-template <int H, int KVH, int D, typename O, bool MIXED_ONLY, int WIN, unsigned CAP, typename SW>
+// How decode attention (attention_dec) splits a row's keys: tiles of 16 from the window's
+// first key's tile (base) to the row's position (n - 1 its last key), `tiles` in all, `per` to a
+// split (at least DEC_SPLIT_MIN), the first
+// `splits` of SPLITS holding them.
+struct DecSplit {
+  int first, n, base, tiles, per, splits;
+};
+template <int WIN, int SPLITS>
+__device__ __forceinline__ DecSplit dec_split(int pos) {
+  DecSplit d;
+  d.n = pos + 1;
+  d.first = WIN ? max(0, d.n - WIN) : 0;
+  d.base = d.first & ~15;
+  d.tiles = (d.n - d.base + 15) >> 4;
+  d.per = max((d.tiles + SPLITS - 1) / SPLITS, DEC_SPLIT_MIN);
+  d.splits = (d.tiles + d.per - 1) / d.per;
+  return d;
+}
+
+// Decode attention on tensor cores, for rows of any sequences: a block per row t, kv head and
+// split of the row's keys (dec_split), whose G = H / KVH query heads (at most 16) are the 16 rows
+// of attention_fa's mma.sync tiles (rows past G are zero and not stored), so each K and V tile
+// feeds every head sharing it. The split's tiles go to the DEC_WARPS warps in turn; each warp
+// keeps DEC_STAGES tiles in flight (cp.async into its stages of the dynamic shared memory, the
+// next tiles' copies issued before a tile is used) and runs attention_fa's online softmax (f32,
+// log2 units, P rounded to h16 for P·V). The warps' states merge through shared memory: into the
+// output where the row's keys are one split, else into `part` (each split's unnormalised
+// output, max and sum a head), which attention_dec_merge combines. With MIXED_ONLY, only rows
+// attention_fa leaves run (fa_row). Window, cap and sinks as attention_fa's.
+// grid: T * SPLITS * KVH, row-major (a row's kv heads run together, reading its cache rows
+// whole), block: 32 * DEC_WARPS, dynamic shared memory:
+// DEC_WARPS * DEC_STAGES * 2 * 16 * (D + 8) 16-bit values. D <= 128.
+template <int H, int KVH, int D, typename O, bool MIXED_ONLY, int WIN, unsigned CAP, typename SW, int SPLITS>
 __device__ void attention_dec(const float* q, const h16_t* kc, const h16_t* vc, const int* slots,
-                              const int* seq_off, const int* pos, float scale, O* out, int T, const SW* sinks) {
-  constexpr int G = H / KVH, S = D + 8, KS = D / 16, DT = D / 8, WARPS = 4;
+                              const int* seq_off, const int* pos, float scale, O* out, int T, const SW* sinks,
+                              float* part) {
+  constexpr int G = H / KVH, S = D + 8, KS = D / 16, DT = D / 8, TILE = 16 * S;
   static_assert(G <= 16 && D % 16 == 0 && D <= 128, "a kv head's query heads fill one mma tile");
-  __shared__ __align__(16) h16_t sk[WARPS][16 * S];
-  __shared__ __align__(16) h16_t sv[WARPS][16 * S];
-  __shared__ float sm_m[WARPS][16], sm_l[WARPS][16];
+  extern __shared__ __align__(16) unsigned char dec_smem[];
+  __shared__ float sm_m[DEC_WARPS][16], sm_l[DEC_WARPS][16];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
-  const int t = blockIdx.x, kvh = blockIdx.y, h0 = kvh * G;
-  if (MIXED_ONLY && seq_off[t & ~15] == seq_off[min((t & ~15) + 15, T - 1)]) return;
+  const int t = blockIdx.x / (KVH * SPLITS), kvh = blockIdx.x % KVH, split = blockIdx.x / KVH % SPLITS;
+  const int h0 = kvh * G;
+  if (MIXED_ONLY && fa_row(seq_off, t, T)) return;
+  const DecSplit ds = dec_split<WIN, SPLITS>(pos[t]);
+  if (split >= ds.splits) return;
   const int* sl = slots + seq_off[t];
-  const int n = pos[t] + 1, first = WIN ? max(0, n - WIN) : 0;
+  const int j0 = split * ds.per, j1 = min(j0 + ds.per, ds.tiles);
   const float qs = scale * 1.4426950408889634f;
   unsigned qf[KS][4];
   fa_q<D>(qf, [&](int r) { return r < G ? q + ((long)t * H + h0 + r) * D : nullptr; }, qs);
@@ -1569,11 +1624,26 @@ __device__ void attention_dec(const float* q, const h16_t* kc, const h16_t* vc, 
 #pragma unroll
   for (int i = 0; i < DT; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
   float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
-  h16_t* k_s = sk[warp];
-  h16_t* v_s = sv[warp];
-  for (int p0 = (first & ~15) + warp * 16; p0 < n; p0 += WARPS * 16)
-    fa_tile<KVH, D, CAP>(qf, kc, vc, sl, kvh, p0, n, k_s, v_s, [&](int, int p) { return p < first; }, m, l, o);
-  // Each warp's row maxima and sums, then the rows' totals (with the sinks, log2 units as m).
+  // The warp's stages, each a K tile then a V tile.
+  h16_t* stages = (h16_t*)dec_smem + warp * DEC_STAGES * 2 * TILE;
+  const auto k_s = [&](int i) { return stages + (i % DEC_STAGES) * 2 * TILE; };
+  const auto load = [&](int j, int i) {
+    if (j < j1) fa_load<KVH, D>(kc, vc, sl, kvh, ds.base + j * 16, ds.n, k_s(i), k_s(i) + TILE);
+    cp_async_commit();
+  };
+#pragma unroll
+  for (int i = 0; i < DEC_STAGES - 1; i++) load(j0 + warp + i * DEC_WARPS, i);
+  for (int i = 0, j = j0 + warp; j < j1; i++, j += DEC_WARPS) {
+    load(j + (DEC_STAGES - 1) * DEC_WARPS, i + DEC_STAGES - 1);
+    cp_async_wait<DEC_STAGES - 1>();
+    __syncwarp();
+    fa_step<D, CAP>(qf, ds.base + j * 16, ds.n, k_s(i), k_s(i) + TILE, [&](int, int p) { return p < ds.first; }, m,
+                    l, o);
+    __syncwarp();
+  }
+  cp_async_wait<0>();
+  // Each warp's row maxima and sums, then the rows' totals (with the sinks where this block
+  // has all the keys; log2 units as m).
 #pragma unroll
   for (int hr = 0; hr < 2; hr++) {
     float lt = l[hr];
@@ -1585,20 +1655,26 @@ __device__ void attention_dec(const float* q, const h16_t* kc, const h16_t* vc, 
     }
   }
   __syncthreads();
+  const bool whole = ds.splits == 1;
+  float* ml = part + (((long)t * KVH + kvh) * SPLITS + split) * G * (D + 2);
   float f[2];
 #pragma unroll
   for (int hr = 0; hr < 2; hr++) {
     const int row = g + hr * 8;
-    const float sink = sinks && row < G ? to_f32(sinks[h0 + row]) * 1.4426950408889634f : NEG_INF;
-    const float2 merged = merge_states<WARPS, true>(sink, &sm_m[0][row], &sm_l[0][row], 16);
-    f[hr] = m[hr] == NEG_INF ? 0.0f : exp2f(m[hr] - merged.x) / merged.y;
+    const float sink = whole && sinks && row < G ? to_f32(sinks[h0 + row]) * 1.4426950408889634f : NEG_INF;
+    const float2 merged = merge_states<DEC_WARPS, true>(sink, &sm_m[0][row], &sm_l[0][row], 16);
+    f[hr] = m[hr] == NEG_INF ? 0.0f : exp2f(m[hr] - merged.x) / (whole ? merged.y : 1.0f);
+    if (!whole && warp == 0 && c == 0 && row < G) {
+      ml[G * D + row] = merged.x;
+      ml[G * D + G + row] = merged.y;
+    }
   }
-  // The warps' outputs summed in turn into shared memory (the K tiles' space, done with).
-  float* so = (float*)&sk[0][0];
-  static_assert(16 * D * sizeof(float) <= sizeof(sk), "the merged rows fit where the K tiles were");
+  // The warps' outputs summed in turn into shared memory (the first stages' space: every warp's
+  // copies are done).
+  float* so = (float*)dec_smem;
   __syncthreads();
 #pragma unroll
-  for (int w = 0; w < WARPS; w++) {
+  for (int w = 0; w < DEC_WARPS; w++) {
     if (warp == w) {
 #pragma unroll
       for (int i = 0; i < DT; i++)
@@ -1610,7 +1686,39 @@ __device__ void attention_dec(const float* q, const h16_t* kc, const h16_t* vc, 
     }
     __syncthreads();
   }
-  for (int i = threadIdx.x; i < G * D; i += WARPS * 32) store(out + ((long)t * H + h0) * D + i, so[i]);
+  for (int i = threadIdx.x; i < G * D; i += DEC_WARPS * 32) {
+    if (whole)
+      store(out + ((long)t * H + h0) * D + i, so[i]);
+    else
+      ml[i] = so[i];
+  }
+}
+
+// The splits of attention_dec (SPLITS of them) merged: a block per row t and kv head, a thread
+// per (query head, feature) in turn; rows whose keys were one split attention_dec wrote itself.
+// The sinks as attention_dec's. grid: T * KVH, block: 128.
+template <int H, int KVH, int D, typename O, bool MIXED_ONLY, int WIN, typename SW, int SPLITS>
+__device__ void attention_dec_merge(const int* seq_off, const int* pos, O* out, int T, const SW* sinks,
+                                    const float* part) {
+  constexpr int G = H / KVH, P = G * (D + 2);
+  const int t = blockIdx.x / KVH, kvh = blockIdx.x % KVH, h0 = kvh * G;
+  if (MIXED_ONLY && fa_row(seq_off, t, T)) return;
+  const DecSplit ds = dec_split<WIN, SPLITS>(pos[t]);
+  if (ds.splits == 1) return;
+  const float* ps = part + ((long)t * KVH + kvh) * SPLITS * P;
+  for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
+    const int r = i / D;
+    const float sink = sinks ? to_f32(sinks[h0 + r]) * 1.4426950408889634f : NEG_INF;
+    float mm = sink;
+    for (int s = 0; s < ds.splits; s++) mm = fmaxf(mm, ps[s * P + G * D + r]);
+    float ll = sink == NEG_INF ? 0.0f : exp2f(sink - mm), acc = 0.0f;
+    for (int s = 0; s < ds.splits; s++) {
+      const float w = exp2f(ps[s * P + G * D + r] - mm);
+      ll += ps[s * P + G * D + G + r] * w;
+      acc += ps[s * P + i] * w;
+    }
+    store(out + ((long)t * H + h0) * D + i, acc / ll);
+  }
 }
 
 // out[r] = x[rows[r]] for the rows whose logits are wanted. grid: R, block: 256.

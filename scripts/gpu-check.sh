@@ -21,7 +21,8 @@
 #     split argmax, four sampled settings, and both with penalties and logit_bias applied on
 #     the device);
 #   - the engine (continuous batching, chunked prefill, shared prefixes in the radix cache, paged
-#     KV) against each request run alone (`engrun bench --verify-alone`);
+#     KV) against each request run alone (`engrun bench --verify-alone`), and again with decode
+#     batches of 48 rows over 560-724 keys (decode attention's keys split over blocks);
 #   - `/v1/embeddings` served from the GPU: the embedding through the lm_head against HF's
 #     logits (shapes without a final logit softcap).
 # Then (BENCH=0 skips) the benchmarks recorded in docs/perf.md, and `engrun probe` (the copy
@@ -85,7 +86,7 @@ for shape in $shapes; do
       [ "$tp" = 1 ] || { b="$ck$dsfx.tp$tp.bundle"; sfx="$dsfx-tp$tp"; }
       [ -d "$b" ] || must compile "$work/$shape$sfx-compile.txt" \
         "$bin/engc" compile --checkpoint "$ckd" "${dflag[@]}" --tp "$tp" -o "$b" || continue
-      expected=$((expected + 21))
+      expected=$((expected + 22))
       rm -rf /tmp/engine-cache
       logits() { # RUN FILE-SUFFIX IDS PREFILL [ENV...]
         local run=$1 fs=$2 seqs=$3 pre=$4
@@ -127,6 +128,11 @@ for shape in $shapes; do
       "${lone[@]}" "$bin/engrun" bench "$b" --device cuda --num-prompts 24 --input-len 600 --output-len 32 --random-range-ratio 0.2 \
         --shared-prefix-len 64 --chunked-prefill-size 256 --warmup 0 --verify-alone $tol --json >"$work/$shape$sfx-alone.txt" 2>&1
       cmp alone "$checks" "engine_alone$sfx" "$work/$shape$sfx-alone.txt"
+      # Decode steps of 48 rows with 560-724 keys each: decode attention with each row's keys
+      # split over blocks and merged (dec_splits), against the lone runs' one-token kernel.
+      "${lone[@]}" "$bin/engrun" bench "$b" --device cuda --num-prompts 48 --input-len 700 --output-len 16 --random-range-ratio 0.8 \
+        --warmup 0 --verify-alone $tol --json >"$work/$shape$sfx-alone-dec.txt" 2>&1
+      cmp alone "$checks" "engine_alone_dec$sfx" "$work/$shape$sfx-alone-dec.txt"
       # /v1/embeddings on the GPU, through the lm_head against HF (not under a final softcap,
       # which bends the logits away from W·h).
       if ! grep -q '"final_logit_softcapping": *[0-9]' "tests/configs/$shape.json"; then

@@ -11,10 +11,11 @@ export NCCL_NVLS_ENABLE=0 ENGINE_CACHE_DIR=/tmp/engine-cache
 # few_layer_bundle SHAPE QUANT: prints the path of a bundle of SHAPE (a config in
 # tests/configs/) cut to LAYERS layers (default 4: every linear shape of the model, a fraction
 # of the bytes), a random checkpoint made by HF transformers, compiled as it is (QUANT bf16) or
-# with --quant QUANT; each is built once and kept under /tmp.
+# with --quant QUANT by $bin's engc (a bundle carries its CUDA source); each is built once and
+# kept under /tmp.
 few_layer_bundle() {
   local shape=$1 q=$2
-  local cfg=/tmp/gemms-$shape.json ck=/tmp/gemms-ck-$shape b=/tmp/gemms-$shape-$q.bundle
+  local cfg=/tmp/gemms-$shape.json ck=/tmp/gemms-ck-$shape b=/tmp/gemms-$shape-$q.$(basename "$bin").bundle
   if [ ! -d "$b" ]; then
     python3 -c 'import json, sys; c = json.load(open(sys.argv[1])); c["num_hidden_layers"] = int(sys.argv[2]); json.dump(c, open(sys.argv[3], "w"))' \
       "tests/configs/$shape.json" "${LAYERS:-4}" "$cfg"

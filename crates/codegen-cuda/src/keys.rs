@@ -213,6 +213,26 @@ pub enum KernelKey {
         mixed_only: bool,
         /// Sliding window and score soft-capping.
         mask: Mask,
+        /// Blocks a row's keys may split into ([`crate::dec_splits`]); above 1, each split's
+        /// state goes to a scratch buffer that [`KernelKey::AttentionDecMerge`] combines.
+        splits: usize,
+    },
+    /// The splits of a [`KernelKey::AttentionDec`] of the same fields merged into its output.
+    AttentionDecMerge {
+        /// Query heads.
+        heads: usize,
+        /// KV heads.
+        kv_heads: usize,
+        /// Head size.
+        d: usize,
+        /// Output dtype.
+        out: DType,
+        /// Only the rows [`KernelKey::AttentionFa`] leaves.
+        mixed_only: bool,
+        /// The window (which keys a row has) and the sinks (the cap is the attention's).
+        mask: Mask,
+        /// The attention's splits.
+        splits: usize,
     },
     /// `a + b` (f32).
     Add,
@@ -715,8 +735,13 @@ impl KernelKey {
             KernelKey::AttentionFa { heads, kv_heads, d, out, mask } => {
                 format!("attention_fa_h{heads}_kv{kv_heads}_d{d}_to_{out}{}", mask.suffix())
             }
-            KernelKey::AttentionDec { heads, kv_heads, d, out, mixed_only, mask } => format!(
-                "attention_dec_h{heads}_kv{kv_heads}_d{d}_to_{out}{}{}",
+            KernelKey::AttentionDec { heads, kv_heads, d, out, mixed_only, mask, splits } => format!(
+                "attention_dec_h{heads}_kv{kv_heads}_d{d}_to_{out}{}{}_x{splits}",
+                if mixed_only { "_mixed" } else { "" },
+                mask.suffix()
+            ),
+            KernelKey::AttentionDecMerge { heads, kv_heads, d, out, mixed_only, mask, splits } => format!(
+                "attention_dec_merge_h{heads}_kv{kv_heads}_d{d}_to_{out}{}{}_x{splits}",
                 if mixed_only { "_mixed" } else { "" },
                 mask.suffix()
             ),
@@ -782,6 +807,15 @@ impl KernelKey {
                 | KernelKey::MaskLogits { .. }
                 | KernelKey::Argmax { .. }
         )
+    }
+
+    /// The dynamic shared memory of one of its blocks, in bytes (0: static only).
+    pub fn dyn_smem(&self) -> usize {
+        match *self {
+            KernelKey::GemmSkinnyA8 { .. } => A8_SMEM,
+            KernelKey::AttentionDec { d, .. } => crate::dec_smem(d),
+            _ => 0,
+        }
     }
 
     /// A tensor-core linear of E4M3 weights (`Gemm` or `GemmSkinny` with `w8`): what cuBLASLt
@@ -966,14 +1000,26 @@ impl KernelKey {
                     ),
                 )
             }
-            KernelKey::AttentionDec { heads, kv_heads, d, out, mixed_only, mask } => {
+            KernelKey::AttentionDec { heads, kv_heads, d, out, mixed_only, mask, splits } => {
                 let o = ctype(out)?;
                 (
-                    format!("{}, {}", attention_params(o), mask.sinks_param()?),
+                    format!("{}, {}, float* part", attention_params(o), mask.sinks_param()?),
                     format!(
-                        "attention_dec<{heads}, {kv_heads}, {d}, {o}, {mixed_only}, {}>(q, kc, vc, slots, seq_off, pos, \
-                         scale, out, T, sinks)",
+                        "attention_dec<{heads}, {kv_heads}, {d}, {o}, {mixed_only}, {}, {splits}>(q, kc, vc, slots, \
+                         seq_off, pos, scale, out, T, sinks, part)",
                         mask.args()?
+                    ),
+                )
+            }
+            KernelKey::AttentionDecMerge { heads, kv_heads, d, out, mixed_only, mask, splits } => {
+                let o = ctype(out)?;
+                (
+                    format!("const int* seq_off, const int* pos, {o}* out, int T, {}, const float* part", mask.sinks_param()?),
+                    format!(
+                        "attention_dec_merge<{heads}, {kv_heads}, {d}, {o}, {mixed_only}, {}, {}, {splits}>(seq_off, pos, \
+                         out, T, sinks, part)",
+                        mask.window,
+                        opt_ctype(mask.sink)?
                     ),
                 )
             }

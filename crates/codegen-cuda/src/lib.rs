@@ -20,8 +20,8 @@ pub use keys::{
 };
 pub use lower::tiled;
 pub use schedule::{
-    moe_rows_max, Arg, Buffer, Count, Dim, Input, Launch, Step, GEMV_MAX_ROWS, GEMV_ROWS, MOE_ROWS_PAIRS, MOE_TILE,
-    NORM_IN_GEMV_ROWS, SKINNY_ROWS, W8_GROUP,
+    dec_smem, dec_splits, moe_rows_max, Arg, Buffer, Count, Dim, Input, Launch, Step, DEC_SPLIT_MIN, DEC_STAGES,
+    DEC_WARPS, GEMV_MAX_ROWS, GEMV_ROWS, MOE_ROWS_PAIRS, MOE_TILE, NORM_IN_GEMV_ROWS, SKINNY_ROWS, W8_GROUP,
 };
 
 use ir::Plan;
@@ -173,7 +173,14 @@ pub fn emit(plan: &Plan) -> Result<Program, CodegenError> {
         plan.vocab
     );
     let _ = writeln!(source, "#define H16_F16 {}", u8::from(s.half == ir::DType::F16));
-    let _ = writeln!(source, "#define MOE_TILE {}\n", schedule::MOE_TILE);
+    let _ = writeln!(source, "#define MOE_TILE {}", schedule::MOE_TILE);
+    let _ = writeln!(
+        source,
+        "#define DEC_WARPS {}\n#define DEC_STAGES {}\n#define DEC_SPLIT_MIN {}\n",
+        schedule::DEC_WARPS,
+        schedule::DEC_STAGES,
+        schedule::DEC_SPLIT_MIN
+    );
     for part in [PRELUDE, BASIC, FAST, MOE, COMM, SAMPLE] {
         source += part;
         source += "\n";

@@ -2,8 +2,8 @@
 
 use crate::keys::{intern, HeadNorm, KernelKey, Mask, NormIn, MAP_INPUTS};
 use crate::schedule::{
-    gemv_rows, launch, moe_rows_max, one, per_token, to_h16, Arg, Builder, Count, Dim, FusedNorm, Input, Launch, Step,
-    MOE_TILE, NORM_IN_GEMV_ROWS, ONE, SKINNY_ROWS,
+    dec_splits, gemv_rows, launch, moe_rows_max, one, per_token, to_h16, Arg, Builder, Count, Dim, FusedNorm, Input,
+    Launch, Step, DEC_WARPS, MOE_TILE, NORM_IN_GEMV_ROWS, ONE, SKINNY_ROWS,
 };
 use crate::CodegenError;
 use ir::{DType, FusionKind, Op};
@@ -470,19 +470,78 @@ fn attention(b: &mut Builder, i: usize, pre: &[usize]) -> Result<(), CodegenErro
         let fa = KernelKey::AttentionFa { heads, kv_heads, d, out: o, mask };
         let fa = launch(fa, args.clone(), [per_token(1, 64), Dim::Fixed(heads)], 128);
         // The rows FA leaves (decode rows, mostly) on tensor cores too, a kv head's query
-        // heads as the rows of a tile, where they fit one.
-        let rest = if group <= 16 {
-            let key = KernelKey::AttentionDec { heads, kv_heads, d, out: o, mixed_only: true, mask };
-            launch(key, args.clone(), [per_token(1, 1), Dim::Fixed(kv_heads)], 128)
+        // heads as the rows of a tile, where they fit one; their keys split over more blocks
+        // where the rows alone do not fill the GPU.
+        if group <= 16 {
+            let bounds = dec_bounds(kv_heads);
+            let most = bounds.iter().map(|b| b.1).max().unwrap_or(1);
+            let part = match most {
+                1 => Arg::Null,
+                _ => Arg::Buf(b.new_val(most * kv_heads * group * (d + 2), DType::F32, Count::Tokens)),
+            };
+            for (bound, dec) in dec_launches(&bounds, (heads, kv_heads, d), o, mask, &args, part) {
+                variants.push((bound, [vec![rope.clone(), fa.clone()], dec].concat()));
+            }
         } else {
-            rows(true, group)
-        };
-        variants.push((usize::MAX, vec![rope, fa, rest]));
+            variants.push((usize::MAX, vec![rope, fa, rows(true, group)]));
+        }
     } else {
         variants.push((usize::MAX, vec![rope, rows(false, group)]));
     }
     b.steps.push(Step::Kernels { by: Count::Tokens, variants });
     Ok(())
+}
+
+/// The split counts of decode attention by row bound above [`FA_ABOVE`]: one bound per split
+/// count ([`dec_splits`] at powers of two rows), the last unbounded (and unsplit).
+fn dec_bounds(kv_heads: usize) -> Vec<(usize, usize)> {
+    let mut bounds: Vec<(usize, usize)> = vec![];
+    let mut rows = (FA_ABOVE + 1).next_power_of_two();
+    loop {
+        let splits = dec_splits(rows, kv_heads);
+        match bounds.last_mut() {
+            Some(last) if last.1 == splits => last.0 = rows,
+            _ => bounds.push((rows, splits)),
+        }
+        if splits == 1 {
+            break;
+        }
+        rows *= 2;
+    }
+    if let Some(last) = bounds.last_mut() {
+        last.0 = usize::MAX;
+    }
+    bounds
+}
+
+/// The decode attention launches of each bound of `bounds` ([`dec_bounds`]):
+/// [`KernelKey::AttentionDec`] for the rows attention_fa leaves, with `args` (the attention's)
+/// and `part` (the split states, `[T, kv_heads, splits, heads / kv_heads, d + 2]` f32 for the
+/// most splits; null where none split), then the merge of their splits where there are several.
+fn dec_launches(
+    bounds: &[(usize, usize)],
+    (heads, kv_heads, d): (usize, usize, usize),
+    out: DType,
+    mask: Mask,
+    args: &[Arg],
+    part: Arg,
+) -> Vec<(usize, Vec<Launch>)> {
+    bounds
+        .iter()
+        .map(|&(bound, splits)| {
+            let key = KernelKey::AttentionDec { heads, kv_heads, d, out, mixed_only: true, mask, splits };
+            let dec_args = [args, &[part]].concat();
+            let grid = [per_token(kv_heads * splits, 1), ONE];
+            let mut launches = vec![launch(key, dec_args, grid, (32 * DEC_WARPS) as u32)];
+            if splits > 1 {
+                let key = KernelKey::AttentionDecMerge { heads, kv_heads, d, out, mixed_only: true, mask, splits };
+                // seq_off, pos, out, T and sinks of the attention's arguments, then the splits.
+                let merge_args = [4, 5, 7, 8, 9].iter().map(|&a| args[a]).chain([part]).collect();
+                launches.push(launch(key, merge_args, [per_token(kv_heads, 1), ONE], 128));
+            }
+            (bound, launches)
+        })
+        .collect()
 }
 
 /// A mixture of experts (`kernels/moe.cuh`): the routing (from the router logits, or with
@@ -690,8 +749,8 @@ fn logits(b: &mut Builder, i: usize) -> Result<(), CodegenError> {
 
 #[cfg(test)]
 mod tests {
-    use super::grouped;
-    use crate::{tiled, Count, Dim, KernelKey, Launch, Step, SKINNY_ROWS};
+    use super::{dec_bounds, dec_launches, grouped};
+    use crate::{tiled, Arg, Count, Dim, KernelKey, Launch, Mask, Step, SKINNY_ROWS};
     use ir::{DType, Graph, Op};
 
     /// embedding → rms_norm with a `[norm]` weight → linear → logits, all 64 wide, bf16.
@@ -744,6 +803,32 @@ mod tests {
             assert_eq!(norms, [(key, Dim::Per(Count::Tokens, blocks, 1))], "norm [{norm}]");
             let in_gemv = launches.iter().any(|l| matches!(l.key, KernelKey::Gemv { norm: Some(_), .. }));
             assert_eq!(in_gemv, fused, "norm [{norm}] applied by a GEMV");
+        }
+    }
+
+    /// Decode attention splits a row's keys while the rows alone make fewer blocks than the GPU
+    /// wants: one variant per split count from 64 rows, the last unbounded with none; a merge
+    /// follows each split launch and reads the same scratch buffer; the merge's arguments are
+    /// the attention's seq_off, pos, out, T and sinks (the kernel's parameter order).
+    #[test]
+    fn decode_attention_splits_keys_until_the_rows_fill_the_gpu() {
+        // Two kv heads: 64 rows make 128 blocks, under one an SM, so their keys split in two;
+        // four kv heads: 256 blocks at 64 rows, none split.
+        assert_eq!(dec_bounds(2), [(64, 2), (usize::MAX, 1)]);
+        assert_eq!(dec_bounds(4), [(usize::MAX, 1)]);
+        assert_eq!(dec_bounds(1), [(64, 4), (128, 2), (usize::MAX, 1)]);
+        let args: Vec<Arg> = (0..10).map(Arg::Buf).collect();
+        let v = dec_launches(&dec_bounds(1), (8, 1, 128), DType::BF16, Mask::default(), &args, Arg::Buf(99));
+        for ((_, ls), splits) in v.iter().zip([4, 2, 1]) {
+            assert!(matches!(ls[0].key, KernelKey::AttentionDec { splits: s, .. } if s == splits));
+            assert_eq!(ls[0].grid, [Dim::Per(Count::Tokens, splits, 1), Dim::Fixed(1)]);
+            assert_eq!(ls[0].args.last(), Some(&Arg::Buf(99)));
+            assert_eq!(ls.len(), if splits > 1 { 2 } else { 1 });
+            if splits > 1 {
+                assert!(matches!(ls[1].key, KernelKey::AttentionDecMerge { splits: s, .. } if s == splits));
+                let want: Vec<Arg> = [4, 5, 7, 8, 9, 99].into_iter().map(Arg::Buf).collect();
+                assert_eq!(ls[1].args, want);
+            }
         }
     }
 

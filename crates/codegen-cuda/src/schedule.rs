@@ -167,6 +167,45 @@ pub const W8_GROUP: usize = 128;
 /// `kernels/moe.cuh`, defined by the generated source from this).
 pub const MOE_TILE: usize = 64;
 
+/// Warps of a decode attention block (`DEC_WARPS` of `kernels/fast.cuh`, defined by the
+/// generated source from this), each taking the row's key tiles in turn.
+pub const DEC_WARPS: usize = 4;
+
+/// Key tiles (16 keys) each decode attention warp has in flight (`DEC_STAGES`).
+pub const DEC_STAGES: usize = 2;
+
+/// The fewest key tiles of a split of a decode row's keys (`DEC_SPLIT_MIN`): eight a warp (512
+/// keys), so a split's fixed costs (its queries, the warps' merge, the partial state written
+/// and merged again) stay small against its reads.
+pub const DEC_SPLIT_MIN: usize = 8 * DEC_WARPS;
+
+/// Decode attention blocks a step should have (two an SM of an H100 / H200): a row's keys split
+/// into as many blocks as it takes to reach it ([`dec_splits`]). Measured on an H200
+/// (docs/perf.md): splitting to a thousand blocks was slower at 64 rows of the 7B shape (four kv
+/// heads, 256 blocks unsplit) and at 256 rows of the 0.5B shape (two kv heads); only rows that
+/// leave SMs idle gain from it.
+const DEC_BLOCKS: usize = 264;
+
+/// The most blocks a decode row's keys split into.
+const DEC_MAX_SPLITS: usize = 8;
+
+/// The splits of each decode row's keys at up to `rows` rows of `kv_heads` kv heads: the power
+/// of two that brings the blocks nearest [`DEC_BLOCKS`] from below, 1 to [`DEC_MAX_SPLITS`]. A
+/// row's keys split only where they are more than [`DEC_SPLIT_MIN`] tiles a split.
+pub fn dec_splits(rows: usize, kv_heads: usize) -> usize {
+    let mut s = 1;
+    while s < DEC_MAX_SPLITS && rows * kv_heads * s * 2 <= DEC_BLOCKS {
+        s *= 2;
+    }
+    s
+}
+
+/// The dynamic shared memory of a decode attention block of head size `d`: every warp's stages
+/// of a K and a V tile of 16 keys, rows of `d + 8` 16-bit values.
+pub fn dec_smem(d: usize) -> usize {
+    DEC_WARPS * DEC_STAGES * 2 * 16 * (d + 8) * 2
+}
+
 /// Up to this many (token, chosen expert) pairs an expert on average, the grouped experts run
 /// a warp per feature looping over each tile's pairs; above, on tensor cores (measured on the
 /// Qwen3-30B-A3B and gpt-oss-20b shapes, docs/perf.md).

@@ -190,9 +190,9 @@ impl CudaBackend {
             let m =
                 ctx.load_module(cudarc::nvrtc::Ptx::from_binary(bin.clone())).map_err(driver("loading a kernel"))?;
             let f = m.load_function(&k.name()).map_err(driver("finding a kernel"))?;
-            if let KernelKey::GemmSkinnyA8 { .. } = k {
+            if k.dyn_smem() > 0 {
                 use cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX;
-                f.set_attribute(MAX, codegen_cuda::A8_SMEM as i32).map_err(driver("W8A8 shared memory"))?;
+                f.set_attribute(MAX, k.dyn_smem() as i32).map_err(driver("a kernel's dynamic shared memory"))?;
             }
             funcs.insert(*k, f);
         }
@@ -448,7 +448,11 @@ impl CudaBackend {
         if gx == 0 || gy == 0 || profile::skipped(&self.skip, &l.key.name()) {
             return Ok(());
         }
-        let cfg = LaunchConfig { grid_dim: (gx as u32, gy as u32, 1), block_dim: (l.block, 1, 1), shared_mem_bytes: 0 };
+        let cfg = LaunchConfig {
+            grid_dim: (gx as u32, gy as u32, 1),
+            block_dim: (l.block, 1, 1),
+            shared_mem_bytes: l.key.dyn_smem() as u32,
+        };
         let mut params: Vec<*mut std::ffi::c_void> = vals
             .iter()
             .map(|v| match v {
@@ -462,7 +466,9 @@ impl CudaBackend {
         Profile::launch(
             &self.profile,
             &self.stream,
-            || l.key.name(),
+            // Decode steps apart from those with prefill rows (a decode step wants every row's
+            // logits), whose launches do other work under the same names.
+            || if t == r { l.key.name() } else { format!("{} [prefill step]", l.key.name()) },
             || self.launch_bytes(l, t, r),
             || {
                 unsafe { device::launch(&self.stream, &self.funcs[&l.key], cfg, &mut params, pdl) }

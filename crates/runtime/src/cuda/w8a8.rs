@@ -325,8 +325,7 @@ impl CudaBackend {
         params.push(&layout as *const i32 as *mut _);
         let n: usize = n.iter().sum();
         let grid = (codegen_cuda::a8_blocks(k, n) as u32, 1, 1);
-        let cfg =
-            LaunchConfig { grid_dim: grid, block_dim: (128, 1, 1), shared_mem_bytes: codegen_cuda::A8_SMEM as u32 };
+        let cfg = LaunchConfig { grid_dim: grid, block_dim: (128, 1, 1), shared_mem_bytes: key.dyn_smem() as u32 };
         self.raw_launch(&key, cfg, &mut params)
     }
 
@@ -416,12 +415,26 @@ fn copy_2d(
     rows: usize,
 ) -> Result<(), RuntimeError> {
     use cudarc::driver::sys;
-    let mut c: sys::CUDA_MEMCPY2D = unsafe { std::mem::zeroed() };
-    c.srcMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_DEVICE;
-    (c.srcDevice, c.srcPitch) = src;
-    c.dstMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_DEVICE;
-    (c.dstDevice, c.dstPitch) = dst;
-    (c.WidthInBytes, c.Height) = (width, rows);
+    // Every field set: the struct holds enums, which `mem::zeroed` may not make (a panic).
+    let device = sys::CUmemorytype::CU_MEMORYTYPE_DEVICE;
+    let c = sys::CUDA_MEMCPY2D {
+        srcXInBytes: 0,
+        srcY: 0,
+        srcMemoryType: device,
+        srcHost: std::ptr::null(),
+        srcDevice: src.0,
+        srcArray: std::ptr::null_mut(),
+        srcPitch: src.1,
+        dstXInBytes: 0,
+        dstY: 0,
+        dstMemoryType: device,
+        dstHost: std::ptr::null_mut(),
+        dstDevice: dst.0,
+        dstArray: std::ptr::null_mut(),
+        dstPitch: dst.1,
+        WidthInBytes: width,
+        Height: rows,
+    };
     unsafe { sys::cuMemcpy2DAsync_v2(&c, stream.cu_stream()) }.result().map_err(driver("a 2-D device copy"))
 }
 
