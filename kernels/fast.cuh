@@ -813,7 +813,7 @@ template <int K, int N0, int N1, int N2, int BLOCKS, int SLOTS, int STAGES>
 __device__ void gemm_skinny_a8(const TmaMap* mx, const float* xs, const fp8_t* w0, const h16_t* b0, float* o0,
                                const fp8_t* w1, const h16_t* b1, float* o1, const fp8_t* w2, const h16_t* b2,
                                float* o2, float* part, unsigned* count, int T, const TmaMap* mw0,
-                               const TmaMap* mw1, const TmaMap* mw2, int groups) {
+                               const TmaMap* mw1, const TmaMap* mw2) {
   constexpr int F = 128, G = K / W8_GROUP, S = STAGES, NTOT = N0 + N1 + N2;
   constexpr long U = (long)(NTOT / F) * G;
   extern __shared__ unsigned char a8_smem[];
@@ -856,9 +856,7 @@ __device__ void gemm_skinny_a8(const TmaMap* mx, const float* xs, const fp8_t* w
     auto stage_w = [&](int st, int gi) {
       if (tid == 0) {
         mbar_expect(smem_addr(&full[st]), A8_STAGE);
-        // groups: the map is over the group-major copy, [K / 128][N][128] codes.
-        const int x = groups ? 0 : gi * W8_GROUP, y = groups ? gi * N + f0 : f0;
-        tma_load_2d(tiles + st * A8_STAGE + A8_ROWS * 128, mw, x, y, smem_addr(&full[st]));
+        tma_load_2d(tiles + st * A8_STAGE + A8_ROWS * 128, mw, gi * W8_GROUP, f0, smem_addr(&full[st]));
       }
       cp4(smem_addr(&sws[st * F + tid]), wsc + gi, 4);
     };

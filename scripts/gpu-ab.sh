@@ -2,7 +2,8 @@
 # Runs on the GPU machine after scripts/gpu-check.sh built the checkpoints (/tmp/ck-SHAPE):
 # A/B of run-time settings. For each shape in SHAPES, compiles a bundle of MODEL (default
 # models/qwen2.yaml) once per binary set, then runs the benchmark (INPUT_LEN prompt tokens,
-# default 128, OUTPUT_LEN generated, default 128) as usual (A) and with
+# default 128, OUTPUT_LEN generated, default 128; BENCH_ARGS: more `engrun bench` flags, e.g.
+# "--random-range-ratio 0.0977 --max-total-tokens 400000" for the nano-vllm workload) as usual (A) and with
 # each environment setting of AB_ENVS (space-separated; B, C, ... e.g.
 # AB_ENVS=ENGINE_NORM_IN_GEMV=0: engrun emits the schedule from the bundle's plan, so schedule
 # settings apply there too; BIN=DIR: another binary set; CK=SUFFIX: the checkpoint
@@ -38,7 +39,7 @@ for shape in ${SHAPES:-qwen2.5-0.5b}; do
         b=$ck$cks${quant[1]:+-${quant[1]}}.$(basename "$bin").bundle
         [ -d "$b" ] || $bin/engc compile "${MODEL:-models/qwen2.yaml}" --checkpoint "$ck$cks" "${quant[@]}" -o "$b" 2>&1 | tail -1
         r=$(env "${envs[@]}" ENGINE_CUDA_PROFILE=steps $bin/engrun bench "$b" --device cuda --num-prompts "$n" \
-          --input-len "${INPUT_LEN:-128}" --output-len "${OUTPUT_LEN:-128}" --json 2>&1)
+          --input-len "${INPUT_LEN:-128}" --output-len "${OUTPUT_LEN:-128}" ${BENCH_ARGS:-} --json 2>&1)
         j=$(echo "$r" | grep '^{' | tail -1)
         # cuBLASLt's choices at load, per shape and row count (the last run of each binary).
         echo "$shape $e b$n rep$rep $j" >> "$out/ab.jsonl"

@@ -934,11 +934,11 @@ impl KernelKey {
                 format!(
                     "const __grid_constant__ TmaMap mx, const float* xs, {}, float* part, unsigned* count, int T, \
                      const __grid_constant__ TmaMap mw0, const __grid_constant__ TmaMap mw1, \
-                     const __grid_constant__ TmaMap mw2, int groups",
+                     const __grid_constant__ TmaMap mw2",
                     out_params("fp8_t").trim_end_matches(", int T")
                 ),
                 format!(
-                    "gemm_skinny_a8<{k}, {}, {}, {}, {}, {}, {A8_STAGES}>(&mx, xs, {}, part, count, T, &mw0, &mw1, &mw2, groups)",
+                    "gemm_skinny_a8<{k}, {}, {}, {}, {}, {}, {A8_STAGES}>(&mx, xs, {}, part, count, T, &mw0, &mw1, &mw2)",
                     n[0],
                     n[1],
                     n[2],

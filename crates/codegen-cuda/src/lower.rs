@@ -870,7 +870,7 @@ mod tests {
         let params = "(const __grid_constant__ TmaMap mx, const float* xs, const fp8_t* w0, const h16_t* b0, \
                       float* o0, const fp8_t* w1, const h16_t* b1, float* o1, const fp8_t* w2, const h16_t* b2, \
                       float* o2, float* part, unsigned* count, int T, const __grid_constant__ TmaMap mw0, \
-                      const __grid_constant__ TmaMap mw1, const __grid_constant__ TmaMap mw2, int groups)";
+                      const __grid_constant__ TmaMap mw1, const __grid_constant__ TmaMap mw2)";
         assert!(key.instance().unwrap().contains(params), "{}", key.instance().unwrap());
         // Qwen2.5-7B: gate/up 296 tiles of 28 groups on 264 blocks (a tile over two blocks at
         // most), down 28 of 148 (five or six blocks a tile); a 0.5B q/k/v: 9 tiles of 7 groups.

@@ -161,7 +161,6 @@ impl CudaBackend {
         let firsts: Vec<Launch> = shapes.iter().flat_map(|(_, ls)| ls.iter().map(|(_, l)| l.clone())).collect();
         self.convert_biases(&firsts)?;
         self.convert_w8_scales()?;
-        self.copy_a8_groups()?;
         self.ensure_cap(buckets[buckets.len() - 1], MAX_LOGITS_ROWS)?;
         let cached = file.as_deref().map(read_choices).unwrap_or_default();
         let mut timed = false;

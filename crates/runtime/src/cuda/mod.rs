@@ -93,9 +93,6 @@ pub struct CudaBackend {
     /// a launch with our W8A8 kernel's split sums.
     w8_scales: HashMap<usize, (w8a8::Fp8Scales, CudaSlice<f32>)>,
     w8_input: Option<w8a8::W8Input>,
-    /// `ENGINE_A8_LAYOUT=groups` (`w8a8::copy_a8_groups`): per E4M3 weight our W8A8 kernel
-    /// reads, a copy of its codes in group-major order.
-    a8_groups: HashMap<usize, CudaSlice<u8>>,
     /// `ENGINE_CUDA_PROFILE` ([`profile`]).
     profile: Option<Profile>,
     /// `ENGINE_CUDA_SKIP` ([`profile::skip_from_env`]): kernels left out, for timing only.
@@ -277,7 +274,6 @@ impl CudaBackend {
             bias_f32: HashMap::new(),
             w8_scales: HashMap::new(),
             w8_input: None,
-            a8_groups: HashMap::new(),
             profile,
             skip: vec![],
         };

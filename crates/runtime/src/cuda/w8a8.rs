@@ -110,27 +110,6 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// `ENGINE_A8_LAYOUT=groups` (an experiment; by default our W8A8 kernel reads the weights as
-    /// they are, `[n][k]` codes): a copy of every E4M3 weight the kernel may read, in
-    /// group-major order (`[k / 128][n][128]` codes), so each (128-feature tile, 128-column
-    /// group) unit it streams is 16 contiguous KB, one TMA box. One 2-D copy per group.
-    pub(super) fn copy_a8_groups(&mut self) -> Result<(), RuntimeError> {
-        if !self.wgmma || std::env::var("ENGINE_A8_LAYOUT").map_or(true, |v| v != "groups") {
-            return Ok(());
-        }
-        for (w, k, n) in linear_weights(&self.program, |key| key.a8().is_some()) {
-            let Some(dev) = &self.weights[w] else { continue };
-            let src = self.ptr(dev);
-            let copy = self.stream.alloc_zeros::<u8>(n * k).map_err(driver("a group-major copy of E4M3 codes"))?;
-            let dst = self.ptr(&copy);
-            for (from, to) in group_major(src, dst, n, k) {
-                copy_2d(&self.stream, from, to, W8_GROUP, n)?;
-            }
-            self.a8_groups.insert(w, copy);
-        }
-        Ok(())
-    }
-
     /// Why W8A8 GEMM `g` (cuBLASLt's or ours) of launch `l` at `t` rows is not to be used, if it
     /// is not: each linear's output against ours (W8A16) on a random input, the rms of the
     /// difference within a tenth of the rms of ours (activation quantization costs a few
@@ -316,13 +295,12 @@ impl CudaBackend {
             .collect();
         // The input's 64-row boxes (rows past t read as zeros).
         let mx = tma_map(q, k, t, codegen_cuda::A8_ROWS as u32)?;
-        let (mw, layout) = self.a8_weight_maps(l, k, n)?;
+        let mw = self.a8_weight_maps(l, k, n)?;
         let t32 = t as i32;
         let mut params: Vec<*mut std::ffi::c_void> = vec![&mx as *const TmaMap as *mut _];
         params.extend(ptrs.iter().map(|p| p as *const u64 as *mut std::ffi::c_void));
         params.push(&t32 as *const i32 as *mut _);
         params.extend(mw.iter().map(|m| m as *const TmaMap as *mut std::ffi::c_void));
-        params.push(&layout as *const i32 as *mut _);
         let n: usize = n.iter().sum();
         let grid = (codegen_cuda::a8_blocks(k, n) as u32, 1, 1);
         let cfg = LaunchConfig { grid_dim: grid, block_dim: (128, 1, 1), shared_mem_bytes: key.dyn_smem() as u32 };
@@ -330,23 +308,14 @@ impl CudaBackend {
     }
 
     /// The TMA maps of W8A8 launch `l`'s weights (`k` inputs, `n` outputs each): 128-row boxes,
-    /// 128 codes wide, of the weights as they are or, where every weight of the launch has one,
-    /// of their group-major copies (`copy_a8_groups`; then the layout flag is 1); a zeroed map
-    /// where a group is empty.
-    fn a8_weight_maps(&self, l: &Launch, k: usize, n: [usize; 3]) -> Result<(Vec<TmaMap>, i32), RuntimeError> {
-        let copy = |g: usize| match l.args.get(1 + 3 * g) {
-            Some(Arg::Weight(w)) => self.a8_groups.get(w),
-            _ => None,
-        };
-        let groups = (0..3).filter(|&g| n[g] > 0).all(|g| copy(g).is_some());
-        let maps = (0..3)
-            .map(|g| match copy(g) {
+    /// 128 codes wide; a zeroed map where a group is empty.
+    fn a8_weight_maps(&self, l: &Launch, k: usize, n: [usize; 3]) -> Result<Vec<TmaMap>, RuntimeError> {
+        (0..3)
+            .map(|g| match l.args.get(1 + 3 * g) {
                 _ if n[g] == 0 => Ok(unsafe { std::mem::zeroed() }),
-                Some(c) if groups => tma_map(self.ptr(c), W8_GROUP, (k / W8_GROUP) * n[g], A8_FEATURES as u32),
-                _ => tma_map(l.args.get(1 + 3 * g).map_or(0, |a| self.arg_ptr(a)), k, n[g], A8_FEATURES as u32),
+                w => tma_map(w.map_or(0, |a| self.arg_ptr(a)), k, n[g], A8_FEATURES as u32),
             })
-            .collect::<Result<_, _>>()?;
-        Ok((maps, i32::from(groups)))
+            .collect()
     }
 }
 
@@ -399,71 +368,9 @@ fn linear_weights(program: &codegen_cuda::Program, keep: impl Fn(&KernelKey) -> 
     out
 }
 
-/// The 2-D copies ((source, pitch), (destination, pitch)), each of `n` rows of 128 bytes, that
-/// turn the `[n][k]` codes at `src` into their group-major order `[k / 128][n][128]` at `dst`:
-/// one per 128-column group.
-fn group_major(src: u64, dst: u64, n: usize, k: usize) -> impl Iterator<Item = ((u64, usize), (u64, usize))> {
-    (0..k / W8_GROUP).map(move |g| ((src + (g * W8_GROUP) as u64, k), (dst + (g * n * W8_GROUP) as u64, W8_GROUP)))
-}
-
-/// Copies `rows` rows of `width` bytes on the device from `src` (address, pitch) to `dst`.
-fn copy_2d(
-    stream: &cudarc::driver::CudaStream,
-    src: (u64, usize),
-    dst: (u64, usize),
-    width: usize,
-    rows: usize,
-) -> Result<(), RuntimeError> {
-    use cudarc::driver::sys;
-    // Every field set: the struct holds enums, which `mem::zeroed` may not make (a panic).
-    let device = sys::CUmemorytype::CU_MEMORYTYPE_DEVICE;
-    let c = sys::CUDA_MEMCPY2D {
-        srcXInBytes: 0,
-        srcY: 0,
-        srcMemoryType: device,
-        srcHost: std::ptr::null(),
-        srcDevice: src.0,
-        srcArray: std::ptr::null_mut(),
-        srcPitch: src.1,
-        dstXInBytes: 0,
-        dstY: 0,
-        dstMemoryType: device,
-        dstHost: std::ptr::null_mut(),
-        dstDevice: dst.0,
-        dstArray: std::ptr::null_mut(),
-        dstPitch: dst.1,
-        WidthInBytes: width,
-        Height: rows,
-    };
-    unsafe { sys::cuMemcpy2DAsync_v2(&c, stream.cu_stream()) }.result().map_err(driver("a 2-D device copy"))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// The group-major copy puts unit (tile, group) of a weight, rows `128 tile..` and columns
-    /// `128 group..`, at rows `group * n + 128 tile..` of a `[.., 128]` matrix: the box the W8A8
-    /// kernel reads with `groups` set.
-    #[test]
-    fn group_major_copies_make_each_unit_one_box() {
-        let (n, k) = (256, 384);
-        let w: Vec<u8> = (0..n * k).map(|i| (i * 7 % 251) as u8).collect();
-        let mut out = vec![0u8; n * k];
-        for ((src, sp), (dst, dp)) in group_major(0, 0, n, k) {
-            for r in 0..n {
-                let (s, d) = (src as usize + r * sp, dst as usize + r * dp);
-                out[d..d + W8_GROUP].copy_from_slice(&w[s..s + W8_GROUP]);
-            }
-        }
-        for (tile, group) in [(0, 0), (1, 2), (1, 0), (0, 1)] {
-            for r in 0..128 {
-                let y = group * n + 128 * tile + r;
-                let row = 128 * tile + r;
-                assert_eq!(out[y * 128..y * 128 + 128], w[row * k + 128 * group..row * k + 128 * group + 128]);
-            }
-        }
-    }
 
     #[test]
     fn per_channel_and_block_scales_are_told_apart_and_compacted() {
