@@ -2,7 +2,8 @@
 # Runs on the GPU machine: Nsight Compute's counters for one kernel of a decode benchmark. For
 # SHAPE (a config in tests/configs/, default qwen2.5-7b) it builds a random checkpoint of
 # LAYERS layers (default 4, as scripts/gpu-gemms.sh), compiles it with QUANT (default fp8; bf16:
-# as it is), runs `engrun bench` once at BATCH prompts (default 64) to fix the GEMM choices
+# as it is), runs `engrun bench` once at BATCH prompts (default 64) of INPUT_LEN tokens (default
+# 128) to fix the GEMM choices
 # (ENV, e.g. ENGINE_GEMM_FORCE=a8, applies to both runs), then again under ncu for COUNT
 # launches (default 2) of the kernels matching KERNEL (a regex, default gemm_skinny_a8) after
 # SKIP (default 40) of them: the decode steps' launches, past the load's checks; BUNDLE: that
@@ -12,7 +13,7 @@ source scripts/gpu/few-layer.sh
 shape="${SHAPE:-qwen2.5-7b}" q="${QUANT:-fp8}"
 b="${BUNDLE:-$(few_layer_bundle "$shape" "$q")}"
 export ENGINE_GEMM_CHOICES=/tmp/ncu-choices-$shape-$q.txt
-run=("$bin/engrun" bench "$b" --device cuda --num-prompts "${BATCH:-64}" --input-len 128 --output-len 8 --mem-fraction 0.05 --json)
+run=("$bin/engrun" bench "$b" --device cuda --num-prompts "${BATCH:-64}" --input-len "${INPUT_LEN:-128}" --output-len 8 --mem-fraction 0.05 --json)
 env ${ENV:-ENGINE_NCU=1} "${run[@]}" 2>&1 | grep -E '^GEMM|^\{' > "$out/ncu-$shape-$q.txt"
 ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
 env ${ENV:-ENGINE_NCU=1} "$ncu" --clock-control none --kernel-name "regex:${KERNEL:-gemm_skinny_a8}" \
@@ -20,5 +21,5 @@ env ${ENV:-ENGINE_NCU=1} "$ncu" --clock-control none --kernel-name "regex:${KERN
   --section WarpStateStats --section Occupancy --section LaunchStats --section SchedulerStats \
   --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
   "${run[@]}" >> "$out/ncu-$shape-$q.txt" 2>&1 || true
-grep -E "gemm|Duration|Throughput|Bandwidth|stalled|Occupancy|Registers|Warp Cycles|Issued|Active Cycles" "$out/ncu-$shape-$q.txt" |
+grep -E "gemm|attention|Duration|Throughput|Bandwidth|stalled|Occupancy|Registers|Warp Cycles|Issued|Active Cycles" "$out/ncu-$shape-$q.txt" |
   awk '!/stalled/ || $NF + 0 >= 0.05' | head -80

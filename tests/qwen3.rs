@@ -129,9 +129,10 @@ fn cuda_normalises_each_head_inside_the_rope_kernels() {
                     _ => {}
                 }
             }
-            // Each layer: the one-token kernel, and rope_kv in both multi-token variants (per-row
-            // and tensor-core attention: heads of at most 128).
-            assert_eq!(normed_ropes, 3 * layers, "{hidden} tp={tp}: RoPE kernels that normalise");
+            // Each layer: the one-token kernel, and rope_kv in every multi-token variant (per-row
+            // attention, and tensor-core attention at each decode split count: heads of at most
+            // 128).
+            assert!(normed_ropes >= 3 * layers, "{hidden} tp={tp}: {normed_ropes} RoPE kernels that normalise");
             assert!(fused_gemvs > 0 || !fused, "{hidden} tp={tp}: no GEMV applies a layer norm");
         }
     }
