@@ -533,7 +533,7 @@ impl Mask {
 }
 
 /// The per-head RMS norms of q and k that a rope_attention fusion applies before RoPE
-/// (`kernels/fast.cuh`'s `NQ, NK, NWQ, NWK`): each one's weight dtype, `None` without.
+/// (`kernels/attention.cuh`'s `NQ, NK, NWQ, NWK`): each one's weight dtype, `None` without.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub struct HeadNorm {
     /// q's norm weight.
@@ -618,7 +618,7 @@ pub const A8_ROWS: usize = 64;
 /// input rows and of the block's weight rows, and their scales.
 const A8_STAGES: usize = 4;
 
-/// The dynamic shared memory of a [`KernelKey::GemmSkinnyA8`] block (`kernels/fast.cuh`'s
+/// The dynamic shared memory of a [`KernelKey::GemmSkinnyA8`] block (`kernels/gemm.cuh`'s
 /// layout: the stages' tiles, their scales, and room to align the tiles to 1024 bytes).
 pub const A8_SMEM: usize = A8_STAGES * (A8_ROWS * 128 + A8_FEATURES * 128 + (A8_ROWS + A8_FEATURES) * 4) + 1024;
 

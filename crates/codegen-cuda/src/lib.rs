@@ -31,6 +31,8 @@ use std::fmt::Write;
 const PRELUDE: &str = include_str!("../../../kernels/prelude.cuh");
 const BASIC: &str = include_str!("../../../kernels/basic.cuh");
 const FAST: &str = include_str!("../../../kernels/fast.cuh");
+const GEMM: &str = include_str!("../../../kernels/gemm.cuh");
+const ATTENTION: &str = include_str!("../../../kernels/attention.cuh");
 const COMM: &str = include_str!("../../../kernels/comm.cuh");
 const SAMPLE: &str = include_str!("../../../kernels/sample.cuh");
 const MOE: &str = include_str!("../../../kernels/moe.cuh");
@@ -181,7 +183,7 @@ pub fn emit(plan: &Plan) -> Result<Program, CodegenError> {
         schedule::DEC_STAGES,
         schedule::DEC_SPLIT_MIN
     );
-    for part in [PRELUDE, BASIC, FAST, MOE, COMM, SAMPLE] {
+    for part in [PRELUDE, BASIC, FAST, GEMM, ATTENTION, MOE, COMM, SAMPLE] {
         source += part;
         source += "\n";
     }

@@ -167,7 +167,7 @@ pub const W8_GROUP: usize = 128;
 /// `kernels/moe.cuh`, defined by the generated source from this).
 pub const MOE_TILE: usize = 64;
 
-/// Warps of a decode attention block (`DEC_WARPS` of `kernels/fast.cuh`, defined by the
+/// Warps of a decode attention block (`DEC_WARPS` of `kernels/attention.cuh`, defined by the
 /// generated source from this), each taking the row's key tiles in turn.
 pub const DEC_WARPS: usize = 4;
 

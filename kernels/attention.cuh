@@ -1,0 +1,746 @@
+// RoPE with the paged KV-cache write, and attention over the paged cache: per row and head
+// group (attention_gqa), one token with RoPE fused (attention_rope1), prefill groups of 16 rows
+// on tensor cores (attention_fa) and decode rows on tensor cores (attention_dec, its key splits
+// merged by attention_dec_merge). Included after fast.cuh.
+
+// ---- attention ----
+// The RMS norm scale of one head row x of D features, rsqrt(mean(x^2) + eps), computed by one
+// warp (every lane gets it): the per-head q/k norm a rope_attention fusion applies before
+// RoPE (Qwen3, Gemma 3).
+template <int D>
+__device__ __forceinline__ float head_rms(const float* x, float eps) {
+  float s = 0.0f;
+  for (int d = threadIdx.x & 31; d < D; d += 32) s += x[d] * x[d];
+  return rsqrtf(warp_sum(s) / D + eps);
+}
+
+// RoPE on the leading ROT features of each head of q (RQ) and k (RK) at positions pos[t], q
+// written to qo (f32), k and v written as h16 into the paged cache at slot slot_of[t]. With NQ
+// (NK) each head of q (k) is RMS-normalised first, times the head-sized weight qnw (knw).
+// grid: T, block: 128.
+template <int H, int KVH, int D, int ROT, bool RQ, bool RK, bool NQ, bool NK, typename NWQ, typename NWK>
+__device__ void rope_kv(const float* q, const float* k, const float* v, const int* pos, const float* inv_freq,
+                        float scale, const int* slot_of, const NWQ* qnw, const NWK* knw, float qeps, float keps,
+                        float* qo, h16_t* kc, h16_t* vc) {
+  const int t = blockIdx.x;
+  const float p = (float)pos[t];
+  const long dst = (long)slot_of[t] * (KVH * D);
+  // Each head's norm scale, a warp per head.
+  __shared__ float rms[(NQ || NK) ? H + KVH : 1];
+  if (NQ || NK) {
+    for (int hh = threadIdx.x >> 5; hh < H + KVH; hh += blockDim.x >> 5) {
+      const bool isq = hh < H;
+      if (isq ? NQ : NK) {
+        const float* x = isq ? q + ((long)t * H + hh) * D : k + ((long)t * KVH + hh - H) * D;
+        rms[hh] = head_rms<D>(x, isq ? qeps : keps);
+      }
+    }
+    __syncthreads();
+  }
+  for (int i = threadIdx.x; i < (H + KVH) * (D / 2); i += blockDim.x) {
+    const bool isq = i < H * (D / 2);
+    const int ii = isq ? i : i - H * (D / 2);
+    const int head = ii / (D / 2), j = ii % (D / 2);
+    const int cols = isq ? H * D : KVH * D;
+    const float* src = (isq ? q : k) + (long)t * cols + head * D;
+    // a rotated pair (j, j + ROT / 2), or two features past the rotated ones
+    const bool rot = j < ROT / 2;
+    const int ja = rot ? j : ROT + 2 * (j - ROT / 2), jb = rot ? j + ROT / 2 : ja + 1;
+    float xa = src[ja], xb = src[jb];
+    if (isq && NQ) {
+      xa *= rms[head] * to_f32(qnw[ja]);
+      xb *= rms[head] * to_f32(qnw[jb]);
+    } else if (!isq && NK) {
+      xa *= rms[H + head] * to_f32(knw[ja]);
+      xb *= rms[H + head] * to_f32(knw[jb]);
+    }
+    if (rot && (isq ? RQ : RK)) {
+      float s, c;
+      sincosf(p * inv_freq[j], &s, &c);
+      s *= scale;
+      c *= scale;
+      const float ra = xa * c - xb * s, rb = xb * c + xa * s;
+      xa = ra;
+      xb = rb;
+    }
+    if (isq) {
+      qo[(long)t * cols + head * D + ja] = xa;
+      qo[(long)t * cols + head * D + jb] = xb;
+    } else {
+      kc[dst + head * D + ja] = f32_to_h16(xa);
+      kc[dst + head * D + jb] = f32_to_h16(xb);
+    }
+  }
+  for (int i = threadIdx.x; i < KVH * D; i += blockDim.x) vc[dst + i] = f32_to_h16(v[(long)t * KVH * D + i]);
+}
+
+// One key of the online softmax: score s (already summed over the G lanes of the key) and the
+// lane's 16 values of v.
+__device__ __forceinline__ void kv16_add(float s, const float* vf, float& m, float& l, float* acc) {
+  const float m2 = fmaxf(m, s), corr = __expf(m - m2), e = __expf(s - m2);
+  l = l * corr + e;
+#pragma unroll
+  for (int i = 0; i < 16; i++) acc[i] = fmaf(acc[i], corr, e * vf[i]);
+  m = m2;
+}
+
+// A score soft-capped to cap * tanh(s / cap), cap being the f32 whose bits are CAP (no cap
+// when 0): ir::scalar::softcap.
+template <unsigned CAP>
+__device__ __forceinline__ float softcap(float s) {
+  if (CAP == 0) return s;
+  const float c = __uint_as_float(CAP);
+  return c * tanhf(s / c);
+}
+
+// Lanes that share one key in the kv16 kernels: a lane per 16 dims of the head (D / 16 of
+// them), rounded up to a power of two so that groups tile the warp; the lanes past D / 16 hold
+// zeros (head sizes such as 80 or 96).
+__device__ constexpr int kv16_lanes(int d) {
+  int p = 1;
+  while (p < d / 16) p <<= 1;
+  return p;
+}
+
+// The keys at positions first..n-1 of a sequence (slots sl[p]) for kv head kvh, split over the
+// warps and lane groups of the block (kv16_lanes(D) lanes share a key, 16 dims each, so a warp
+// scores 32 / kv16_lanes(D) keys at once; eight warps split the keys): each lane's
+// online-softmax state, merged by kv16_merge.
+// U passes at a time: their slots, then their K and V rows, are loaded before any is used, so
+// a short sequence costs two memory round trips rather than two per pass.
+template <int KVH, int D, unsigned CAP>
+__device__ __forceinline__ void kv16_scan(const float* qv, const h16_t* kc, const h16_t* vc, const int* sl, int first,
+                                         int n, int kvh, float& m, float& l, float* acc) {
+  constexpr int G = D / 16, GP = kv16_lanes(D), KPW = 32 / GP, WARPS = 8, STATES = WARPS * KPW, U = 4;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = lane % GP, grp = lane / GP;
+  const bool on = sub < G;
+  for (int p0 = first + warp * KPW; p0 < n; p0 += U * STATES) {
+    long row[U];
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+      const int p = p0 + u * STATES + grp;
+      row[u] = p < n ? (long)sl[p] * (KVH * D) + kvh * D + sub * 16 : -1;
+    }
+    uint4 kv[U][4];
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+      const uint4 z = make_uint4(0, 0, 0, 0);
+      const uint4* kr = (const uint4*)(kc + row[u]);
+      const uint4* vr = (const uint4*)(vc + row[u]);
+      const bool ld = row[u] >= 0 && on;
+      kv[u][0] = ld ? kr[0] : z;
+      kv[u][1] = ld ? kr[1] : z;
+      kv[u][2] = ld ? vr[0] : z;
+      kv[u][3] = ld ? vr[1] : z;
+    }
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+      float f[16], s = 0.0f;
+      unpack8(kv[u][0], f);
+      unpack8(kv[u][1], f + 8);
+#pragma unroll
+      for (int i = 0; i < 16; i++) s = fmaf(qv[i], f[i], s);
+#pragma unroll
+      for (int o = GP / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+      s = softcap<CAP>(s);
+      if (row[u] >= 0) {
+        unpack8(kv[u][2], f);
+        unpack8(kv[u][3], f + 8);
+        kv16_add(s, f, m, l, acc);
+      }
+    }
+  }
+}
+
+// e^v, or 2^v for logits in base-2 units (EXP2).
+template <bool EXP2>
+__device__ __forceinline__ float softmax_exp(float v) {
+  return EXP2 ? exp2f(v) : __expf(v);
+}
+
+// N partial softmax states merged, with a `sink` logit (NEG_INF: none; gpt-oss's attention
+// sinks): each state a running max ms[i * stride] (NEG_INF: empty) and a sum ls[i * stride]
+// relative to it. Returns the merged max M (x) and the sum of every state's and the sink's
+// terms relative to M (y): a state's values then count times exp(ms - M) / y.
+template <int N, bool EXP2>
+__device__ __forceinline__ float2 merge_states(float sink, const float* ms, const float* ls, int stride) {
+  float mm = sink;
+#pragma unroll
+  for (int s = 0; s < N; s++) mm = fmaxf(mm, ms[s * stride]);
+  float ll = sink == NEG_INF ? 0.0f : softmax_exp<EXP2>(sink - mm);
+#pragma unroll
+  for (int s = 0; s < N; s++) ll += ms[s * stride] == NEG_INF ? 0.0f : ls[s * stride] * softmax_exp<EXP2>(ms[s * stride] - mm);
+  return make_float2(mm, ll);
+}
+
+// Merges the lanes' states through shared memory and writes the head's output row `o`; a
+// finite `sink` is one more logit in the softmax's sum (gpt-oss's attention sinks).
+template <int D, typename O>
+__device__ __forceinline__ void kv16_merge(float m, float l, const float* acc, O* o, float sink) {
+  constexpr int G = D / 16, GP = kv16_lanes(D), KPW = 32 / GP, WARPS = 8, STATES = WARPS * KPW;
+  __shared__ float sm_acc[STATES][D];
+  __shared__ float sm_m[STATES], sm_l[STATES];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = lane % GP, grp = lane / GP;
+  const int state = warp * KPW + grp;
+  if (sub < G) {
+#pragma unroll
+    for (int i = 0; i < 16; i++) sm_acc[state][sub * 16 + i] = acc[i];
+  }
+  if (sub == 0) {
+    sm_m[state] = m;
+    sm_l[state] = l;
+  }
+  __syncthreads();
+  const float2 merged = merge_states<STATES, false>(sink, sm_m, sm_l, 1);
+  const float mm = merged.x, ll = merged.y;
+  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    float v = 0.0f;
+#pragma unroll
+    for (int s = 0; s < STATES; s++)
+      if (sm_m[s] != NEG_INF) v += sm_acc[s][d] * __expf(sm_m[s] - mm);
+    store(o + d, v / ll);
+  }
+}
+
+// Whether row t is one attention_fa does (its group of 16 rows is of one sequence), which the
+// MIXED_ONLY decode kernels leave.
+__device__ __forceinline__ bool fa_row(const int* seq_off, int t, int T) {
+  return seq_off[t & ~15] == seq_off[min((t & ~15) + 15, T - 1)];
+}
+
+// Causal GQA attention of query row t for HB of the query heads that share kv head kvh (all
+// G = H / KVH of them, or fewer for more blocks), over the h16 paged cache (positions
+// 0..pos[t], slots slots[seq_off[t] + p]): each K and V row is read once for the block's heads.
+// The four warps take chunks of 32 keys in turn, each keeping its own online softmax per head:
+// a lane scores one key for every head (q in shared memory, read by all lanes at one address),
+// the warp takes each head's chunk max and sum by shuffles, then the lanes, two features each
+// per 64, accumulate P·V for every head from the chunk's V rows (VB rows loaded before any is
+// used). The warps' states merge through shared memory at the end. grid: (T, H / HB), block: 128.
+// With MIXED_ONLY, only rows whose group of 16 (see attention_fa) spans two sequences run.
+// A sliding window WIN (0: none) keeps the last WIN positions; scores are soft-capped by CAP;
+// `sinks` (null: none) gives each head a sink logit.
+template <int H, int KVH, int D, int HB, typename O, bool MIXED_ONLY, int WIN, unsigned CAP, typename SW>
+__device__ void attention_gqa(const float* q, const h16_t* kc, const h16_t* vc, const int* slots,
+                              const int* seq_off, const int* pos, float scale, O* out, int T, const SW* sinks) {
+  constexpr int G = HB, WARPS = 4, NP = (D + 63) / 64, VB = NP <= 2 ? 32 : 64 / NP;
+  static_assert((H / KVH) % HB == 0 && G * D <= 8192, "a block's query rows fit in shared memory");
+  __shared__ __align__(16) float sq[G * D];
+  __shared__ float sm[WARPS][G], sl[WARPS][G];
+  // h0: the block's first query head, of kv head kvh.
+  const int t = blockIdx.x, h0 = blockIdx.y * HB, kvh = h0 / (H / KVH), lane = threadIdx.x & 31,
+            warp = threadIdx.x >> 5;
+  if (MIXED_ONLY && fa_row(seq_off, t, T)) return;
+  const float* qr = q + ((long)t * H + h0) * D;
+  for (int i = threadIdx.x; i < G * D; i += WARPS * 32) sq[i] = qr[i] * scale;
+  float m[G], l[G], acc[G][2 * NP];
+#pragma unroll
+  for (int g = 0; g < G; g++) {
+    m[g] = NEG_INF;
+    l[g] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 2 * NP; i++) acc[g][i] = 0.0f;
+  }
+  const int n = pos[t] + 1, first = WIN ? max(0, n - WIN) : 0;
+  const int* seq_slots = slots + seq_off[t];
+  __syncthreads();
+  for (int c0 = first + warp * 32; c0 < n; c0 += WARPS * 32) {
+    const int p = c0 + lane;
+    const long row = p < n ? (long)seq_slots[p] * (KVH * D) + kvh * D : -1;
+    // The scores of key c0 + lane for every head.
+    float s[G];
+#pragma unroll
+    for (int g = 0; g < G; g++) s[g] = 0.0f;
+    if (row >= 0) {
+      const uint4* kr = (const uint4*)(kc + row);
+#pragma unroll 8
+      for (int i = 0; i < D / 8; i++) {
+        float f[8];
+        unpack8(kr[i], f);
+#pragma unroll
+        for (int g = 0; g < G; g++) {
+          const float4 a = *(const float4*)&sq[g * D + i * 8], b = *(const float4*)&sq[g * D + i * 8 + 4];
+          s[g] = fmaf(a.x, f[0], fmaf(a.y, f[1], fmaf(a.z, f[2], fmaf(a.w, f[3], s[g]))));
+          s[g] = fmaf(b.x, f[4], fmaf(b.y, f[5], fmaf(b.z, f[6], fmaf(b.w, f[7], s[g]))));
+        }
+      }
+    }
+    // Per head: the chunk's max joins the running one; the lane's key gets its exponential.
+#pragma unroll
+    for (int g = 0; g < G; g++) {
+      const float sg = row >= 0 ? softcap<CAP>(s[g]) : NEG_INF;
+      const float m_new = fmaxf(m[g], warp_max(sg)), corr = __expf(m[g] - m_new);
+      s[g] = __expf(sg - m_new);
+      l[g] = l[g] * corr + warp_sum(s[g]);
+      m[g] = m_new;
+#pragma unroll
+      for (int i = 0; i < 2 * NP; i++) acc[g][i] *= corr;
+    }
+    // P·V: lane takes features 2 lane + 64 i, i < NP, of the chunk's keys, VB keys' rows at a time.
+#pragma unroll
+    for (int j0 = 0; j0 < 32; j0 += VB) {
+      unsigned vv[VB][NP];
+#pragma unroll
+      for (int j = 0; j < VB; j++) {
+        const long r = __shfl_sync(0xffffffffu, row, j0 + j);
+#pragma unroll
+        for (int i = 0; i < NP; i++) {
+          const int d = 2 * lane + 64 * i;
+          vv[j][i] = r >= 0 && (D % 64 == 0 || d < D) ? *(const unsigned*)(vc + r + d) : 0u;
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < VB; j++) {
+#pragma unroll
+        for (int g = 0; g < G; g++) {
+          const float pj = __shfl_sync(0xffffffffu, s[g], j0 + j);
+#pragma unroll
+          for (int i = 0; i < NP; i++) {
+            float v[2];
+            unpack2(vv[j][i], v);
+            acc[g][2 * i] = fmaf(pj, v[0], acc[g][2 * i]);
+            acc[g][2 * i + 1] = fmaf(pj, v[1], acc[g][2 * i + 1]);
+          }
+        }
+      }
+    }
+  }
+  // Merge the warps' states (and the sink) per head, summing their outputs into sq in turn.
+  if (lane == 0) {
+#pragma unroll
+    for (int g = 0; g < G; g++) {
+      sm[warp][g] = m[g];
+      sl[warp][g] = l[g];
+    }
+  }
+  __syncthreads();
+  float f[G];
+#pragma unroll
+  for (int g = 0; g < G; g++) {
+    const float sink = sinks ? to_f32(sinks[h0 + g]) : NEG_INF;
+    const float2 merged = merge_states<WARPS, false>(sink, &sm[0][g], &sl[0][g], G);
+    f[g] = m[g] == NEG_INF ? 0.0f : __expf(m[g] - merged.x) / merged.y;
+  }
+#pragma unroll
+  for (int w = 0; w < WARPS; w++) {
+    if (warp == w) {
+#pragma unroll
+      for (int g = 0; g < G; g++)
+#pragma unroll
+        for (int i = 0; i < 2 * NP; i++) {
+          const int d = 2 * lane + 64 * (i / 2) + (i & 1);
+          if (D % 64 == 0 || d < D) sq[g * D + d] = (w ? sq[g * D + d] : 0.0f) + acc[g][i] * f[g];
+        }
+    }
+    __syncthreads();
+  }
+  for (int i = threadIdx.x; i < G * D; i += WARPS * 32) store(out + ((long)t * H + h0) * D + i, sq[i]);
+}
+
+// Dim d of one head row x (f32), normalised with scale r and weight w when N, then rotated as
+// rope_kv does (rotate-half of the leading ROT features at position p; cos and sin times
+// rscale) when R.
+template <int ROT, bool R, bool N, typename W>
+__device__ __forceinline__ float rope_at(const float* x, int d, float p, const float* inv_freq, float rscale,
+                                         const W* w, float r) {
+  const auto at = [&](int i) { return N ? x[i] * r * to_f32(w[i]) : x[i]; };
+  const float v = at(d);
+  if (!R || d >= ROT) return v;
+  const float other = at(d < ROT / 2 ? d + ROT / 2 : d - ROT / 2);
+  float sn, c;
+  sincosf(p * inv_freq[d % (ROT / 2)], &sn, &c);
+  sn *= rscale;
+  c *= rscale;
+  return d < ROT / 2 ? v * c - other * sn : v * c + other * sn;
+}
+
+// A step of one token (decode at batch 1): RoPE, the KV-cache write and attention in one
+// kernel. Every block rotates its head of q and the token's own k (its kv head), takes the own
+// key from registers (the cache write of another block may not be visible yet), and the first
+// block of each kv head writes k and v (h16) to the cache. Window and cap as attention_gqa's;
+// per-head norms of q and k (NQ, NK) as rope_kv's; sinks as attention_gqa's. grid: (1, H),
+// block: 256.
+template <int H, int KVH, int D, int ROT, typename O, bool RQ, bool RK, bool NQ, bool NK, typename NWQ, typename NWK,
+          int WIN, unsigned CAP, typename SW>
+__device__ void attention_rope1(const float* q, const float* k, const float* v, const int* pos, const float* inv_freq,
+                                float rscale, const int* slot_of, const NWQ* qnw, const NWK* knw, float qeps,
+                                float keps, h16_t* kc, h16_t* vc, const int* slots, const int* seq_off, float scale,
+                                O* out, const SW* sinks) {
+  constexpr int G = D / 16, GP = kv16_lanes(D);
+  const int h = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = lane % GP, grp = lane / GP;
+  const int kvh = h / (H / KVH), n = pos[0] + 1;
+  // The head's rotated q and the token's k and v (h16 values, as the cache holds them), once
+  // per block through shared memory; the norm scales of the q and k heads first (warps 0, 1).
+  __shared__ float sq[D], sk[D], sv[D], rms[2];
+  if (NQ || NK) {
+    if (NQ && warp == 0) rms[0] = head_rms<D>(q + h * D, qeps);
+    if (NK && warp == 1) rms[1] = head_rms<D>(k + kvh * D, keps);
+    __syncthreads();
+  }
+  const float p = (float)pos[0];
+  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    sq[d] = rope_at<ROT, RQ, NQ>(q + h * D, d, p, inv_freq, rscale, qnw, rms[0]) * scale;
+    sk[d] = to_f32(f32_to_h16(rope_at<ROT, RK, NK>(k + kvh * D, d, p, inv_freq, rscale, knw, rms[1])));
+    sv[d] = to_f32(f32_to_h16(v[kvh * D + d]));
+    if (h % (H / KVH) == 0) {
+      const long dst = (long)slot_of[0] * (KVH * D) + kvh * D + d;
+      kc[dst] = f32_to_h16(sk[d]);
+      vc[dst] = f32_to_h16(sv[d]);
+    }
+  }
+  __syncthreads();
+  float qv[16], kf[16], vf[16], acc[16];
+#pragma unroll
+  for (int i = 0; i < 16; i++) {
+    const int d = min(sub, G - 1) * 16 + i;
+    qv[i] = sub < G ? sq[d] : 0.0f;
+    kf[i] = sub < G ? sk[d] : 0.0f;
+    vf[i] = sub < G ? sv[d] : 0.0f;
+    acc[i] = 0.0f;
+  }
+  float m = NEG_INF, l = 0.0f;
+  kv16_scan<KVH, D, CAP>(qv, kc, vc, slots + seq_off[0], WIN ? max(0, n - WIN) : 0, n - 1, kvh, m, l, acc);
+  if (warp == 0) {
+    float s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 16; i++) s = fmaf(qv[i], kf[i], s);
+#pragma unroll
+    for (int o = GP / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    s = softcap<CAP>(s);
+    if (grp == 0) kv16_add(s, vf, m, l, acc);
+  }
+  kv16_merge<D>(m, l, acc, out + (long)h * D, sinks ? to_f32(sinks[h]) : NEG_INF);
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned* r, unsigned addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+// The mma.sync A fragments of 16 query rows (row r's D features at row(r), null past the
+// rows), times qs, rounded to h16: the Q of attention_fa and attention_dec.
+template <int D, typename ROW>
+__device__ __forceinline__ void fa_q(unsigned (&qf)[D / 16][4], ROW row, float qs) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ks++) {
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+      const float* src = row(g + (e & 1) * 8);
+      const int d = ks * 16 + 2 * c + (e >> 1) * 8;
+      qf[ks][e] = src ? pack_h16x2(src[d] * qs, src[d + 1] * qs) : pack_h16x2(0.0f, 0.0f);
+    }
+  }
+}
+
+// Issues (cp.async, not committed) one warp's copies of the 16 keys at positions p0.. (slots
+// sl, kv head kvh; keys at n or past are zero-filled) into its K and V tiles k_s and v_s.
+template <int KVH, int D>
+__device__ __forceinline__ void fa_load(const h16_t* kc, const h16_t* vc, const int* sl, int kvh, int p0, int n,
+                                        h16_t* k_s, h16_t* v_s) {
+  constexpr int S = D + 8, DT = D / 8;
+  static_assert(16 * DT % 32 == 0, "every lane takes as many copies");
+  const int lane = threadIdx.x & 31;
+  // Lane j < 16 reads key j's slot once; the lanes copying its rows take it by shuffle.
+  const int mine = p0 + (lane & 15) < n ? sl[p0 + (lane & 15)] : sl[0];
+#pragma unroll
+  for (int i = lane; i < 16 * DT; i += 32) {
+    const int key = i / DT, ch = i % DT;
+    const bool valid = p0 + key < n;
+    const long src = (long)__shfl_sync(0xffffffffu, mine, key) * (KVH * D) + kvh * D + ch * 8;
+    cp_async16(smem_addr(k_s + key * S + ch * 8), kc + src, valid ? 16 : 0);
+    cp_async16(smem_addr(v_s + key * S + ch * 8), vc + src, valid ? 16 : 0);
+  }
+}
+
+// One warp's step over the 16 keys at positions p0.. staged in k_s and v_s (fa_load, copies
+// complete and the warp synchronized) for the 16 query rows whose mma A fragments are qf
+// (scaled to log2 units): S = Q·Kᵀ, the soft cap, the keys at n or past and those
+// `masked(hr, p)` says (row g + 8 hr of the lane's quad, position p) set to -inf, the online
+// softmax of rows g and g + 8 (m, l: the quad's max, the lane's partial sum) and O += P·V with
+// P rounded to h16: attention_fa's and attention_dec's step.
+template <int D, unsigned CAP, typename MASK>
+__device__ __forceinline__ void fa_step(const unsigned (&qf)[D / 16][4], int p0, int n, const h16_t* k_s,
+                                        const h16_t* v_s, MASK masked, float (&m)[2], float (&l)[2],
+                                        float (&o)[D / 8][4]) {
+  constexpr int S = D + 8, KS = D / 16, DT = D / 8;
+  const int lane = threadIdx.x & 31, c = lane & 3;
+  float s[2][4];
+#pragma unroll
+  for (int nt = 0; nt < 2; nt++) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+#pragma unroll
+  for (int ks = 0; ks < KS; ks++) {
+    unsigned kf[4];
+    ldmatrix_x4(kf, smem_addr(k_s + ((lane & 7) + (lane >> 4) * 8) * S + ks * 16 + ((lane >> 3) & 1) * 8));
+    const unsigned b0[2] = {kf[0], kf[1]}, b1[2] = {kf[2], kf[3]};
+    mma_h16(s[0], qf[ks], b0);
+    mma_h16(s[1], qf[ks], b1);
+  }
+  // the mask, then the online softmax of rows g (hr 0) and g + 8 (hr 1)
+#pragma unroll
+  for (int hr = 0; hr < 2; hr++) {
+    float mx = NEG_INF;
+#pragma unroll
+    for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+      for (int e = 0; e < 2; e++) {
+        const int p = p0 + nt * 8 + 2 * c + e;
+        float& v = s[nt][hr * 2 + e];
+        // scores are in log2 units here (q was scaled by log2 e)
+        if (CAP) v = softcap<CAP>(v * 0.6931471805599453f) * 1.4426950408889634f;
+        if (p >= n || masked(hr, p)) v = NEG_INF;
+        mx = fmaxf(mx, v);
+      }
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_new = fmaxf(m[hr], mx);
+    const float base = m_new == NEG_INF ? 0.0f : m_new;
+    const float corr = exp2f(m[hr] - base);
+    m[hr] = m_new;
+    float sum = 0.0f;
+#pragma unroll
+    for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+      for (int e = 0; e < 2; e++) {
+        float& v = s[nt][hr * 2 + e];
+        v = exp2f(v - base);
+        sum += v;
+      }
+    l[hr] = l[hr] * corr + sum;
+#pragma unroll
+    for (int i = 0; i < DT; i++) {
+      o[i][hr * 2] *= corr;
+      o[i][hr * 2 + 1] *= corr;
+    }
+  }
+  const unsigned pa[4] = {pack_h16x2(s[0][0], s[0][1]), pack_h16x2(s[0][2], s[0][3]),
+                          pack_h16x2(s[1][0], s[1][1]), pack_h16x2(s[1][2], s[1][3])};
+#pragma unroll
+  for (int j = 0; j < D / 16; j++) {
+    unsigned vf[4];
+    ldmatrix_x4_trans(vf, smem_addr(v_s + ((lane & 7) + ((lane >> 3) & 1) * 8) * S + j * 16 + (lane >> 4) * 8));
+    const unsigned b0[2] = {vf[0], vf[1]}, b1[2] = {vf[2], vf[3]};
+    mma_h16(o[2 * j], pa, b0);
+    mma_h16(o[2 * j + 1], pa, b1);
+  }
+}
+
+// fa_load then fa_step, the copies awaited in between: one tile, nothing in flight across
+// tiles (attention_fa's loop).
+template <int KVH, int D, unsigned CAP, typename MASK>
+__device__ __forceinline__ void fa_tile(const unsigned (&qf)[D / 16][4], const h16_t* kc, const h16_t* vc,
+                                        const int* sl, int kvh, int p0, int n, h16_t* k_s, h16_t* v_s,
+                                        MASK masked, float (&m)[2], float (&l)[2], float (&o)[D / 8][4]) {
+  fa_load<KVH, D>(kc, vc, sl, kvh, p0, n, k_s, v_s);
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncwarp();
+  fa_step<D, CAP>(qf, p0, n, k_s, v_s, masked, m, l, o);
+  __syncwarp();
+}
+
+// Extend attention on tensor cores (FlashAttention-2 style, per warp): a warp takes 16
+// consecutive query rows of one head; when they belong to one sequence (rows of a sequence are
+// consecutive, at consecutive positions), it walks that sequence's keys in tiles of 16 staged
+// through shared memory (cp.async from the paged cache), S = Q·Kᵀ and O += P·V with mma.sync
+// m16n8k16, online softmax in f32 with a causal mask. Groups that span two sequences are left
+// to attention_gqa<MIXED_ONLY>. Window and cap as attention_gqa's (tiles wholly before the
+// window are skipped); sinks as attention_gqa's. grid: (ceil(T / 64), H), block: 128. D <= 128.
+template <int H, int KVH, int D, typename O, int WIN, unsigned CAP, typename SW>
+__device__ void attention_fa(const float* q, const h16_t* kc, const h16_t* vc, const int* slots,
+                             const int* seq_off, const int* pos, float scale, O* out, int T, const SW* sinks) {
+  constexpr int S = D + 8, KS = D / 16, DT = D / 8;
+  __shared__ __align__(16) h16_t sk[4][16 * S];
+  __shared__ __align__(16) h16_t sv[4][16 * S];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+  const int h = blockIdx.y, kvh = h / (H / KVH);
+  const int r0 = blockIdx.x * 64 + warp * 16;
+  if (r0 >= T) return;
+  const int last = min(r0 + 15, T - 1);
+  if (seq_off[r0] != seq_off[last]) return;
+  const int* sl = slots + seq_off[r0];
+  const int p_first = pos[r0], n_keys = pos[last] + 1;
+  const float qs = scale * 1.4426950408889634f;
+  unsigned qf[KS][4];
+  fa_q<D>(qf, [&](int r) { return r0 + r < T ? q + ((long)(r0 + r) * H + h) * D : nullptr; }, qs);
+  float o[DT][4];
+#pragma unroll
+  for (int i = 0; i < DT; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+  float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
+  h16_t* k_s = sk[warp];
+  h16_t* v_s = sv[warp];
+  const int p_lo = WIN ? max(0, p_first - WIN + 1) & ~15 : 0;
+  for (int p0 = p_lo; p0 < n_keys; p0 += 16) {
+    const auto masked = [&](int hr, int p) {
+      const int row_pos = p_first + g + hr * 8;
+      return p > row_pos || (WIN && p <= row_pos - WIN);
+    };
+    fa_tile<KVH, D, CAP>(qf, kc, vc, sl, kvh, p0, n_keys, k_s, v_s, masked, m, l, o);
+  }
+#pragma unroll
+  for (int hr = 0; hr < 2; hr++) {
+    float lt = l[hr];
+    lt += __shfl_xor_sync(0xffffffffu, lt, 1);
+    lt += __shfl_xor_sync(0xffffffffu, lt, 2);
+    const int row = r0 + g + hr * 8;
+    if (row >= T) continue;
+    // The sink's share, relative to the row's maximum (log2 units, as m).
+    if (sinks) lt += exp2f(to_f32(sinks[h]) * 1.4426950408889634f - m[hr]);
+    O* dst = out + ((long)row * H + h) * D;
+#pragma unroll
+    for (int i = 0; i < DT; i++) {
+      store(dst + i * 8 + 2 * c, o[i][hr * 2] / lt);
+      store(dst + i * 8 + 2 * c + 1, o[i][hr * 2 + 1] / lt);
+    }
+  }
+}
+
+// How decode attention (attention_dec) splits a row's keys: tiles of 16 from the window's
+// first key's tile (base) to the row's position (n - 1 its last key), `tiles` in all, `per` to a
+// split (at least DEC_SPLIT_MIN), the first
+// `splits` of SPLITS holding them.
+struct DecSplit {
+  int first, n, base, tiles, per, splits;
+};
+template <int WIN, int SPLITS>
+__device__ __forceinline__ DecSplit dec_split(int pos) {
+  DecSplit d;
+  d.n = pos + 1;
+  d.first = WIN ? max(0, d.n - WIN) : 0;
+  d.base = d.first & ~15;
+  d.tiles = (d.n - d.base + 15) >> 4;
+  d.per = max((d.tiles + SPLITS - 1) / SPLITS, DEC_SPLIT_MIN);
+  d.splits = (d.tiles + d.per - 1) / d.per;
+  return d;
+}
+
+// Decode attention on tensor cores, for rows of any sequences: a block per row t, kv head and
+// split of the row's keys (dec_split), whose G = H / KVH query heads (at most 16) are the 16 rows
+// of attention_fa's mma.sync tiles (rows past G are zero and not stored), so each K and V tile
+// feeds every head sharing it. The split's tiles go to the DEC_WARPS warps in turn; each warp
+// keeps DEC_STAGES tiles in flight (cp.async into its stages of the dynamic shared memory, the
+// next tiles' copies issued before a tile is used) and runs attention_fa's online softmax (f32,
+// log2 units, P rounded to h16 for P·V). The warps' states merge through shared memory: into the
+// output where the row's keys are one split, else into `part` (each split's unnormalised
+// output, max and sum a head), which attention_dec_merge combines. With MIXED_ONLY, only rows
+// attention_fa leaves run (fa_row). Window, cap and sinks as attention_fa's.
+// grid: T * SPLITS * KVH, row-major (a row's kv heads run together, reading its cache rows
+// whole), block: 32 * DEC_WARPS, dynamic shared memory:
+// DEC_WARPS * DEC_STAGES * 2 * 16 * (D + 8) 16-bit values. D <= 128.
+template <int H, int KVH, int D, typename O, bool MIXED_ONLY, int WIN, unsigned CAP, typename SW, int SPLITS>
+__device__ void attention_dec(const float* q, const h16_t* kc, const h16_t* vc, const int* slots,
+                              const int* seq_off, const int* pos, float scale, O* out, int T, const SW* sinks,
+                              float* part) {
+  constexpr int G = H / KVH, S = D + 8, KS = D / 16, DT = D / 8, TILE = 16 * S;
+  static_assert(G <= 16 && D % 16 == 0 && D <= 128, "a kv head's query heads fill one mma tile");
+  extern __shared__ __align__(16) unsigned char dec_smem[];
+  __shared__ float sm_m[DEC_WARPS][16], sm_l[DEC_WARPS][16];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+  const int t = blockIdx.x / (KVH * SPLITS), kvh = blockIdx.x % KVH, split = blockIdx.x / KVH % SPLITS;
+  const int h0 = kvh * G;
+  if (MIXED_ONLY && fa_row(seq_off, t, T)) return;
+  const DecSplit ds = dec_split<WIN, SPLITS>(pos[t]);
+  if (split >= ds.splits) return;
+  const int* sl = slots + seq_off[t];
+  const int j0 = split * ds.per, j1 = min(j0 + ds.per, ds.tiles);
+  const float qs = scale * 1.4426950408889634f;
+  unsigned qf[KS][4];
+  fa_q<D>(qf, [&](int r) { return r < G ? q + ((long)t * H + h0 + r) * D : nullptr; }, qs);
+  float o[DT][4];
+#pragma unroll
+  for (int i = 0; i < DT; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+  float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
+  // The warp's stages, each a K tile then a V tile.
+  h16_t* stages = (h16_t*)dec_smem + warp * DEC_STAGES * 2 * TILE;
+  const auto k_s = [&](int i) { return stages + (i % DEC_STAGES) * 2 * TILE; };
+  const auto load = [&](int j, int i) {
+    if (j < j1) fa_load<KVH, D>(kc, vc, sl, kvh, ds.base + j * 16, ds.n, k_s(i), k_s(i) + TILE);
+    cp_async_commit();
+  };
+#pragma unroll
+  for (int i = 0; i < DEC_STAGES - 1; i++) load(j0 + warp + i * DEC_WARPS, i);
+  for (int i = 0, j = j0 + warp; j < j1; i++, j += DEC_WARPS) {
+    load(j + (DEC_STAGES - 1) * DEC_WARPS, i + DEC_STAGES - 1);
+    cp_async_wait<DEC_STAGES - 1>();
+    __syncwarp();
+    fa_step<D, CAP>(qf, ds.base + j * 16, ds.n, k_s(i), k_s(i) + TILE, [&](int, int p) { return p < ds.first; }, m,
+                    l, o);
+    __syncwarp();
+  }
+  cp_async_wait<0>();
+  // Each warp's row maxima and sums, then the rows' totals (with the sinks where this block
+  // has all the keys; log2 units as m).
+#pragma unroll
+  for (int hr = 0; hr < 2; hr++) {
+    float lt = l[hr];
+    lt += __shfl_xor_sync(0xffffffffu, lt, 1);
+    lt += __shfl_xor_sync(0xffffffffu, lt, 2);
+    if (c == 0) {
+      sm_m[warp][g + hr * 8] = m[hr];
+      sm_l[warp][g + hr * 8] = lt;
+    }
+  }
+  __syncthreads();
+  const bool whole = ds.splits == 1;
+  float* ml = part + (((long)t * KVH + kvh) * SPLITS + split) * G * (D + 2);
+  float f[2];
+#pragma unroll
+  for (int hr = 0; hr < 2; hr++) {
+    const int row = g + hr * 8;
+    const float sink = whole && sinks && row < G ? to_f32(sinks[h0 + row]) * 1.4426950408889634f : NEG_INF;
+    const float2 merged = merge_states<DEC_WARPS, true>(sink, &sm_m[0][row], &sm_l[0][row], 16);
+    f[hr] = m[hr] == NEG_INF ? 0.0f : exp2f(m[hr] - merged.x) / (whole ? merged.y : 1.0f);
+    if (!whole && warp == 0 && c == 0 && row < G) {
+      ml[G * D + row] = merged.x;
+      ml[G * D + G + row] = merged.y;
+    }
+  }
+  // The warps' outputs summed in turn into shared memory (the first stages' space: every warp's
+  // copies are done).
+  float* so = (float*)dec_smem;
+  __syncthreads();
+#pragma unroll
+  for (int w = 0; w < DEC_WARPS; w++) {
+    if (warp == w) {
+#pragma unroll
+      for (int i = 0; i < DT; i++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+          const int idx = (g + (e >> 1) * 8) * D + i * 8 + 2 * c + (e & 1);
+          so[idx] = (w ? so[idx] : 0.0f) + o[i][e] * f[e >> 1];
+        }
+    }
+    __syncthreads();
+  }
+  for (int i = threadIdx.x; i < G * D; i += DEC_WARPS * 32) {
+    if (whole)
+      store(out + ((long)t * H + h0) * D + i, so[i]);
+    else
+      ml[i] = so[i];
+  }
+}
+
+// The splits of attention_dec (SPLITS of them) merged: a block per row t and kv head, a thread
+// per (query head, feature) in turn; rows whose keys were one split attention_dec wrote itself.
+// The sinks as attention_dec's. grid: T * KVH, block: 128.
+template <int H, int KVH, int D, typename O, bool MIXED_ONLY, int WIN, typename SW, int SPLITS>
+__device__ void attention_dec_merge(const int* seq_off, const int* pos, O* out, int T, const SW* sinks,
+                                    const float* part) {
+  constexpr int G = H / KVH, P = G * (D + 2);
+  const int t = blockIdx.x / KVH, kvh = blockIdx.x % KVH, h0 = kvh * G;
+  if (MIXED_ONLY && fa_row(seq_off, t, T)) return;
+  const DecSplit ds = dec_split<WIN, SPLITS>(pos[t]);
+  if (ds.splits == 1) return;
+  const float* ps = part + ((long)t * KVH + kvh) * SPLITS * P;
+  for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
+    const int r = i / D;
+    const float sink = sinks ? to_f32(sinks[h0 + r]) * 1.4426950408889634f : NEG_INF;
+    float mm = sink;
+    for (int s = 0; s < ds.splits; s++) mm = fmaxf(mm, ps[s * P + G * D + r]);
+    float ll = sink == NEG_INF ? 0.0f : exp2f(sink - mm), acc = 0.0f;
+    for (int s = 0; s < ds.splits; s++) {
+      const float w = exp2f(ps[s * P + G * D + r] - mm);
+      ll += ps[s * P + G * D + G + r] * w;
+      acc += ps[s * P + i] * w;
+    }
+    store(out + ((long)t * H + h0) * D + i, acc / ll);
+  }
+}

@@ -1,0 +1,502 @@
+// Tensor-core linears: the tiled GEMM of prefill, the small-batch kernels of decode batches
+// (mma.sync over 16-bit or E4M3 weights), and the W8A8 kernel on Hopper's wgmma with TMA tiles.
+// Included after fast.cuh, whose cp.async, ldmatrix and mma helpers they use.
+
+// ---- extend linear: tensor-core GEMM (mma.sync m16n8k16 h16, f32 accumulate) ----
+// Block tile 128 x 128 x 32, 8 warps as 2 (M) x 4 (N) of 64 x 32, three cp.async stages.
+// E4M3 weights (WT fp8_t) go through registers instead: each thread loads 16 codes of a tile one
+// stage ahead, and after the stage's math writes them, times their scale, as h16 (rounded).
+// The groups' column tiles are concatenated along grid.x; grid: (tiles, ceil(T / 128)), block: 256.
+template <int K, int N0, int N1, int N2, typename WT>
+__device__ void gemm(const h16_t* x, const WT* w0, const h16_t* b0, float* o0, const WT* w1, const h16_t* b1,
+                     float* o1, const WT* w2, const h16_t* b2, float* o2, int T) {
+  constexpr int BM = 128, BN = 128, BK = 32, S = 3, KT = K / BK;
+  constexpr bool W8 = WFmt<WT>::PER == 16;
+  __shared__ __align__(128) h16_t sa[S][BM * BK];
+  __shared__ __align__(128) h16_t sb[S][BN * BK];
+  int tile = blockIdx.x;
+  const LinearOut<WT> g = pick_group(tile, (N0 + BN - 1) / BN, (N1 + BN - 1) / BN, LinearOut<WT>{w0, b0, o0, N0},
+                                     LinearOut<WT>{w1, b1, o1, N1}, LinearOut<WT>{w2, b2, o2, N2});
+  const WT* w = g.w;
+  const h16_t* bias = g.b;
+  float* out = g.o;
+  const int N = g.n;
+  const int n0 = tile * BN, m0 = blockIdx.y * BM;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int wm = warp >> 2, wn = warp & 3;
+  // E4M3: thread tid holds codes 16 (tid & 1) .. + 15 of tile row tid >> 1.
+  const int w8r = tid >> 1, w8h = tid & 1, w8n = min(n0 + w8r, N - 1);
+  const float* w8s = W8 ? row_scales<K>(w, N, w8n) : nullptr;
+
+  auto load = [&](int st, int kt) {
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+      const int id = tid + i * 256, r = id >> 2, c = id & 3;
+      const int gm = m0 + r, gn = n0 + r;
+      cp_async16(smem_addr(&sa[st][swz(r, c)]), x + (long)min(gm, T - 1) * K + kt * BK + c * 8, gm < T ? 16 : 0);
+      if constexpr (!W8)
+        cp_async16(smem_addr(&sb[st][swz(r, c)]), w + (long)min(gn, N - 1) * K + kt * BK + c * 8, gn < N ? 16 : 0);
+    }
+  };
+  auto w8_load = [&](int kt) { return ld_stream((const unsigned char*)w + (long)w8n * K + kt * BK + 16 * w8h); };
+  auto w8_store = [&](int st, int kt, uint4 q) {
+    uint4 lo = make_uint4(0, 0, 0, 0), hi = lo;
+    if (n0 + w8r < N) e4m3x16_h16(q, w8s[kt * BK / W8_GROUP], lo, hi);
+    *(uint4*)&sb[st][swz(w8r, 2 * w8h)] = lo;
+    *(uint4*)&sb[st][swz(w8r, 2 * w8h + 1)] = hi;
+  };
+
+  float acc[4][4][4];
+#pragma unroll
+  for (int i = 0; i < 4; i++)
+#pragma unroll
+    for (int j = 0; j < 4; j++)
+#pragma unroll
+      for (int k = 0; k < 4; k++) acc[i][j][k] = 0.0f;
+
+#pragma unroll
+  for (int s = 0; s < S - 1; s++) {
+    if (s < KT) {
+      load(s, s);
+      if constexpr (W8) w8_store(s, s, w8_load(s));
+    }
+    cp_async_commit();
+  }
+  for (int kt = 0; kt < KT; kt++) {
+    cp_async_wait<S - 2>();
+    __syncthreads();
+    const bool ahead = kt + S - 1 < KT;
+    if (ahead) load((kt + S - 1) % S, kt + S - 1);
+    cp_async_commit();
+    uint4 w8q = make_uint4(0, 0, 0, 0);
+    if (W8 && ahead) w8q = w8_load(kt + S - 1);
+    const int st = kt % S;
+#pragma unroll
+    for (int kk = 0; kk < BK; kk += 16) {
+      unsigned af[4][4], bf[4][2];
+#pragma unroll
+      for (int mi = 0; mi < 4; mi++) {
+        const int r = wm * 64 + mi * 16 + (lane & 15), c = (kk >> 3) + (lane >> 4);
+        ldmatrix_x4(af[mi], smem_addr(&sa[st][swz(r, c)]));
+      }
+#pragma unroll
+      for (int nj = 0; nj < 2; nj++) {
+        const int r = wn * 32 + nj * 16 + ((lane >> 4) << 3) + (lane & 7), c = (kk >> 3) + ((lane >> 3) & 1);
+        unsigned q[4];
+        ldmatrix_x4(q, smem_addr(&sb[st][swz(r, c)]));
+        bf[2 * nj][0] = q[0];
+        bf[2 * nj][1] = q[1];
+        bf[2 * nj + 1][0] = q[2];
+        bf[2 * nj + 1][1] = q[3];
+      }
+#pragma unroll
+      for (int mi = 0; mi < 4; mi++)
+#pragma unroll
+        for (int ni = 0; ni < 4; ni++) mma_h16(acc[mi][ni], af[mi], bf[ni]);
+    }
+    // The stage written here was last read in iteration kt - 1, before this one's barrier.
+    if (W8 && ahead) w8_store((kt + S - 1) % S, kt + S - 1, w8q);
+  }
+  cp_async_wait<0>();
+
+#pragma unroll
+  for (int mi = 0; mi < 4; mi++)
+#pragma unroll
+    for (int ni = 0; ni < 4; ni++) {
+      const int r = m0 + wm * 64 + mi * 16 + (lane >> 2);
+      const int c = n0 + wn * 32 + ni * 8 + (lane & 3) * 2;
+#pragma unroll
+      for (int e = 0; e < 4; e++) {
+        const int rr = r + (e >> 1) * 8, cc = c + (e & 1);
+        if (rr < T && cc < N) out[(long)rr * N + cc] = acc[mi][ni][e] + (bias ? to_f32(bias[cc]) : 0.0f);
+      }
+    }
+}
+
+// The products of one 16-byte chunk (8 h16 at k + 8c for lane (g, c)) of weight rows g (a0) and
+// g + 8 (a1) with the same chunk of 8 activation rows (xb, row g), added to d: two m16n8k16 over
+// the same permutation of k for both operands, so d gets the plain dot products.
+__device__ __forceinline__ void mma_rows8(float* d, uint4 a0, uint4 a1, uint4 xb) {
+  const unsigned fa[4] = {a0.x, a1.x, a0.y, a1.y}, fb[2] = {xb.x, xb.y};
+  const unsigned ga[4] = {a0.z, a1.z, a0.w, a1.w}, gb[2] = {xb.z, xb.w};
+  mma_h16(d, fa, fb);
+  mma_h16(d, ga, gb);
+}
+
+// A warp's mma_rows8 accumulators of 16 weight rows and NT tiles of 8 activation rows into
+// red[feature][row] (for a sum over warps through shared memory).
+template <int NT>
+__device__ __forceinline__ void rows8_spill(float (*red)[NT * 8 + 1], const float (*acc)[4]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+#pragma unroll
+  for (int i = 0; i < NT; i++) {
+    red[g][i * 8 + 2 * c] = acc[i][0];
+    red[g][i * 8 + 2 * c + 1] = acc[i][1];
+    red[g + 8][i * 8 + 2 * c] = acc[i][2];
+    red[g + 8][i * 8 + 2 * c + 1] = acc[i][3];
+  }
+}
+
+// ---- small-batch linear: tensor cores over few rows (9..128) ----
+// D[feature, token] = W · Xᵀ with mma.sync: W rows are the A operand (16 features per block),
+// the step's rows the B operand (NT tiles of 8). Lane (g, c) loads 16 contiguous bytes of a W
+// row and of an X row at k + 8c; both fragments use the same permutation of k inside each
+// 32-wide chunk, so the sum is the plain dot product. E4M3 weights (WT fp8_t) come in chunks
+// of 64: lane (g, c) loads 16 codes at k + 16c and the X row's 16 values there; each chunk's
+// product is summed apart and added times the rows' scales (exact). Eight warps split K and
+// reduce through shared memory. Every N_g is a multiple of 16. grid: (N0 + N1 + N2) / 16, block: 256.
+template <int K, int N0, int N1, int N2, int NT, typename WT>
+__device__ void gemm_skinny(const h16_t* x, const WT* w0, const h16_t* b0, float* o0, const WT* w1,
+                            const h16_t* b1, float* o1, const WT* w2, const h16_t* b2, float* o2, int T) {
+  constexpr int WARPS = 8, PER = WFmt<WT>::PER, CW = 4 * PER, CH = K / CW, RT = NT < 8 ? NT : 8;
+  static_assert(NT % RT == 0, "row tiles in whole rounds of the reduction");
+  __shared__ float red[WARPS][16][RT * 8 + 1];
+  int f0 = blockIdx.x * 16;
+  const LinearOut<WT> grp = pick_group(f0, N0, N1, LinearOut<WT>{w0, b0, o0, N0}, LinearOut<WT>{w1, b1, o1, N1},
+                                       LinearOut<WT>{w2, b2, o2, N2});
+  const h16_t* bias = grp.b;
+  float* out = grp.o;
+  const int N = grp.n;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+  float acc[NT][4];
+#pragma unroll
+  for (int i = 0; i < NT; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+  const WT* wa = grp.w + (long)(f0 + g) * K + c * PER;
+  const WT* wb = wa + 8L * K;
+  const float* sa = row_scales<K>(grp.w, N, f0 + g);
+  const float* sb = row_scales<K>(grp.w, N, f0 + g + 8);
+  const h16_t* xr[NT];
+  bool live[NT];
+#pragma unroll
+  for (int i = 0; i < NT; i++) {
+    live[i] = i * 8 + g < T;
+    xr[i] = x + (long)min(i * 8 + g, T - 1) * K + c * PER;
+  }
+  auto chunk = [&](int k, uint4 a0, uint4 a1) {
+    if constexpr (PER == 8) {
+#pragma unroll
+      for (int i = 0; i < NT; i++) {
+        uint4 xb = *(const uint4*)(xr[i] + k);
+        if (!live[i]) xb = make_uint4(0, 0, 0, 0);
+        mma_rows8(acc[i], a0, a1, xb);
+      }
+    } else {
+      uint4 h0, h1, h2, h3;
+      e4m3x16_h16(a0, 1.0f, h0, h1);
+      e4m3x16_h16(a1, 1.0f, h2, h3);
+      const float s0 = sa[k / W8_GROUP], s1 = sb[k / W8_GROUP];
+#pragma unroll
+      for (int i = 0; i < NT; i++) {
+        uint4 x0 = *(const uint4*)(xr[i] + k), x1 = *(const uint4*)(xr[i] + k + 8);
+        if (!live[i]) x0 = x1 = make_uint4(0, 0, 0, 0);
+        float p[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        mma_rows8(p, h0, h2, x0);
+        mma_rows8(p, h1, h3, x1);
+        acc[i][0] = fmaf(s0, p[0], acc[i][0]);
+        acc[i][1] = fmaf(s0, p[1], acc[i][1]);
+        acc[i][2] = fmaf(s1, p[2], acc[i][2]);
+        acc[i][3] = fmaf(s1, p[3], acc[i][3]);
+      }
+    }
+  };
+  int ch = warp;
+  for (; ch + WARPS < CH; ch += 2 * WARPS) {
+    const int k = ch * CW, k2 = k + WARPS * CW;
+    const uint4 a0 = ld_stream(wa + k), a1 = ld_stream(wb + k), c0 = ld_stream(wa + k2), c1 = ld_stream(wb + k2);
+    chunk(k, a0, a1);
+    chunk(k2, c0, c1);
+  }
+  if (ch < CH) chunk(ch * CW, ld_stream(wa + ch * CW), ld_stream(wb + ch * CW));
+  // The warps' sums meet in shared memory, RT row tiles at a time (RT * 8 rows fit in it).
+#pragma unroll
+  for (int h = 0; h < NT; h += RT) {
+    if (h > 0) __syncthreads();  // the last rows' sums are read
+    rows8_spill<RT>(red[warp], acc + h);
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < 16 * RT * 8; idx += blockDim.x) {
+      const int tok = h * 8 + (idx >> 4), f = idx & 15;
+      if (tok >= T) break;
+      float v = bias ? to_f32(bias[f0 + f]) : 0.0f;
+#pragma unroll
+      for (int q = 0; q < WARPS; q++) v += red[q][f][tok - h * 8];
+      out[(long)tok * N + f0 + f] = v;
+    }
+  }
+}
+
+// ---- small-batch linear, W8A8 on Hopper's tensor cores (wgmma, sm_90a) ----
+// The input quantized by quant_e4m3 with 128-column groups (codes [T, K], read through the TMA
+// map mx; scales xs [K / 128, T]), up to 64 rows. The work is (128-feature tile, 128-column group) units, tile by
+// tile, shared evenly by BLOCKS blocks (stream-K: a block's units may end one tile and start
+// the next), so every SM streams weights to the end whatever the tile count. A block (one
+// warpgroup) takes its units a tile at a time: per group, a 64-row box of the input and the 128 weight
+// rows (TMA maps mw_g over each [N_g, K] code matrix) go to shared memory by TMA in STAGES stages (one thread
+// issues both copies, an mbarrier a stage counts their bytes), in
+// wgmma's 128-byte swizzle (16-byte chunk j of row r at j ^ (r % 8), 8-row atoms 1024 bytes apart), four
+// m64n128k32 E4M3 wgmma give the group's products, and they are added times the rows' and the
+// weight rows' scales (the scales change every group). A tile done by one block is written by
+// it; otherwise each of its blocks writes its sums to its slot of part [slots, 64, N0 + N1 +
+// N2], and the last to finish (count[tile], which it resets) adds the slots in order, so the
+// result does not depend on which block ends first. codegen_cuda's `a8_blocks` picks BLOCKS,
+// `a8_slots` says SLOTS (the most a tile has), `A8_SMEM` is the dynamic shared memory.
+// Launched as a programmatic dependent launch, a block loads its first stages' weights before
+// it waits for the previous kernel (pdl_wait). Every N_g is a multiple of 128. grid: BLOCKS,
+// block: 128.
+#define A8_ROWS 64
+#define A8_STAGE (A8_ROWS * 128 + 128 * 128)
+
+// The shared-memory descriptor of a K-major tile of 128-byte rows in the 128-byte swizzle: 8-row
+// atoms 1024 bytes apart (the leading offset is unused at this swizzle).
+__device__ __forceinline__ unsigned long long wg_desc(unsigned addr) {
+  return (unsigned long long)((addr & 0x3FFFF) >> 4) | (1ull << 16) | ((unsigned long long)(1024 >> 4) << 32) |
+         (1ull << 62);
+}
+
+// d = (acc ? d : 0) + A (64 x 32 E4M3, K-major, descriptor a) x B (128 x 32, descriptor b)ᵀ.
+__device__ __forceinline__ void wgmma_e4m3_n128(float* d, unsigned long long a, unsigned long long b, int acc) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "
+      "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, "
+      "%43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "%64, %65, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
+        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]),
+        "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]),
+        "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
+        "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(a), "l"(b), "r"(acc));
+#else
+  __trap();
+#endif
+}
+
+__device__ __forceinline__ void wgmma_fence() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wgmma_commit_wait() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;" ::: "memory");
+#endif
+}
+
+// A TMA descriptor (CUtensorMap) passed by value as a __grid_constant__ kernel parameter.
+struct __align__(64) TmaMap {
+  unsigned long long v[16];
+};
+
+// An mbarrier in shared memory: `count` arrivals, then the bytes the TMA copies announced.
+__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count));
+}
+__device__ __forceinline__ void mbar_expect(unsigned bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+// Waits until the barrier's phase of parity `parity` completed; traps after about a second
+// (a copy that never lands must not hang the process).
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
+  for (long spins = 0;; spins++) {
+    unsigned done;
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+    if (done) return;
+    if (spins > (1l << 24)) __trap();
+  }
+}
+// TMA: the box at (x, y) of the 2-D tensor `map` to shared memory at dst (128-byte swizzle, as
+// the map says), its bytes counted on barrier bar.
+__device__ __forceinline__ void tma_load_2d(unsigned dst, const TmaMap* map, int x, int y, unsigned bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(
+          dst),
+      "l"(reinterpret_cast<unsigned long long>(map)), "r"(x), "r"(y), "r"(bar)
+      : "memory");
+}
+
+// The first unit (a tile's 128-column group) of block b when U units are shared by B blocks.
+__device__ __forceinline__ int a8_start(int b, long U, int B) { return (int)((long)b * U / B); }
+
+// The block whose units hold unit u.
+__device__ __forceinline__ int a8_block(int u, long U, int B) {
+  int b = (int)((long)u * B / U);
+  while (b + 1 < B && a8_start(b + 1, U, B) <= u) b++;
+  return b;
+}
+
+template <int K, int N0, int N1, int N2, int BLOCKS, int SLOTS, int STAGES>
+__device__ void gemm_skinny_a8(const TmaMap* mx, const float* xs, const fp8_t* w0, const h16_t* b0, float* o0,
+                               const fp8_t* w1, const h16_t* b1, float* o1, const fp8_t* w2, const h16_t* b2,
+                               float* o2, float* part, unsigned* count, int T, const TmaMap* mw0,
+                               const TmaMap* mw1, const TmaMap* mw2) {
+  constexpr int F = 128, G = K / W8_GROUP, S = STAGES, NTOT = N0 + N1 + N2;
+  constexpr long U = (long)(NTOT / F) * G;
+  extern __shared__ unsigned char a8_smem[];
+  // Stage s: input tile at tiles + s * A8_STAGE, weight tile 8 KB after it, 1024-aligned; then
+  // the scales of every stage: input [S][64], weight [S][128].
+  const unsigned raw = smem_addr(a8_smem), tiles = (raw + 1023) & ~1023u;
+  unsigned char* const gen = a8_smem + (tiles - raw);
+  float* const sxs = (float*)(gen + S * A8_STAGE);
+  float* const sws = sxs + S * A8_ROWS;
+  __shared__ bool last;
+  // full[s]: stage s's two tiles landed (thread 0 arrives announcing their bytes).
+  __shared__ __align__(8) unsigned long long full[S];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
+  if (tid == 0) {
+#pragma unroll
+    for (int s = 0; s < S; s++) mbar_init(smem_addr(&full[s]), 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  unsigned phases = 0;  // bit s: the parity of stage s's next fill
+  // Thread (warp, g, c) holds rows 16 warp + g (+ 8) and features 8 j + 2 c (+ 1), j < 16.
+  const int r0 = 16 * warp + g;
+  auto cp4 = [](unsigned dst, const void* src, int bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(bytes));
+  };
+  const int u_end = a8_start(blockIdx.x + 1, U, BLOCKS);
+  bool first = true;
+  for (int u = a8_start(blockIdx.x, U, BLOCKS); u < u_end;) {
+    const int tile = u / G, gs = u % G, gn = min(G - gs, u_end - u);
+    u += gn;
+    int f0 = tile * F;
+    const TmaMap* const mw = f0 >= N0 + N1 ? mw2 : f0 >= N0 ? mw1 : mw0;
+    const LinearOut<fp8_t> grp = pick_group(f0, N0, N1, LinearOut<fp8_t>{w0, b0, o0, N0},
+                                            LinearOut<fp8_t>{w1, b1, o1, N1}, LinearOut<fp8_t>{w2, b2, o2, N2});
+    const int N = grp.n;
+    const float* wsc = row_scales<K>(grp.w, N, f0 + tid);
+    // Stage st's weight tile and scales (which no kernel writes), and its input tile and
+    // scales: the tiles by TMA (thread 0, counted on full[st]), the scales by cp.async. The
+    // input box has 64 rows; those past T come as zeros.
+    auto stage_w = [&](int st, int gi) {
+      if (tid == 0) {
+        mbar_expect(smem_addr(&full[st]), A8_STAGE);
+        tma_load_2d(tiles + st * A8_STAGE + A8_ROWS * 128, mw, gi * W8_GROUP, f0, smem_addr(&full[st]));
+      }
+      cp4(smem_addr(&sws[st * F + tid]), wsc + gi, 4);
+    };
+    auto stage_x = [&](int st, int gi) {
+      if (tid == 0) tma_load_2d(tiles + st * A8_STAGE, mx, gi * W8_GROUP, 0, smem_addr(&full[st]));
+      if (tid < T) cp4(smem_addr(&sxs[st * A8_ROWS + tid]), xs + (long)gi * T + tid, 4);
+    };
+    auto stage = [&](int st, int gi) {
+      stage_w(st, gi);
+      stage_x(st, gi);
+    };
+    float acc[64], d[64];
+#pragma unroll
+    for (int i = 0; i < 64; i++) acc[i] = 0.0f;
+    __syncthreads();  // the last segment's stages are read
+    if (first) {
+      // The first stages' weights load while the previous kernel still runs (the wrapper let
+      // this one launch early: pdl_trigger); the inputs after it ended. Groups W0 W1 W2 X0 X1
+      // X2: at step i, cp_async_wait<S - 2> has stage i's weights and inputs in.
+#pragma unroll
+      for (int s = 0; s < S - 1; s++) {
+        if (s < gn) stage_w(s, gs + s);
+        cp_async_commit();
+      }
+      pdl_wait();
+#pragma unroll
+      for (int s = 0; s < S - 1; s++) {
+        if (s < gn) stage_x(s, gs + s);
+        cp_async_commit();
+      }
+      first = false;
+    } else {
+#pragma unroll
+      for (int s = 0; s < S - 1; s++) {
+        if (s < gn) stage(s, gs + s);
+        cp_async_commit();
+      }
+    }
+    for (int i = 0; i < gn; i++) {
+      const int st = i % S;
+      cp_async_wait<S - 2>();
+      mbar_wait(smem_addr(&full[st]), (phases >> st) & 1);
+      phases ^= 1u << st;
+      __syncthreads();
+      if (i + S - 1 < gn) stage((i + S - 1) % S, gs + i + S - 1);
+      cp_async_commit();
+      const unsigned long long da = wg_desc(tiles + st * A8_STAGE);
+      const unsigned long long db = wg_desc(tiles + st * A8_STAGE + A8_ROWS * 128);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < 4; kk++) wgmma_e4m3_n128(d, da + 2 * kk, db + 2 * kk, kk);
+      wgmma_commit_wait();
+      const float x0 = sxs[st * A8_ROWS + r0], x1 = sxs[st * A8_ROWS + r0 + 8];
+#pragma unroll
+      for (int j = 0; j < 16; j++)
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+          const float w = sws[st * F + 8 * j + 2 * c + e];
+          acc[4 * j + e] = fmaf(x0 * w, d[4 * j + e], acc[4 * j + e]);
+          acc[4 * j + 2 + e] = fmaf(x1 * w, d[4 * j + 2 + e], acc[4 * j + 2 + e]);
+        }
+    }
+    cp_async_wait<0>();
+    // The blocks that share this tile: one writes it; several each write their sums to their
+    // slot of part, and the last to arrive adds the slots in order.
+    const int first = a8_block(tile * G, U, BLOCKS), n = a8_block(tile * G + G - 1, U, BLOCKS) - first + 1;
+    float* const mine = part + ((long)(blockIdx.x - first) * A8_ROWS) * NTOT + tile * F;
+#pragma unroll
+    for (int j = 0; j < 16; j++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) {
+        const int tok = r0 + 8 * (e >> 1), f = 8 * j + 2 * c + (e & 1);
+        if (tok >= T) continue;
+        if (n == 1)
+          grp.o[(long)tok * N + f0 + f] = acc[4 * j + e] + (grp.b ? to_f32(grp.b[f0 + f]) : 0.0f);
+        else
+          mine[(long)tok * NTOT + f] = acc[4 * j + e];
+      }
+    if (n == 1) continue;
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) last = atomicAdd(&count[tile], 1u) == (unsigned)n - 1;
+    __syncthreads();
+    if (!last) continue;
+    __threadfence();
+    // Every slot's sums of two float4 columns are loaded before any is added: the loads are in
+    // flight together, not one slot after the other.
+    const float* const slots = part + tile * F;
+    for (int i0 = tid; i0 < T * (F / 4); i0 += 256) {
+      float4 p[2][SLOTS];
+#pragma unroll
+      for (int h = 0; h < 2; h++) {
+        const int i = min(i0 + 128 * h, T * (F / 4) - 1), tok = i / (F / 4), f = (i % (F / 4)) * 4;
+#pragma unroll
+        for (int q = 0; q < SLOTS; q++)
+          if (q < n) p[h][q] = __ldcg((const float4*)&slots[((long)q * A8_ROWS + tok) * NTOT + f]);
+      }
+#pragma unroll
+      for (int h = 0; h < 2; h++) {
+        const int i = i0 + 128 * h, tok = i / (F / 4), f = (i % (F / 4)) * 4;
+        if (i >= T * (F / 4)) break;
+        float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (grp.b)
+          v = make_float4(to_f32(grp.b[f0 + f]), to_f32(grp.b[f0 + f + 1]), to_f32(grp.b[f0 + f + 2]),
+                          to_f32(grp.b[f0 + f + 3]));
+#pragma unroll
+        for (int q = 0; q < SLOTS; q++)
+          if (q < n) {
+            v.x += p[h][q].x;
+            v.y += p[h][q].y;
+            v.z += p[h][q].z;
+            v.w += p[h][q].w;
+          }
+        *(float4*)&grp.o[(long)tok * N + f0 + f] = v;
+      }
+    }
+    if (tid == 0) count[tile] = 0;
+  }
+}
