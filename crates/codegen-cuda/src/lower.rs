@@ -516,8 +516,9 @@ fn dec_bounds(kv_heads: usize) -> Vec<(usize, usize)> {
 
 /// The decode attention launches of each bound of `bounds` ([`dec_bounds`]):
 /// [`KernelKey::AttentionDec`] for the rows attention_fa leaves, with `args` (the attention's)
-/// and `part` (the split states, `[T, kv_heads, splits, heads / kv_heads, d + 2]` f32 for the
-/// most splits; null where none split), then the merge of their splits where there are several.
+/// and `part` (the split states: per token, kv head and split, each query head's unnormalised
+/// output, then their maxima and sums, f32, room for the most splits; null where none split),
+/// then the merge of their splits where there are several.
 fn dec_launches(
     bounds: &[(usize, usize)],
     (heads, kv_heads, d): (usize, usize, usize),
