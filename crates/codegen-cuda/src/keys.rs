@@ -198,42 +198,12 @@ pub enum KernelKey {
         /// Sliding window and score soft-capping.
         mask: Mask,
     },
-    /// Decode attention on tensor cores: a block per row and kv head, whose query heads (at
-    /// most 16) are the rows of the mma tiles, for rows of any sequences.
-    AttentionDec {
-        /// Query heads.
-        heads: usize,
-        /// KV heads.
-        kv_heads: usize,
-        /// Head size (a multiple of 16, at most 128).
-        d: usize,
-        /// Output dtype.
-        out: DType,
-        /// Only the rows [`KernelKey::AttentionFa`] leaves (groups of 16 spanning sequences).
-        mixed_only: bool,
-        /// Sliding window and score soft-capping.
-        mask: Mask,
-        /// Blocks a row's keys may split into ([`crate::dec_splits`]); above 1, each split's
-        /// state goes to a scratch buffer that [`KernelKey::AttentionDecMerge`] combines.
-        splits: usize,
-    },
-    /// The splits of a [`KernelKey::AttentionDec`] of the same fields merged into its output.
-    AttentionDecMerge {
-        /// Query heads.
-        heads: usize,
-        /// KV heads.
-        kv_heads: usize,
-        /// Head size.
-        d: usize,
-        /// Output dtype.
-        out: DType,
-        /// Only the rows [`KernelKey::AttentionFa`] leaves.
-        mixed_only: bool,
-        /// The window (which keys a row has) and the sinks (the cap is the attention's).
-        mask: Mask,
-        /// The attention's splits.
-        splits: usize,
-    },
+    /// Decode attention on tensor cores: a block per row and kv head (and split of the row's
+    /// keys), whose query heads (at most 16) are the rows of the mma tiles, for rows of any
+    /// sequences.
+    AttentionDec(DecAttention),
+    /// The splits of the [`KernelKey::AttentionDec`] of the same shape merged into its output.
+    AttentionDecMerge(DecAttention),
     /// `a + b` (f32).
     Add,
     /// `a * b` (f32).
@@ -532,6 +502,36 @@ impl Mask {
     }
 }
 
+/// The shape of a decode attention ([`KernelKey::AttentionDec`]) and of the merge of its splits
+/// ([`KernelKey::AttentionDecMerge`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct DecAttention {
+    /// Query heads.
+    pub heads: usize,
+    /// KV heads.
+    pub kv_heads: usize,
+    /// Head size (a multiple of 16, at most 128).
+    pub d: usize,
+    /// Output dtype.
+    pub out: DType,
+    /// Only the rows [`KernelKey::AttentionFa`] leaves (groups of 16 spanning sequences).
+    pub mixed_only: bool,
+    /// Sliding window, score soft-capping and sinks.
+    pub mask: Mask,
+    /// Blocks a row's keys may split into (`dec_splits`); above 1, each split's state goes to a
+    /// scratch buffer that the merge combines.
+    pub splits: usize,
+}
+
+impl DecAttention {
+    /// The part of both kernels' names after their kind.
+    fn suffix(self) -> String {
+        let DecAttention { heads, kv_heads, d, out, mixed_only, mask, splits } = self;
+        let mixed = if mixed_only { "_mixed" } else { "" };
+        format!("h{heads}_kv{kv_heads}_d{d}_to_{out}{mixed}{}_x{splits}", mask.suffix())
+    }
+}
+
 /// The per-head RMS norms of q and k that a rope_attention fusion applies before RoPE
 /// (`kernels/attention.cuh`'s `NQ, NK, NWQ, NWK`): each one's weight dtype, `None` without.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -735,16 +735,8 @@ impl KernelKey {
             KernelKey::AttentionFa { heads, kv_heads, d, out, mask } => {
                 format!("attention_fa_h{heads}_kv{kv_heads}_d{d}_to_{out}{}", mask.suffix())
             }
-            KernelKey::AttentionDec { heads, kv_heads, d, out, mixed_only, mask, splits } => format!(
-                "attention_dec_h{heads}_kv{kv_heads}_d{d}_to_{out}{}{}_x{splits}",
-                if mixed_only { "_mixed" } else { "" },
-                mask.suffix()
-            ),
-            KernelKey::AttentionDecMerge { heads, kv_heads, d, out, mixed_only, mask, splits } => format!(
-                "attention_dec_merge_h{heads}_kv{kv_heads}_d{d}_to_{out}{}{}_x{splits}",
-                if mixed_only { "_mixed" } else { "" },
-                mask.suffix()
-            ),
+            KernelKey::AttentionDec(a) => format!("attention_dec_{}", a.suffix()),
+            KernelKey::AttentionDecMerge(a) => format!("attention_dec_merge_{}", a.suffix()),
             KernelKey::AttentionRope1 { heads, kv_heads, d, rot, out, rope_q, rope_k, norm, mask } => format!(
                 "attention_rope1_h{heads}_kv{kv_heads}_d{d}{}_to_{out}_{}{}{}{}",
                 rot_suffix(d, rot),
@@ -813,7 +805,7 @@ impl KernelKey {
     pub fn dyn_smem(&self) -> usize {
         match *self {
             KernelKey::GemmSkinnyA8 { .. } => A8_SMEM,
-            KernelKey::AttentionDec { d, .. } => crate::dec_smem(d),
+            KernelKey::AttentionDec(a) => crate::schedule::dec_smem(a.d),
             _ => 0,
         }
     }
@@ -1000,7 +992,7 @@ impl KernelKey {
                     ),
                 )
             }
-            KernelKey::AttentionDec { heads, kv_heads, d, out, mixed_only, mask, splits } => {
+            KernelKey::AttentionDec(DecAttention { heads, kv_heads, d, out, mixed_only, mask, splits }) => {
                 let o = ctype(out)?;
                 (
                     format!("{}, {}, float* part", attention_params(o), mask.sinks_param()?),
@@ -1011,7 +1003,7 @@ impl KernelKey {
                     ),
                 )
             }
-            KernelKey::AttentionDecMerge { heads, kv_heads, d, out, mixed_only, mask, splits } => {
+            KernelKey::AttentionDecMerge(DecAttention { heads, kv_heads, d, out, mixed_only, mask, splits }) => {
                 let o = ctype(out)?;
                 (
                     format!("const int* seq_off, const int* pos, {o}* out, int T, {}, const float* part", mask.sinks_param()?),

@@ -15,13 +15,13 @@ pub mod schedule;
 
 pub use fp8::fp8_device_layout;
 pub use keys::{
-    a8_blocks, a8_slots, hopper, HeadNorm, KernelKey, Mask, NormIn, A8_FEATURES, A8_ROWS, A8_SMEM,
+    a8_blocks, a8_slots, hopper, DecAttention, HeadNorm, KernelKey, Mask, NormIn, A8_FEATURES, A8_ROWS, A8_SMEM,
     ALL_REDUCE_MAX_BLOCKS, ARGMAX_BLOCKS, MAP_INPUTS, MASK_SPAN,
 };
 pub use lower::tiled;
 pub use schedule::{
-    dec_smem, dec_splits, moe_rows_max, Arg, Buffer, Count, Dim, Input, Launch, Step, DEC_SPLIT_MIN, DEC_STAGES,
-    DEC_WARPS, GEMV_MAX_ROWS, GEMV_ROWS, MOE_ROWS_PAIRS, MOE_TILE, NORM_IN_GEMV_ROWS, SKINNY_ROWS, W8_GROUP,
+    moe_rows_max, Arg, Buffer, Count, Dim, Input, Launch, Step, GEMV_MAX_ROWS, GEMV_ROWS, MOE_ROWS_PAIRS, MOE_TILE,
+    NORM_IN_GEMV_ROWS, SKINNY_ROWS, W8_GROUP,
 };
 
 use ir::Plan;

@@ -1,6 +1,6 @@
 //! Lowering of plan nodes and fusions to launches (the schedule module says which).
 
-use crate::keys::{intern, HeadNorm, KernelKey, Mask, NormIn, MAP_INPUTS};
+use crate::keys::{intern, DecAttention, HeadNorm, KernelKey, Mask, NormIn, MAP_INPUTS};
 use crate::schedule::{
     dec_splits, gemv_rows, launch, moe_rows_max, one, per_token, to_h16, Arg, Builder, Count, Dim, FusedNorm, Input,
     Launch, Step, DEC_WARPS, MOE_TILE, NORM_IN_GEMV_ROWS, ONE, SKINNY_ROWS,
@@ -530,15 +530,14 @@ fn dec_launches(
     bounds
         .iter()
         .map(|&(bound, splits)| {
-            let key = KernelKey::AttentionDec { heads, kv_heads, d, out, mixed_only: true, mask, splits };
+            let a = DecAttention { heads, kv_heads, d, out, mixed_only: true, mask, splits };
             let dec_args = [args, &[part]].concat();
             let grid = [per_token(kv_heads * splits, 1), ONE];
-            let mut launches = vec![launch(key, dec_args, grid, (32 * DEC_WARPS) as u32)];
+            let mut launches = vec![launch(KernelKey::AttentionDec(a), dec_args, grid, (32 * DEC_WARPS) as u32)];
             if splits > 1 {
-                let key = KernelKey::AttentionDecMerge { heads, kv_heads, d, out, mixed_only: true, mask, splits };
                 // seq_off, pos, out, T and sinks of the attention's arguments, then the splits.
                 let merge_args = [4, 5, 7, 8, 9].iter().map(|&a| args[a]).chain([part]).collect();
-                launches.push(launch(key, merge_args, [per_token(kv_heads, 1), ONE], 128));
+                launches.push(launch(KernelKey::AttentionDecMerge(a), merge_args, [per_token(kv_heads, 1), ONE], 128));
             }
             (bound, launches)
         })
@@ -751,7 +750,7 @@ fn logits(b: &mut Builder, i: usize) -> Result<(), CodegenError> {
 #[cfg(test)]
 mod tests {
     use super::{dec_bounds, dec_launches, grouped};
-    use crate::{tiled, Arg, Count, Dim, KernelKey, Launch, Mask, Step, SKINNY_ROWS};
+    use crate::{tiled, Arg, Count, DecAttention, Dim, KernelKey, Launch, Mask, Step, SKINNY_ROWS};
     use ir::{DType, Graph, Op};
 
     /// embedding → rms_norm with a `[norm]` weight → linear → logits, all 64 wide, bf16.
@@ -821,12 +820,14 @@ mod tests {
         let args: Vec<Arg> = (0..10).map(Arg::Buf).collect();
         let v = dec_launches(&dec_bounds(1), (8, 1, 128), DType::BF16, Mask::default(), &args, Arg::Buf(99));
         for ((_, ls), splits) in v.iter().zip([4, 2, 1]) {
-            assert!(matches!(ls[0].key, KernelKey::AttentionDec { splits: s, .. } if s == splits));
+            assert!(matches!(ls[0].key, KernelKey::AttentionDec(DecAttention { splits: s, .. }) if s == splits));
             assert_eq!(ls[0].grid, [Dim::Per(Count::Tokens, splits, 1), Dim::Fixed(1)]);
             assert_eq!(ls[0].args.last(), Some(&Arg::Buf(99)));
             assert_eq!(ls.len(), if splits > 1 { 2 } else { 1 });
             if splits > 1 {
-                assert!(matches!(ls[1].key, KernelKey::AttentionDecMerge { splits: s, .. } if s == splits));
+                assert!(
+                    matches!(ls[1].key, KernelKey::AttentionDecMerge(DecAttention { splits: s, .. }) if s == splits)
+                );
                 let want: Vec<Arg> = [4, 5, 7, 8, 9, 99].into_iter().map(Arg::Buf).collect();
                 assert_eq!(ls[1].args, want);
             }
