@@ -96,7 +96,7 @@ impl CudaBackend {
     /// ([`Fp8Scales::of`]); a weight whose scales fit neither mode is left out, and its launches
     /// stay with ours (`launch_blas` refuses them, so the timing at load keeps ours).
     pub(super) fn convert_w8_scales(&mut self) -> Result<(), RuntimeError> {
-        for (w, k, n) in linear_weights(&self.program, KernelKey::w8_tensor_core) {
+        for (w, k, n) in w8_linear_weights(&self.program) {
             let Some(dev) = &self.weights[w] else { continue };
             let at = n * k;
             let view = dev.slice(at..at + n * (k / W8_GROUP) * 4);
@@ -348,13 +348,13 @@ fn tma_map(ptr: u64, row_bytes: usize, rows: usize, box_rows: u32) -> Result<Tma
     Ok(map)
 }
 
-/// Each weight a tensor-core linear launch of `program` whose kernel `keep` takes reads, once:
-/// (weight, its inputs k, its outputs n).
-fn linear_weights(program: &codegen_cuda::Program, keep: impl Fn(&KernelKey) -> bool) -> Vec<(usize, usize, usize)> {
+/// Each E4M3 weight a tensor-core linear launch of `program` reads (`KernelKey::w8_tensor_core`),
+/// once: (weight, its inputs k, its outputs n).
+fn w8_linear_weights(program: &codegen_cuda::Program) -> Vec<(usize, usize, usize)> {
     let mut out: Vec<(usize, usize, usize)> = vec![];
     for step in &program.steps {
         let Step::Kernels { variants, .. } = step else { continue };
-        for l in variants.iter().flat_map(|(_, ls)| ls).filter(|l| keep(&l.key)) {
+        for l in variants.iter().flat_map(|(_, ls)| ls).filter(|l| l.key.w8_tensor_core()) {
             let (KernelKey::Gemm { k, n, .. } | KernelKey::GemmSkinny { k, n, .. }) = l.key else { continue };
             for (g, &n) in n.iter().enumerate().filter(|(_, &n)| n > 0) {
                 if let Some(&Arg::Weight(w)) = l.args.get(1 + 3 * g) {
