@@ -431,16 +431,22 @@ __device__ __forceinline__ void fa_q(unsigned (&qf)[D / 16][4], ROW row, float q
   }
 }
 
-// Issues (cp.async, not committed) one warp's copies of the 16 keys at positions p0.. (slots
-// sl, kv head kvh; keys at n or past are zero-filled) into its K and V tiles k_s and v_s.
+// The slot of key p0 + (lane % 16) of a tile (slots sl; keys at n or past take slot 0's): what
+// fa_load takes, read once a key so the lanes copying its rows get it by shuffle.
+__device__ __forceinline__ int fa_slot(const int* sl, int p0, int n) {
+  const int key = p0 + (threadIdx.x & 15);
+  return sl[key < n ? key : 0];
+}
+
+// Issues (cp.async, not committed) one warp's copies of the 16 keys at positions p0.. (their
+// slots `mine`, fa_slot's; kv head kvh; keys at n or past are zero-filled) into its K and V
+// tiles k_s and v_s.
 template <int KVH, int D>
-__device__ __forceinline__ void fa_load(const h16_t* kc, const h16_t* vc, const int* sl, int kvh, int p0, int n,
+__device__ __forceinline__ void fa_load(const h16_t* kc, const h16_t* vc, int mine, int kvh, int p0, int n,
                                         h16_t* k_s, h16_t* v_s) {
   constexpr int S = D + 8, DT = D / 8;
   static_assert(16 * DT % 32 == 0, "every lane takes as many copies");
   const int lane = threadIdx.x & 31;
-  // Lane j < 16 reads key j's slot once; the lanes copying its rows take it by shuffle.
-  const int mine = p0 + (lane & 15) < n ? sl[p0 + (lane & 15)] : sl[0];
 #pragma unroll
   for (int i = lane; i < 16 * DT; i += 32) {
     const int key = i / DT, ch = i % DT;
@@ -456,8 +462,9 @@ __device__ __forceinline__ void fa_load(const h16_t* kc, const h16_t* vc, const 
 // (scaled to log2 units): S = Q·Kᵀ, the soft cap, the keys at n or past and those
 // `masked(hr, p)` says (row g + 8 hr of the lane's quad, position p) set to -inf, the online
 // softmax of rows g and g + 8 (m, l: the quad's max, the lane's partial sum) and O += P·V with
-// P rounded to h16: attention_fa's and attention_dec's step.
-template <int D, unsigned CAP, typename MASK>
+// P rounded to h16: attention_fa's and attention_dec's step. With EDGE false the caller knows
+// no key of the tile is masked (nor at n or past), and no mask is computed.
+template <int D, unsigned CAP, bool EDGE = true, typename MASK>
 __device__ __forceinline__ void fa_step(const unsigned (&qf)[D / 16][4], int p0, int n, const h16_t* k_s,
                                         const h16_t* v_s, MASK masked, float (&m)[2], float (&l)[2],
                                         float (&o)[D / 8][4]) {
@@ -475,6 +482,7 @@ __device__ __forceinline__ void fa_step(const unsigned (&qf)[D / 16][4], int p0,
     mma_h16(s[1], qf[ks], b1);
   }
   // the mask, then the online softmax of rows g (hr 0) and g + 8 (hr 1)
+  float corr[2];
 #pragma unroll
   for (int hr = 0; hr < 2; hr++) {
     float mx = NEG_INF;
@@ -486,14 +494,14 @@ __device__ __forceinline__ void fa_step(const unsigned (&qf)[D / 16][4], int p0,
         float& v = s[nt][hr * 2 + e];
         // scores are in log2 units here (q was scaled by log2 e)
         if (CAP) v = softcap<CAP>(v * 0.6931471805599453f) * 1.4426950408889634f;
-        if (p >= n || masked(hr, p)) v = NEG_INF;
+        if (EDGE && (p >= n || masked(hr, p))) v = NEG_INF;
         mx = fmaxf(mx, v);
       }
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
     const float m_new = fmaxf(m[hr], mx);
     const float base = m_new == NEG_INF ? 0.0f : m_new;
-    const float corr = exp2f(m[hr] - base);
+    corr[hr] = exp2f(m[hr] - base);
     m[hr] = m_new;
     float sum = 0.0f;
 #pragma unroll
@@ -504,12 +512,14 @@ __device__ __forceinline__ void fa_step(const unsigned (&qf)[D / 16][4], int p0,
         v = exp2f(v - base);
         sum += v;
       }
-    l[hr] = l[hr] * corr + sum;
+    l[hr] = l[hr] * corr[hr] + sum;
+  }
+  // The outputs rescaled only when some row's maximum grew (past the first tiles, rarely).
+  if (__any_sync(0xffffffffu, corr[0] != 1.0f || corr[1] != 1.0f)) {
 #pragma unroll
-    for (int i = 0; i < DT; i++) {
-      o[i][hr * 2] *= corr;
-      o[i][hr * 2 + 1] *= corr;
-    }
+    for (int i = 0; i < DT; i++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) o[i][e] *= corr[e >> 1];
   }
   const unsigned pa[4] = {pack_h16x2(s[0][0], s[0][1]), pack_h16x2(s[0][2], s[0][3]),
                           pack_h16x2(s[1][0], s[1][1]), pack_h16x2(s[1][2], s[1][3])};
@@ -529,7 +539,7 @@ template <int KVH, int D, unsigned CAP, typename MASK>
 __device__ __forceinline__ void fa_tile(const unsigned (&qf)[D / 16][4], const h16_t* kc, const h16_t* vc,
                                         const int* sl, int kvh, int p0, int n, h16_t* k_s, h16_t* v_s,
                                         MASK masked, float (&m)[2], float (&l)[2], float (&o)[D / 8][4]) {
-  fa_load<KVH, D>(kc, vc, sl, kvh, p0, n, k_s, v_s);
+  fa_load<KVH, D>(kc, vc, fa_slot(sl, p0, n), kvh, p0, n, k_s, v_s);
   cp_async_commit();
   cp_async_wait<0>();
   __syncwarp();
@@ -641,6 +651,21 @@ __device__ void attention_dec(const float* q, const h16_t* kc, const h16_t* vc, 
   if (split >= ds.splits) return;
   const int* sl = slots + seq_off[t];
   const int j0 = split * ds.per, j1 = min(j0 + ds.per, ds.tiles);
+  // The warp's stages, each a K tile then a V tile.
+  h16_t* stages = (h16_t*)dec_smem + warp * DEC_STAGES * 2 * TILE;
+  const auto k_s = [&](int i) { return stages + (i % DEC_STAGES) * 2 * TILE; };
+  const auto slot = [&](int j) { return j < j1 ? fa_slot(sl, ds.base + j * 16, ds.n) : 0; };
+  const auto load = [&](int j, int i, int mine) {
+    if (j < j1) fa_load<KVH, D>(kc, vc, mine, kvh, ds.base + j * 16, ds.n, k_s(i), k_s(i) + TILE);
+    cp_async_commit();
+  };
+  constexpr int AHEAD = (DEC_STAGES - 1) * DEC_WARPS;  // tiles from the one used to the one loaded
+#pragma unroll
+  for (int i = 0; i < DEC_STAGES - 1; i++) load(j0 + warp + i * DEC_WARPS, i, slot(j0 + warp + i * DEC_WARPS));
+  // The slots of the tile the next iteration loads, read an iteration ahead: the copies never
+  // wait for a slot read.
+  int next = slot(j0 + warp + AHEAD);
+  // The queries are read while the first tiles' copies are in flight.
   const float qs = scale * 1.4426950408889634f;
   unsigned qf[KS][4];
   fa_q<D>(qf, [&](int r) { return r < G ? q + ((long)t * H + h0 + r) * D : nullptr; }, qs);
@@ -648,21 +673,18 @@ __device__ void attention_dec(const float* q, const h16_t* kc, const h16_t* vc, 
 #pragma unroll
   for (int i = 0; i < DT; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
   float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
-  // The warp's stages, each a K tile then a V tile.
-  h16_t* stages = (h16_t*)dec_smem + warp * DEC_STAGES * 2 * TILE;
-  const auto k_s = [&](int i) { return stages + (i % DEC_STAGES) * 2 * TILE; };
-  const auto load = [&](int j, int i) {
-    if (j < j1) fa_load<KVH, D>(kc, vc, sl, kvh, ds.base + j * 16, ds.n, k_s(i), k_s(i) + TILE);
-    cp_async_commit();
-  };
-#pragma unroll
-  for (int i = 0; i < DEC_STAGES - 1; i++) load(j0 + warp + i * DEC_WARPS, i);
   for (int i = 0, j = j0 + warp; j < j1; i++, j += DEC_WARPS) {
-    load(j + (DEC_STAGES - 1) * DEC_WARPS, i + DEC_STAGES - 1);
+    const int mine = next;
+    next = slot(j + AHEAD + DEC_WARPS);
+    load(j + AHEAD, i + DEC_STAGES - 1, mine);
     cp_async_wait<DEC_STAGES - 1>();
     __syncwarp();
-    fa_step<D, CAP>(qf, ds.base + j * 16, ds.n, k_s(i), k_s(i) + TILE, [&](int, int p) { return p < ds.first; }, m,
-                    l, o);
+    const int p0 = ds.base + j * 16;
+    const auto masked = [&](int, int p) { return p < ds.first; };
+    if (p0 < ds.first || p0 + 16 > ds.n)
+      fa_step<D, CAP>(qf, p0, ds.n, k_s(i), k_s(i) + TILE, masked, m, l, o);
+    else
+      fa_step<D, CAP, false>(qf, p0, ds.n, k_s(i), k_s(i) + TILE, masked, m, l, o);
     __syncwarp();
   }
   cp_async_wait<0>();
@@ -693,28 +715,25 @@ __device__ void attention_dec(const float* q, const h16_t* kc, const h16_t* vc, 
       ml[G * D + G + row] = merged.y;
     }
   }
-  // The warps' outputs summed in turn into shared memory (the first stages' space: every warp's
-  // copies are done).
+  // Each warp's scaled outputs to its own 16 x D floats of shared memory (the stages' space:
+  // every warp's copies are done; DEC_WARPS * 16 * D floats fit in it), then summed over the
+  // warps in order.
   float* so = (float*)dec_smem;
   __syncthreads();
 #pragma unroll
-  for (int w = 0; w < DEC_WARPS; w++) {
-    if (warp == w) {
+  for (int i = 0; i < DT; i++)
 #pragma unroll
-      for (int i = 0; i < DT; i++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-          const int idx = (g + (e >> 1) * 8) * D + i * 8 + 2 * c + (e & 1);
-          so[idx] = (w ? so[idx] : 0.0f) + o[i][e] * f[e >> 1];
-        }
-    }
-    __syncthreads();
-  }
+    for (int e = 0; e < 4; e++)
+      so[warp * 16 * D + (g + (e >> 1) * 8) * D + i * 8 + 2 * c + (e & 1)] = o[i][e] * f[e >> 1];
+  __syncthreads();
   for (int i = threadIdx.x; i < G * D; i += DEC_WARPS * 32) {
+    float v = so[i];
+#pragma unroll
+    for (int w = 1; w < DEC_WARPS; w++) v += so[w * 16 * D + i];
     if (whole)
-      store(out + ((long)t * H + h0) * D + i, so[i]);
+      store(out + ((long)t * H + h0) * D + i, v);
     else
-      ml[i] = so[i];
+      ml[i] = v;
   }
 }
 
