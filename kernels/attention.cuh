@@ -662,9 +662,9 @@ __device__ void attention_dec(const float* q, const h16_t* kc, const h16_t* vc, 
   constexpr int AHEAD = (DEC_STAGES - 1) * DEC_WARPS;  // tiles from the one used to the one loaded
 #pragma unroll
   for (int i = 0; i < DEC_STAGES - 1; i++) load(j0 + warp + i * DEC_WARPS, i, slot(j0 + warp + i * DEC_WARPS));
-  // The slots of the tile the next iteration loads, read an iteration ahead: the copies never
-  // wait for a slot read.
-  int next = slot(j0 + warp + AHEAD);
+  // The slots of the tiles the next two iterations load, read two iterations ahead: a slot read
+  // under the copies' traffic outlasts an iteration, and the copies never wait for one.
+  int next = slot(j0 + warp + AHEAD), after = slot(j0 + warp + AHEAD + DEC_WARPS);
   // The queries are read while the first tiles' copies are in flight.
   const float qs = scale * 1.4426950408889634f;
   unsigned qf[KS][4];
@@ -675,7 +675,8 @@ __device__ void attention_dec(const float* q, const h16_t* kc, const h16_t* vc, 
   float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
   for (int i = 0, j = j0 + warp; j < j1; i++, j += DEC_WARPS) {
     const int mine = next;
-    next = slot(j + AHEAD + DEC_WARPS);
+    next = after;
+    after = slot(j + AHEAD + 2 * DEC_WARPS);
     load(j + AHEAD, i + DEC_STAGES - 1, mine);
     cp_async_wait<DEC_STAGES - 1>();
     __syncwarp();
