@@ -155,7 +155,7 @@ fn required_and_named_calls_in_each_dialect() {
             let mut body = json!({"messages": c["messages"], "tools": tools, "temperature": 1.0, "max_tokens": 200});
             body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
             let (status, r) = post_json(&server.addr, "/v1/chat/completions", &body);
-            assert_eq!(status, 200, "{name}: {r}");
+            assert_eq!(status, 200, "{name}: {r}\nserver log:\n{}", server.log());
             r
         };
         let mut names = std::collections::HashSet::new();

@@ -575,6 +575,31 @@ fn rejects_bad_requests() {
     assert_eq!(e.generate(vec![Request::greedy(vec![5, 6, 7], 3)]).unwrap()[0].tokens.len(), 3);
 }
 
+/// Requests submitted from several threads while the engine thread steps are each admitted:
+/// none is lost between its loop's reads of the command channel (a submission that arrived
+/// there was once swallowed by the check for a dropped handle, and its caller told that the
+/// engine had stopped).
+#[test]
+fn handle_admits_every_request_submitted_while_it_steps() {
+    let h = std::sync::Arc::new(runtime::EngineHandle::spawn(engine(config())));
+    let threads: Vec<_> = (0..8)
+        .map(|k| {
+            let h = h.clone();
+            std::thread::spawn(move || {
+                for i in 0..500 {
+                    let req = Request { ignore_eos: true, ..Request::greedy(Rng(1000 * k + i + 1).tokens(4), 4) };
+                    if let Err(e) = h.submit(req, Box::new(|_| {})) {
+                        panic!("submission {i} of thread {k}: {e}");
+                    }
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().expect("a submission failed");
+    }
+}
+
 /// The threaded handle streams the same tokens as the offline API, and aborts.
 #[test]
 fn handle_streams_and_aborts() {

@@ -4,7 +4,7 @@
 
 use crate::{Engine, Event, PoolUsage, ReqId, Request, RuntimeError, SchedStats};
 use std::collections::HashMap;
-use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::mpsc::{channel, Receiver, Sender, TryRecvError};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
@@ -116,32 +116,37 @@ fn serve(mut engine: Engine, rx: Receiver<Cmd>, snapshot: Arc<Mutex<Snapshot>>) 
     let mut open = true;
     let mut step_errors = 0;
     while open || !engine.is_idle() {
-        // Block for work only when there is nothing to step.
-        let first = if engine.is_idle() && open { rx.recv().ok() } else { rx.try_recv().ok() };
-        if first.is_none() && engine.is_idle() {
-            open = false;
-        }
-        for cmd in first.into_iter().chain(std::iter::from_fn(|| rx.try_recv().ok())) {
-            match cmd {
-                Cmd::Submit(req, sink, reply) => {
+        // Block for work only when there is nothing to step; then take every command queued.
+        // Only a read that finds the channel empty or disconnected ends the intake: a command
+        // is never read by anything but this loop.
+        let mut next =
+            if engine.is_idle() && open { rx.recv().map_err(|_| TryRecvError::Disconnected) } else { rx.try_recv() };
+        loop {
+            match next {
+                Ok(Cmd::Submit(req, sink, reply)) => {
                     let r = engine.submit(*req);
                     if let Ok(id) = r {
                         sinks.insert(id, sink);
                     }
                     let _ = reply.send(r);
                 }
-                Cmd::Abort(id) => {
+                Ok(Cmd::Abort(id)) => {
                     if let (Some(e), Some(mut s)) = (engine.abort(id), sinks.remove(&id)) {
                         s(e);
                     }
                 }
-                Cmd::AbortAll => abort_all(&mut engine, &mut sinks),
+                Ok(Cmd::AbortAll) => abort_all(&mut engine, &mut sinks),
+                Err(TryRecvError::Empty) => break,
+                Err(TryRecvError::Disconnected) => {
+                    if open {
+                        // The handle is gone: abort what is left.
+                        open = false;
+                        abort_all(&mut engine, &mut sinks);
+                    }
+                    break;
+                }
             }
-        }
-        if matches!(rx.try_recv(), Err(std::sync::mpsc::TryRecvError::Disconnected)) && open {
-            // The handle is gone: abort what is left.
-            open = false;
-            abort_all(&mut engine, &mut sinks);
+            next = rx.try_recv();
         }
         if !engine.is_idle() {
             match engine.step() {
