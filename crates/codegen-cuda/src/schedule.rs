@@ -201,10 +201,11 @@ pub fn dec_splits(rows: usize, kv_heads: usize) -> usize {
 }
 
 /// The dynamic shared memory of a decode attention block of head size `d`: every warp's stages
-/// of a K and a V tile of 16 keys, rows of `d + 8` 16-bit values; at the end the same space holds
-/// every warp's 16 x `d` f32 outputs, summed over the warps.
+/// of a K and a V tile of 16 keys, rows of `d + 8` 16-bit values. At the end the same space holds
+/// every warp's 16 x `d` f32 outputs, summed over the warps: they fit, since a warp's stages
+/// take 2 * `DEC_STAGES` * (`d` + 8) 16-bit values a row.
 pub fn dec_smem(d: usize) -> usize {
-    (DEC_WARPS * DEC_STAGES * 2 * 16 * (d + 8) * 2).max(DEC_WARPS * 16 * d * 4)
+    DEC_WARPS * DEC_STAGES * 2 * 16 * (d + 8) * 2
 }
 
 /// Up to this many (token, chosen expert) pairs an expert on average, the grouped experts run
