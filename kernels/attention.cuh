@@ -17,8 +17,10 @@ __device__ __forceinline__ float head_rms(const float* x, float eps) {
 // RoPE on the leading ROT features of each head of q (RQ) and k (RK) at positions pos[t], q
 // written to qo (f32), k and v written as h16 into the paged cache at slot slot_of[t]. With NQ
 // (NK) each head of q (k) is RMS-normalised first, times the head-sized weight qnw (knw).
-// grid: T, block: 128.
-template <int H, int KVH, int D, int ROT, bool RQ, bool RK, bool NQ, bool NK, typename NWQ, typename NWK>
+// Rows of q, k and v are LQ, LK and LV floats apart (H * D, KVH * D and KVH * D, or the row of
+// the packed matrix their linears' launch wrote). grid: T, block: 128.
+template <int H, int KVH, int D, int ROT, bool RQ, bool RK, bool NQ, bool NK, typename NWQ, typename NWK, int LQ,
+          int LK, int LV>
 __device__ void rope_kv(const float* q, const float* k, const float* v, const int* pos, const float* inv_freq,
                         float scale, const int* slot_of, const NWQ* qnw, const NWK* knw, float qeps, float keps,
                         float* qo, h16_t* kc, h16_t* vc) {
@@ -31,7 +33,7 @@ __device__ void rope_kv(const float* q, const float* k, const float* v, const in
     for (int hh = threadIdx.x >> 5; hh < H + KVH; hh += blockDim.x >> 5) {
       const bool isq = hh < H;
       if (isq ? NQ : NK) {
-        const float* x = isq ? q + ((long)t * H + hh) * D : k + ((long)t * KVH + hh - H) * D;
+        const float* x = isq ? q + (long)t * LQ + hh * D : k + (long)t * LK + (hh - H) * D;
         rms[hh] = head_rms<D>(x, isq ? qeps : keps);
       }
     }
@@ -41,8 +43,7 @@ __device__ void rope_kv(const float* q, const float* k, const float* v, const in
     const bool isq = i < H * (D / 2);
     const int ii = isq ? i : i - H * (D / 2);
     const int head = ii / (D / 2), j = ii % (D / 2);
-    const int cols = isq ? H * D : KVH * D;
-    const float* src = (isq ? q : k) + (long)t * cols + head * D;
+    const float* src = isq ? q + (long)t * LQ + head * D : k + (long)t * LK + head * D;
     // a rotated pair (j, j + ROT / 2), or two features past the rotated ones
     const bool rot = j < ROT / 2;
     const int ja = rot ? j : ROT + 2 * (j - ROT / 2), jb = rot ? j + ROT / 2 : ja + 1;
@@ -64,14 +65,14 @@ __device__ void rope_kv(const float* q, const float* k, const float* v, const in
       xb = rb;
     }
     if (isq) {
-      qo[(long)t * cols + head * D + ja] = xa;
-      qo[(long)t * cols + head * D + jb] = xb;
+      qo[(long)t * H * D + head * D + ja] = xa;
+      qo[(long)t * H * D + head * D + jb] = xb;
     } else {
       kc[dst + head * D + ja] = f32_to_h16(xa);
       kc[dst + head * D + jb] = f32_to_h16(xb);
     }
   }
-  for (int i = threadIdx.x; i < KVH * D; i += blockDim.x) vc[dst + i] = f32_to_h16(v[(long)t * KVH * D + i]);
+  for (int i = threadIdx.x; i < KVH * D; i += blockDim.x) vc[dst + i] = f32_to_h16(v[(long)t * LV + i]);
 }
 
 // One key of the online softmax: score s (already summed over the G lanes of the key) and the

@@ -377,7 +377,9 @@ __device__ __forceinline__ LinearOut<WT> pick_group(int& i, int c0, int c1, Line
 }
 
 // Up to three linears sharing the input rows x (X16 or XNorm): group g has N_g outputs,
-// weight w_g [N_g, K] (h16, or E4M3 with its scales), optional bias b_g, output o_g f32 [T, N_g].
+// weight w_g [N_g, K] (h16, or E4M3 with its scales), optional bias b_g. The outputs are one
+// packed f32 matrix [T, N0 + N1 + N2], o_g pointing at group g's first column (codegen_cuda's
+// `Builder::packed`); so is every linear launch of the GEMMs below.
 // grid: ceil((N0 + N1 + N2) / (8 / SPLIT)), block: 256.
 template <int K, int N0, int N1, int N2, int ROWS, int SPLIT, typename WT, typename X>
 __device__ void gemv(const X& x, const WT* w0, const h16_t* b0, float* o0, const WT* w1, const h16_t* b1, float* o1,
@@ -403,7 +405,7 @@ __device__ void gemv(const X& x, const WT* w0, const h16_t* b0, float* o0, const
     const float bias = b ? to_f32(b[n]) : 0.0f;
 #pragma unroll
     for (int r = 0; r < ROWS; r++)
-      if (r < T) o[(long)r * N + n] = acc[r] + bias;
+      if (r < T) o[(long)r * (N0 + N1 + N2) + n] = acc[r] + bias;
   }
 }
 
@@ -434,18 +436,20 @@ __device__ void gemv_glu(const X& x, const WT* wg, const WT* wu, h16_t* out, int
   }
 }
 
-// act(a)·b as h16 (after the GEMM path's gate and up), four per thread (16-byte loads).
-// grid: ceil(n / 1024), block: 256.
-template <typename ACT>
+// act(a)·b as h16 (after the GEMM path's gate and up): a and b are the columns 0..N and N..2N
+// of one packed [T, 2N] f32 matrix (rows of 2N), out [T, N]; four per thread (16-byte loads)
+// where N is a multiple of 4. grid: ceil(T * N / 1024), block: 256.
+template <int N, typename ACT>
 __device__ void glu_mul(const float* a, const float* b, h16_t* out, long n, ACT act) {
   const long i = 4 * ((long)blockIdx.x * blockDim.x + threadIdx.x);
-  if (i + 3 < n) {
-    const float4 x = *(const float4*)(a + i), y = *(const float4*)(b + i);
+  const auto src = [](long j) { return (j / N) * (2 * N) + j % N; };
+  if (N % 4 == 0 && i + 3 < n) {
+    const float4 x = *(const float4*)(a + src(i)), y = *(const float4*)(b + src(i));
     const unsigned lo = f32_to_h16(act(x.x) * y.x) | ((unsigned)f32_to_h16(act(x.y) * y.y) << 16);
     const unsigned hi = f32_to_h16(act(x.z) * y.z) | ((unsigned)f32_to_h16(act(x.w) * y.w) << 16);
     *(uint2*)(out + i) = make_uint2(lo, hi);
   } else {
-    for (long j = i; j < n; ++j) out[j] = f32_to_h16(act(a[j]) * b[j]);
+    for (long j = i; j < n && j < i + 4; ++j) out[j] = f32_to_h16(act(a[src(j)]) * b[src(j)]);
   }
 }
 

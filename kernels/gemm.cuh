@@ -108,7 +108,8 @@ __device__ void gemm(const h16_t* x, const WT* w0, const h16_t* b0, float* o0, c
 #pragma unroll
       for (int e = 0; e < 4; e++) {
         const int rr = r + (e >> 1) * 8, cc = c + (e & 1);
-        if (rr < T && cc < N) out[(long)rr * N + cc] = acc[mi][ni][e] + (bias ? to_f32(bias[cc]) : 0.0f);
+        if (rr < T && cc < N)
+          out[(long)rr * (N0 + N1 + N2) + cc] = acc[mi][ni][e] + (bias ? to_f32(bias[cc]) : 0.0f);
       }
     }
 }
@@ -219,7 +220,7 @@ __device__ void gemm_skinny(const h16_t* x, const WT* w0, const h16_t* b0, float
       float v = bias ? to_f32(bias[f0 + f]) : 0.0f;
 #pragma unroll
       for (int q = 0; q < WARPS; q++) v += red[q][f][tok - h * 8];
-      out[(long)tok * N + f0 + f] = v;
+      out[(long)tok * (N0 + N1 + N2) + f0 + f] = v;
     }
   }
 }
@@ -455,7 +456,7 @@ __device__ void gemm_skinny_a8(const TmaMap* mx, const float* xs, const fp8_t* w
         const int tok = r0 + 8 * (e >> 1), f = 8 * j + 2 * c + (e & 1);
         if (tok >= T) continue;
         if (n == 1)
-          grp.o[(long)tok * N + f0 + f] = acc[4 * j + e] + (grp.b ? to_f32(grp.b[f0 + f]) : 0.0f);
+          grp.o[(long)tok * NTOT + f0 + f] = acc[4 * j + e] + (grp.b ? to_f32(grp.b[f0 + f]) : 0.0f);
         else
           mine[(long)tok * NTOT + f] = acc[4 * j + e];
       }
@@ -494,7 +495,7 @@ __device__ void gemm_skinny_a8(const TmaMap* mx, const float* xs, const fp8_t* w
             v.z += p[h][q].z;
             v.w += p[h][q].w;
           }
-        *(float4*)&grp.o[(long)tok * N + f0 + f] = v;
+        *(float4*)&grp.o[(long)tok * NTOT + f0 + f] = v;
       }
     }
     if (tid == 0) count[tile] = 0;

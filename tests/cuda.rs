@@ -244,6 +244,7 @@ fn cuda_schedule_fuses_and_reuses_buffers() {
                     for a in &l.args {
                         match *a {
                             codegen_cuda::Arg::Buf(b) => assert!(b < p.buffers.len()),
+                            codegen_cuda::Arg::BufAt(b, at) => assert!(at < p.buffers[b].row_bytes),
                             codegen_cuda::Arg::Weight(w) => {
                                 assert!(matches!(plan.nodes[w].op, ir::Op::Weight { .. }), "{}", l.key.name())
                             }
@@ -253,6 +254,64 @@ fn cuda_schedule_fuses_and_reuses_buffers() {
                     }
                 }
             }
+        }
+    }
+}
+
+/// A launch of several linears (q, k, v; gate and up) writes one packed matrix: the first
+/// linear's output at the buffer's start, the next ones from their column offsets, rows of all
+/// their columns; rope_kv reads q, k and v there with that row stride, glu_mul gate and up.
+#[test]
+fn linears_of_one_launch_write_one_packed_matrix() {
+    use codegen_cuda::{Arg, KernelKey};
+    for tp in [1, 2] {
+        let plan = plan("qwen2.5-7b", tp);
+        let p = codegen_cuda::emit(&plan).unwrap();
+        for t in [1, 3, 16, 64, 200] {
+            let ls = launches(&p, t);
+            let (mut qkv, mut glu) = (0, 0);
+            for (i, l) in ls.iter().enumerate() {
+                let n = match l.key {
+                    KernelKey::Gemv { n, .. } | KernelKey::GemmSkinny { n, .. } | KernelKey::Gemm { n, .. } => n,
+                    _ => continue,
+                };
+                if n[1] == 0 {
+                    continue;
+                }
+                // The arguments end with (weight, bias, output) of each linear, then T.
+                let o = |g: usize| l.args[l.args.len() - 8 + 3 * g];
+                let Arg::Buf(out) = o(0) else { panic!("{}: output {:?}", l.key.name(), o(0)) };
+                let ntot: usize = n.iter().sum();
+                assert!(p.buffers[out].row_bytes >= 4 * ntot, "{}", l.key.name());
+                assert_eq!(o(1), Arg::BufAt(out, 4 * n[0]), "{}", l.key.name());
+                let outs: Vec<Arg> = if n[2] > 0 {
+                    assert_eq!(o(2), Arg::BufAt(out, 4 * (n[0] + n[1])), "{}", l.key.name());
+                    vec![o(0), o(1), o(2)]
+                } else {
+                    vec![o(0), o(1)]
+                };
+                let next = ls[i + 1..].iter().find(|r| outs.iter().all(|o| r.args.contains(o))).unwrap();
+                match next.key {
+                    KernelKey::RopeKv { ld, .. } => {
+                        assert_eq!(ld, [ntot; 3]);
+                        assert_eq!(next.args[..3], outs[..]);
+                        qkv += 1;
+                    }
+                    KernelKey::GluMul { n: half, .. } => {
+                        assert_eq!(2 * half, ntot);
+                        assert_eq!(next.args[..2], outs[..]);
+                        glu += 1;
+                    }
+                    KernelKey::AttentionRope1 { .. } if t == 1 => {
+                        assert_eq!(next.args[..3], outs[..]);
+                        qkv += 1;
+                    }
+                    _ => panic!("t={t}: {} reads {}", next.key.name(), l.key.name()),
+                }
+            }
+            assert_eq!(qkv, 28, "tp{tp} t={t}: q/k/v launches");
+            // Gate and up: the GEMV with the product fused up to its rows, then GEMM + glu_mul.
+            assert_eq!(glu, if t <= codegen_cuda::GEMV_MAX_ROWS { 0 } else { 28 }, "tp{tp} t={t}: gate/up launches");
         }
     }
 }

@@ -98,10 +98,13 @@ pub enum KernelKey {
         /// With a bias.
         bias: bool,
     },
-    /// act(a)·b to the 16-bit float.
+    /// act(a)·b to the 16-bit float, a and b the two halves of each row of one packed
+    /// `[t, 2n]` f32 matrix (the gate/up launch's).
     GluMul {
         /// The activation as CUDA C over `x0` (interned).
         act: &'static str,
+        /// Output features.
+        n: usize,
     },
     /// f32 to the 16-bit float.
     ToH16,
@@ -144,6 +147,9 @@ pub enum KernelKey {
         rope_k: bool,
         /// Per-head norms of q and k before the rotation.
         norm: HeadNorm,
+        /// Row strides of q, k and v in floats: their widths, or the row of the packed matrix
+        /// one launch wrote them into.
+        ld: [usize; 3],
     },
     /// Causal GQA attention over the 16-bit paged cache, a block per query row and group of
     /// `per_block` query heads of one kv head (each K and V row read once per block).
@@ -715,17 +721,18 @@ impl KernelKey {
                 format!("gemm_skinny_k{k}_n{}_t{tiles}{}", n3(n), w8_suffix(w8))
             }
             KernelKey::Linear { k, n, w, bias } => format!("linear_k{k}_n{n}_{w}{}", if bias { "_bias" } else { "" }),
-            KernelKey::GluMul { act } => format!("glu_mul_to_h16_{}", act_tag(act)),
+            KernelKey::GluMul { act, n } => format!("glu_mul_n{n}_to_h16_{}", act_tag(act)),
             KernelKey::ToH16 => "f32_to_h16_rows".into(),
             KernelKey::QuantE4M3 => "quant_e4m3_rows".into(),
             KernelKey::GemmSkinnyA8 { k, n } => format!("gemm_skinny_a8_k{k}_n{}", n3(n)),
             KernelKey::Rope { cols, d, rot } => format!("rope_c{cols}_d{d}{}", rot_suffix(d, rot)),
-            KernelKey::RopeKv { heads, kv_heads, d, rot, rope_q, rope_k, norm } => format!(
-                "rope_kv_h{heads}_kv{kv_heads}_d{d}{}_{}{}{}",
+            KernelKey::RopeKv { heads, kv_heads, d, rot, rope_q, rope_k, norm, ld } => format!(
+                "rope_kv_h{heads}_kv{kv_heads}_d{d}{}_{}{}{}{}",
                 rot_suffix(d, rot),
                 u8::from(rope_q),
                 u8::from(rope_k),
-                norm.suffix()
+                norm.suffix(),
+                if ld == [heads * d, kv_heads * d, kv_heads * d] { String::new() } else { format!("_ld{}", n3(ld)) }
             ),
             KernelKey::Attention { heads, kv_heads, d, per_block, out, mixed_only, mask } => format!(
                 "attention_h{heads}_kv{kv_heads}_d{d}_g{per_block}_to_{out}{}{}",
@@ -917,9 +924,9 @@ impl KernelKey {
                     format!("linear<{k}, {n}, h16_t, {t}, {bias}>(x, w, bias, out, T)"),
                 )
             }
-            KernelKey::GluMul { act } => (
+            KernelKey::GluMul { act, n } => (
                 "const float* a, const float* b, h16_t* out, long n".into(),
-                format!("glu_mul(a, b, out, n, {})", act_lambda(act)),
+                format!("glu_mul<{n}>(a, b, out, n, {})", act_lambda(act)),
             ),
             KernelKey::ToH16 => ("const float* a, h16_t* out, long n".into(), "to_h16(a, out, n)".into()),
             KernelKey::GemmSkinnyA8 { k, n } => (
@@ -947,11 +954,15 @@ impl KernelKey {
                 "const float* x, const int* pos, const float* inv_freq, float scale, float* out".into(),
                 format!("rope<{cols}, {d}, {rot}>(x, pos, inv_freq, scale, out)"),
             ),
-            KernelKey::RopeKv { heads, kv_heads, d, rot, rope_q, rope_k, norm } => (
+            KernelKey::RopeKv { heads, kv_heads, d, rot, rope_q, rope_k, norm, ld } => (
                 format!("{}, float* qo, h16_t* kc, h16_t* vc", norm.rope_head_params()?),
                 format!(
-                    "rope_kv<{heads}, {kv_heads}, {d}, {rot}, {rope_q}, {rope_k}, {}>({ROPE_HEAD_ARGS}, qo, kc, vc)",
-                    norm.args()?
+                    "rope_kv<{heads}, {kv_heads}, {d}, {rot}, {rope_q}, {rope_k}, {}, {}, {}, {}>({ROPE_HEAD_ARGS}, qo, kc, \
+                     vc)",
+                    norm.args()?,
+                    ld[0],
+                    ld[1],
+                    ld[2]
                 ),
             ),
             KernelKey::Attention { heads, kv_heads, d, per_block, out, mixed_only, mask } => {

@@ -265,22 +265,38 @@ pub fn tiled(l: &Launch) -> Option<Launch> {
 }
 
 /// Linears `ls` of one input: one launch (GEMV / GEMM variants) per weight format the fast
-/// kernels take, one simple launch for each of the rest.
+/// kernels take, one simple launch for each of the rest. Linears of one launch write one packed
+/// matrix (`Builder::packed`), so only those whose readers all take a row stride share one
+/// (`reads_packed`); the others run a launch each.
 fn linears(b: &mut Builder, ls: &[usize]) -> Result<(), CodegenError> {
     let xn = b.plan.nodes[ls[0]].inputs[0];
     let k = b.cols(xn);
     let x = b.half_input(xn)?;
-    // One launch per weight format the fast kernels take; the fallback kernel for the rest.
     let norm = b.fused_norm[xn].clone();
     for w8 in [false, true] {
-        let mut groups = vec![];
-        let of_format: Vec<usize> = ls.iter().copied().filter(|&c| b.fast_format(c) == Some(w8)).collect();
-        for c in of_format {
-            let out = b.out(c, DType::F32);
-            let n = &b.plan.nodes[c];
-            groups.push((n.inputs[1], n.inputs.get(2).copied(), out, b.cols(c)));
-        }
-        if !groups.is_empty() {
+        let of_format = ls.iter().copied().filter(|&c| b.fast_format(c) == Some(w8));
+        let (shared, alone): (Vec<usize>, Vec<usize>) = of_format.partition(|&c| reads_packed(b, c));
+        let launches = alone.into_iter().map(|c| vec![c]).chain((!shared.is_empty()).then_some(shared));
+        for members in launches.collect::<Vec<_>>() {
+            let outs = match &members[..] {
+                &[c] => vec![b.out(c, DType::F32)],
+                _ => {
+                    let cols: Vec<usize> = members.iter().map(|&c| b.cols(c)).collect();
+                    let views = b.packed(&cols);
+                    for (&c, &v) in members.iter().zip(&views) {
+                        b.node_val[c] = Some(v);
+                    }
+                    views
+                }
+            };
+            let groups: Vec<Group> = members
+                .iter()
+                .zip(outs)
+                .map(|(&c, out)| {
+                    let n = &b.plan.nodes[c];
+                    (n.inputs[1], n.inputs.get(2).copied(), out, b.cols(c))
+                })
+                .collect();
             b.steps.push(grouped(x, k, &groups, Count::Tokens, norm.as_ref(), w8));
         }
     }
@@ -300,6 +316,20 @@ fn linears(b: &mut Builder, ls: &[usize]) -> Result<(), CodegenError> {
         b.steps.push(one(launch(key, args, [Dim::Fixed(b.cols(i).div_ceil(8)), ONE], 256)));
     }
     Ok(())
+}
+
+/// Whether every reader of linear `c`'s output takes it with a row stride: an attention step
+/// (its rope_kv kernel reads q, k and v with strides, its one-token kernel reads one row), as
+/// the attention itself or a rope or head norm fused into it.
+fn reads_packed(b: &Builder, c: usize) -> bool {
+    let in_attention = |u: usize| match b.fusion_of[u] {
+        Some(f) if b.plan.fusions[f].kind == FusionKind::RopeAttention => {
+            !matches!(b.plan.nodes[u].op, Op::RmsNorm { .. }) || head_norm_fuses(b, u)
+        }
+        _ => matches!(b.plan.nodes[u].op, Op::Attention { .. }),
+    };
+    let users = &b.consumers[c];
+    !users.is_empty() && users.iter().all(|&u| in_attention(u))
 }
 
 /// act(x·gateᵀ) * (x·upᵀ) in one GEMV for few rows (applying `norm` where it is fused);
@@ -339,7 +369,10 @@ fn glu(
             )
         })
         .collect();
-    let (tg, tu) = (b.new_val(n, DType::F32, Count::Tokens), b.new_val(n, DType::F32, Count::Tokens));
+    let (tg, tu) = match b.packed(&[n, n])[..] {
+        [g, u] => (g, u),
+        _ => unreachable!("two columns ranges"),
+    };
     let Step::Kernels { variants: big, .. } =
         grouped(x, k, &[(wg, None, tg, n), (wu, None, tu, n)], Count::Tokens, None, w8)
     else {
@@ -347,7 +380,7 @@ fn glu(
     };
     let args = vec![Arg::Buf(tg), Arg::Buf(tu), Arg::Buf(out), Arg::Elems(Count::Tokens, n)];
     for (bound, mut launches) in big.into_iter().filter(|(bound, _)| *bound > most) {
-        launches.push(launch(KernelKey::GluMul { act }, args.clone(), [per_token(n, 1024), ONE], 256));
+        launches.push(launch(KernelKey::GluMul { act, n }, args.clone(), [per_token(n, 1024), ONE], 256));
         variants.push((bound, launches));
     }
     b.steps.push(Step::Kernels { by: Count::Tokens, variants });
@@ -366,12 +399,18 @@ fn head_norm(b: &mut Builder, x: usize, pre: &[usize]) -> Result<Option<(usize, 
     if !pre.contains(&x) {
         return Ok(None);
     }
-    let (input, w) = (b.plan.nodes[x].inputs[0], b.plan.nodes[x].inputs[1]);
-    if b.wdtype(w) != DType::F32 && b.wdtype(w) != b.half {
+    if !head_norm_fuses(b, x) {
         node(b, x)?;
         return Ok(None);
     }
-    Ok(Some((input, w, eps)))
+    Ok(Some((b.plan.nodes[x].inputs[0], b.plan.nodes[x].inputs[1], eps)))
+}
+
+/// Whether the attention kernels apply norm `x` of a rope_attention fusion themselves: they
+/// read its weight in f32 or the program's 16-bit float.
+fn head_norm_fuses(b: &Builder, x: usize) -> bool {
+    let w = b.plan.nodes[x].inputs[1];
+    b.wdtype(w) == DType::F32 || b.wdtype(w) == b.half
 }
 
 /// RoPE (of the ropes fused into it, `pre`, and the per-head norms they rotate) + KV write,
@@ -411,7 +450,8 @@ fn attention(b: &mut Builder, i: usize, pre: &[usize]) -> Result<(), CodegenErro
     let (q, k, v) = (b.f32_val(qs)?, b.f32_val(ks)?, b.f32_val(vn)?);
     let norm = HeadNorm { q: nq.map(|n| b.wdtype(n.1)), k: nk.map(|n| b.wdtype(n.1)) };
     let qo = b.new_val(heads * d, DType::F32, Count::Tokens);
-    let key = KernelKey::RopeKv { heads, kv_heads, d, rot, rope_q, rope_k, norm };
+    let ld = [b.row_stride(q), b.row_stride(k), b.row_stride(v)];
+    let key = KernelKey::RopeKv { heads, kv_heads, d, rot, rope_q, rope_k, norm, ld };
     // q, k, v, where the token goes, how it rotates and is normalised: what rope_kv and the
     // one-token kernel read (`HeadNorm::rope_head_params`).
     let weight = |n: Option<(usize, usize, f32)>| n.map_or(Arg::Null, |n| Arg::Weight(n.1));

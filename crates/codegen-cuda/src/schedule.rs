@@ -42,6 +42,9 @@ pub enum Input {
 pub enum Arg {
     /// A device buffer of [`Program::buffers`].
     Buf(usize),
+    /// A device buffer from a byte offset on: the columns of one linear in the packed output
+    /// of a launch of several (`Builder::packed`).
+    BufAt(usize, usize),
     /// The weight of plan node `i`.
     Weight(usize),
     /// A null pointer (an absent bias or table).
@@ -240,6 +243,8 @@ struct Val {
     row_bytes: usize,
     per: Count,
     dtype: DType,
+    /// A column range of another value: that value and the range's byte offset in a row.
+    view: Option<(usize, usize)>,
 }
 
 pub(crate) struct Builder<'p> {
@@ -314,8 +319,31 @@ impl<'p> Builder<'p> {
     }
 
     pub(crate) fn new_val(&mut self, cols: usize, dtype: DType, per: Count) -> usize {
-        self.vals.push(Val { row_bytes: cols * dtype.size(), per, dtype });
+        self.vals.push(Val { row_bytes: cols * dtype.size(), per, dtype, view: None });
         self.vals.len() - 1
+    }
+
+    /// Per-token f32 values of `cols` columns each that are consecutive column ranges of one
+    /// packed value (rows of their sum): the outputs of one linear launch of several, which the
+    /// kernels write as one matrix (one cuBLASLt matmul where the weights are adjacent). Their
+    /// readers take the packed row as the stride ([`Builder::row_stride`]).
+    pub(crate) fn packed(&mut self, cols: &[usize]) -> Vec<usize> {
+        let base = self.new_val(cols.iter().sum(), DType::F32, Count::Tokens);
+        let mut at = 0;
+        cols.iter()
+            .map(|&c| {
+                let v = self.new_val(c, DType::F32, Count::Tokens);
+                self.vals[v].view = Some((base, at * DType::F32.size()));
+                at += c;
+                v
+            })
+            .collect()
+    }
+
+    /// Floats from one row of value `v` to the next: its width, or its packed value's.
+    pub(crate) fn row_stride(&self, v: usize) -> usize {
+        let w = self.vals[v].view.map_or(v, |(base, _)| base);
+        self.vals[w].row_bytes / self.vals[w].dtype.size()
     }
 
     /// The value of node `i`, created with `dtype` on first use.
@@ -500,10 +528,12 @@ fn assign(
     constants: Vec<Vec<f32>>,
     half: DType,
 ) -> Schedule {
+    // A view lives in its packed value's buffer.
+    let base = |v: usize| vals[v].view.map_or(v, |(b, _)| b);
     let mut first = vec![usize::MAX; vals.len()];
     let mut last = vec![0; vals.len()];
     for (s, step) in steps.iter().enumerate() {
-        for v in step_vals(step) {
+        for v in step_vals(step).into_iter().map(base) {
             first[v] = first[v].min(s);
             last[v] = s;
         }
@@ -534,10 +564,22 @@ fn assign(
             buffers[p].row_bytes = buffers[p].row_bytes.max(need.row_bytes);
             phys[v] = p;
         }
-        free.extend((0..vals.len()).filter(|&v| last[v] == s).map(|v| phys[v]));
+        free.extend((0..vals.len()).filter(|&v| last[v] == s && phys[v] != usize::MAX).map(|v| phys[v]));
     }
+    let arg = |v: usize| match vals[v].view {
+        Some((b, 0)) => Arg::Buf(phys[b]),
+        Some((b, at)) => Arg::BufAt(phys[b], at),
+        None => Arg::Buf(phys[v]),
+    };
     for step in &mut steps {
-        map_bufs(step, |v| phys[v]);
+        map_bufs(
+            step,
+            |v| {
+                debug_assert!(vals[v].view.is_none(), "collectives read whole values");
+                phys[v]
+            },
+            arg,
+        );
     }
     Schedule { steps, buffers, constants, output: phys[output], hidden: hidden.map(|h| phys[h]), half }
 }
@@ -554,7 +596,9 @@ fn step_vals(step: &Step) -> Vec<usize> {
     }
 }
 
-fn map_bufs(step: &mut Step, f: impl Fn(usize) -> usize) {
+/// Values to buffers: `f` for the collectives' values, `arg` for the kernels' (views to a
+/// packed buffer from an offset).
+fn map_bufs(step: &mut Step, f: impl Fn(usize) -> usize, arg: impl Fn(usize) -> Arg) {
     match step {
         Step::AllReduce { buf, .. } => *buf = f(*buf),
         Step::AllGather { src, dst, .. } => {
@@ -564,7 +608,7 @@ fn map_bufs(step: &mut Step, f: impl Fn(usize) -> usize) {
         Step::Kernels { variants, .. } => {
             for a in variants.iter_mut().flat_map(|(_, ls)| ls.iter_mut().flat_map(|l| l.args.iter_mut())) {
                 if let Arg::Buf(v) = a {
-                    *v = f(*v);
+                    *a = arg(*v);
                 }
             }
         }

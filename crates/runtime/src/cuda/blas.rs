@@ -268,46 +268,58 @@ impl CudaBackend {
         shapes
     }
 
-    /// f32 copies of the biases of the GEMM launches (cuBLASLt adds a bias of D's type).
+    /// f32 copies of the biases of the GEMM launches (cuBLASLt adds a bias of D's type): a
+    /// launch's linears' biases end to end (zeros for one without), by its first weight.
     fn convert_biases(&mut self, gemms: &[Launch]) -> Result<(), RuntimeError> {
-        let mut biases: Vec<usize> = vec![];
-        for step in self.program.steps.iter() {
-            let Step::Kernels { variants, .. } = step else { continue };
-            for l in variants.iter().flat_map(|(_, ls)| ls).filter(|l| gemms.iter().any(|g| g.key == l.key)) {
-                for g in 0..3 {
-                    if let Some(Arg::Weight(b)) = l.args.get(2 + 3 * g) {
-                        biases.push(*b);
-                    }
-                }
-            }
-        }
-        for b in biases {
-            if self.bias_f32.contains_key(&b) {
+        let program = self.program.clone();
+        let launches = program.steps.iter().flat_map(|s| match s {
+            Step::Kernels { variants, .. } => variants.iter().flat_map(|(_, ls)| ls).collect(),
+            _ => vec![],
+        });
+        for l in launches.filter(|l| gemms.iter().any(|g| g.key == l.key)) {
+            let (Some((_, n, false)), Some(&Arg::Weight(first))) = (gemm_shape(&l.key), l.args.get(1)) else {
+                continue;
+            };
+            let biases: Vec<Option<usize>> = (0..3)
+                .filter(|&g| n[g] > 0)
+                .map(|g| if let Some(&Arg::Weight(b)) = l.args.get(2 + 3 * g) { Some(b) } else { None })
+                .collect();
+            if self.bias_f32.contains_key(&first) || biases.iter().all(Option::is_none) {
                 continue;
             }
-            let Some(w) = &self.weights[b] else { continue };
-            let bytes = self.stream.clone_dtoh(w).map_err(driver("reading a bias"))?;
-            let f = self.program.half.to_f32(&bytes);
+            let mut f = vec![];
+            for (g, b) in biases.iter().enumerate() {
+                match b.and_then(|b| self.weights.view(b)) {
+                    Some(w) => f.extend(
+                        self.program.half.to_f32(&self.stream.clone_dtoh(&w).map_err(driver("reading a bias"))?),
+                    ),
+                    None => f.extend(std::iter::repeat_n(0.0, n[g])),
+                }
+            }
             let d = self.stream.clone_htod(&f).map_err(driver("uploading a bias"))?;
-            self.bias_f32.insert(b, d);
+            self.bias_f32.insert(first, d);
         }
         Ok(())
     }
 
-    /// A GEMM launch (`KernelKey::Gemm`: x, then weight, bias and output of up to three linears)
-    /// of `t` tokens through cuBLASLt; E4M3 weights as W8A8 (`w8a8`), refused where their scales
-    /// fit no cuBLASLt mode.
+    /// A GEMM launch (`KernelKey::Gemm`: x, then weight, bias and output of up to three linears,
+    /// the outputs one packed matrix) of `t` tokens through cuBLASLt: one matmul where the
+    /// weights are adjacent (`weights`) and 16-bit, else one per linear; E4M3 weights as W8A8
+    /// (`w8a8`), refused where their scales fit no cuBLASLt mode.
     pub(super) fn launch_blas(&self, l: &Launch, t: usize) -> Result<(), RuntimeError> {
         let (Some((k, n, w8)), Some(blas)) = (gemm_shape(&l.key), &self.blas) else {
             return Err(RuntimeError::Unsupported(format!("{} is not a cuBLASLt GEMM", l.key.name())));
         };
+        let ntot: usize = n.iter().sum();
+        let biases = l.args.get(1).and_then(|w| if let Arg::Weight(w) = w { self.bias_f32.get(w) } else { None });
         let mut parts = Vec::with_capacity(3);
         let mut modes = Vec::with_capacity(3);
+        let mut at = 0;
         for (g, &n) in n.iter().enumerate().filter(|(_, &n)| n > 0) {
             let bias = match l.args.get(2 + 3 * g) {
                 // W8A8 adds a 16-bit bias (the weight as stored), 16-bit GEMMs an f32 one.
                 Some(a @ Arg::Weight(_)) if w8 => self.arg_ptr(a),
-                Some(Arg::Weight(b)) => self.bias_f32.get(b).map_or(0, |s| self.ptr(s)),
+                Some(Arg::Weight(_)) => biases.map_or(0, |s| self.ptr(s) + 4 * at as u64),
                 _ => 0,
             };
             let (w, out) = (self.arg_ptr(&l.args[1 + 3 * g]), self.arg_ptr(&l.args[3 + 3 * g]));
@@ -319,7 +331,15 @@ impl CudaBackend {
                 modes.push(*mode);
                 w_scales = self.ptr(s);
             }
-            parts.push(Part { w, bias, out, n, w_scales });
+            parts.push(Part { w, bias, out, n, ld: ntot, w_scales });
+            at += n;
+        }
+        // Adjacent 16-bit weights (and so their outputs and f32 biases): one matmul.
+        let row = (k * self.program.half.size()) as u64;
+        let adjacent = parts.windows(2).all(|p| p[1].w == p[0].w + p[0].n as u64 * row);
+        if !w8 && parts.len() > 1 && adjacent {
+            let bias = if parts.iter().any(|p| p.bias != 0) { biases.map_or(0, |s| self.ptr(s)) } else { 0 };
+            parts = vec![Part { bias, n: ntot, ..parts[0] }];
         }
         let x = self.arg_ptr(&l.args[0]);
         let (x, fp8) = match modes.first() {

@@ -39,18 +39,21 @@ fn fastest(
 const WORKSPACE: usize = 32 << 20;
 
 /// One linear of a GEMM launch: device pointers of its weight `[n, k]`, bias `[n]` (f32, or 16-bit
-/// for W8A8; or 0), output `[t, n]` f32 and, for E4M3 weights, their compact scales.
+/// for W8A8; or 0), output `[t, n]` f32 whose rows are `ld` floats apart (the launch's packed
+/// output) and, for E4M3 weights, their compact scales.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Part {
     pub w: u64,
     pub bias: u64,
     pub out: u64,
     pub n: usize,
+    pub ld: usize,
     pub w_scales: u64,
 }
 
-/// What an algorithm is found for: n, t, k, with a bias, and the FP8 scale mode (W8A8).
-type AlgoKey = (usize, usize, usize, bool, Option<Fp8Scales>);
+/// What an algorithm is found for: n, t, k, with a bias, the FP8 scale mode (W8A8), and the
+/// output's row stride.
+type AlgoKey = (usize, usize, usize, bool, Option<Fp8Scales>, usize);
 
 /// A cuBLASLt handle, its workspace and the best algorithm found per shape.
 pub(crate) struct Blas {
@@ -191,7 +194,7 @@ impl Blas {
         let h16 = if fp8.is_some() { sys::cudaDataType_t::CUDA_R_8F_E4M3 } else { self.half };
         let a = lt::create_matrix_layout(h16, k as u64, p.n as u64, k as i64)?;
         let b = lt::create_matrix_layout(h16, k as u64, t as u64, k as i64)?;
-        let c = lt::create_matrix_layout(f32t, p.n as u64, t as u64, p.n as i64)?;
+        let c = lt::create_matrix_layout(f32t, p.n as u64, t as u64, p.ld as i64)?;
         let desc = lt::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, f32t)?;
         let set = |attr: D, v: *const c_void, size: usize| lt::set_matmul_desc_attribute(desc, attr, v, size);
         // cublasOperation_t: 1 transposes, 0 does not.
@@ -216,7 +219,7 @@ impl Blas {
                 set(D::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &p.w_scales as *const u64 as *const c_void, 8)?;
                 set(D::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &f.scales as *const u64 as *const c_void, 8)?;
             }
-            let key = (p.n, t, k, p.bias != 0, fp8.map(|f| f.mode));
+            let key = (p.n, t, k, p.bias != 0, fp8.map(|f| f.mode), p.ld);
             let (alpha, beta) = (1.0f32, 0.0f32);
             let (ws, _sync) = self.workspace.device_ptr(stream);
             let run = |algo: &sys::cublasLtMatmulAlgo_t| {
@@ -278,12 +281,12 @@ fn mode_number(m: Option<Fp8Scales>) -> usize {
     }
 }
 
-/// The algorithms file: a line `cublasLt VERSION`, then per matmul shape `n t k bias mode` and
-/// the algorithm's eight words in hex.
+/// The algorithms file: a line `cublasLt2 VERSION`, then per matmul shape `n t k bias mode ld`
+/// and the algorithm's eight words in hex.
 fn algos_text(version: usize, algos: &HashMap<AlgoKey, sys::cublasLtMatmulAlgo_t>) -> String {
-    let mut text = format!("cublasLt {version}\n");
-    for ((n, t, k, bias, mode), a) in algos {
-        let _ = write!(text, "{n} {t} {k} {} {}", u8::from(*bias), mode_number(*mode));
+    let mut text = format!("cublasLt2 {version}\n");
+    for ((n, t, k, bias, mode, ld), a) in algos {
+        let _ = write!(text, "{n} {t} {k} {} {} {ld}", u8::from(*bias), mode_number(*mode));
         for w in a.data {
             let _ = write!(text, " {w:x}");
         }
@@ -295,17 +298,17 @@ fn algos_text(version: usize, algos: &HashMap<AlgoKey, sys::cublasLtMatmulAlgo_t
 /// What [`algos_text`] wrote, where its version is `version`.
 fn parse_algos(text: &str, version: usize) -> HashMap<AlgoKey, sys::cublasLtMatmulAlgo_t> {
     let mut lines = text.lines();
-    if lines.next() != Some(format!("cublasLt {version}").as_str()) {
+    if lines.next() != Some(format!("cublasLt2 {version}").as_str()) {
         return HashMap::new();
     }
     let parse = |l: &str| -> Option<(AlgoKey, sys::cublasLtMatmulAlgo_t)> {
         let w: Vec<&str> = l.split_whitespace().collect();
-        let [n, t, k, bias, mode] =
-            [w.first()?, w.get(1)?, w.get(2)?, w.get(3)?, w.get(4)?].map(|x| x.parse::<usize>().ok());
+        let [n, t, k, bias, mode, ld] =
+            [w.first()?, w.get(1)?, w.get(2)?, w.get(3)?, w.get(4)?, w.get(5)?].map(|x| x.parse::<usize>().ok());
         let mode = [None, Some(Fp8Scales::Rows), Some(Fp8Scales::Blocks)].get(mode?).copied()?;
-        let data: Vec<u64> = w.get(5..)?.iter().map(|x| u64::from_str_radix(x, 16).ok()).collect::<Option<_>>()?;
+        let data: Vec<u64> = w.get(6..)?.iter().map(|x| u64::from_str_radix(x, 16).ok()).collect::<Option<_>>()?;
         let data: [u64; 8] = data.try_into().ok()?;
-        Some(((n?, t?, k?, bias? == 1, mode), sys::cublasLtMatmulAlgo_t { data }))
+        Some(((n?, t?, k?, bias? == 1, mode, ld?), sys::cublasLtMatmulAlgo_t { data }))
     };
     lines.filter_map(parse).collect()
 }
@@ -318,8 +321,10 @@ mod tests {
     fn algorithms_survive_their_file_for_the_same_library_only() {
         let a = sys::cublasLtMatmulAlgo_t { data: [1, 2, 3, u64::MAX, 5, 6, 7, 8] };
         let b = sys::cublasLtMatmulAlgo_t { data: [9; 8] };
-        let algos =
-            HashMap::from([((3584, 64, 18944, false, Some(Fp8Scales::Rows)), a), ((896, 8, 896, true, None), b)]);
+        let algos = HashMap::from([
+            ((3584, 64, 18944, false, Some(Fp8Scales::Rows), 3584), a),
+            ((512, 8, 896, true, None, 1152), b),
+        ]);
         let text = algos_text(130000, &algos);
         let back = parse_algos(&text, 130000);
         assert_eq!(back.len(), 2);
@@ -327,7 +332,9 @@ mod tests {
             assert_eq!(back[k].data, v.data);
         }
         assert!(parse_algos(&text, 130001).is_empty(), "another library's algorithms are not taken");
-        let bad = "cublasLt 7\n1 2 3 0 0 1 2\n1 2 3 0 9 1 2 3 4 5 6 7 8\n1 2 3 0 2 1 2 3 4 5 6 7 8\n";
+        let bad = "cublasLt2 7\n1 2 3 0 0 1 2\n1 2 3 0 9 1 1 2 3 4 5 6 7 8\n1 2 3 0 2 1 1 2 3 4 5 6 7 8\n";
         assert_eq!(parse_algos(bad, 7).len(), 1, "short lines and unknown modes are left out");
+        let old = text.replacen("cublasLt2", "cublasLt", 1);
+        assert!(parse_algos(&old, 130000).is_empty(), "a file of the format without row strides is not read");
     }
 }

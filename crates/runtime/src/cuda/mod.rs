@@ -15,7 +15,7 @@ use codegen_cuda::{Arg, Count, Dim, Input, KernelKey, Launch, Program, Step};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
 };
-use ir::{DType, Op, Plan};
+use ir::Plan;
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -27,8 +27,10 @@ mod profile;
 pub mod tp;
 mod tune;
 mod w8a8;
+mod weights;
 
 use profile::Profile;
+use weights::Weights;
 
 use device::{arch, context};
 pub use device::{gpu_present, placement, usable};
@@ -52,7 +54,7 @@ pub struct CudaBackend {
     one_shot: Option<tp::OneShot>,
     gather: Option<tp::OneShot>,
     funcs: HashMap<KernelKey, CudaFunction>,
-    weights: Vec<Option<CudaSlice<u8>>>,
+    weights: Weights,
     constants: Vec<CudaSlice<f32>>,
     k_cache: Vec<CudaSlice<u16>>,
     v_cache: Vec<CudaSlice<u16>>,
@@ -195,30 +197,7 @@ impl CudaBackend {
         }
         let t = std::time::Instant::now();
         let file = bundle.weights(rank)?;
-        let mut weights = Vec::with_capacity(plan.nodes.len());
-        let mut total = 0usize;
-        for n in &plan.nodes {
-            weights.push(match &n.op {
-                Op::Weight { name, shape, dtype, .. } => {
-                    let (dtype, bytes) = (*dtype, file.bytes_as(name, *dtype, shape)?);
-                    let up = |b: &[u8]| stream.clone_htod(b).map_err(driver("uploading weights"));
-                    total += bytes.len();
-                    // f32 and the program's 16-bit float go up as stored (the codegen rejects
-                    // the other 16-bit float); E4M3 in the kernels' layout.
-                    Some(match dtype {
-                        d if d == DType::F32 || d == program.half => up(bytes)?,
-                        DType::F8_E4M3 => {
-                            let (rows, k) = (shape.iter().rev().skip(1).product(), shape.last().copied().unwrap_or(0));
-                            let dev = codegen_cuda::fp8_device_layout(name, bytes, rows, k)
-                                .map_err(|e| RuntimeError::Unsupported(e.to_string()))?;
-                            up(&dev)?
-                        }
-                        d => up(&d.to_f32(bytes).iter().flat_map(|f| f.to_le_bytes()).collect::<Vec<u8>>())?,
-                    })
-                }
-                _ => None,
-            });
-        }
+        let (weights, total) = Weights::upload(&stream, &plan, &program, &file)?;
         let constants = program
             .constants
             .iter()
@@ -366,7 +345,8 @@ impl CudaBackend {
     fn arg_ptr(&self, a: &Arg) -> u64 {
         match a {
             Arg::Buf(b) => self.ptr(&self.bufs[*b]),
-            Arg::Weight(w) => self.weights[*w].as_ref().map_or(0, |s| self.ptr(s)),
+            Arg::BufAt(b, at) => self.ptr(&self.bufs[*b]) + *at as u64,
+            Arg::Weight(w) => self.weights.ptr(&self.stream, *w),
             _ => 0,
         }
     }
@@ -423,7 +403,7 @@ impl CudaBackend {
             .args
             .iter()
             .map(|a| match a {
-                Arg::Buf(_) | Arg::Weight(_) | Arg::Null => V::P(self.arg_ptr(a)),
+                Arg::Buf(_) | Arg::BufAt(..) | Arg::Weight(_) | Arg::Null => V::P(self.arg_ptr(a)),
                 Arg::Const(c) => V::P(self.ptr(&self.constants[*c])),
                 Arg::KCache(layer) => V::P(self.ptr(&self.k_cache[*layer])),
                 Arg::VCache(layer) => V::P(self.ptr(&self.v_cache[*layer])),

@@ -58,7 +58,7 @@ pub(crate) fn matmul(stream: &Arc<CudaStream>, half: DType, opts: &ProbeOptions)
     let x = random(stream, half, elems, 1)?;
     let w = random(stream, half, elems, 2)?;
     let out = stream.alloc_zeros::<f32>(elems).map_err(driver("allocating the matmul's output"))?;
-    let part = Part { w: ptr(stream, &w), bias: 0, out: ptr(stream, &out), n: s, w_scales: 0 };
+    let part = Part { w: ptr(stream, &w), bias: 0, out: ptr(stream, &out), n: s, ld: s, w_scales: 0 };
     let x = ptr(stream, &x);
     let ms = timed(stream, opts.warmup, opts.reps, || {
         blas.gemm(stream, x, None, s, s, &[part]).map_err(RuntimeError::Unsupported)

@@ -189,7 +189,7 @@ impl CudaBackend {
     /// The bytes launch `l` of `t` tokens and `r` logit rows must move at the least
     /// ([`launch_bytes`]), for the profile's bandwidth column.
     pub(super) fn launch_bytes(&self, l: &Launch, t: usize, r: usize) -> usize {
-        let weight = |w: usize| self.weights[w].as_ref().map_or(0, |d| d.len());
+        let weight = |w: usize| self.weights.len(w);
         let kv = KvRead { positions: self.positions, row_bytes: self.plan.kv.row() * 2 };
         launch_bytes(&l.args, t, r, kv, &self.program.buffers, weight)
     }
@@ -204,7 +204,8 @@ pub(super) struct KvRead {
 }
 
 /// The bytes a launch with `args` of `t` tokens and `r` logit rows must move at the least: its
-/// weights (`weight` gives a weight's bytes), its buffers' rows (each once, read or written),
+/// weights (`weight` gives a weight's bytes), its buffers' rows (each once, read or written;
+/// a packed buffer's whole rows by the argument at its start, none by those from an offset on),
 /// and of each KV cache every position of the step's sequences where it reads the slot table
 /// (attention), the step's own tokens where it only writes them. A kernel that reads something
 /// twice (prefill attention's KV, once per query tile) moves more.

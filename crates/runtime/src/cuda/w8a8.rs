@@ -97,7 +97,7 @@ impl CudaBackend {
     /// stay with ours (`launch_blas` refuses them, so the timing at load keeps ours).
     pub(super) fn convert_w8_scales(&mut self) -> Result<(), RuntimeError> {
         for (w, k, n) in w8_linear_weights(&self.program) {
-            let Some(dev) = &self.weights[w] else { continue };
+            let Some(dev) = self.weights.view(w) else { continue };
             let at = n * k;
             let view = dev.slice(at..at + n * (k / W8_GROUP) * 4);
             let bytes = self.stream.clone_dtoh(&view).map_err(driver("reading E4M3 scales"))?;
@@ -135,34 +135,33 @@ impl CudaBackend {
             .map(|b| f32::from_le_bytes(std::array::from_fn(|i| b.get(i).copied().unwrap_or(0))))
             .collect();
         self.stream.memcpy_htod(&words, &mut view).map_err(driver("a W8A8 check's input"))?;
-        let outs: Vec<(usize, usize)> = (0..3)
-            .filter(|&g| n[g] > 0)
-            .filter_map(|g| match l.args.get(3 + 3 * g) {
-                Some(&Arg::Buf(b)) => Some((b, n[g])),
-                _ => None,
-            })
-            .collect();
-        let read = |be: &Self| -> Result<Vec<Vec<f32>>, RuntimeError> {
-            outs.iter()
-                .map(|&(b, n)| {
-                    be.stream.clone_dtoh(&be.bufs[b].slice(..t * n)).map_err(driver("a W8A8 check's output"))
-                })
-                .collect()
+        // The launch's outputs: one matrix of t rows of every linear's columns (packed).
+        let Some(&Arg::Buf(out)) = l.args.get(3) else {
+            return Ok(Some("a linear launch without its output".into()));
         };
+        let total = t * n.iter().sum::<usize>();
+        let read =
+            |be: &Self| be.stream.clone_dtoh(&be.bufs[out].slice(..total)).map_err(driver("a W8A8 check's output"));
         self.launch(l, t, t, &[0; 6])?;
         let ours = read(self)?;
         if let Err(e) = self.run_gemm(l, t, g) {
             return Ok(Some(e.to_string()));
         }
         let theirs = read(self)?;
-        for (a, b) in ours.iter().zip(&theirs) {
+        // Each linear apart: its columns of every row.
+        let ntot: usize = n.iter().sum();
+        let mut at = 0;
+        for &cols in n.iter().filter(|&&c| c > 0) {
+            let of = |v: &[f32]| -> Vec<f32> { v.chunks(ntot).flat_map(|row| row[at..at + cols].to_vec()).collect() };
+            let (a, b) = (of(&ours), of(&theirs));
             let rms =
                 |v: &mut dyn Iterator<Item = f32>| (v.map(|x| (x as f64).powi(2)).sum::<f64>() / a.len() as f64).sqrt();
-            let (d, r) = (rms(&mut a.iter().zip(b).map(|(x, y)| x - y)), rms(&mut a.iter().copied()));
+            let (d, r) = (rms(&mut a.iter().zip(&b).map(|(x, y)| x - y)), rms(&mut a.iter().copied()));
             // NaN counts as off.
             if d.is_nan() || d > 0.1 * r {
                 return Ok(Some(format!("its result is off by {:.3} of ours (rms)", d / r)));
             }
+            at += cols;
         }
         Ok(None)
     }
