@@ -212,7 +212,9 @@ fn gemv_x(x: usize, norm: Option<&FusedNorm>, rows: usize) -> (Option<NormIn>, V
 }
 
 /// Launch variants of up to three fast linears sharing the 16-bit input `x` (the output of
-/// `norm` when the GEMVs apply it), over `by` rows; their weights E4M3 where `w8`.
+/// `norm` when the GEMVs apply it), over `by` rows; their weights E4M3 where `w8`. The kernels
+/// write rows of all the linears' columns, so the outputs of more than one linear must be the
+/// column ranges `Builder::packed` gives, in order.
 fn grouped(x: usize, k: usize, groups: &[Group], by: Count, norm: Option<&FusedNorm>, w8: bool) -> Step {
     let mut n = [0; 3];
     let mut outs = vec![];
@@ -371,7 +373,7 @@ fn glu(
         .collect();
     let (tg, tu) = match b.packed(&[n, n])[..] {
         [g, u] => (g, u),
-        _ => unreachable!("two columns ranges"),
+        _ => unreachable!("two column ranges"),
     };
     let Step::Kernels { variants: big, .. } =
         grouped(x, k, &[(wg, None, tg, n), (wu, None, tu, n)], Count::Tokens, None, w8)

@@ -138,3 +138,38 @@ fn adjacent_groups(program: &Program) -> Vec<Vec<usize>> {
     let clashing: Vec<bool> = groups.iter().map(|g| g.iter().any(|&w| clash(w))).collect();
     groups.into_iter().zip(clashing).filter(|(_, c)| !c).map(|(g, _)| g).collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::adjacent_groups;
+    use ir::{DType, Fusion, FusionKind, Graph, Op};
+
+    /// x → norm → act(x·gateᵀ) * (x·upᵀ) → down → logits, 64 wide, bf16: gate and up are the
+    /// one launch of several linears, so their weights, in that order, are one group; the lone
+    /// down projection and the logits are in none.
+    #[test]
+    fn a_launchs_weights_are_one_group_in_its_order() {
+        let mut g = Graph::new(DType::BF16);
+        let w = |g: &mut Graph, name: &str, shape: Vec<usize>| {
+            g.add(Op::Weight { name: name.into(), shape, dtype: DType::BF16, derived: None }, &[], name).unwrap()
+        };
+        let (table, nw) = (w(&mut g, "table", vec![64, 64]), w(&mut g, "norm", vec![64]));
+        let (gw, uw, dw) =
+            (w(&mut g, "gate", vec![128, 64]), w(&mut g, "up", vec![128, 64]), w(&mut g, "down", vec![64, 128]));
+        let t = g.add(Op::Tokens, &[], "tokens").unwrap();
+        let x = g.add(Op::Embedding, &[t, table], "x").unwrap();
+        let h = g.add(Op::RmsNorm { eps: 1e-6 }, &[x, nw], "h").unwrap();
+        let gate = g.add(Op::Linear { bias: false }, &[h, gw], "g").unwrap();
+        let up = g.add(Op::Linear { bias: false }, &[h, uw], "u").unwrap();
+        let act = g.add(Op::Silu, &[gate], "a").unwrap();
+        let m = g.add(Op::Mul, &[act, up], "m").unwrap();
+        let y = g.add(Op::Linear { bias: false }, &[m, dw], "y").unwrap();
+        g.fusions.push(Fusion { kind: FusionKind::Glu, nodes: vec![gate, up, act, m] });
+        g.fusions.push(Fusion { kind: FusionKind::Linears, nodes: vec![y] });
+        g.output = Some(g.add(Op::Logits, &[y, table], "logits").unwrap());
+        let plan = g.to_plan().unwrap();
+        let program = codegen_cuda::emit(&plan).unwrap();
+        let node = |name: &str| plan.nodes.iter().position(|n| n.label == name).unwrap();
+        assert_eq!(adjacent_groups(&program), [vec![node("gate"), node("up")]]);
+    }
+}
