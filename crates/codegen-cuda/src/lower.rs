@@ -279,7 +279,7 @@ fn linears(b: &mut Builder, ls: &[usize]) -> Result<(), CodegenError> {
         let of_format = ls.iter().copied().filter(|&c| b.fast_format(c) == Some(w8));
         let (shared, alone): (Vec<usize>, Vec<usize>) = of_format.partition(|&c| reads_packed(b, c));
         let launches = alone.into_iter().map(|c| vec![c]).chain((!shared.is_empty()).then_some(shared));
-        for members in launches.collect::<Vec<_>>() {
+        for members in launches {
             let outs = match &members[..] {
                 &[c] => vec![b.out(c, DType::F32)],
                 _ => {
@@ -371,10 +371,7 @@ fn glu(
             )
         })
         .collect();
-    let (tg, tu) = match b.packed(&[n, n])[..] {
-        [g, u] => (g, u),
-        _ => unreachable!("two column ranges"),
-    };
+    let [tg, tu] = b.packed(&[n, n])[..] else { unreachable!("two column ranges") };
     let Step::Kernels { variants: big, .. } =
         grouped(x, k, &[(wg, None, tg, n), (wu, None, tu, n)], Count::Tokens, None, w8)
     else {
