@@ -26,21 +26,25 @@ for shape in ${SHAPES:-qwen3-8b}; do
     tag=$shape-$(basename "$bin") b=/tmp/ck-$shape-$(basename "$bin").bundle
     "$bin/engc" compile --checkpoint "$ck" --dtype bf16 -o "$b" >"$work/$tag-compile.txt" 2>&1 || continue
     head -1 "$b/kernels/model.cu" >>"$work/$tag-compile.txt"
-    args="--device cuda --num-prompts ${BATCH:-1} --input-len ${INPUT_LEN:-1} --output-len ${OUTPUT_LEN:-256} --json"
-    out="$work/$tag-costs.txt"
-    for rep in 1 2; do
-      full=$("$bin/engrun" bench "$b" $args 2>>"$work/$tag-bench.err" | tee -a "$work/$tag-bench.json" | tpot)
-      echo "$bin, full step (run $rep): decode step $full ms" | tee -a "$out"
+    export ENGINE_GEMM_CHOICES=$work/$tag-gemm-choices.txt
+    for batch in ${BATCHES:-${BATCH:-1}}; do
+      args="--device cuda --num-prompts $batch --input-len ${INPUT_LEN:-1} --output-len ${OUTPUT_LEN:-256} --json"
+      out="$work/$tag-costs.txt"
+      echo "== batch $batch" >>"$out"
+      for rep in 1 2; do
+        full=$("$bin/engrun" bench "$b" $args 2>>"$work/$tag-bench.err" | tee -a "$work/$tag-bench.json" | tpot)
+        echo "$bin, full step (run $rep): decode step $full ms" | tee -a "$out"
+      done
+      for s in $skips; do
+        # A run without kernels whose outputs others index by (an MoE's routing) may fail.
+        if t=$(ENGINE_CUDA_SKIP=$s "$bin/engrun" bench "$b" $args 2>>"$work/$tag-bench.err" | tpot 2>/dev/null); then
+          python3 -c "print('$bin, without *%s*: decode step %s ms, the kernels cost %.1f us a step' % ('$s', '$t', 1e3 * ($full - $t)))" | tee -a "$out"
+        else
+          echo "$bin, without *$s*: the run failed (see $tag-bench.err)" | tee -a "$out"
+        fi
+      done
+      [ -n "${PROFILE:-}" ] && ENGINE_CUDA_PROFILE=1 "$bin/engrun" bench "$b" $args >"$work/$tag-b$batch-profile.txt" 2>&1
     done
-    for s in $skips; do
-      # A run without kernels whose outputs others index by (an MoE's routing) may fail.
-      if t=$(ENGINE_CUDA_SKIP=$s "$bin/engrun" bench "$b" $args 2>>"$work/$tag-bench.err" | tpot 2>/dev/null); then
-        python3 -c "print('$bin, without *%s*: decode step %s ms, the kernels cost %.1f us a step' % ('$s', '$t', 1e3 * ($full - $t)))" | tee -a "$out"
-      else
-        echo "$bin, without *$s*: the run failed (see $tag-bench.err)" | tee -a "$out"
-      fi
-    done
-    [ -n "${PROFILE:-}" ] && ENGINE_CUDA_PROFILE=1 "$bin/engrun" bench "$b" $args >"$work/$tag-profile.txt" 2>&1
     # KEEP=1 leaves the bundle for a later command.
     [ -n "${KEEP:-}" ] || rm -rf "$b"
   done

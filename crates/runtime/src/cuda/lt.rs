@@ -1,7 +1,8 @@
 //! The cuBLASLt library (loaded at run time): a handle, its workspace, and matmuls of the
 //! engine's linears, `out [t, n] f32 = x [t, k] · w [n, k]ᵀ (+ bias)`, 16-bit or E4M3 (W8A8 with
 //! the scales in the epilogue). The algorithm for each matmul shape is the fastest of the
-//! heuristic's first [`ALGOS`] where the load times them (`explore`), else the heuristic's first;
+//! heuristic's first [`ALGOS`] and of those found for the shape at other row counts where the
+//! load times them (`explore`), else the heuristic's first;
 //! the algorithms found are kept in a file beside the GEMM choices, so later loads on the
 //! machine run the same ones.
 
@@ -157,6 +158,21 @@ impl Blas {
         Ok(algos)
     }
 
+    /// Whether `algo` can run the matmul of `desc` over layouts `[a, b, c]` (c also the
+    /// output) within the workspace.
+    unsafe fn applies(
+        &self,
+        desc: sys::cublasLtMatmulDesc_t,
+        [a, b, c]: [sys::cublasLtMatrixLayout_t; 3],
+        algo: &sys::cublasLtMatmulAlgo_t,
+    ) -> bool {
+        let mut r: sys::cublasLtMatmulHeuristicResult_t = std::mem::zeroed();
+        let status = sys::cublasLtMatmulAlgoCheck(self.handle, desc, a, b, c, c, algo, &mut r);
+        status == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS
+            && r.state == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS
+            && r.workspaceSize <= WORKSPACE
+    }
+
     /// While set (the timing at load), a matmul shape seen for the first time times each of
     /// the heuristic's algorithms and keeps the fastest; else (a step's new row count) the
     /// heuristic's first.
@@ -246,7 +262,14 @@ impl Blas {
             let algo = match found {
                 Some(a) => a,
                 None => {
-                    let algos = self.heuristics(desc, a, b, c)?;
+                    let mut algos = self.heuristics(desc, a, b, c)?;
+                    if self.explore.get() {
+                        for other in siblings(&self.algos.borrow(), &key) {
+                            if !algos.iter().any(|x| x.data == other.data) && self.applies(desc, [a, b, c], &other) {
+                                algos.push(other);
+                            }
+                        }
+                    }
                     let best = if self.explore.get() && algos.len() > 1 {
                         self.explored.set(true);
                         fastest(stream, &algos, run)
@@ -265,6 +288,21 @@ impl Blas {
         }
         r
     }
+}
+
+/// The algorithms of `found` for `key`'s matmul at other row counts, each once. The heuristic's
+/// picks at some row counts are much slower than its picks at others: on the H200 the 7B
+/// shape's o projection took 27-32 us at 112-128 rows and 13 us at 96 and 256 (docs/perf.md,
+/// 2026-11-25), so a new row count's timing tries these too.
+fn siblings(found: &HashMap<AlgoKey, sys::cublasLtMatmulAlgo_t>, key: &AlgoKey) -> Vec<sys::cublasLtMatmulAlgo_t> {
+    let same = |k: &AlgoKey| (k.0, k.2, k.3, k.4, k.5) == (key.0, key.2, key.3, key.4, key.5) && k.1 != key.1;
+    let mut out: Vec<sys::cublasLtMatmulAlgo_t> = vec![];
+    for (_, a) in found.iter().filter(|(k, _)| same(k)) {
+        if !out.iter().any(|x| x.data == a.data) {
+            out.push(*a);
+        }
+    }
+    out
 }
 
 /// The loaded cuBLASLt's version (an algorithm is only valid for the library that found it).
@@ -316,6 +354,27 @@ fn parse_algos(text: &str, version: usize) -> HashMap<AlgoKey, sys::cublasLtMatm
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A new row count's candidates are the shape's algorithms at the other row counts, each
+    /// once; another shape's, bias, FP8 mode or row stride are not.
+    #[test]
+    fn siblings_are_the_same_matmul_at_other_row_counts() {
+        let algo = |w: u64| sys::cublasLtMatmulAlgo_t { data: [w; 8] };
+        let found = HashMap::from([
+            ((3584, 64, 3584, false, None, 3584), algo(1)),
+            ((3584, 96, 3584, false, None, 3584), algo(2)),
+            ((3584, 112, 3584, false, None, 3584), algo(2)),
+            ((3584, 128, 3584, false, None, 3584), algo(3)),
+            ((3584, 96, 3584, true, None, 3584), algo(4)),
+            ((3584, 96, 3584, false, Some(Fp8Scales::Rows), 3584), algo(5)),
+            ((3584, 96, 3584, false, None, 4608), algo(6)),
+            ((512, 96, 3584, false, None, 3584), algo(7)),
+        ]);
+        let mut got: Vec<u64> =
+            siblings(&found, &(3584, 128, 3584, false, None, 3584)).iter().map(|a| a.data[0]).collect();
+        got.sort();
+        assert_eq!(got, [1, 2]);
+    }
 
     #[test]
     fn algorithms_survive_their_file_for_the_same_library_only() {

@@ -380,6 +380,10 @@ impl CudaBackend {
                                 || self.run_gemm(l, c, g),
                             )
                         };
+                        // ENGINE_CUDA_SKIP leaves out cuBLASLt's and our W8A8 launches by their labels too.
+                        if g != blas::Gemm::Ours && profile::skipped(&self.skip, &g.label(&l.key)) {
+                            continue;
+                        }
                         if g == blas::Gemm::Ours || other().is_err() {
                             self.launch(l, t, r, off)?;
                         }
