@@ -13,10 +13,13 @@
 # variants interleaved. One line per run in $OUT/ab.txt: shape, setting, batch, TPOT p50, output
 # tok/s, and (ENGINE_CUDA_PROFILE=steps) the GPU time of the graph replay and of sampling, and the step's host wall time.
 # $OUT/ab.jsonl: each run's whole JSON report after the same labels.
-# $OUT/gemm-SHAPE-BINDIR.txt: the GEMM choices each binary logged at load (ours or cuBLASLt).
+# $OUT/gemm-SHAPE-BINDIR.txt: the GEMM timings and choices each binary logged at its first load (ours or cuBLASLt).
 # Every variant runs the GEMM choices the first run timed (ENGINE_GEMM_CHOICES, one file per
 # shape): each process times ours against cuBLASLt at load, near ties fall differently, and a
-# step's time would follow them. SHARED_GEMM=0 lets each binary time its own (an A/B of GEMMs).
+# step's time would follow them. SHARED_GEMM=0 lets each binary time its own (an A/B of GEMMs):
+# each binary set then keeps its choices in a cache folder of its own, since binaries whose
+# CUDA source is the same would otherwise read each other's choices and cuBLASLt algorithms
+# from the machine's cache (runtime's choices file is named by the GPU and the source).
 set -euo pipefail
 out="${OUT:-/tmp/gpu-out}"
 mkdir -p "$out"
@@ -38,13 +41,16 @@ for shape in ${SHAPES:-qwen2.5-0.5b}; do
         # Each binary runs the bundle its own engc compiled (a bundle carries its CUDA source).
         b=$ck$cks${quant[1]:+-${quant[1]}}.$(basename "$bin").bundle
         [ -d "$b" ] || $bin/engc compile "${MODEL:-models/qwen2.yaml}" --checkpoint "$ck$cks" "${quant[@]}" -o "$b" 2>&1 | tail -1
+        [ "${SHARED_GEMM:-1}" = 1 ] || envs=("ENGINE_CACHE_DIR=/tmp/engine-cache-$(basename "$bin")" "${envs[@]}")
         r=$(env "${envs[@]}" ENGINE_CUDA_PROFILE=steps $bin/engrun bench "$b" --device cuda --num-prompts "$n" \
           --input-len "${INPUT_LEN:-128}" --output-len "${OUTPUT_LEN:-128}" ${BENCH_ARGS:-} --json 2>&1)
         j=$(echo "$r" | grep '^{' | tail -1)
-        # cuBLASLt's choices at load, per shape and row count (the last run of each binary).
         echo "$shape $e b$n rep$rep $j" >> "$out/ab.jsonl"
+        # The GEMM timings at load, per shape and row count (ours against cuBLASLt).
         g=$(echo "$r" | grep '^GEMM ' || true)
-        [ -z "$g" ] || echo "$g" > "$out/gemm-$shape-$(basename "$bin").txt"
+        # The first run's: later runs read the choices back ("cached") and time nothing.
+        gf="$out/gemm-$shape-$(basename "$bin").txt"
+        [ -z "$g" ] || [ -f "$gf" ] || echo "$g" > "$gf"
         p=$(echo "$r" | grep "CUDA graph steps" | sed 's/.*replay \([0-9.]*\) us.*sampling \([0-9.]*\) us.*, \([0-9.]*\) us.step wall.*/replay_us \1 sample_us \2 step_wall_us \3/' || true)
         python3 -c "import json,sys; j=json.loads(sys.argv[1]); print('$shape $e b$n rep$rep ttft_ms_p50', round(j['ttft_ms_p50'], 3), 'tpot_ms_p50', round(j['tpot_ms_p50'], 4), 'output_tok_s', round(j['output_tok_s']), 'decode_bw', round(j['decode_bandwidth_fraction'], 3), 'roofline', round(j.get('decode_roofline_fraction', 0), 3), 'step_ms', round(j.get('decode_step_ms', 0), 3), sys.argv[2])" "$j" "$p" | tee -a "$out/ab.txt"
       done
