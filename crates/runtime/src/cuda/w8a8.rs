@@ -139,9 +139,9 @@ impl CudaBackend {
         let Some(&Arg::Buf(out)) = l.args.get(3) else {
             return Ok(Some("a linear launch without its output".into()));
         };
-        let total = t * n.iter().sum::<usize>();
+        let ntot: usize = n.iter().sum();
         let read =
-            |be: &Self| be.stream.clone_dtoh(&be.bufs[out].slice(..total)).map_err(driver("a W8A8 check's output"));
+            |be: &Self| be.stream.clone_dtoh(&be.bufs[out].slice(..t * ntot)).map_err(driver("a W8A8 check's output"));
         self.launch(l, t, t, &[0; 6])?;
         let ours = read(self)?;
         if let Err(e) = self.run_gemm(l, t, g) {
@@ -149,10 +149,10 @@ impl CudaBackend {
         }
         let theirs = read(self)?;
         // Each linear apart: its columns of every row.
-        let ntot: usize = n.iter().sum();
         let mut at = 0;
         for &cols in n.iter().filter(|&&c| c > 0) {
-            let of = |v: &[f32]| -> Vec<f32> { v.chunks(ntot).flat_map(|row| row[at..at + cols].to_vec()).collect() };
+            let of =
+                |v: &[f32]| -> Vec<f32> { v.chunks(ntot).flat_map(|row| row[at..at + cols].iter().copied()).collect() };
             let (a, b) = (of(&ours), of(&theirs));
             let rms =
                 |v: &mut dyn Iterator<Item = f32>| (v.map(|x| (x as f64).powi(2)).sum::<f64>() / a.len() as f64).sqrt();
