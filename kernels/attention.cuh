@@ -39,40 +39,74 @@ __device__ void rope_kv(const float* q, const float* k, const float* v, const in
     }
     __syncthreads();
   }
-  for (int i = threadIdx.x; i < (H + KVH) * (D / 2); i += blockDim.x) {
+  // Every value the thread rotates or copies is loaded before any is used, so the row costs one
+  // round trip to memory rather than one per pair (the loop would wait on each: stores to qo
+  // and the cache may alias the inputs). Pair i: head i / (D / 2) of q then of k.
+  constexpr int NT = 128, PAIRS = (H + KVH) * (D / 2), PER = (PAIRS + NT - 1) / NT, VPER = (KVH * D + NT - 1) / NT;
+  const auto at = [&](int i, int& head, int& j, int& ja, int& jb) {
     const bool isq = i < H * (D / 2);
     const int ii = isq ? i : i - H * (D / 2);
-    const int head = ii / (D / 2), j = ii % (D / 2);
-    const float* src = isq ? q + (long)t * LQ + head * D : k + (long)t * LK + head * D;
+    head = ii / (D / 2);
+    j = ii % (D / 2);
     // a rotated pair (j, j + ROT / 2), or two features past the rotated ones
+    ja = j < ROT / 2 ? j : ROT + 2 * (j - ROT / 2);
+    jb = j < ROT / 2 ? j + ROT / 2 : ja + 1;
+    return isq;
+  };
+  float xa[PER], xb[PER], fr[PER], vv[VPER];
+#pragma unroll
+  for (int u = 0; u < PER; u++) {
+    const int i = threadIdx.x + u * NT;
+    int head, j, ja, jb;
+    if (i >= PAIRS) continue;
+    const bool isq = at(i, head, j, ja, jb);
+    const float* src = isq ? q + (long)t * LQ + head * D : k + (long)t * LK + head * D;
+    xa[u] = src[ja];
+    xb[u] = src[jb];
+    fr[u] = inv_freq && j < ROT / 2 ? inv_freq[j] : 0.0f;
+  }
+#pragma unroll
+  for (int u = 0; u < VPER; u++) {
+    const int i = threadIdx.x + u * NT;
+    if (i < KVH * D) vv[u] = v[(long)t * LV + i];
+  }
+#pragma unroll
+  for (int u = 0; u < PER; u++) {
+    const int i = threadIdx.x + u * NT;
+    int head, j, ja, jb;
+    if (i >= PAIRS) continue;
+    const bool isq = at(i, head, j, ja, jb);
     const bool rot = j < ROT / 2;
-    const int ja = rot ? j : ROT + 2 * (j - ROT / 2), jb = rot ? j + ROT / 2 : ja + 1;
-    float xa = src[ja], xb = src[jb];
+    float a = xa[u], b = xb[u];
     if (isq && NQ) {
-      xa *= rms[head] * to_f32(qnw[ja]);
-      xb *= rms[head] * to_f32(qnw[jb]);
+      a *= rms[head] * to_f32(qnw[ja]);
+      b *= rms[head] * to_f32(qnw[jb]);
     } else if (!isq && NK) {
-      xa *= rms[H + head] * to_f32(knw[ja]);
-      xb *= rms[H + head] * to_f32(knw[jb]);
+      a *= rms[H + head] * to_f32(knw[ja]);
+      b *= rms[H + head] * to_f32(knw[jb]);
     }
     if (rot && (isq ? RQ : RK)) {
-      float s, c;
-      sincosf(p * inv_freq[j], &s, &c);
-      s *= scale;
+      float sn, c;
+      sincosf(p * fr[u], &sn, &c);
+      sn *= scale;
       c *= scale;
-      const float ra = xa * c - xb * s, rb = xb * c + xa * s;
-      xa = ra;
-      xb = rb;
+      const float ra = a * c - b * sn, rb = b * c + a * sn;
+      a = ra;
+      b = rb;
     }
     if (isq) {
-      qo[(long)t * H * D + head * D + ja] = xa;
-      qo[(long)t * H * D + head * D + jb] = xb;
+      qo[(long)t * H * D + head * D + ja] = a;
+      qo[(long)t * H * D + head * D + jb] = b;
     } else {
-      kc[dst + head * D + ja] = f32_to_h16(xa);
-      kc[dst + head * D + jb] = f32_to_h16(xb);
+      kc[dst + head * D + ja] = f32_to_h16(a);
+      kc[dst + head * D + jb] = f32_to_h16(b);
     }
   }
-  for (int i = threadIdx.x; i < KVH * D; i += blockDim.x) vc[dst + i] = f32_to_h16(v[(long)t * LV + i]);
+#pragma unroll
+  for (int u = 0; u < VPER; u++) {
+    const int i = threadIdx.x + u * NT;
+    if (i < KVH * D) vc[dst + i] = f32_to_h16(vv[u]);
+  }
 }
 
 // One key of the online softmax: score s (already summed over the G lanes of the key) and the
@@ -652,6 +686,11 @@ __device__ void attention_dec(const float* q, const h16_t* kc, const h16_t* vc, 
   if (split >= ds.splits) return;
   const int* sl = slots + seq_off[t];
   const int j0 = split * ds.per, j1 = min(j0 + ds.per, ds.tiles);
+  // Where row t is its sequence's first of the step (every decode row), its keys before its own
+  // position were cached by earlier steps: a tile of only those is copied before the previous
+  // kernel ends (pdl_wait; the slots and positions are the step's inputs, uploaded before it).
+  const bool settled = t == 0 || seq_off[t - 1] != seq_off[t];
+  const auto early = [&](int j) { return j >= j1 || (settled && ds.base + j * 16 + 16 < ds.n); };
   // The warp's stages, each a K tile then a V tile.
   h16_t* stages = (h16_t*)dec_smem + warp * DEC_STAGES * 2 * TILE;
   const auto k_s = [&](int i) { return stages + (i % DEC_STAGES) * 2 * TILE; };
@@ -662,10 +701,15 @@ __device__ void attention_dec(const float* q, const h16_t* kc, const h16_t* vc, 
   };
   constexpr int AHEAD = (DEC_STAGES - 1) * DEC_WARPS;  // tiles from the one used to the one loaded
 #pragma unroll
-  for (int i = 0; i < DEC_STAGES - 1; i++) load(j0 + warp + i * DEC_WARPS, i, slot(j0 + warp + i * DEC_WARPS));
+  for (int i = 0; i < DEC_STAGES - 1; i++) {
+    const int j = j0 + warp + i * DEC_WARPS, mine = slot(j);
+    if (!early(j)) pdl_wait();
+    load(j, i, mine);
+  }
   // The slots of the tiles the next two iterations load, read two iterations ahead: a slot read
   // under the copies' traffic outlasts an iteration, and the copies never wait for one.
   int next = slot(j0 + warp + AHEAD), after = slot(j0 + warp + AHEAD + DEC_WARPS);
+  pdl_wait();
   // The queries are read while the first tiles' copies are in flight.
   const float qs = scale * 1.4426950408889634f;
   unsigned qf[KS][4];

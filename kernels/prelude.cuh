@@ -30,8 +30,8 @@ __device__ __forceinline__ float to_f32(h16_t v) {
 // PDL attribute, so a kernel's blocks may be scheduled while the kernel before it still runs.
 // Each kernel first lets the next one launch (pdl_trigger), then waits until the previous grid
 // has finished and its writes are visible (pdl_wait) before reading what it wrote; the GEMVs
-// load their weights (which no kernel writes) in between. Launched without the attribute, both
-// are no-ops.
+// load their weights (which no kernel writes) in between, decode attention the KV rows of
+// earlier steps. Launched without the attribute, both are no-ops.
 __device__ __forceinline__ void pdl_trigger() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;");

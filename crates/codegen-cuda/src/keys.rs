@@ -793,7 +793,8 @@ impl KernelKey {
     }
 
     /// Whether the kernel waits for the previous one itself (`pdl_enter`, or `pdl_trigger` then
-    /// `pdl_wait` after the weight loads of a GEMV or a norm: `kernels/prelude.cuh`), so the runtime may launch
+    /// `pdl_wait` after the weight loads of a GEMV or a norm, or decode attention's first copies
+    /// of cached keys: `kernels/prelude.cuh`), so the runtime may launch
     /// it as a programmatic dependent launch: every kernel of the forward step; not the one-shot
     /// collectives (their blocks wait on other GPUs) nor sampling.
     pub fn pdl(&self) -> bool {
@@ -1135,14 +1136,15 @@ impl KernelKey {
             ),
         };
         // The GEMVs, the norms and the W8A8 GEMM wait for the previous kernel themselves, after
-        // loading weights.
+        // loading weights; decode attention after its first copies of cached keys.
         let enter = match self {
             _ if !self.pdl() => "",
             KernelKey::Gemv { .. }
             | KernelKey::GemvGlu { .. }
             | KernelKey::GemmSkinnyA8 { .. }
             | KernelKey::AddRmsNorm { .. }
-            | KernelKey::NormAddRmsNorm { .. } => "pdl_trigger(); ",
+            | KernelKey::NormAddRmsNorm { .. }
+            | KernelKey::AttentionDec(_) => "pdl_trigger(); ",
             _ => "pdl_enter(); ",
         };
         let bounds = if matches!(self, KernelKey::GemmSkinnyA8 { .. }) { "__launch_bounds__(128, 1) " } else { "" };
