@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
-# Runs on the GPU machine after scripts/gpu-check.sh built the checkpoints (/tmp/ck-SHAPE):
+# Runs on the GPU machine. The checkpoint of each shape is /tmp/ck-SHAPE (a random one made by
+# scripts/gpu/hf_reference.py with REF=0 where it is missing), or with LAYERS=N /tmp/ck-SHAPE-lN,
+# the shape cut to N layers (a 4-layer 7B A/B of three variants, two batch sizes and three
+# reps takes about two minutes; the full 7B's checkpoint and two bundles take several):
 # A/B of run-time settings. For each shape in SHAPES, compiles a bundle of MODEL (default
 # models/qwen2.yaml) once per binary set, then runs the benchmark (INPUT_LEN prompt tokens,
 # default 128, OUTPUT_LEN generated, default 128; BENCH_ARGS: more `engrun bench` flags, e.g.
 # "--random-range-ratio 0.0977 --max-total-tokens 400000" for the nano-vllm workload) as usual (A) and with
 # each environment setting of AB_ENVS (space-separated; B, C, ... e.g.
-# AB_ENVS=ENGINE_NORM_IN_GEMV=0: engrun emits the schedule from the bundle's plan, so schedule
-# settings apply there too; BIN=DIR: another binary set; CK=SUFFIX: the checkpoint
+# AB_ENVS=ENGINE_PDL=0; a setting that changes the schedule's kernels, such as
+# ENGINE_NORM_IN_GEMV=0, fails: a bundle's CUDA source must be the one engrun emits;
+# BIN=DIR: another binary set; CK=SUFFIX: the checkpoint
 # /tmp/ck-SHAPE$SUFFIX, e.g. CK=-fp8 for the FP8 one scripts/gpu/hf_fp8.py makes; Q=fp8: the
 # bundle compiled with --quant fp8; several joined by commas, environment settings too, e.g.
 # BIN=bin-gpu-new,CK=-fp8 or Q=fp8,ENGINE_PDL=0), at each batch size in BATCHES (default 1), REPS times (default 2),
@@ -25,9 +29,18 @@ out="${OUT:-/tmp/gpu-out}"
 mkdir -p "$out"
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
 export ENGINE_CACHE_DIR=/tmp/engine-cache NCCL_NVLS_ENABLE=0
-: "${AB_ENVS:?set AB_ENVS, e.g. AB_ENVS=ENGINE_NORM_IN_GEMV=0}"
+: "${AB_ENVS:?set AB_ENVS, e.g. AB_ENVS=ENGINE_PDL=0}"
 for shape in ${SHAPES:-qwen2.5-0.5b}; do
-  ck=/tmp/ck-$shape
+  ck=/tmp/ck-$shape${LAYERS:+-l$LAYERS}
+  if [ ! -f "$ck/config.json" ]; then
+    cfg=tests/configs/$shape.json
+    if [ -n "${LAYERS:-}" ]; then
+      cfg=/tmp/ab-$shape-l$LAYERS.json
+      python3 -c 'import json, sys; c = json.load(open(sys.argv[1])); c["num_hidden_layers"] = int(sys.argv[2]); json.dump(c, open(sys.argv[3], "w"))' \
+        "tests/configs/$shape.json" "$LAYERS" "$cfg"
+    fi
+    REF=0 python3 scripts/gpu/hf_reference.py "$shape" "$ck" "$cfg" >"$out/hf-$shape.txt" 2>&1
+  fi
   if [ "${SHARED_GEMM:-1}" = 1 ]; then export ENGINE_GEMM_CHOICES=$out/gemm-choices-$shape.txt; fi
   for rep in $(seq "${REPS:-2}"); do
     for n in ${BATCHES:-1}; do
