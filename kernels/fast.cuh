@@ -55,25 +55,7 @@ __device__ __forceinline__ float dot8(uint4 w, uint4 x) {
   return s;
 }
 
-// ---- FP8 E4M3 weights ----
-// A linear's E4M3 weight [N, K] on the device (a --quant fp8 bundle or an FP8 checkpoint): its
-// codes, N * K bytes row by row, then one f32 scale per row and W8_GROUP columns ([N, K / W8_GROUP]);
-// weight = code * scale (row_scales). The runtime lays it out so (codegen_cuda::fp8_device_layout).
-struct fp8_t {
-  unsigned char b;
-};
-#define W8_GROUP 128
-
-// Weights per 16-byte chunk: 8 h16 or 16 E4M3 codes.
-template <typename WT>
-struct WFmt {
-  static constexpr int PER = 8;
-};
-template <>
-struct WFmt<fp8_t> {
-  static constexpr int PER = 16;
-};
-
+// ---- FP8 E4M3 weights (the format: formats.cuh) ----
 // Two E4M3 codes (the low byte first) as f16x2, exactly (every E4M3 value is an f16).
 __device__ __forceinline__ unsigned e4m3x2_f16x2(unsigned short c) {
   unsigned h;
@@ -109,6 +91,34 @@ __device__ __forceinline__ void e4m3x16_h16(uint4 w, float s, uint4& lo, uint4& 
                   pack_h16x2(f[6] * s, f[7] * s));
   hi = make_uint4(pack_h16x2(f[8] * s, f[9] * s), pack_h16x2(f[10] * s, f[11] * s),
                   pack_h16x2(f[12] * s, f[13] * s), pack_h16x2(f[14] * s, f[15] * s));
+}
+
+// ---- GGUF's blocks (the formats: formats.cuh) ----
+// PER f32 weights as PER / 8 chunks of h16, rounded to nearest even (the tensor-core kernels'
+// operands).
+template <int PER>
+__device__ __forceinline__ void f32_h16(const float* f, uint4* h) {
+#pragma unroll
+  for (int q = 0; q < PER / 8; q++)
+    h[q] = make_uint4(pack_h16x2(f[8 * q], f[8 * q + 1]), pack_h16x2(f[8 * q + 2], f[8 * q + 3]),
+                      pack_h16x2(f[8 * q + 4], f[8 * q + 5]), pack_h16x2(f[8 * q + 6], f[8 * q + 7]));
+}
+
+// out[t, :] = the weights of row ids[t] of a table of ROWS rows of H in one of GGUF's formats.
+// grid: T, block: 256.
+template <int H, int ROWS, typename WT>
+__device__ void embedding_blocks(const int* ids, const WT* table, float* out) {
+  constexpr int PER = WFmt<WT>::PER;
+  const long id = ids[blockIdx.x];
+  const uint4* codes = row_codes<H>(table, id);
+  const float* p = row_scales<H>(table, ROWS, id);
+  float* o = out + (long)blockIdx.x * H;
+  for (int c = threadIdx.x; c < H / PER; c += blockDim.x) {
+    float f[PER];
+    WFmt<WT>::f32(codes[c], WFmt<WT>::sm(p, c), f);
+#pragma unroll
+    for (int i = 0; i < PER; i++) o[c * PER + i] = f[i];
+  }
 }
 
 // Eight f32 as eight E4M3 codes (8 bytes, the first value in the low byte), rounded to nearest
@@ -275,7 +285,8 @@ struct XNorm {
 // A warp's share of one weight row: the SPLIT warps of an output each take PART of the row's C
 // 16-byte chunks (so a warp's share is at most 2048 weights, gemv_split); lane l holds chunks
 // c0 + 32 j (j < L), all loaded before any is used, so a warp waits for one memory round trip.
-// WT: h16_t (8 weights a chunk) or fp8_t (16 codes a chunk, with the scale of each chunk).
+// WT: h16_t (8 weights a chunk), fp8_t (16 codes a chunk, with the scale of each chunk) or one
+// of GGUF's formats (formats.cuh: each chunk's scale and offset).
 template <int K, int SPLIT, typename WT>
 struct RowPart {
   static constexpr int PER = WFmt<WT>::PER, C = K / PER, PART = (C + SPLIT - 1) / SPLIT, L = (PART + 31) / 32;
@@ -285,19 +296,22 @@ struct RowPart {
     c0 = part * PART + (threadIdx.x & 31);
     end = min(C, (part + 1) * PART);
   }
-  // The row's chunks, and for E4M3 their scales (ws: the row's scales; unused for h16).
-  __device__ __forceinline__ void load(const WT* w, const float* ws, uint4* wv, float* sv) const {
-    const uint4* wr = (const uint4*)w;
+  // The row's chunks (wr: row_codes), and for E4M3 and GGUF their scales (ws: row_scales).
+  __device__ __forceinline__ void load(const uint4* wr, const float* ws, uint4* wv, float2* sv) const {
 #pragma unroll
     for (int j = 0; j < L; j++) {
       const bool in = c0 + 32 * j < end;
       wv[j] = in ? ld_stream_first(wr + c0 + 32 * j) : make_uint4(0, 0, 0, 0);
-      if (PER == 16) sv[j] = in ? ws[(c0 + 32 * j) * PER / W8_GROUP] : 0.0f;
+      if constexpr (WFmt<WT>::GGUF) {
+        sv[j] = in ? WFmt<WT>::sm(ws, c0 + 32 * j) : make_float2(0.0f, 0.0f);
+      } else if constexpr (PER == 16) {
+        sv[j] = make_float2(in ? ws[(c0 + 32 * j) * PER / W8_GROUP] : 0.0f, 0.0f);
+      }
     }
   }
   // acc[r] = the lane's part of the dot of input row r (of x) with the loaded chunks.
   template <int ROWS>
-  __device__ __forceinline__ void dot(const h16_t* x, const uint4* wv, const float* sv, int T, float* acc) const {
+  __device__ __forceinline__ void dot(const h16_t* x, const uint4* wv, const float2* sv, int T, float* acc) const {
 #pragma unroll
     for (int r = 0; r < ROWS; r++) acc[r] = 0.0f;
 #pragma unroll
@@ -307,6 +321,23 @@ struct RowPart {
 #pragma unroll
           for (int r = 0; r < ROWS; r++)
             if (r < T) acc[r] += dot8(wv[j], ((const uint4*)(x + (long)r * K))[c0 + 32 * j]);
+        } else if constexpr (WFmt<WT>::GGUF) {
+          float wf[PER];
+          WFmt<WT>::f32(wv[j], sv[j], wf);
+#pragma unroll
+          for (int r = 0; r < ROWS; r++)
+            if (r < T) {
+              const uint4* xr = (const uint4*)(x + (long)r * K) + (PER / 8) * (c0 + 32 * j);
+              float d = 0.0f;
+#pragma unroll
+              for (int q = 0; q < PER / 8; q++) {
+                float xf[8];
+                unpack8(xr[q], xf);
+#pragma unroll
+                for (int i = 0; i < 8; i++) d = fmaf(wf[8 * q + i], xf[i], d);
+              }
+              acc[r] += d;
+            }
         } else {
           float wf[16];
           e4m3x16(wv[j], wf);
@@ -320,20 +351,12 @@ struct RowPart {
               float d = 0.0f;
 #pragma unroll
               for (int i = 0; i < 16; i++) d = fmaf(wf[i], xf[i], d);
-              acc[r] = fmaf(sv[j], d, acc[r]);
+              acc[r] = fmaf(sv[j].x, d, acc[r]);
             }
         }
       }
   }
 };
-
-// The scales of row n of a weight of N rows of K: E4M3's after its codes; none for h16.
-template <int K>
-__device__ __forceinline__ const float* row_scales(const h16_t*, int, int) { return nullptr; }
-template <int K>
-__device__ __forceinline__ const float* row_scales(const fp8_t* w, int N, int n) {
-  return (const float*)((const unsigned char*)w + (long)N * K) + (long)n * (K / W8_GROUP);
-}
 
 // Sums each of v[0..NV) over the warp, then over the SPLIT warps of its output (shared memory).
 template <int NV, int SPLIT>
@@ -357,46 +380,47 @@ __device__ __forceinline__ void split_sum(float* v) {
   }
 }
 
-// One linear of a launch that computes up to three sharing an input (weights h16_t or fp8_t).
-template <typename WT>
+// One linear of a launch that computes up to three sharing an input (weights in any format; a
+// 16-bit bias, or an f32 one as GGUF files store them: BT).
+template <typename WT, typename BT = h16_t>
 struct LinearOut {
   const WT* w;
-  const h16_t* b;
+  const BT* b;
   float* o;
   int n;
 };
 
 // The group that index i (over the groups' concatenated units, c0 and c1 units in the first
 // two) falls in; i becomes the index inside that group.
-template <typename WT>
-__device__ __forceinline__ LinearOut<WT> pick_group(int& i, int c0, int c1, LinearOut<WT> g0, LinearOut<WT> g1,
-                                                    LinearOut<WT> g2) {
+template <typename WT, typename BT>
+__device__ __forceinline__ LinearOut<WT, BT> pick_group(int& i, int c0, int c1, LinearOut<WT, BT> g0,
+                                                        LinearOut<WT, BT> g1, LinearOut<WT, BT> g2) {
   if (i >= c0 + c1) { i -= c0 + c1; return g2; }
   if (i >= c0) { i -= c0; return g1; }
   return g0;
 }
 
 // Up to three linears sharing the input rows x (X16 or XNorm): group g has N_g outputs,
-// weight w_g [N_g, K] (h16, or E4M3 with its scales), optional bias b_g. The outputs are one
+// weight w_g [N_g, K] (any format: formats.cuh), optional bias b_g (BT). The outputs are one
 // packed f32 matrix [T, N0 + N1 + N2], o_g pointing at group g's first column (codegen_cuda's
 // `Builder::packed`); so is every linear launch of the GEMMs below.
 // grid: ceil((N0 + N1 + N2) / (8 / SPLIT)), block: 256.
-template <int K, int N0, int N1, int N2, int ROWS, int SPLIT, typename WT, typename X>
-__device__ void gemv(const X& x, const WT* w0, const h16_t* b0, float* o0, const WT* w1, const h16_t* b1, float* o1,
-                     const WT* w2, const h16_t* b2, float* o2, int T) {
+template <int K, int N0, int N1, int N2, int ROWS, int SPLIT, typename WT, typename X, typename BT>
+__device__ void gemv(const X& x, const WT* w0, const BT* b0, float* o0, const WT* w1, const BT* b1, float* o1,
+                     const WT* w2, const BT* b2, float* o2, int T) {
   int n = blockIdx.x * (8 / SPLIT) + (threadIdx.x >> 5) / SPLIT;
   const bool live = n < N0 + N1 + N2;
   n = min(n, N0 + N1 + N2 - 1);
-  const LinearOut<WT> g = pick_group(n, N0, N1, LinearOut<WT>{w0, b0, o0, N0}, LinearOut<WT>{w1, b1, o1, N1},
-                                     LinearOut<WT>{w2, b2, o2, N2});
-  const h16_t* b = g.b;
+  const LinearOut<WT, BT> g = pick_group(n, N0, N1, LinearOut<WT, BT>{w0, b0, o0, N0},
+                                         LinearOut<WT, BT>{w1, b1, o1, N1}, LinearOut<WT, BT>{w2, b2, o2, N2});
+  const BT* b = g.b;
   float* o = g.o;
   const int N = g.n;
   using Part = RowPart<K, SPLIT, WT>;
   const Part part;
   uint4 wv[Part::L];
-  float sv[Part::L];
-  part.load(g.w + (long)n * K, row_scales<K>(g.w, N, n), wv, sv);
+  float2 sv[Part::L];
+  part.load(row_codes<K>(g.w, n), row_scales<K>(g.w, N, n), wv, sv);
   pdl_wait();
   float acc[ROWS];
   part.template dot<ROWS>(x.template rows<K, ROWS>(T), wv, sv, T, acc);
@@ -420,9 +444,9 @@ __device__ void gemv_glu(const X& x, const WT* wg, const WT* wu, h16_t* out, int
   using Part = RowPart<K, SPLIT, WT>;
   const Part part;
   uint4 wgv[Part::L], wuv[Part::L];
-  float sg[Part::L], su[Part::L];
-  part.load(wg + (long)n * K, row_scales<K>(wg, N, n), wgv, sg);
-  part.load(wu + (long)n * K, row_scales<K>(wu, N, n), wuv, su);
+  float2 sg[Part::L], su[Part::L];
+  part.load(row_codes<K>(wg, n), row_scales<K>(wg, N, n), wgv, sg);
+  part.load(row_codes<K>(wu, n), row_scales<K>(wu, N, n), wuv, su);
   pdl_wait();
   const h16_t* xr = x.template rows<K, ROWS>(T);
   float acc[2 * ROWS];

@@ -4,21 +4,24 @@
 
 // ---- extend linear: tensor-core GEMM (mma.sync m16n8k16 h16, f32 accumulate) ----
 // Block tile 128 x 128 x 32, 8 warps as 2 (M) x 4 (N) of 64 x 32, three cp.async stages.
-// E4M3 weights (WT fp8_t) go through registers instead: each thread loads 16 codes of a tile one
-// stage ahead, and after the stage's math writes them, times their scale, as h16 (rounded).
+// E4M3 weights (WT fp8_t) and GGUF's (formats.cuh) go through registers instead: each thread
+// loads 16 weights' codes of a tile row one stage ahead (a q4_t thread 8 bytes: weights 8h..8h+7
+// and 16+8h..16+8h+7 of the tile's run), and after the stage's math writes them, dequantized, as
+// h16 (rounded).
 // The groups' column tiles are concatenated along grid.x; grid: (tiles, ceil(T / 128)), block: 256.
-template <int K, int N0, int N1, int N2, typename WT>
-__device__ void gemm(const h16_t* x, const WT* w0, const h16_t* b0, float* o0, const WT* w1, const h16_t* b1,
-                     float* o1, const WT* w2, const h16_t* b2, float* o2, int T) {
+template <int K, int N0, int N1, int N2, typename WT, typename BT>
+__device__ void gemm(const h16_t* x, const WT* w0, const BT* b0, float* o0, const WT* w1, const BT* b1, float* o1,
+                     const WT* w2, const BT* b2, float* o2, int T) {
   constexpr int BM = 128, BN = 128, BK = 32, S = 3, KT = K / BK;
-  constexpr bool W8 = WFmt<WT>::PER == 16;
+  constexpr bool W8 = WFmt<WT>::PER != 8, Q4 = WFmt<WT>::PER == 32;
   __shared__ __align__(128) h16_t sa[S][BM * BK];
   __shared__ __align__(128) h16_t sb[S][BN * BK];
   int tile = blockIdx.x;
-  const LinearOut<WT> g = pick_group(tile, (N0 + BN - 1) / BN, (N1 + BN - 1) / BN, LinearOut<WT>{w0, b0, o0, N0},
-                                     LinearOut<WT>{w1, b1, o1, N1}, LinearOut<WT>{w2, b2, o2, N2});
+  const LinearOut<WT, BT> g =
+      pick_group(tile, (N0 + BN - 1) / BN, (N1 + BN - 1) / BN, LinearOut<WT, BT>{w0, b0, o0, N0},
+                 LinearOut<WT, BT>{w1, b1, o1, N1}, LinearOut<WT, BT>{w2, b2, o2, N2});
   const WT* w = g.w;
-  const h16_t* bias = g.b;
+  const BT* bias = g.b;
   float* out = g.o;
   const int N = g.n;
   const int n0 = tile * BN, m0 = blockIdx.y * BM;
@@ -38,12 +41,29 @@ __device__ void gemm(const h16_t* x, const WT* w0, const h16_t* b0, float* o0, c
         cp_async16(smem_addr(&sb[st][swz(r, c)]), w + (long)min(gn, N - 1) * K + kt * BK + c * 8, gn < N ? 16 : 0);
     }
   };
-  auto w8_load = [&](int kt) { return ld_stream((const unsigned char*)w + (long)w8n * K + kt * BK + 16 * w8h); };
+  const unsigned char* w8row = (const unsigned char*)row_codes<K>(w, w8n);
+  auto w8_load = [&](int kt) {
+    if constexpr (Q4) {
+      const uint2 v = *(const uint2*)(w8row + kt * 16 + 8 * w8h);
+      return make_uint4(v.x, v.y, 0, 0);
+    } else {
+      return ld_stream(w8row + kt * BK + 16 * w8h);
+    }
+  };
   auto w8_store = [&](int st, int kt, uint4 q) {
     uint4 lo = make_uint4(0, 0, 0, 0), hi = lo;
-    if (n0 + w8r < N) e4m3x16_h16(q, w8s[kt * BK / W8_GROUP], lo, hi);
-    *(uint4*)&sb[st][swz(w8r, 2 * w8h)] = lo;
-    *(uint4*)&sb[st][swz(w8r, 2 * w8h + 1)] = hi;
+    if constexpr (WFmt<WT>::GGUF) {
+      if (n0 + w8r < N) {
+        float f[WFmt<WT>::PER];
+        WFmt<WT>::f32(q, WFmt<WT>::sm(w8s, Q4 ? kt : 2 * kt + w8h), f);
+        f32_h16<8>(f, &lo);
+        f32_h16<8>(f + (Q4 ? 16 : 8), &hi);
+      }
+    } else {
+      if (n0 + w8r < N) e4m3x16_h16(q, w8s[kt * BK / W8_GROUP], lo, hi);
+    }
+    *(uint4*)&sb[st][swz(w8r, Q4 ? w8h : 2 * w8h)] = lo;
+    *(uint4*)&sb[st][swz(w8r, Q4 ? 2 + w8h : 2 * w8h + 1)] = hi;
   };
 
   float acc[4][4][4];
@@ -144,26 +164,29 @@ __device__ __forceinline__ void rows8_spill(float (*red)[NT * 8 + 1], const floa
 // row and of an X row at k + 8c; both fragments use the same permutation of k inside each
 // 32-wide chunk, so the sum is the plain dot product. E4M3 weights (WT fp8_t) come in chunks
 // of 64: lane (g, c) loads 16 codes at k + 16c and the X row's 16 values there; each chunk's
-// product is summed apart and added times the rows' scales (exact). Eight warps split K and
+// product is summed apart and added times the rows' scales (exact). GGUF's weights (formats.cuh)
+// come in chunks of 4 * PER: lane (g, c) dequantizes its PER weights at k + PER c to h16
+// (rounded: each run has its own scale) and multiplies them with the X row's PER values there.
+// Eight warps split K and
 // reduce through shared memory. Every N_g is a multiple of 16. grid: (N0 + N1 + N2) / 16, block: 256.
-template <int K, int N0, int N1, int N2, int NT, typename WT>
-__device__ void gemm_skinny(const h16_t* x, const WT* w0, const h16_t* b0, float* o0, const WT* w1,
-                            const h16_t* b1, float* o1, const WT* w2, const h16_t* b2, float* o2, int T) {
+template <int K, int N0, int N1, int N2, int NT, typename WT, typename BT>
+__device__ void gemm_skinny(const h16_t* x, const WT* w0, const BT* b0, float* o0, const WT* w1, const BT* b1,
+                            float* o1, const WT* w2, const BT* b2, float* o2, int T) {
   constexpr int WARPS = 8, PER = WFmt<WT>::PER, CW = 4 * PER, CH = K / CW, RT = NT < 8 ? NT : 8;
   static_assert(NT % RT == 0, "row tiles in whole rounds of the reduction");
   __shared__ float red[WARPS][16][RT * 8 + 1];
   int f0 = blockIdx.x * 16;
-  const LinearOut<WT> grp = pick_group(f0, N0, N1, LinearOut<WT>{w0, b0, o0, N0}, LinearOut<WT>{w1, b1, o1, N1},
-                                       LinearOut<WT>{w2, b2, o2, N2});
-  const h16_t* bias = grp.b;
+  const LinearOut<WT, BT> grp = pick_group(f0, N0, N1, LinearOut<WT, BT>{w0, b0, o0, N0},
+                                           LinearOut<WT, BT>{w1, b1, o1, N1}, LinearOut<WT, BT>{w2, b2, o2, N2});
+  const BT* bias = grp.b;
   float* out = grp.o;
   const int N = grp.n;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
   float acc[NT][4];
 #pragma unroll
   for (int i = 0; i < NT; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
-  const WT* wa = grp.w + (long)(f0 + g) * K + c * PER;
-  const WT* wb = wa + 8L * K;
+  const unsigned char* wa = (const unsigned char*)row_codes<K>(grp.w, f0 + g) + 16 * c;
+  const unsigned char* wb = (const unsigned char*)row_codes<K>(grp.w, f0 + g + 8) + 16 * c;
   const float* sa = row_scales<K>(grp.w, N, f0 + g);
   const float* sb = row_scales<K>(grp.w, N, f0 + g + 8);
   const h16_t* xr[NT];
@@ -174,7 +197,23 @@ __device__ void gemm_skinny(const h16_t* x, const WT* w0, const h16_t* b0, float
     xr[i] = x + (long)min(i * 8 + g, T - 1) * K + c * PER;
   }
   auto chunk = [&](int k, uint4 a0, uint4 a1) {
-    if constexpr (PER == 8) {
+    if constexpr (WFmt<WT>::GGUF) {
+      const int cc = (k + c * PER) / PER;  // the chunk's index in its row
+      float f[PER];
+      uint4 ha[PER / 8], hb[PER / 8];
+      WFmt<WT>::f32(a0, WFmt<WT>::sm(sa, cc), f);
+      f32_h16<PER>(f, ha);
+      WFmt<WT>::f32(a1, WFmt<WT>::sm(sb, cc), f);
+      f32_h16<PER>(f, hb);
+#pragma unroll
+      for (int i = 0; i < NT; i++)
+#pragma unroll
+        for (int q = 0; q < PER / 8; q++) {
+          uint4 xb = *(const uint4*)(xr[i] + k + 8 * q);
+          if (!live[i]) xb = make_uint4(0, 0, 0, 0);
+          mma_rows8(acc[i], ha[q], hb[q], xb);
+        }
+    } else if constexpr (PER == 8) {
 #pragma unroll
       for (int i = 0; i < NT; i++) {
         uint4 xb = *(const uint4*)(xr[i] + k);
@@ -203,11 +242,12 @@ __device__ void gemm_skinny(const h16_t* x, const WT* w0, const h16_t* b0, float
   int ch = warp;
   for (; ch + WARPS < CH; ch += 2 * WARPS) {
     const int k = ch * CW, k2 = k + WARPS * CW;
-    const uint4 a0 = ld_stream(wa + k), a1 = ld_stream(wb + k), c0 = ld_stream(wa + k2), c1 = ld_stream(wb + k2);
+    const uint4 a0 = ld_stream(wa + wbytes<WT>(k)), a1 = ld_stream(wb + wbytes<WT>(k));
+    const uint4 c0 = ld_stream(wa + wbytes<WT>(k2)), c1 = ld_stream(wb + wbytes<WT>(k2));
     chunk(k, a0, a1);
     chunk(k2, c0, c1);
   }
-  if (ch < CH) chunk(ch * CW, ld_stream(wa + ch * CW), ld_stream(wb + ch * CW));
+  if (ch < CH) chunk(ch * CW, ld_stream(wa + wbytes<WT>(ch * CW)), ld_stream(wb + wbytes<WT>(ch * CW)));
   // The warps' sums meet in shared memory, RT row tiles at a time (RT * 8 rows fit in it).
 #pragma unroll
   for (int h = 0; h < NT; h += RT) {

@@ -406,8 +406,8 @@ __device__ void moe_up_rows(const h16_t* x, const int* perm, const int* tiles, c
   const int lane = threadIdx.x & 31, i = blockIdx.x * 8 + (threadIdx.x >> 5);
   const long row = (long)t.e * I + i;
   uint4 wg[Part::L], wu[Part::L];
-  part.load(gate + row * H, nullptr, wg, nullptr);
-  part.load(up + row * H, nullptr, wu, nullptr);
+  part.load((const uint4*)(gate + row * H), nullptr, wg, nullptr);
+  part.load((const uint4*)(up + row * H), nullptr, wu, nullptr);
   const float bg = gb ? to_f32(gb[row]) : 0.0f, bu = ub ? to_f32(ub[row]) : 0.0f;
   for (int r0 = 0; r0 < t.n; r0 += 4) {
     float sg[4], su[4];
@@ -437,7 +437,7 @@ __device__ void moe_down_rows(const h16_t* a, const int* perm, const int* tiles,
   const int lane = threadIdx.x & 31, h = blockIdx.x * 8 + (threadIdx.x >> 5);
   const long row = (long)t.e * H + h;
   uint4 wd[Part::L];
-  part.load(down + row * I, nullptr, wd, nullptr);
+  part.load((const uint4*)(down + row * I), nullptr, wd, nullptr);
   const float b = db ? to_f32(db[row]) : 0.0f;
   for (int r0 = 0; r0 < t.n; r0 += 4) {
     float s[4];

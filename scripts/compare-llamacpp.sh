@@ -12,6 +12,9 @@
 # output_tok_s; decode-only tok/s = S_TG and ours' decode_tok_s) and packs the raw logs into
 # $OUT/compare-raw$TAG.tgz. LCPP: a carried copy of ../shared/peers (llamacpp.sh and the
 # llama.cpp sources), default peers-gpu; llama.cpp is built once per machine (~4 min).
+# QUANT=TYPE (a llama-quantize type: Q4_K_M, Q6_K, Q8_0, ...): both engines run the GGUF that
+# llama.cpp's llama-quantize makes of the bf16 one, ours compiled from that file with its blocks
+# kept (docs/runtime.md, "GGUF blocks on the GPU"); the files and the table are named SHAPE-TYPE.
 set -uo pipefail
 bin="${BIN:-bin-gpu}"
 lcpp="${LCPP:-peers-gpu}"
@@ -23,28 +26,42 @@ mkdir -p "$out" "$work"
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
 export ENGINE_CACHE_DIR=/tmp/engine-cache
 [ -x /tmp/lcpp/lcpp/build/bin/llama-bench ] || bash "$lcpp/llamacpp.sh" build >"$work/lcpp-build.txt" 2>&1
+lb=/tmp/lcpp/lcpp/build/bin
+quant="${QUANT:-}"
+if [ -n "$quant" ] && [ ! -x $lb/llama-quantize ]; then
+  cmake --build /tmp/lcpp/lcpp/build -j "$(nproc)" --target llama-quantize >>"$work/lcpp-build.txt" 2>&1
+fi
 for shape in ${SHAPES:-qwen2.5-0.5b}; do
   ck=/tmp/cmp-$shape
+  name=$shape${quant:+-$quant}
   [ -f "$ck/config.json" ] || REF=0 python3 scripts/gpu/hf_reference.py "$shape" "$ck" "tests/configs/$shape.json" \
     >"$work/$shape-hf.txt" 2>&1
   cp "$tok"/tokenizer*.json "$ck/"
   bash "$lcpp/llamacpp.sh" gguf "$ck" "$ck.gguf" >"$work/$shape-gguf.txt" 2>&1
   cp /tmp/lcpp-conv.log "$work/$shape-gguf-convert.log" 2>/dev/null
-  lb=/tmp/lcpp/lcpp/build/bin
+  gguf=$ck.gguf
+  if [ -n "$quant" ]; then
+    gguf=$ck-$quant.gguf
+    $lb/llama-quantize "$ck.gguf" "$gguf" "$quant" >"$work/$name-quantize.txt" 2>&1
+  fi
   npl=$(echo "$batches" | tr ' ' ',')
-  $lb/llama-bench -m "$ck.gguf" -ngl 99 -fa 1 -p 4096 -n 128 -r 3 -o md >"$work/$shape-llama-bench.txt" 2>&1
-  $lb/llama-batched-bench -m "$ck.gguf" -ngl 99 -fa on -c 40000 -b 4096 -ub 512 -npp 128 -ntg 128 -npl "$npl" \
-    >"$work/$shape-llama-batched.txt" 2>&1
-  rm -f "$ck.gguf"
-  "$bin/engc" compile --checkpoint "$ck" --dtype bf16 -o "$ck.bundle" >"$work/$shape-compile.txt" 2>&1
-  : >"$work/$shape-ours.jsonl"
+  $lb/llama-bench -m "$gguf" -ngl 99 -fa 1 -p 4096 -n 128 -r 3 -o md >"$work/$name-llama-bench.txt" 2>&1
+  $lb/llama-batched-bench -m "$gguf" -ngl 99 -fa on -c 40000 -b 4096 -ub 512 -npp 128 -ntg 128 -npl "$npl" \
+    >"$work/$name-llama-batched.txt" 2>&1
+  if [ -n "$quant" ]; then
+    "$bin/engc" compile --checkpoint "$gguf" -o "$ck.bundle" >"$work/$name-compile.txt" 2>&1
+  else
+    "$bin/engc" compile --checkpoint "$ck" --dtype bf16 -o "$ck.bundle" >"$work/$name-compile.txt" 2>&1
+  fi
+  rm -f "$ck.gguf" "$gguf"
+  : >"$work/$name-ours.jsonl"
   for b in $batches; do
     "$bin/engrun" bench "$ck.bundle" --device cuda --num-prompts "$b" --input-len 128 --output-len 128 --json \
-      2>>"$work/$shape-ours.err" | tail -1 | sed "s/^{/{\"batch\":$b,/" >>"$work/$shape-ours.jsonl"
+      2>>"$work/$name-ours.err" | tail -1 | sed "s/^{/{\"batch\":$b,/" >>"$work/$name-ours.jsonl"
   done
   "$bin/engrun" bench "$ck.bundle" --device cuda --num-prompts 1 --input-len 4096 --output-len 1 --json \
-    2>>"$work/$shape-ours.err" | tail -1 | sed 's/^{/{"batch":"pp4096",/' >>"$work/$shape-ours.jsonl"
+    2>>"$work/$name-ours.err" | tail -1 | sed 's/^{/{"batch":"pp4096",/' >>"$work/$name-ours.jsonl"
   rm -rf "$ck.bundle" "$ck"
-  python3 scripts/gpu/compare_table.py "$shape" "$work" | tee "$out/compare-$shape.md"
+  python3 scripts/gpu/compare_table.py "$name" "$work" | tee "$out/compare-$name.md"
 done
 tar czf "$out/compare-raw${TAG:-}.tgz" -C "$work" .

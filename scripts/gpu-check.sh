@@ -25,6 +25,12 @@
 #     batches of 48 rows over 560-724 keys (decode attention's keys split over blocks);
 #   - `/v1/embeddings` served from the GPU: the embedding through the lm_head against HF's
 #     logits (shapes without a final logit softcap).
+# GGUF's blocks on CUDA (GGUF=0 skips): tests/fixtures/tiny-kquant's Q4_K_M-style GGUF (Q4_K
+# linears, a Q6_K down projection, a Q5_K table tied to the lm_head) and its Qwen2 twin (Q8_0
+# q/k/v with f32 biases, Q4_0, Q4_1 and Q5_K linears, a Q4_K table, a Q6_K lm_head), each kept in
+# its blocks, its CUDA logits against the CPU backend's on the same bundle (which reads the blocks exactly as
+# ir::quant defines them), 16 sequences of 24-60 tokens (24 prefilled: every GEMV, small-batch
+# and tiled variant), held to 1.5 x the error of its dequantized twin compiled as bf16 on CUDA.
 # Then (BENCH=0 skips) the benchmarks recorded in docs/perf.md, and `engrun probe` (the copy
 # bandwidth and matmul rate the fractions divide by); ENGINE_BENCH=1 adds the nano-vllm workload. Raw results go to $WORK (default
 # /tmp/gpu-out); with the device tool's $OUT set they are packed into $OUT/gpu-check$TAG.tgz
@@ -170,6 +176,23 @@ for shape in $shapes; do
     done
   done
 done
+if [ "${GGUF:-1}" = 1 ]; then
+  kq=tests/fixtures/tiny-kquant g=/tmp/gguf-check
+  mkdir -p "$g"
+  seqs=$(python3 -c "import random; r=random.Random(5); print(';'.join(','.join(str(r.randrange(320)) for _ in range(r.randint(24, 60))) for _ in range(16)))")
+  lens=$(python3 -c "print(','.join(str(len(s.split(','))) for s in '$seqs'.split(';')))")
+  for pair in kquant:dequant qwen2:qwen2-dequant; do
+    m=${pair%%:*} twin=${pair##*:}
+    expected=$((expected + 2))
+    must "gguf_compile_$m" "$work/gguf-$m-compile.txt" sh -c "'$bin/engc' compile --checkpoint $kq/$m.gguf -o $g/$m.bundle &&
+      '$bin/engc' compile --checkpoint $kq/$twin.gguf --dtype bf16 -o $g/$twin.bundle" &&
+      must "gguf_logits_$m" "$work/gguf-$m-logits.txt" sh -c "
+        '$bin/engrun' logits $g/$m.bundle --device cpu --ids '$seqs' --prefill 24 -o $g/$m-cpu.safetensors &&
+        '$bin/engrun' logits $g/$m.bundle --device cuda --ids '$seqs' --prefill 24 -o $g/$m-cuda.safetensors &&
+        '$bin/engrun' logits $g/$twin.bundle --device cuda --ids '$seqs' --prefill 24 -o $g/$twin-cuda.safetensors" &&
+      cmp gguf "$checks" "gguf_$m" "$g/$m-cpu.safetensors" "$g/$m-cuda.safetensors" "$g/$twin-cuda.safetensors" "$lens" 24
+  done
+fi
 # The nano-vllm workload on the 0.5B shape: 256 requests, input and output lengths uniform in
 # [100, 1024], random ids, eos ignored.
 if [ "${ENGINE_BENCH:-0}" = 1 ]; then

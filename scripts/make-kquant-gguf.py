@@ -43,6 +43,9 @@ SCALES = {
     Q.Q4_K: [(0, 1e-3, 1e-2), (2, 1e-3, 1e-2)],
     Q.Q5_K: [(0, 1e-3, 1e-2), (2, 1e-3, 1e-2)],
     Q.Q6_K: [(208, 1e-4, 1e-3)],
+    Q.Q8_0: [(0, 1e-4, 1e-3)],
+    Q.Q4_0: [(0, 1e-3, 1e-2)],
+    Q.Q4_1: [(0, 1e-3, 1e-2), (2, 1e-3, 1e-2)],
 }
 
 
@@ -94,15 +97,55 @@ def main() -> None:
         ("blk.0.ffn_down.weight", (HIDDEN, FFN), Q.Q6_K),
         ("output_norm.weight", (HIDDEN,), Q.F32),
     ]
+    tensors = random_tensors(rng, spec)
+
+    write_pair(out, "llama", tensors, ("kquant.gguf", "dequant.gguf"))
+    write_samples(out, rng, tensors)
+    # The Qwen2 twin (its own generator, so the files above stay as they were): every GGUF block
+    # type the engine reads, and f32 q/k/v biases as GGUF files store them.
+    rng = np.random.default_rng(1)
+    qwen2 = [
+        ("token_embd.weight", (VOCAB, HIDDEN), Q.Q4_K),
+        ("blk.0.attn_norm.weight", (HIDDEN,), Q.F32),
+        ("blk.0.attn_q.weight", (HEADS * HEAD_DIM, HIDDEN), Q.Q8_0),
+        ("blk.0.attn_q.bias", (HEADS * HEAD_DIM,), Q.F32),
+        ("blk.0.attn_k.weight", (KV_HEADS * HEAD_DIM, HIDDEN), Q.Q8_0),
+        ("blk.0.attn_k.bias", (KV_HEADS * HEAD_DIM,), Q.F32),
+        ("blk.0.attn_v.weight", (KV_HEADS * HEAD_DIM, HIDDEN), Q.Q8_0),
+        ("blk.0.attn_v.bias", (KV_HEADS * HEAD_DIM,), Q.F32),
+        ("blk.0.attn_output.weight", (HIDDEN, HEADS * HEAD_DIM), Q.Q4_1),
+        ("blk.0.ffn_norm.weight", (HIDDEN,), Q.F32),
+        ("blk.0.ffn_gate.weight", (FFN, HIDDEN), Q.Q4_0),
+        ("blk.0.ffn_up.weight", (FFN, HIDDEN), Q.Q4_0),
+        ("blk.0.ffn_down.weight", (HIDDEN, FFN), Q.Q5_K),
+        ("output_norm.weight", (HIDDEN,), Q.F32),
+        ("output.weight", (VOCAB, HIDDEN), Q.Q6_K),
+    ]
+    write_pair(out, "qwen2", random_tensors(rng, qwen2), ("qwen2.gguf", "qwen2-dequant.gguf"))
+    for p in sorted(out.rglob("*")):
+        if p.is_file():
+            print(f"{p.relative_to(out)}: {p.stat().st_size} bytes")
+
+
+def random_tensors(rng: np.random.Generator, spec: list) -> list:
+    """(name, type, data) of each (GGUF name, HF-order shape, type): norms near 1, biases near 0,
+    random blocks with sane scales."""
     tensors = []
     for name, shape, qtype in spec:
-        if qtype == Q.F32:
+        if name.endswith(".bias"):
+            tensors.append((name, qtype, (0.1 * rng.standard_normal(shape)).astype(np.float32)))
+        elif qtype == Q.F32:
             tensors.append((name, qtype, (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)))
         else:
             tensors.append((name, qtype, blocks(rng, qtype, *shape)))
+    return tensors
+
+
+def write_pair(out: Path, arch: str, tensors: list, names: tuple) -> None:
+    """The model of `arch` kept in its blocks (names[0]) and dequantized by gguf-py (names[1])."""
 
     def write(path: Path, dequantized: bool) -> None:
-        w = gguf.GGUFWriter(str(path), "llama")
+        w = gguf.GGUFWriter(str(path), arch)
         w.add_block_count(1)
         w.add_context_length(2048)
         w.add_embedding_length(HIDDEN)
@@ -125,9 +168,12 @@ def main() -> None:
         w.write_tensors_to_file()
         w.close()
 
-    write(out / "kquant.gguf", dequantized=False)
-    write(out / "dequant.gguf", dequantized=True)
+    write(out / names[0], dequantized=False)
+    write(out / names[1], dequantized=True)
 
+
+def write_samples(out: Path, rng: np.random.Generator, tensors: list) -> None:
+    """gguf-py's dequantization of two super-blocks of each k-quant (one of `tensors`')."""
     samples = {"source": f"gguf-py {gguf_version()} gguf.quants.dequantize (numpy {np.__version__}), "
                          "scripts/make-kquant-gguf.py"}
     for qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
@@ -141,9 +187,6 @@ def main() -> None:
             "bits": "".join(f"{b:08x}" for b in values.view(np.uint32)),
         }
     (out / "reference/dequant_samples.json").write_text(json.dumps(samples, indent=1) + "\n")
-    for p in sorted(out.rglob("*")):
-        if p.is_file():
-            print(f"{p.relative_to(out)}: {p.stat().st_size} bytes")
 
 
 if __name__ == "__main__":

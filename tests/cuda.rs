@@ -1,7 +1,8 @@
 //! The generated CUDA: every kernel of tiny-qwen2, tiny-llama, the Qwen2.5-0.5B / 7B shapes,
 //! the Qwen3-8B and tiny-qwen3 shapes (per-head q/k norms), Gemma-2-9B, Mistral-7B and the tiny
 //! Gemma 2 / 3, Mistral and Phi-3 fixtures, the mixtures of experts (tiny Qwen3-MoE, Mixtral and
-//! gpt-oss, the Qwen3-30B-A3B shape) (tp 1 and 2) compiles with NVRTC to
+//! gpt-oss, the Qwen3-30B-A3B shape) (tp 1 and 2), an FP8 checkpoint and a GGUF kept in its
+//! k-quant blocks compiles with NVRTC to
 //! PTX for sm_90 (the NVRTC library comes from PyPI through scripts/nvrtc.sh; no GPU and no
 //! CUDA toolkit needed), and the source is a text golden.
 
@@ -23,6 +24,14 @@ fn cuda_check(args: &[&str], lib: Option<&str>) -> std::process::Output {
     c.output().expect("run engc cuda-check")
 }
 
+/// The source bundle `b` carries defines each of `kernels` (names with their opening parenthesis).
+fn has_kernels(b: &std::path::Path, kernels: &[&str]) {
+    let source = std::fs::read_to_string(b.join("kernels/model.cu")).unwrap();
+    for kernel in kernels {
+        assert!(source.contains(kernel), "{}'s source has no {kernel}", b.display());
+    }
+}
+
 #[test]
 fn generated_kernels_compile_with_nvrtc_for_sm90() {
     let lib = nvrtc_lib();
@@ -39,25 +48,54 @@ fn generated_kernels_compile_with_nvrtc_for_sm90() {
     // An FP8 checkpoint kept in E4M3: the linears' fp8_t GEMV / GEMM variants and the W8A8 ones (its k and v
     // projections, [64, 128], stayed bf16 in HF's quantizer: their own launch beside q's).
     let fp8 = compile_to("qwen3", &fixture("tiny-qwen3-fp8-block"), &dir.join("fp8.bundle"), |_| {});
-    let source = std::fs::read_to_string(fp8.join("kernels/model.cu")).unwrap();
-    for kernel in [
-        "gemv_glu_k128_n256_r1_addnorm_bf16_silu_f8(",
-        "gemm_skinny_k256_n128_t2_f8(",
-        "gemm_k128_n128_f8(",
-        "gemm_k128_n64_64(",
-        // W8A8 candidates: the input quantizer and the E4M3 x E4M3 small-batch kernel (wgmma,
-        // one instance for every row count up to 64).
-        "quant_e4m3_rows(",
-        "gemm_skinny_a8_k256_n128(",
-    ] {
-        assert!(source.contains(kernel), "the fp8 bundle's source has no {kernel}");
-    }
+    has_kernels(
+        &fp8,
+        &[
+            "gemv_glu_k128_n256_r1_addnorm_bf16_silu_f8(",
+            "gemm_skinny_k256_n128_t2_f8(",
+            "gemm_k128_n128_f8(",
+            "gemm_k128_n64_64(",
+            // W8A8 candidates: the input quantizer and the E4M3 x E4M3 small-batch kernel
+            // (wgmma, one instance for every row count up to 64).
+            "quant_e4m3_rows(",
+            "gemm_skinny_a8_k256_n128(",
+        ],
+    );
     // Its wgmma is assembled for sm_90a besides the PTX for compute_90 (inline assembly that
     // ptxas rejects fails here).
     let o = cuda_check(&[fp8.to_str().unwrap(), "--arch", "compute_90"], Some(&lib));
     assert!(o.status.success(), "fp8: {}", stderr(&o));
     assert!(String::from_utf8_lossy(&o.stdout).contains("assembled for sm_90a (wgmma)"), "fp8: no sm_90a pass");
     runs.push(vec![fp8.display().to_string()]);
+    // A GGUF kept in its blocks (Q4_K linears, a Q6_K down projection, a Q5_K table tied to the
+    // lm_head): every format's GEMV, small-batch and tiled kernels and the block table's gather.
+    let kq = compile_to("llama", &fixture("tiny-kquant").join("kquant.gguf"), &dir.join("kquant.bundle"), |_| {});
+    has_kernels(
+        &kq,
+        &[
+            "embedding_h256_v320_u8(",
+            "gemv_k256_n256_128_128_r1_norm_f32_q4(",
+            "gemm_skinny_k256_n512_512_t4_q4(",
+            "gemm_k512_n256_s8(",
+            "gemv_glu_k256_n512_r2_silu_q4(",
+            "gemv_k256_n320_r1_u8(",
+            "gemm_skinny_k256_n320_t16_u8(",
+        ],
+    );
+    runs.push(vec![kq.display().to_string()]);
+    // Its Qwen2 twin: Q8_0 q/k/v with f32 biases (the `_b32` variants), Q4_0 / Q4_1 / Q5_K
+    // linears, a Q4_K table and a Q6_K lm_head.
+    let q2 = compile_to("qwen2", &fixture("tiny-kquant").join("qwen2.gguf"), &dir.join("qwen2-gguf.bundle"), |_| {});
+    has_kernels(
+        &q2,
+        &[
+            "gemv_k256_n256_128_128_r1_norm_f32_s8_b32(",
+            "gemm_skinny_k256_n256_128_128_t4_s8_b32(",
+            "embedding_h256_v320_q4(",
+            "gemv_k256_n320_r1_s8(",
+        ],
+    );
+    runs.push(vec![q2.display().to_string()]);
     let shapes = [
         ("qwen2", "tests/configs/qwen2.5-0.5b.json", "bf16"),
         ("qwen2", "tests/configs/qwen2.5-7b.json", "bf16"),

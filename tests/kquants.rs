@@ -3,6 +3,7 @@
 //! are Q4_K (down Q6_K) and whose tied embedding is Q5_K, against its twin `dequant.gguf`, every
 //! tensor F32 as gguf-py dequantizes it. Kept in their blocks, the reference interpreter and the
 //! CPU backend give the twin's logits; `engc compile --dtype f32` dequantizes to the same weights.
+//! Its Qwen2 twin (`qwen2.gguf`) holds every other block type and f32 biases.
 
 use e2e::*;
 use std::collections::BTreeMap;
@@ -18,7 +19,12 @@ fn gguf(name: &str) -> PathBuf {
 
 /// Compiles a GGUF of the fixture with `models/llama.yaml` (no tokenizer: the tests feed ids).
 fn compile(name: &str, dir: &Path, dtype: Option<ir::DType>) -> PathBuf {
-    compile_to("llama", &gguf(name), &dir.join(format!("{name}.bundle")), |o| o.dtype = dtype)
+    compile_as("llama", name, dir, dtype)
+}
+
+/// Compiles a GGUF of the fixture with `models/MODEL.yaml`.
+fn compile_as(model: &str, name: &str, dir: &Path, dtype: Option<ir::DType>) -> PathBuf {
+    compile_to(model, &gguf(name), &dir.join(format!("{name}.bundle")), |o| o.dtype = dtype)
 }
 
 fn dtypes(b: &bundle::Bundle) -> BTreeMap<String, String> {
@@ -45,7 +51,12 @@ fn check(what: &str, got: &[Vec<f32>], want: &[Vec<f32>], tol: f32) -> f32 {
 
 /// The reference logits: the interpreter on the dequantized twin, finite and not all alike.
 fn reference(dir: &Path) -> Vec<Vec<f32>> {
-    let f = bundle::Bundle::open(&compile("dequant.gguf", dir, None)).unwrap();
+    reference_of("llama", "dequant.gguf", dir)
+}
+
+/// [`reference`] of the twin `name` of `models/MODEL.yaml`.
+fn reference_of(model: &str, name: &str, dir: &Path) -> Vec<Vec<f32>> {
+    let f = bundle::Bundle::open(&compile_as(model, name, dir, None)).unwrap();
     assert!(dtypes(&f).values().all(|d| d == "f32"), "{:?}", dtypes(&f));
     let want = logits(runtime::RefBackend::new(&f).unwrap());
     assert_eq!(want[0].len(), PROMPT.len() * 320);
@@ -96,4 +107,39 @@ fn engc_dequantizes_k_quants_to_gguf_py_values() {
     assert!(dtypes(&b).values().all(|d| d == "f32"), "{:?}", dtypes(&b));
     let got = logits(runtime::RefBackend::new(&b).unwrap());
     check("engc --dtype f32 of the k-quant GGUF", &got, &want, 1e-4);
+}
+
+/// The Qwen2 twin (`qwen2.gguf`): every GGUF block type the engine reads (a Q4_K table, Q8_0
+/// q/k/v with f32 biases as GGUF files store them, Q4_1 o, Q4_0 gate and up, Q5_K down, a Q6_K
+/// lm_head), kept in its blocks, gives its dequantized twin's logits on the interpreter and the
+/// CPU backend; the CUDA program reads the biases as f32 beside the Q8_0 weights.
+#[test]
+fn every_block_type_with_f32_biases_matches_gguf_py_dequantized() {
+    let dir = tempfile::tempdir().unwrap();
+    let want = reference_of("qwen2", "qwen2-dequant.gguf", dir.path());
+    let q = bundle::Bundle::open(&compile_as("qwen2", "qwen2.gguf", dir.path(), None)).unwrap();
+    let d = dtypes(&q);
+    let of = |name: &str| d.get(name).map_or("(none)", String::as_str);
+    let types = [
+        ("model.embed_tokens.weight", "q4_k"),
+        ("model.layers.0.self_attn.q_proj.weight", "q8_0"),
+        ("model.layers.0.self_attn.q_proj.bias", "f32"),
+        ("model.layers.0.self_attn.o_proj.weight", "q4_1"),
+        ("model.layers.0.mlp.up_proj.weight", "q4_0"),
+        ("model.layers.0.mlp.down_proj.weight", "q5_k"),
+        ("lm_head.weight", "q6_k"),
+    ];
+    for (name, dtype) in types {
+        assert_eq!(of(name), dtype, "{name}");
+    }
+    let got = logits(runtime::RefBackend::new(&q).unwrap());
+    check("reference interpreter on the Qwen2 block bundle", &got, &want, 1e-4);
+    let got = logits(runtime::CpuBackend::new(&q).unwrap());
+    check("CPU backend on the Qwen2 block bundle", &got, &want, 1e-4);
+    let program = codegen_cuda::emit(&q.plan).unwrap();
+    let names: Vec<String> = program.kernels.iter().map(|k| k.name()).collect();
+    for want in ["gemv_k256_n256_128_128_r1_norm_f32_s8_b32", "gemm_k256_n256_128_128_s8_b32", "embedding_h256_v320_q4"]
+    {
+        assert!(names.iter().any(|n| n == want), "no {want} kernel in {names:?}");
+    }
 }

@@ -7,6 +7,11 @@ line with its value, its limit and `pass`; scripts/gpu/verdict.py reads them all
   compare.py alone CHECKS NAME FILE                `engrun bench --verify-alone` JSON
   compare.py embed CHECKS CK SHAPE SFX DTYPE URL   /v1/embeddings of b1's sequence (last-token
                                                    pooling) through the lm_head vs HF's logits
+  compare.py gguf CHECKS NAME CPU CUDA TWIN LENS PRE   CUDA logits of a bundle kept in GGUF blocks
+                                                   vs the CPU backend's (which reads the blocks as
+                                                   ir::quant defines them), held to 1.5 x the error
+                                                   of TWIN (its dequantized weights as a bf16
+                                                   bundle, on CUDA) + the bf16 allowance
 
 Errors are relative to the reference's largest magnitude, per sequence, the worst sequence
 reported: `max` = max |ours - ref| / max |ref|, `rms` = rms(ours - ref) / rms(ref). Against HF's f32
@@ -164,6 +169,19 @@ def embed(checks, ck, shape, sfx, dtype, url):
          limit=0.8 * rel(own) + w8 + ALLOWANCE[dtype], w8a8=w8, norm=e.norm().item(), width=e.numel())
 
 
+def gguf(checks, name, cpu, cuda, twin, lens, pre):
+    lens, pre = [int(n) for n in lens.split(",")], int(pre)
+    ref, got, bf16 = (load_file(p)["logits"] for p in (cpu, cuda, twin))
+    if not (ref.shape == got.shape == bf16.shape) or ref.shape[0] != sum(lens):
+        emit(checks, check=name, value=1, limit=0, note=f"shapes {[list(t.shape) for t in (ref, got, bf16)]}")
+        return
+    twin_max, twin_rms, _, _ = errors(bf16, ref, lens, pre)
+    got_max, got_rms, clear, same = errors(got, ref, lens, pre)
+    base = dict(vs="cpu_blocks", twin_bf16_max=twin_max, twin_bf16_rms=twin_rms)
+    emit(checks, check=name + "_max", value=got_max, limit=1.5 * twin_max + ALLOWANCE["bf16"], rms=got_rms, **base)
+    emit(checks, check=name + "_greedy", value=clear - same, limit=0, greedy_equal=same, greedy_clear=clear, **base)
+
+
 if __name__ == "__main__":
     kind, checks, *args = sys.argv[1:]
-    {"hf": hf, "pair": pair, "sampling": sampling, "alone": alone, "embed": embed}[kind](checks, *args)
+    {"hf": hf, "pair": pair, "sampling": sampling, "alone": alone, "embed": embed, "gguf": gguf}[kind](checks, *args)

@@ -16,7 +16,7 @@
 
 use cranelift_codegen::ir::{types, ConstantData, Endianness, InstBuilder, MemFlagsData, Value};
 use cranelift_frontend::FunctionBuilder;
-use ir::quant::{block_params, nibbles, q4_k_sub_blocks, q5_k_sub_blocks, q6_k_sub_blocks, value};
+use ir::quant::{nibbles, value};
 use ir::{DType, BLOCK};
 
 /// Whether the kernels read `dtype` as blocks (Q8_0, Q4_0, Q4_1, and the k-quants Q4_K, Q5_K,
@@ -54,37 +54,18 @@ pub fn row_bytes(k: usize, dtype: DType) -> usize {
     }
 }
 
-/// Repacks whole GGUF blocks of `dtype` into the CPU layout.
+/// Repacks whole GGUF blocks of `dtype` into the CPU layout (`ir::quant::runs`: Q8_0's run
+/// keeps one scale).
 pub fn repack(dtype: DType, gguf: &[u8]) -> Vec<u8> {
     let (_, size) = dtype.block().unwrap_or_else(|| panic!("{dtype} is not a block type"));
     let mut out = Vec::with_capacity(gguf.len() / size * layout_bytes(dtype));
-    // Two f32 (scale and offset, or Q6_K's two scales), then the values.
-    fn put(out: &mut Vec<u8>, a: f32, b: f32, values: &[u8]) {
+    ir::quant::runs(dtype, gguf, |a, b, codes| {
         out.extend(a.to_le_bytes());
-        out.extend(b.to_le_bytes());
-        out.extend(values);
-    }
-    for b in gguf.chunks_exact(size) {
-        match dtype {
-            DType::Q4_K => {
-                for (d, m, q) in q4_k_sub_blocks(b) {
-                    let packed: Vec<u8> = (0..BLOCK / 2).map(|i| q[i] | (q[i + BLOCK / 2] << 4)).collect();
-                    put(&mut out, d, m, &packed);
-                }
-            }
-            DType::Q5_K => q5_k_sub_blocks(b).iter().for_each(|(d, m, q)| put(&mut out, *d, *m, q)),
-            DType::Q6_K => q6_k_sub_blocks(b).iter().for_each(|(d0, d1, q)| put(&mut out, *d0, *d1, q)),
-            DType::Q8_0 => {
-                let (d, _, at) = block_params(dtype, b);
-                out.extend(d.to_le_bytes());
-                out.extend(&b[at..]);
-            }
-            _ => {
-                let (d, m, at) = block_params(dtype, b);
-                put(&mut out, d, m, &b[at..]);
-            }
+        if dtype != DType::Q8_0 {
+            out.extend(b.to_le_bytes());
         }
-    }
+        out.extend(codes);
+    });
     out
 }
 

@@ -1,7 +1,7 @@
 //! [`KernelKey`]: one specialised kernel, its symbol and the `extern "C"` instance that
 //! instantiates its template from `kernels/`.
 
-use crate::CodegenError;
+use crate::{CodegenError, WFormat};
 use ir::DType;
 
 /// One specialised kernel. Shapes are compile-time constants of the instance.
@@ -13,6 +13,16 @@ pub enum KernelKey {
         h: usize,
         /// Table dtype.
         w: DType,
+    },
+    /// Rows of an embedding table of GGUF blocks (`rows` rows of `h`, in the device layout of
+    /// [`crate::block_device_layout`]), f32 out.
+    EmbeddingBlocks {
+        /// Row width.
+        h: usize,
+        /// Rows of the table (its run parameters follow all rows' codes).
+        rows: usize,
+        /// The table's format (one of GGUF's).
+        wf: WFormat,
     },
     /// Optional residual add, then RMS norm over rows of `h` (one block each; a norm over
     /// groups of a wider row, per head, runs over the groups as rows).
@@ -48,8 +58,10 @@ pub enum KernelKey {
         rows: usize,
         /// The RMS norm it applies to its input rows itself, if any.
         norm: Option<NormIn>,
-        /// E4M3 weights (`fp8_t`, with their scales) rather than 16-bit ones.
-        w8: bool,
+        /// The weights' format.
+        wf: WFormat,
+        /// f32 biases (GGUF files store them so; GGUF weights only) rather than 16-bit ones.
+        b32: bool,
     },
     /// Gate and up projections with act(gate)·up, 16-bit out, for at most `rows` rows.
     GemvGlu {
@@ -63,8 +75,8 @@ pub enum KernelKey {
         norm: Option<NormIn>,
         /// The activation as CUDA C over `x0` (interned).
         act: &'static str,
-        /// E4M3 weights.
-        w8: bool,
+        /// The weights' format.
+        wf: WFormat,
     },
     /// Up to three linears sharing a 16-bit input, for at most `8 * tiles` rows (tensor cores,
     /// split K; every `n` a multiple of 16).
@@ -75,8 +87,10 @@ pub enum KernelKey {
         n: [usize; 3],
         /// Tiles of 8 rows.
         tiles: usize,
-        /// E4M3 weights.
-        w8: bool,
+        /// The weights' format.
+        wf: WFormat,
+        /// f32 biases (GGUF files store them so; GGUF weights only) rather than 16-bit ones.
+        b32: bool,
     },
     /// Up to three linears sharing a 16-bit input, any row count (tensor-core GEMM).
     Gemm {
@@ -84,8 +98,11 @@ pub enum KernelKey {
         k: usize,
         /// Output features of each group (0: absent).
         n: [usize; 3],
-        /// E4M3 weights (converted to 16 bits with their scale as the tiles are staged).
-        w8: bool,
+        /// The weights' format (E4M3 and GGUF's converted to 16 bits, times their scales, as the
+        /// tiles are staged).
+        wf: WFormat,
+        /// f32 biases (GGUF files store them so; GGUF weights only) rather than 16-bit ones.
+        b32: bool,
     },
     /// The fallback linear: 16-bit input, any weight dtype and `k`.
     Linear {
@@ -605,11 +622,23 @@ fn attention_params(o: &str) -> String {
 }
 
 /// The weights (of type `wt`), biases and outputs of up to three linears sharing an input.
-fn out_params(wt: &str) -> String {
+/// The weights, biases and outputs of a linear launch's three groups (weights of C type `wt`,
+/// biases f32 where `b32`, else 16-bit).
+fn out_params(wt: &str, b32: bool) -> String {
+    let bt = if b32 { "float" } else { "h16_t" };
     format!(
-        "const {wt}* w0, const h16_t* b0, float* o0, const {wt}* w1, const h16_t* b1, float* o1, const {wt}* w2, \
-         const h16_t* b2, float* o2, int T"
+        "const {wt}* w0, const {bt}* b0, float* o0, const {wt}* w1, const {bt}* b1, float* o1, const {wt}* w2, \
+         const {bt}* b2, float* o2, int T"
     )
+}
+
+/// The name suffix of a linear launch with f32 biases.
+fn b32_suffix(b32: bool) -> &'static str {
+    if b32 {
+        "_b32"
+    } else {
+        ""
+    }
 }
 const OUT_ARGS: &str = "w0, b0, o0, w1, b1, o1, w2, b2, o2, T";
 
@@ -660,24 +689,6 @@ pub fn hopper(arch: &str) -> bool {
     arch == "sm_90" || arch == "compute_90"
 }
 
-/// The C type of a fast linear's weights: E4M3 codes (`fp8_t`) or the 16-bit float.
-fn wtype(w8: bool) -> &'static str {
-    if w8 {
-        "fp8_t"
-    } else {
-        "h16_t"
-    }
-}
-
-/// The name suffix of E4M3-weight variants.
-fn w8_suffix(w8: bool) -> &'static str {
-    if w8 {
-        "_f8"
-    } else {
-        ""
-    }
-}
-
 /// The grouped MoE kernels' variant: a warp per feature (`rows`) or tensor-core tiles.
 fn grouped_kind(rows: bool) -> &'static str {
     if rows {
@@ -703,22 +714,24 @@ impl KernelKey {
         let n3 = |n: [usize; 3]| n.iter().filter(|&&x| x > 0).map(|x| x.to_string()).collect::<Vec<_>>().join("_");
         match *self {
             KernelKey::Embedding { h, w } => format!("embedding_h{h}_{w}"),
+            KernelKey::EmbeddingBlocks { h, rows, wf } => format!("embedding_h{h}_v{rows}{}", wf.suffix()),
             KernelKey::AddRmsNorm { h, w, add, out } => {
                 format!("{}rms_norm_h{h}_{w}_to_{out}", if add { "add_" } else { "" })
             }
             KernelKey::NormAddRmsNorm { h, w, pw, out } => format!("norm_add_rms_norm_h{h}_{pw}_{w}_to_{out}"),
-            KernelKey::Gemv { k, n, rows, norm, w8 } => {
-                format!("gemv_k{k}_n{}_r{rows}{}{}", n3(n), norm.map_or(String::new(), |m| m.suffix()), w8_suffix(w8))
+            KernelKey::Gemv { k, n, rows, norm, wf, b32 } => {
+                let norm = norm.map_or(String::new(), |m| m.suffix());
+                format!("gemv_k{k}_n{}_r{rows}{norm}{}{}", n3(n), wf.suffix(), b32_suffix(b32))
             }
-            KernelKey::GemvGlu { k, n, rows, norm, act, w8 } => format!(
+            KernelKey::GemvGlu { k, n, rows, norm, act, wf } => format!(
                 "gemv_glu_k{k}_n{n}_r{rows}{}_{}{}",
                 norm.map_or(String::new(), |m| m.suffix()),
                 act_tag(act),
-                w8_suffix(w8)
+                wf.suffix()
             ),
-            KernelKey::Gemm { k, n, w8 } => format!("gemm_k{k}_n{}{}", n3(n), w8_suffix(w8)),
-            KernelKey::GemmSkinny { k, n, tiles, w8 } => {
-                format!("gemm_skinny_k{k}_n{}_t{tiles}{}", n3(n), w8_suffix(w8))
+            KernelKey::Gemm { k, n, wf, b32 } => format!("gemm_k{k}_n{}{}{}", n3(n), wf.suffix(), b32_suffix(b32)),
+            KernelKey::GemmSkinny { k, n, tiles, wf, b32 } => {
+                format!("gemm_skinny_k{k}_n{}_t{tiles}{}{}", n3(n), wf.suffix(), b32_suffix(b32))
             }
             KernelKey::Linear { k, n, w, bias } => format!("linear_k{k}_n{n}_{w}{}", if bias { "_bias" } else { "" }),
             KernelKey::GluMul { act, n } => format!("glu_mul_n{n}_to_h16_{}", act_tag(act)),
@@ -818,17 +831,17 @@ impl KernelKey {
         }
     }
 
-    /// A tensor-core linear of E4M3 weights (`Gemm` or `GemmSkinny` with `w8`): what cuBLASLt
+    /// A tensor-core linear of E4M3 weights (`Gemm` or `GemmSkinny` of [`WFormat::E4m3`]): what cuBLASLt
     /// may run as W8A8 after [`KernelKey::QuantE4M3`].
     pub fn w8_tensor_core(&self) -> bool {
-        matches!(self, KernelKey::Gemm { w8: true, .. } | KernelKey::GemmSkinny { w8: true, .. })
+        matches!(self, KernelKey::Gemm { wf: WFormat::E4m3, .. } | KernelKey::GemmSkinny { wf: WFormat::E4m3, .. })
     }
 
     /// The tiled GEMM that may stand in for this launch (a `GemmSkinny`: the kernel the schedule
     /// runs past the last small-batch row count, `crate::tiled`).
     pub fn tiled(&self) -> Option<KernelKey> {
         match *self {
-            KernelKey::GemmSkinny { k, n, w8, .. } => Some(KernelKey::Gemm { k, n, w8 }),
+            KernelKey::GemmSkinny { k, n, wf, b32, .. } => Some(KernelKey::Gemm { k, n, wf, b32 }),
             _ => None,
         }
     }
@@ -837,7 +850,7 @@ impl KernelKey {
     /// weights whose every output count is a multiple of [`A8_FEATURES`]).
     pub fn a8(&self) -> Option<KernelKey> {
         match *self {
-            KernelKey::GemmSkinny { k, n, tiles, w8: true }
+            KernelKey::GemmSkinny { k, n, tiles, wf: WFormat::E4m3, b32: false }
                 if tiles * 8 <= A8_ROWS && n.iter().all(|c| c % A8_FEATURES == 0) =>
             {
                 Some(KernelKey::GemmSkinnyA8 { k, n })
@@ -860,6 +873,10 @@ impl KernelKey {
     pub(crate) fn instance(&self) -> Result<String, CodegenError> {
         let name = self.name();
         let (params, call) = match *self {
+            KernelKey::EmbeddingBlocks { h, rows, wf } => (
+                format!("const int* ids, const {}* table, float* out", wf.ctype()),
+                format!("embedding_blocks<{h}, {rows}, {}>(ids, table, out)", wf.ctype()),
+            ),
             KernelKey::Embedding { h, w } => {
                 let t = ctype(w)?;
                 (
@@ -884,11 +901,11 @@ impl KernelKey {
                     format!("add_rms_norm<{h}, {t}, {add}, {o}>(a, b, s, w, out, eps)"),
                 )
             }
-            KernelKey::Gemv { k, n, rows, norm, w8 } => {
+            KernelKey::Gemv { k, n, rows, norm, wf, b32 } => {
                 let (input, x) = gemv_input(norm)?;
-                let wt = wtype(w8);
+                let wt = wf.ctype();
                 (
-                    format!("{input}, {}", out_params(wt)),
+                    format!("{input}, {}", out_params(wt, b32)),
                     format!(
                         "gemv<{k}, {}, {}, {}, {rows}, {}, {wt}>({x}, {OUT_ARGS})",
                         n[0],
@@ -898,9 +915,9 @@ impl KernelKey {
                     ),
                 )
             }
-            KernelKey::GemvGlu { k, n, rows, norm, act, w8 } => {
+            KernelKey::GemvGlu { k, n, rows, norm, act, wf } => {
                 let (input, x) = gemv_input(norm)?;
-                let wt = wtype(w8);
+                let wt = wf.ctype();
                 (
                     format!("{input}, const {wt}* wg, const {wt}* wu, h16_t* out, int T"),
                     format!(
@@ -910,13 +927,13 @@ impl KernelKey {
                     ),
                 )
             }
-            KernelKey::Gemm { k, n, w8 } => (
-                format!("const h16_t* x, {}", out_params(wtype(w8))),
-                format!("gemm<{k}, {}, {}, {}, {}>(x, {OUT_ARGS})", n[0], n[1], n[2], wtype(w8)),
+            KernelKey::Gemm { k, n, wf, b32 } => (
+                format!("const h16_t* x, {}", out_params(wf.ctype(), b32)),
+                format!("gemm<{k}, {}, {}, {}, {}>(x, {OUT_ARGS})", n[0], n[1], n[2], wf.ctype()),
             ),
-            KernelKey::GemmSkinny { k, n, tiles, w8 } => (
-                format!("const h16_t* x, {}", out_params(wtype(w8))),
-                format!("gemm_skinny<{k}, {}, {}, {}, {tiles}, {}>(x, {OUT_ARGS})", n[0], n[1], n[2], wtype(w8)),
+            KernelKey::GemmSkinny { k, n, tiles, wf, b32 } => (
+                format!("const h16_t* x, {}", out_params(wf.ctype(), b32)),
+                format!("gemm_skinny<{k}, {}, {}, {}, {tiles}, {}>(x, {OUT_ARGS})", n[0], n[1], n[2], wf.ctype()),
             ),
             KernelKey::Linear { k, n, w, bias } => {
                 let t = ctype(w)?;
@@ -935,7 +952,7 @@ impl KernelKey {
                     "const __grid_constant__ TmaMap mx, const float* xs, {}, float* part, unsigned* count, int T, \
                      const __grid_constant__ TmaMap mw0, const __grid_constant__ TmaMap mw1, \
                      const __grid_constant__ TmaMap mw2",
-                    out_params("fp8_t").trim_end_matches(", int T")
+                    out_params("fp8_t", false).trim_end_matches(", int T")
                 ),
                 format!(
                     "gemm_skinny_a8<{k}, {}, {}, {}, {}, {}, {A8_STAGES}>(&mx, xs, {}, part, count, T, &mw0, &mw1, &mw2)",

@@ -7,12 +7,14 @@
 //! cuda-check` compiles it with NVRTC.
 #![deny(missing_docs)]
 
+mod formats;
 mod fp8;
 mod keys;
 mod lower;
 pub mod nvrtc;
 pub mod schedule;
 
+pub use formats::{block_device_layout, WFormat};
 pub use fp8::fp8_device_layout;
 pub use keys::{
     a8_blocks, a8_slots, hopper, DecAttention, HeadNorm, KernelKey, Mask, NormIn, A8_FEATURES, A8_ROWS, A8_SMEM,
@@ -30,6 +32,7 @@ use std::fmt::Write;
 /// The prelude and the kernel templates.
 const PRELUDE: &str = include_str!("../../../kernels/prelude.cuh");
 const BASIC: &str = include_str!("../../../kernels/basic.cuh");
+const FORMATS: &str = include_str!("../../../kernels/formats.cuh");
 const FAST: &str = include_str!("../../../kernels/fast.cuh");
 const GEMM: &str = include_str!("../../../kernels/gemm.cuh");
 const ATTENTION: &str = include_str!("../../../kernels/attention.cuh");
@@ -183,7 +186,7 @@ pub fn emit(plan: &Plan) -> Result<Program, CodegenError> {
         schedule::DEC_STAGES,
         schedule::DEC_SPLIT_MIN
     );
-    for part in [PRELUDE, BASIC, FAST, GEMM, ATTENTION, MOE, COMM, SAMPLE] {
+    for part in [PRELUDE, BASIC, FORMATS, FAST, GEMM, ATTENTION, MOE, COMM, SAMPLE] {
         source += part;
         source += "\n";
     }

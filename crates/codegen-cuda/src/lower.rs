@@ -2,10 +2,10 @@
 
 use crate::keys::{intern, DecAttention, HeadNorm, KernelKey, Mask, NormIn, MAP_INPUTS};
 use crate::schedule::{
-    dec_splits, gemv_rows, launch, moe_rows_max, one, per_token, to_h16, Arg, Builder, Count, Dim, FusedNorm, Input,
-    Launch, Step, DEC_WARPS, MOE_TILE, NORM_IN_GEMV_ROWS, ONE, SKINNY_ROWS,
+    dec_splits, gemv_rows, launch, moe_rows_max, one, per_token, skinny_takes, to_h16, Arg, Builder, Count, Dim,
+    FusedNorm, Input, Launch, Step, DEC_WARPS, MOE_TILE, NORM_IN_GEMV_ROWS, ONE, SKINNY_ROWS,
 };
-use crate::CodegenError;
+use crate::{CodegenError, WFormat};
 use ir::{DType, FusionKind, Op};
 
 /// Lowers fusion `f` of the plan: one kernel, or its members one by one where the fast path
@@ -23,11 +23,11 @@ pub(crate) fn fusion(b: &mut Builder, f: usize) -> Result<(), CodegenError> {
         (FusionKind::Linears, ls) => linears(b, ls)?,
         (FusionKind::Glu, &[g, u, s, m]) => {
             let xn = b.plan.nodes[g].inputs[0];
-            let w8 = b.fast_format(g);
-            if w8.is_some() && w8 == b.fast_format(u) && b.feeds_linears(m) {
+            let wf = b.fast_format(g).filter(|&f| Some(f) == b.fast_format(u));
+            if let Some(wf) = wf.filter(|_| b.feeds_linears(m)) {
                 let x = b.half_input(xn)?;
                 let norm = b.fused_norm[xn].clone();
-                glu(b, x, b.cols(xn), [g, u, s, m], norm.as_ref(), w8 == Some(true))?;
+                glu(b, x, b.cols(xn), [g, u, s, m], norm.as_ref(), wf)?;
             } else {
                 linears(b, &[g, u])?;
                 node(b, s)?;
@@ -50,7 +50,13 @@ pub(crate) fn node(b: &mut Builder, i: usize) -> Result<(), CodegenError> {
         Op::Tokens | Op::Positions | Op::Weight { .. } => {}
         Op::Embedding => {
             let out = b.out(i, DType::F32);
-            let key = KernelKey::Embedding { h: cols, w: b.wdtype(n.inputs[1]) };
+            let w = b.wdtype(n.inputs[1]);
+            let key = match WFormat::of(w, b.half).filter(|f| f.gguf()) {
+                Some(wf) => {
+                    KernelKey::EmbeddingBlocks { h: cols, rows: b.plan.nodes[n.inputs[1]].ty.dim(0).unwrap_or(0), wf }
+                }
+                None => KernelKey::Embedding { h: cols, w },
+            };
             let args = vec![Arg::Input(Input::Ids), Arg::Weight(n.inputs[1]), Arg::Buf(out)];
             b.steps.push(one(launch(key, args, [per_token(1, 1), ONE], 256)));
         }
@@ -212,10 +218,18 @@ fn gemv_x(x: usize, norm: Option<&FusedNorm>, rows: usize) -> (Option<NormIn>, V
 }
 
 /// Launch variants of up to three fast linears sharing the 16-bit input `x` (the output of
-/// `norm` when the GEMVs apply it), over `by` rows; their weights E4M3 where `w8`. The kernels
+/// `norm` when the GEMVs apply it), over `by` rows, their weights in format `wf` (with f32
+/// biases where `b32`, else 16-bit ones). The kernels
 /// write rows of all the linears' columns, so the outputs of more than one linear must be the
 /// column ranges `Builder::packed` gives, in order.
-fn grouped(x: usize, k: usize, groups: &[Group], by: Count, norm: Option<&FusedNorm>, w8: bool) -> Step {
+fn grouped(
+    x: usize,
+    k: usize,
+    groups: &[Group],
+    by: Count,
+    norm: Option<&FusedNorm>,
+    (wf, b32): (WFormat, bool),
+) -> Step {
     let mut n = [0; 3];
     let mut outs = vec![];
     for (g, slot) in n.iter_mut().enumerate() {
@@ -230,40 +244,40 @@ fn grouped(x: usize, k: usize, groups: &[Group], by: Count, norm: Option<&FusedN
     outs.push(Arg::Count(by));
     let args = [&[Arg::Buf(x)], &outs[..]].concat();
     let total: usize = n.iter().sum();
-    let mut variants: Vec<(usize, Vec<Launch>)> = gemv_rows(&n)
+    let mut variants: Vec<(usize, Vec<Launch>)> = gemv_rows(&n, k, wf)
         .into_iter()
         .map(|rows| {
             let (norm, input) = gemv_x(x, norm, rows);
-            let key = KernelKey::Gemv { k, n, rows, norm, w8 };
+            let key = KernelKey::Gemv { k, n, rows, norm, wf, b32 };
             let per_block = 8 / crate::keys::gemv_split(k);
             let args = [input, outs.clone()].concat();
             (rows, vec![launch(key, args, [Dim::Fixed(total.div_ceil(per_block)), ONE], 256)])
         })
         .collect();
-    if n.iter().all(|c| c % 16 == 0) {
+    if skinny_takes(&n, k, wf) {
         for rows in SKINNY_ROWS {
-            let key = KernelKey::GemmSkinny { k, n, tiles: rows / 8, w8 };
+            let key = KernelKey::GemmSkinny { k, n, tiles: rows / 8, wf, b32 };
             variants.push((rows, vec![launch(key, args.clone(), [Dim::Fixed(total / 16), ONE], 256)]));
         }
     }
-    variants.push((usize::MAX, vec![gemm_launch(k, n, w8, args, by)]));
+    variants.push((usize::MAX, vec![gemm_launch(k, n, (wf, b32), args, by)]));
     Step::Kernels { by, variants }
 }
 
 /// The tiled GEMM launch of up to three linears over `by` rows (any row count; 128 x 128 output
 /// tiles).
-fn gemm_launch(k: usize, n: [usize; 3], w8: bool, args: Vec<Arg>, by: Count) -> Launch {
+fn gemm_launch(k: usize, n: [usize; 3], (wf, b32): (WFormat, bool), args: Vec<Arg>, by: Count) -> Launch {
     let tiles: usize = n.iter().map(|c| c.div_ceil(128)).sum();
-    launch(KernelKey::Gemm { k, n, w8 }, args, [Dim::Fixed(tiles), Dim::Per(by, 1, 128)], 256)
+    launch(KernelKey::Gemm { k, n, wf, b32 }, args, [Dim::Fixed(tiles), Dim::Per(by, 1, 128)], 256)
 }
 
 /// The tiled GEMM that computes what small-batch launch `l` (`KernelKey::GemmSkinny`) does, at
 /// any row count: the schedule's own launch past the last of `SKINNY_ROWS`, and a candidate the
 /// runtime times against the small-batch kernel below it. `None` for any other launch.
 pub fn tiled(l: &Launch) -> Option<Launch> {
-    let KernelKey::Gemm { k, n, w8 } = l.key.tiled()? else { return None };
+    let KernelKey::Gemm { k, n, wf, b32 } = l.key.tiled()? else { return None };
     let by = l.args.iter().rev().find_map(|a| if let Arg::Count(c) = a { Some(*c) } else { None })?;
-    Some(gemm_launch(k, n, w8, l.args.clone(), by))
+    Some(gemm_launch(k, n, (wf, b32), l.args.clone(), by))
 }
 
 /// Linears `ls` of one input: one launch (GEMV / GEMM variants) per weight format the fast
@@ -275,8 +289,8 @@ fn linears(b: &mut Builder, ls: &[usize]) -> Result<(), CodegenError> {
     let k = b.cols(xn);
     let x = b.half_input(xn)?;
     let norm = b.fused_norm[xn].clone();
-    for w8 in [false, true] {
-        let of_format = ls.iter().copied().filter(|&c| b.fast_format(c) == Some(w8));
+    for (wf, b32) in WFormat::ALL.into_iter().flat_map(|f| [(f, false), (f, true)]) {
+        let of_format = ls.iter().copied().filter(|&c| b.fast_format(c) == Some(wf) && b.bias_f32(c) == b32);
         let (shared, alone): (Vec<usize>, Vec<usize>) = of_format.partition(|&c| reads_packed(b, c));
         let launches = alone.into_iter().map(|c| vec![c]).chain((!shared.is_empty()).then_some(shared));
         for members in launches {
@@ -299,7 +313,7 @@ fn linears(b: &mut Builder, ls: &[usize]) -> Result<(), CodegenError> {
                     (n.inputs[1], n.inputs.get(2).copied(), out, b.cols(c))
                 })
                 .collect();
-            b.steps.push(grouped(x, k, &groups, Count::Tokens, norm.as_ref(), w8));
+            b.steps.push(grouped(x, k, &groups, Count::Tokens, norm.as_ref(), (wf, b32)));
         }
     }
     let slow: Vec<usize> = ls.iter().copied().filter(|&i| !b.fast_linear(i)).collect();
@@ -342,7 +356,7 @@ fn glu(
     k: usize,
     [g, u, s, m]: [usize; 4],
     norm: Option<&FusedNorm>,
-    w8: bool,
+    wf: WFormat,
 ) -> Result<(), CodegenError> {
     let n = b.cols(g);
     let act = ir::fusion::glu_activation(&b.plan.nodes[s].op).ok_or_else(|| {
@@ -351,7 +365,7 @@ fn glu(
     let act = intern(act.to_cuda());
     let out = b.out(m, b.half);
     let (wg, wu) = (b.plan.nodes[g].inputs[1], b.plan.nodes[u].inputs[1]);
-    let gemv = gemv_rows(&[n, n]);
+    let gemv = gemv_rows(&[n, n], k, wf);
     let most = gemv.last().copied().unwrap_or(0);
     let mut variants: Vec<(usize, Vec<Launch>)> = gemv
         .into_iter()
@@ -363,7 +377,7 @@ fn glu(
             (
                 rows,
                 vec![launch(
-                    KernelKey::GemvGlu { k, n, rows, norm, act, w8 },
+                    KernelKey::GemvGlu { k, n, rows, norm, act, wf },
                     args,
                     [Dim::Fixed(n.div_ceil(per_block)), ONE],
                     256,
@@ -373,7 +387,7 @@ fn glu(
         .collect();
     let [tg, tu] = b.packed(&[n, n])[..] else { unreachable!("two column ranges") };
     let Step::Kernels { variants: big, .. } =
-        grouped(x, k, &[(wg, None, tg, n), (wu, None, tu, n)], Count::Tokens, None, w8)
+        grouped(x, k, &[(wg, None, tg, n), (wu, None, tu, n)], Count::Tokens, None, (wf, false))
     else {
         unreachable!("grouped gives kernels")
     };
@@ -775,8 +789,10 @@ fn logits(b: &mut Builder, i: usize) -> Result<(), CodegenError> {
     });
     let out = b.new_val(vocab, DType::F32, Count::Rows);
     b.node_val[i] = Some(out);
-    if b.wdtype(w) == b.half && h % 32 == 0 {
-        b.steps.push(grouped(sel, h, &[(w, None, out, vocab)], Count::Rows, None, false));
+    // A 16-bit lm_head, or GGUF's blocks (E4M3 weights are linears' only).
+    let fast = WFormat::of(b.wdtype(w), b.half).filter(|&f| f != WFormat::E4m3 && h % 32 == 0);
+    if let Some(wf) = fast {
+        b.steps.push(grouped(sel, h, &[(w, None, out, vocab)], Count::Rows, None, (wf, false)));
     } else {
         let key = KernelKey::Linear { k: h, n: vocab, w: b.wdtype(w), bias: false };
         let args = vec![Arg::Buf(sel), Arg::Weight(w), Arg::Null, Arg::Buf(out), Arg::Count(Count::Rows)];
@@ -789,7 +805,7 @@ fn logits(b: &mut Builder, i: usize) -> Result<(), CodegenError> {
 #[cfg(test)]
 mod tests {
     use super::{dec_bounds, dec_launches, grouped};
-    use crate::{tiled, Arg, Count, DecAttention, Dim, KernelKey, Launch, Mask, Step, SKINNY_ROWS};
+    use crate::{tiled, Arg, Count, DecAttention, Dim, KernelKey, Launch, Mask, Step, WFormat, SKINNY_ROWS};
     use ir::{DType, Graph, Op};
 
     /// embedding → rms_norm with a `[norm]` weight → linear → logits, all 64 wide, bf16.
@@ -799,6 +815,11 @@ mod tests {
 
     /// [`plan`] `h` wide, the linear's weight in `lin`.
     fn plan_of(h: usize, norm: usize, lin: DType) -> ir::Plan {
+        plan_with(h, norm, lin, None)
+    }
+
+    /// [`plan_of`], the linear with a bias in `bias` where given.
+    fn plan_with(h: usize, norm: usize, lin: DType, bias: Option<DType>) -> ir::Plan {
         let mut g = Graph::new(DType::BF16);
         let w = |g: &mut Graph, name: &str, shape: Vec<usize>, dtype| {
             g.add(Op::Weight { name: name.into(), shape, dtype, derived: None }, &[], name).unwrap()
@@ -808,10 +829,12 @@ mod tests {
             w(&mut g, "norm", vec![norm], DType::BF16),
             w(&mut g, "lin", vec![h, h], lin),
         );
+        let bw = bias.map(|d| w(&mut g, "bias", vec![h], d));
         let t = g.add(Op::Tokens, &[], "tokens").unwrap();
         let x = g.add(Op::Embedding, &[t, table], "x").unwrap();
         let h = g.add(Op::RmsNorm { eps: 1e-6 }, &[x, nw], "h").unwrap();
-        let y = g.add(Op::Linear { bias: false }, &[h, lw], "y").unwrap();
+        let ins: Vec<_> = [h, lw].into_iter().chain(bw).collect();
+        let y = g.add(Op::Linear { bias: bw.is_some() }, &ins, "y").unwrap();
         // What the compiler's group_linears pass makes of a lone linear.
         g.fusions.push(ir::Fusion { kind: ir::FusionKind::Linears, nodes: vec![y] });
         g.output = Some(g.add(Op::Logits, &[y, table], "logits").unwrap());
@@ -878,7 +901,8 @@ mod tests {
     #[test]
     fn tiled_stand_ins_are_the_schedules_gemm() {
         let groups = [(1, None, 2, 384), (3, Some(4), 5, 128)];
-        let Step::Kernels { variants, .. } = grouped(0, 256, &groups, Count::Tokens, None, true) else {
+        let Step::Kernels { variants, .. } = grouped(0, 256, &groups, Count::Tokens, None, (WFormat::E4m3, false))
+        else {
             panic!("a linear is a kernel step")
         };
         let (max, last) = variants.last().unwrap();
@@ -894,7 +918,10 @@ mod tests {
     /// so a launch has about two blocks an SM, two groups a part at least, no part empty.
     #[test]
     fn w8a8_stand_ins_follow_their_layout() {
-        let skinny = |n: usize, tiles: usize, w8: bool| KernelKey::GemmSkinny { k: 256, n: [n, 0, 0], tiles, w8 };
+        let skinny = |n: usize, tiles: usize, w8: bool| {
+            let wf = if w8 { WFormat::E4m3 } else { WFormat::H16 };
+            KernelKey::GemmSkinny { k: 256, n: [n, 0, 0], tiles, wf, b32: false }
+        };
         let a8 = |n: usize| Some(KernelKey::GemmSkinnyA8 { k: 256, n: [n, 0, 0] });
         assert_eq!(skinny(128, 4, true).a8(), a8(128));
         assert_eq!(skinny(128, 8, true).a8(), a8(128));
@@ -928,26 +955,7 @@ mod tests {
     #[test]
     fn e4m3_linears_take_the_w8_variants_or_are_refused() {
         let program = crate::emit(&plan_of(128, 128, DType::F8_E4M3)).unwrap();
-        let linear = program.steps.iter().find_map(|s| match s {
-            Step::Kernels { variants, .. }
-                if variants.iter().any(|(_, ls)| ls.iter().any(|l| l.key.name().ends_with("_f8"))) =>
-            {
-                Some(variants.iter().map(|(rows, ls)| (*rows, ls[0].key.name())).collect::<Vec<_>>())
-            }
-            _ => None,
-        });
-        let names = linear.expect("a launch of w8 variants");
-        let want = [
-            (1, "gemv_k128_n128_r1_norm_bf16_f8"),
-            (2, "gemv_k128_n128_r2_f8"),
-            (8, "gemm_skinny_k128_n128_t1_f8"),
-            (16, "gemm_skinny_k128_n128_t2_f8"),
-            (32, "gemm_skinny_k128_n128_t4_f8"),
-            (64, "gemm_skinny_k128_n128_t8_f8"),
-            (128, "gemm_skinny_k128_n128_t16_f8"),
-            (usize::MAX, "gemm_k128_n128_f8"),
-        ];
-        assert_eq!(names, want.map(|(r, n)| (r, n.to_string())));
+        assert_eq!(lin_variants(&program, "_f8"), square_variants(128, "_f8"));
         // Its tensor-core variants may run as W8A8 through cuBLASLt: the program carries the
         // input's quantizer; a 16-bit program does not.
         assert!(program.kernels.contains(&KernelKey::QuantE4M3) && program.source.contains("void quant_e4m3_rows("));
@@ -955,5 +963,60 @@ mod tests {
         assert!(!h16.kernels.contains(&KernelKey::QuantE4M3));
         let refused = crate::emit(&plan_of(64, 64, DType::F8_E4M3)).unwrap_err().to_string();
         assert!(refused.contains("`lin` is f8_e4m3") && refused.contains("multiple of 128"), "{refused}");
+    }
+
+    /// The variants of [`plan_of`]'s `h` x `h` linear in the format of name suffix `suffix`: the
+    /// GEMV applying the norm at 1 row, at 2, the small-batch kernel to 128 rows, the tiled GEMM.
+    fn square_variants(h: usize, suffix: &str) -> Vec<(usize, String)> {
+        let mut v =
+            vec![(1, format!("gemv_k{h}_n{h}_r1_norm_bf16{suffix}")), (2, format!("gemv_k{h}_n{h}_r2{suffix}"))];
+        v.extend(SKINNY_ROWS.map(|r| (r, format!("gemm_skinny_k{h}_n{h}_t{}{suffix}", r / 8))));
+        v.push((usize::MAX, format!("gemm_k{h}_n{h}{suffix}")));
+        v
+    }
+
+    /// The names of the variants of the first launch in `program` with a kernel named `…suffix`,
+    /// by row bound.
+    fn lin_variants(program: &crate::Program, suffix: &str) -> Vec<(usize, String)> {
+        let linear = program.steps.iter().find_map(|s| match s {
+            Step::Kernels { variants, .. }
+                if variants.iter().any(|(_, ls)| ls.iter().any(|l| l.key.name().ends_with(suffix))) =>
+            {
+                Some(variants.iter().map(|(rows, ls)| (*rows, ls[0].key.name())).collect::<Vec<_>>())
+            }
+            _ => None,
+        });
+        linear.unwrap_or_else(|| panic!("a launch of {suffix} variants"))
+    }
+
+    /// A GGUF block linear takes its format's variants: the GEMV, the small-batch kernel where
+    /// four chunks divide its rows (Q4's chunk is 32 weights: 256 input features yes, 64 no,
+    /// where the GEMV takes up to 8 rows), and the tiled GEMM; no cuBLASLt-only kernel.
+    #[test]
+    fn gguf_linears_take_their_formats_variants() {
+        let names = lin_variants(&crate::emit(&plan_of(256, 256, DType::Q4_K)).unwrap(), "_q4");
+        assert_eq!(names, square_variants(256, "_q4"));
+        let narrow = lin_variants(&crate::emit(&plan_of(64, 64, DType::Q4_0)).unwrap(), "_q4");
+        let rows: Vec<usize> = narrow.iter().map(|(r, _)| *r).collect();
+        assert_eq!(rows, [1, 2, 4, 8, usize::MAX], "{narrow:?}");
+        for (dtype, h, suffix) in [(DType::Q8_0, 64, "_s8"), (DType::Q6_K, 256, "_s8"), (DType::Q5_K, 256, "_u8")] {
+            let names = lin_variants(&crate::emit(&plan_of(h, h, dtype)).unwrap(), suffix);
+            assert_eq!(names.len(), 8, "{dtype}: {names:?}");
+        }
+        let program = crate::emit(&plan_of(256, 256, DType::Q4_K)).unwrap();
+        assert!(!program.kernels.contains(&KernelKey::QuantE4M3));
+        // An f32 bias (as GGUF files store them) beside GGUF weights: the same variants reading
+        // it as f32; beside 16-bit weights the fast kernels do not take it.
+        let biased = crate::emit(&plan_with(64, 64, DType::Q8_0, Some(DType::F32))).unwrap();
+        let names = lin_variants(&biased, "_s8_b32");
+        assert_eq!(names.len(), 8, "{names:?}");
+        let instance = biased.kernels.iter().find(|k| k.name().ends_with("_b32")).unwrap().instance().unwrap();
+        assert!(instance.contains("const float* b0"), "{instance}");
+        let dense = crate::emit(&plan_with(64, 64, DType::BF16, Some(DType::F32))).unwrap();
+        let names: Vec<String> = dense.kernels.iter().map(|k| k.name()).collect();
+        assert!(
+            names.iter().any(|n| n.starts_with("linear_k64_n64")) && !names.iter().any(|n| n.contains("_b32")),
+            "{names:?}"
+        );
     }
 }

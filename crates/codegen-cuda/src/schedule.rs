@@ -8,7 +8,7 @@
 //! knows no op.
 
 use crate::keys::{KernelKey, NormIn};
-use crate::CodegenError;
+use crate::{CodegenError, WFormat};
 use ir::{DType, Op, Plan};
 
 /// What a per-step size counts.
@@ -155,11 +155,18 @@ pub const SKINNY_ROWS: [usize; 5] = [8, 16, 32, 64, 128];
 /// step, at 8 rows 13.5 ms, against 5.06 ms at 16 rows on tensor cores (docs/perf.md).
 pub const GEMV_MAX_ROWS: usize = 2;
 
-/// The GEMV row variants of linears with output counts `n`: up to [`GEMV_MAX_ROWS`] where the
-/// small-batch kernel takes the rest, all of [`GEMV_ROWS`] otherwise.
-pub(crate) fn gemv_rows(n: &[usize]) -> Vec<usize> {
-    let skinny = n.iter().all(|c| c % 16 == 0);
+/// The GEMV row variants of linears with output counts `n` over `k` inputs in format `wf`: up
+/// to [`GEMV_MAX_ROWS`] where the small-batch kernel takes the rest ([`skinny_takes`]), all of
+/// [`GEMV_ROWS`] otherwise.
+pub(crate) fn gemv_rows(n: &[usize], k: usize, wf: WFormat) -> Vec<usize> {
+    let skinny = skinny_takes(n, k, wf);
     GEMV_ROWS.into_iter().filter(|&r| !skinny || r <= GEMV_MAX_ROWS).collect()
+}
+
+/// Whether the small-batch tensor-core kernel takes linears of output counts `n` over `k`
+/// inputs in format `wf`: every count a multiple of 16, four chunks of `wf` dividing `k`.
+pub(crate) fn skinny_takes(n: &[usize], k: usize, wf: WFormat) -> bool {
+    n.iter().all(|c| c % 16 == 0) && wf.skinny_takes(k)
 }
 
 /// Columns per scale of an E4M3 weight on the device (`W8_GROUP` of `kernels/fast.cuh`; the
@@ -273,7 +280,7 @@ pub(crate) struct Builder<'p> {
 pub(crate) fn half_dtype(plan: &Plan) -> Result<DType, CodegenError> {
     let half = if plan.act_dtype == DType::F16 { DType::F16 } else { DType::BF16 };
     for (name, _, dtype) in plan.weights() {
-        if !matches!(dtype, DType::F32 | DType::F8_E4M3) && dtype != half {
+        if !(dtype == DType::F32 || dtype == half || dtype.is_block()) {
             return Err(CodegenError::Unsupported(format!(
                 "weight `{name}` is {dtype} in a plan whose 16-bit type is {half} (compile with one --dtype)"
             )));
@@ -421,16 +428,22 @@ impl<'p> Builder<'p> {
         self.fast_format(i).is_some()
     }
 
-    /// The weight format in which the fast kernels take linear node `i`: `Some(false)` for the
-    /// program's 16-bit float, `Some(true)` for E4M3 (`k` a multiple of [`W8_GROUP`]), `None`
-    /// where only the fallback kernel can (any bias must be 16-bit).
-    pub(crate) fn fast_format(&self, i: usize) -> Option<bool> {
+    /// The weight format in which the fast kernels take linear node `i`: the program's 16-bit
+    /// float, E4M3 (`k` a multiple of [`W8_GROUP`]) or one of GGUF's blocks; `None` where only
+    /// the fallback kernel can (any bias must be 16-bit, or f32 beside GGUF weights).
+    pub(crate) fn fast_format(&self, i: usize) -> Option<WFormat> {
         let n = &self.plan.nodes[i];
         let k = self.plan.nodes[n.inputs[0]].ty.last().unwrap_or(0);
-        let w8 = self.wdtype(n.inputs[1]) == DType::F8_E4M3;
-        let weight = if w8 { k.is_multiple_of(W8_GROUP) } else { self.wdtype(n.inputs[1]) == self.half };
-        let bias = n.inputs[2..].iter().all(|&b| self.wdtype(b) == self.half);
-        (weight && bias && k.is_multiple_of(32) && k > 0).then_some(w8)
+        let wf = WFormat::of(self.wdtype(n.inputs[1]), self.half)?;
+        let weight = wf != WFormat::E4m3 || k.is_multiple_of(W8_GROUP);
+        let bias = n.inputs[2..].iter().all(|&b| self.wdtype(b) == self.half) || self.bias_f32(i) && wf.gguf();
+        (weight && bias && k.is_multiple_of(32) && k > 0).then_some(wf)
+    }
+
+    /// Whether linear node `i` has an f32 bias (GGUF files store biases so; the fast kernels
+    /// take them beside GGUF weights).
+    pub(crate) fn bias_f32(&self, i: usize) -> bool {
+        self.plan.nodes[i].inputs.get(2).is_some_and(|&b| self.wdtype(b) == DType::F32)
     }
 }
 
@@ -448,12 +461,6 @@ pub(crate) struct Schedule {
 
 /// Lowers `plan` to fused launches with buffers assigned.
 pub(crate) fn schedule(plan: &Plan) -> Result<Schedule, CodegenError> {
-    if let Some((name, _, d)) = plan.weights().find(|(_, _, d)| d.is_block() && *d != DType::F8_E4M3) {
-        return Err(CodegenError::Unsupported(format!(
-            "weight `{name}` is {d}: the CUDA kernels read f32, bf16, f16 and f8_e4m3 weights (the CPU backends read {d}; for CUDA, compile with \
-             --dtype bf16)"
-        )));
-    }
     let n = plan.nodes.len();
     let mut consumers = vec![vec![]; n];
     for (i, node) in plan.nodes.iter().enumerate() {
@@ -486,7 +493,7 @@ pub(crate) fn schedule(plan: &Plan) -> Result<Schedule, CodegenError> {
         constants: vec![],
         hidden: None,
     };
-    w8_readers(&b)?;
+    quantized_readers(&b)?;
     for i in 0..n {
         match b.fusion_of[i] {
             // A fusion is lowered at its first member (members are consecutive in a plan).
@@ -499,19 +506,33 @@ pub(crate) fn schedule(plan: &Plan) -> Result<Schedule, CodegenError> {
     Ok(assign(b.steps, &b.vals, (out, b.hidden), b.constants, b.half))
 }
 
-/// Every reader of an E4M3 weight must be a linear the fast kernels take with it.
-fn w8_readers(b: &Builder) -> Result<(), CodegenError> {
+/// Every reader of an E4M3 or GGUF block weight must be a kernel that reads its format: a
+/// linear the fast kernels take with it, or for GGUF's blocks an embedding or the logits
+/// (tables and lm_heads are blocks in GGUF files too).
+fn quantized_readers(b: &Builder) -> Result<(), CodegenError> {
     for (w, node) in b.plan.nodes.iter().enumerate() {
-        if !matches!(node.op, Op::Weight { dtype: DType::F8_E4M3, .. }) {
-            continue;
-        }
+        let Op::Weight { dtype, .. } = node.op else { continue };
+        let Some(wf) = WFormat::of(dtype, b.half).filter(|f| *f != WFormat::H16) else { continue };
         for &r in &b.consumers[w] {
-            let linear = matches!(b.plan.nodes[r].op, Op::Linear { .. }) && b.plan.nodes[r].inputs[1] == w;
-            if !linear || b.fast_format(r) != Some(true) {
+            let reader = &b.plan.nodes[r];
+            let ok = match reader.op {
+                Op::Linear { .. } => reader.inputs[1] == w && b.fast_format(r) == Some(wf),
+                Op::Embedding | Op::Logits => wf.gguf() && reader.inputs[1] == w,
+                _ => false,
+            };
+            if !ok {
                 return Err(CodegenError::Unsupported(format!(
-                    "weight `{}` is f8_e4m3: the CUDA kernels read E4M3 weights only as a linear's weight over a multiple \
-                     of {W8_GROUP} input features with a 16-bit bias (`{}` reads it)",
-                    node.label, b.plan.nodes[r].label
+                    "weight `{}` is {dtype}: the CUDA kernels read it only as a linear's weight over a multiple of {} \
+                     input features with a 16-bit{} bias{} (`{}` reads it)",
+                    node.label,
+                    if wf == WFormat::E4m3 { W8_GROUP } else { 32 },
+                    if wf.gguf() { " or f32" } else { "" },
+                    if wf.gguf() {
+                        ", an embedding table or an lm_head; `engc compile --dtype bf16` dequantizes it"
+                    } else {
+                        ""
+                    },
+                    reader.label
                 )));
             }
         }

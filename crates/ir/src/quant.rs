@@ -140,6 +140,41 @@ fn q6_k(b: &[u8], out: &mut Vec<f32>) {
     }
 }
 
+/// The GGUF block types' weights in runs of 32 along the row, in order: `f(a, b, codes)` per
+/// run, the one decomposition every backend's re-laid blocks are made of (the CPU's
+/// `codegen_cpu::blocks::repack`, CUDA's `codegen_cuda::block_device_layout`). For the
+/// unsigned types (Q4_0, Q4_1, Q4_K, Q5_K) weight `l` is `fma(q, a, b)`; for the signed ones
+/// (Q8_0, Q6_K) it is `q·a` for `l < 16` and `q·b` from 16 on (Q8_0's `a` and `b` are both
+/// its `d`): [`value`]. `codes` are GGUF's 16 bytes of nibbles for the 4-bit types (weight `l`
+/// in byte `l`'s low nibble, `l + 16` in its high one: [`nibbles`]), else one byte a weight
+/// (Q5_K's 5-bit `q`, Q8_0's and Q6_K's `i8` bytes).
+pub fn runs(ty: DType, gguf: &[u8], mut f: impl FnMut(f32, f32, &[u8])) {
+    let (_, size) = ty.block().unwrap_or_else(|| panic!("{ty} is not a block type"));
+    for b in gguf.chunks_exact(size) {
+        match ty {
+            DType::Q4_K => {
+                for (d, m, q) in q4_k_sub_blocks(b) {
+                    let packed: [u8; BLOCK / 2] = std::array::from_fn(|i| q[i] | (q[i + BLOCK / 2] << 4));
+                    f(d, m, &packed);
+                }
+            }
+            DType::Q5_K => q5_k_sub_blocks(b).iter().for_each(|(d, m, q)| f(*d, *m, q)),
+            DType::Q6_K => q6_k_sub_blocks(b).iter().for_each(|(d0, d1, q)| f(*d0, *d1, q)),
+            DType::Q8_0 => {
+                let (d, _, at) = block_params(ty, b);
+                f(d, d, &b[at..]);
+            }
+            DType::Q4_0 | DType::Q4_1 => {
+                let (d, m, at) = block_params(ty, b);
+                f(d, m, &b[at..]);
+            }
+            DType::F8_E4M3 | DType::F32 | DType::F16 | DType::BF16 | DType::I32 => {
+                panic!("{ty} is not a GGUF block type")
+            }
+        }
+    }
+}
+
 /// Dequantizes whole blocks of a block type to f32 (trailing bytes short of a block are
 /// ignored: callers pass whole blocks, [`DType::bytes`]).
 pub fn dequantize(ty: DType, bytes: &[u8]) -> Vec<f32> {

@@ -11,7 +11,7 @@ use super::lt::{Blas, Part};
 use super::w8a8::Fp8In;
 use super::{driver, CudaBackend};
 use crate::RuntimeError;
-use codegen_cuda::{Arg, Count, KernelKey, Launch, Step, SKINNY_ROWS};
+use codegen_cuda::{Arg, Count, KernelKey, Launch, Step, WFormat, SKINNY_ROWS};
 use cudarc::driver::CudaStream;
 use std::collections::HashMap;
 use std::fmt::Write;
@@ -23,16 +23,17 @@ fn buckets() -> Vec<usize> {
     decode.chain([512, 1024, 4096]).collect()
 }
 
-/// The linear shape a tensor-core launch computes, `(k, n, w8)`, whatever its row variant: the
-/// key cuBLASLt's choices are kept under.
-pub(crate) type Shape = (usize, [usize; 3], bool);
+/// The linear shape a tensor-core launch computes, `(k, n, weight format)`, whatever its row
+/// variant: the key the GEMM choices are kept under.
+pub(crate) type Shape = (usize, [usize; 3], WFormat);
 
-/// The shape of a launch cuBLASLt can replace (`None` for every other kernel). 16-bit weights
-/// run as they are; E4M3 ones as W8A8 on FP8 tensor cores, the input quantized first
-/// ([`KernelKey::QuantE4M3`]), where their scales are per output channel or 128 x 128 blocks.
+/// The shape of a tensor-core linear launch (`None` for every other kernel), which another
+/// GEMM may run ([`candidates`]): cuBLASLt runs 16-bit weights as they are and E4M3 ones as
+/// W8A8 on FP8 tensor cores, the input quantized first ([`KernelKey::QuantE4M3`]), where their
+/// scales are per output channel or 128 x 128 blocks; GGUF's blocks only our kernels read.
 pub(crate) fn gemm_shape(key: &KernelKey) -> Option<Shape> {
     match *key {
-        KernelKey::Gemm { k, n, w8 } | KernelKey::GemmSkinny { k, n, w8, .. } => Some((k, n, w8)),
+        KernelKey::Gemm { k, n, wf, .. } | KernelKey::GemmSkinny { k, n, wf, .. } => Some((k, n, wf)),
         _ => None,
     }
 }
@@ -98,13 +99,14 @@ impl Gemm {
     }
 }
 
-/// The GEMMs besides ours that may run launch `l`, less the `refused`: cuBLASLt, our W8A8
-/// kernel and our tiled GEMM where the launch has them.
+/// The GEMMs besides ours that may run launch `l`, less the `refused`: cuBLASLt (not over
+/// GGUF's blocks), our W8A8 kernel and our tiled GEMM where the launch has them.
 pub(crate) fn candidates<'a>(l: &'a Launch, refused: &'a [Gemm]) -> impl Iterator<Item = Gemm> + 'a {
     let has = |g: &Gemm| match g {
         Gemm::A8 => l.key.a8().is_some(),
         Gemm::Tiled => l.key.tiled().is_some(),
-        _ => true,
+        Gemm::Blas => gemm_shape(&l.key).is_some_and(|s| !s.2.gguf()),
+        Gemm::Ours => true,
     };
     [Gemm::Blas, Gemm::A8, Gemm::Tiled].into_iter().filter(move |g| has(g) && !refused.contains(g))
 }
@@ -166,11 +168,16 @@ impl CudaBackend {
         let mut timed = false;
         for (shape, launches) in &shapes {
             let mut choice = vec![];
-            let w8 = if shape.2 { " e4m3" } else { "" };
+            let wf = match shape.2 {
+                WFormat::H16 => "",
+                WFormat::E4m3 => " e4m3",
+                f => f.ctype(),
+            };
             let mut line =
-                format!("GEMM k{} n{:?}{w8} (us: ours / L cuBLASLt / A ours W8A8 / T ours tiled):", shape.0, shape.1);
+                format!("GEMM k{} n{:?}{wf} (us: ours / L cuBLASLt / A ours W8A8 / T ours tiled):", shape.0, shape.1);
             let fresh = !launches.iter().all(|(t, _)| cached.contains_key(&(*shape, *t)));
-            let refused = if shape.2 && fresh { self.w8a8_refusals(launches, &mut line)? } else { vec![] };
+            let w8 = shape.2 == WFormat::E4m3;
+            let refused = if w8 && fresh { self.w8a8_refusals(launches, &mut line)? } else { vec![] };
             for (t, l) in launches {
                 if let Some(&c) = cached.get(&(*shape, *t)) {
                     let _ = write!(line, " t={t} cached{}", c.gemm.mark().0);
@@ -277,7 +284,7 @@ impl CudaBackend {
             _ => vec![],
         });
         for l in launches.filter(|l| gemms.iter().any(|g| g.key == l.key)) {
-            let (Some((_, n, false)), Some(&Arg::Weight(first))) = (gemm_shape(&l.key), l.args.get(1)) else {
+            let (Some((_, n, WFormat::H16)), Some(&Arg::Weight(first))) = (gemm_shape(&l.key), l.args.get(1)) else {
                 continue;
             };
             let biases: Vec<Option<usize>> = (0..3)
@@ -307,9 +314,13 @@ impl CudaBackend {
     /// weights are adjacent (`weights`) and 16-bit, else one per linear; E4M3 weights as W8A8
     /// (`w8a8`), refused where their scales fit no cuBLASLt mode.
     pub(super) fn launch_blas(&self, l: &Launch, t: usize) -> Result<(), RuntimeError> {
-        let (Some((k, n, w8)), Some(blas)) = (gemm_shape(&l.key), &self.blas) else {
+        let (Some((k, n, wf)), Some(blas)) = (gemm_shape(&l.key), &self.blas) else {
             return Err(RuntimeError::Unsupported(format!("{} is not a cuBLASLt GEMM", l.key.name())));
         };
+        if wf.gguf() {
+            return Err(RuntimeError::Unsupported(format!("{}: cuBLASLt reads no GGUF blocks", l.key.name())));
+        }
+        let w8 = wf == WFormat::E4m3;
         let ntot: usize = n.iter().sum();
         let biases = l.args.get(1).and_then(|w| if let Arg::Weight(w) = w { self.bias_f32.get(w) } else { None });
         let mut parts = Vec::with_capacity(3);
@@ -381,17 +392,18 @@ fn choices_file(stream: &CudaStream, source: &str) -> Option<std::path::PathBuf>
     Some(codegen_cuda::nvrtc::cache_dir()?.join(format!("gemm-choices-{:016x}{forced}.txt", h.finish())))
 }
 
-/// The choices of a file [`write_choices`] wrote: lines `k n0 n1 n2 w8 t gemm viable tuned`
-/// (`w8` and `tuned` 1 or 0; `gemm` 0 ours, 1 cuBLASLt, 2 ours W8A8, 3 ours tiled; `viable` the
+/// The choices of a file [`write_choices`] wrote: lines `k n0 n1 n2 wf t gemm viable tuned`
+/// (`wf` the weight format's number, [`WFormat::number`]: 0 16-bit, 1 E4M3, as the `w8` column
+/// of older files; `tuned` 1 or 0; `gemm` 0 ours, 1 cuBLASLt, 2 ours W8A8, 3 ours tiled; `viable` the
 /// mask of [`Choice`]); unreadable lines (and a missing file) are left out, so they are timed
 /// again.
 fn read_choices(path: &std::path::Path) -> HashMap<(Shape, usize), Choice> {
     let text = std::fs::read_to_string(path).unwrap_or_default();
     let parse = |l: &str| -> Option<((Shape, usize), Choice)> {
         let v: Vec<usize> = l.split_whitespace().map(|w| w.parse().ok()).collect::<Option<_>>()?;
-        let [k, n0, n1, n2, w8, t, g, viable, tuned] = v[..] else { return None };
+        let [k, n0, n1, n2, wf, t, g, viable, tuned] = v[..] else { return None };
         let choice = Choice { gemm: Gemm::from_number(g)?, viable: u8::try_from(viable).ok()?, tuned: tuned == 1 };
-        Some((((k, [n0, n1, n2], w8 == 1), t), choice))
+        Some((((k, [n0, n1, n2], WFormat::from_number(wf)?), t), choice))
     };
     text.lines().filter_map(parse).collect()
 }
@@ -400,10 +412,10 @@ fn read_choices(path: &std::path::Path) -> HashMap<(Shape, usize), Choice> {
 /// written is only a cache.
 fn write_choices(path: &std::path::Path, choices: &HashMap<Shape, Vec<(usize, Choice)>>) {
     let mut text = String::new();
-    for ((k, n, w8), ch) in choices {
+    for ((k, n, wf), ch) in choices {
         for (t, c) in ch {
             let (g, tuned) = (c.gemm.mark().2, u8::from(c.tuned));
-            let _ = writeln!(text, "{k} {} {} {} {} {t} {g} {} {tuned}", n[0], n[1], n[2], u8::from(*w8), c.viable);
+            let _ = writeln!(text, "{k} {} {} {} {} {t} {g} {} {tuned}", n[0], n[1], n[2], wf.number(), c.viable);
         }
     }
     write_atomically(path, &text);
@@ -454,7 +466,7 @@ mod tests {
     fn choices_survive_the_file_and_bad_lines_are_timed_again() {
         let dir = std::env::temp_dir().join(format!("gemm-choices-test-{}", std::process::id()));
         let path = dir.join("sub/choices.txt");
-        let (shape, w8) = ((896, [4864, 4864, 0], false), (896, [4864, 4864, 0], true));
+        let (shape, w8) = ((896, [4864, 4864, 0], WFormat::H16), (896, [4864, 4864, 0], WFormat::E4m3));
         let tuned = Choice { tuned: true, ..of(Gemm::Tiled) };
         let choices = HashMap::from([
             (shape, vec![(16, of(Gemm::Ours)), (64, of(Gemm::Blas))]),
@@ -483,9 +495,10 @@ mod tests {
     #[test]
     fn the_tensor_core_variants_of_one_linear_share_a_shape() {
         let (k, n) = (896, [4864, 4864, 0]);
-        assert_eq!(gemm_shape(&KernelKey::Gemm { k, n, w8: false }), Some((k, n, false)));
-        assert_eq!(gemm_shape(&KernelKey::GemmSkinny { k, n, tiles: 8, w8: false }), Some((k, n, false)));
-        assert_eq!(gemm_shape(&KernelKey::GemmSkinny { k, n, tiles: 8, w8: true }), Some((k, n, true)));
+        let (h16, w8) = (WFormat::H16, WFormat::E4m3);
+        assert_eq!(gemm_shape(&KernelKey::Gemm { k, n, wf: h16, b32: false }), Some((k, n, h16)));
+        assert_eq!(gemm_shape(&KernelKey::GemmSkinny { k, n, tiles: 8, wf: h16, b32: false }), Some((k, n, h16)));
+        assert_eq!(gemm_shape(&KernelKey::GemmSkinny { k, n, tiles: 8, wf: w8, b32: false }), Some((k, n, w8)));
         assert_eq!(gemm_shape(&KernelKey::ToH16), None);
     }
 
@@ -499,9 +512,13 @@ mod tests {
             candidates(&l, refused).collect::<Vec<_>>()
         };
         let (b, a, t) = (Gemm::Blas, Gemm::A8, Gemm::Tiled);
-        assert_eq!(of(KernelKey::GemmSkinny { k, n, tiles: 8, w8: false }, &[]), [b, t]);
-        assert_eq!(of(KernelKey::GemmSkinny { k, n: [4864, 128, 0], tiles: 8, w8: true }, &[b]), [a, t]);
-        assert_eq!(of(KernelKey::GemmSkinny { k, n, tiles: 16, w8: true }, &[]), [b, t]);
-        assert_eq!(of(KernelKey::Gemm { k, n, w8: true }, &[]), [b]);
+        let (h16, w8) = (WFormat::H16, WFormat::E4m3);
+        assert_eq!(of(KernelKey::GemmSkinny { k, n, tiles: 8, wf: h16, b32: false }, &[]), [b, t]);
+        assert_eq!(of(KernelKey::GemmSkinny { k, n: [4864, 128, 0], tiles: 8, wf: w8, b32: false }, &[b]), [a, t]);
+        assert_eq!(of(KernelKey::GemmSkinny { k, n, tiles: 16, wf: w8, b32: false }, &[]), [b, t]);
+        assert_eq!(of(KernelKey::Gemm { k, n, wf: w8, b32: false }, &[]), [b]);
+        // GGUF's blocks: our tiled GEMM only, never cuBLASLt.
+        assert_eq!(of(KernelKey::GemmSkinny { k, n, tiles: 8, wf: WFormat::Q4, b32: false }, &[]), [t]);
+        assert_eq!(of(KernelKey::Gemm { k, n, wf: WFormat::S8, b32: false }, &[]), []);
     }
 }

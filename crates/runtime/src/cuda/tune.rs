@@ -118,7 +118,8 @@ mod tests {
     #[test]
     fn the_graph_chooses_where_the_load_left_a_choice() {
         let c = |gemm, viable, tuned| Choice { gemm, viable, tuned };
-        let (a, b, d) = ((896, [896, 0, 0], false), (896, [4864, 4864, 0], true), (4864, [896, 0, 0], false));
+        let (h16, w8) = (codegen_cuda::WFormat::H16, codegen_cuda::WFormat::E4m3);
+        let (a, b, d) = ((896, [896, 0, 0], h16), (896, [4864, 4864, 0], w8), (4864, [896, 0, 0], h16));
         let choices = HashMap::from([
             (b, vec![(16, c(Gemm::Blas, 0b0111, false)), (64, c(Gemm::A8, 0b0101, false))]),
             (a, vec![(16, c(Gemm::Ours, 0b0011, false)), (64, c(Gemm::Blas, 0b0011, true))]),

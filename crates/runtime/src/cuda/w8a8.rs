@@ -12,7 +12,7 @@ use super::blas::Gemm;
 use super::profile::Profile;
 use super::{driver, CudaBackend};
 use crate::RuntimeError;
-use codegen_cuda::{Arg, KernelKey, Launch, Step, A8_FEATURES, W8_GROUP};
+use codegen_cuda::{Arg, KernelKey, Launch, Step, WFormat, A8_FEATURES, W8_GROUP};
 use cudarc::driver::sys::CUtensorMap as TmaMap;
 use cudarc::driver::{CudaSlice, LaunchConfig};
 
@@ -199,7 +199,7 @@ impl CudaBackend {
     /// The widest input of the program's E4M3 tensor-core linears (0: none).
     fn w8_k_max(&self) -> usize {
         let k = |key: &KernelKey| match *key {
-            KernelKey::Gemm { k, w8: true, .. } | KernelKey::GemmSkinny { k, w8: true, .. } => k,
+            KernelKey::Gemm { k, wf: WFormat::E4m3, .. } | KernelKey::GemmSkinny { k, wf: WFormat::E4m3, .. } => k,
             _ => 0,
         };
         self.program.kernels.iter().map(k).max().unwrap_or(0)

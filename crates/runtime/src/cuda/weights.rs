@@ -1,6 +1,6 @@
 //! The weights on the device. Each is uploaded in the layout its kernels read (f32 and the
-//! program's 16-bit float as stored, E4M3 in `codegen_cuda::fp8_device_layout`, anything else
-//! as f32) into an allocation of its own, except the 16-bit weights of one linear launch of
+//! program's 16-bit float as stored, E4M3 in `codegen_cuda::fp8_device_layout`, GGUF's blocks
+//! in `codegen_cuda::block_device_layout`, anything else as f32) into an allocation of its own, except the 16-bit weights of one linear launch of
 //! several (q, k and v; gate and up): those go into one allocation, adjacent in the launch's
 //! order, so that with the launch's packed output (`codegen_cuda`'s `Builder::packed`) they
 //! are one `[n0 + n1 + n2, k]` matrix cuBLASLt multiplies in one matmul.
@@ -8,7 +8,7 @@
 use super::driver;
 use crate::RuntimeError;
 use bundle::WeightFile;
-use codegen_cuda::{Arg, KernelKey, Program, Step};
+use codegen_cuda::{Arg, KernelKey, Program, Step, WFormat};
 use cudarc::driver::{CudaSlice, CudaStream, CudaView, DevicePtr};
 use ir::{DType, Op, Plan};
 use std::borrow::Cow;
@@ -94,8 +94,8 @@ impl Weights {
 }
 
 /// A weight's bytes in the layout its kernels read: f32 and the program's 16-bit float as
-/// stored (the codegen rejects the other 16-bit float), E4M3 in the kernels' layout, the rest
-/// as f32.
+/// stored (the codegen rejects the other 16-bit float), E4M3 and GGUF's blocks in the kernels'
+/// layouts (`codegen_cuda::fp8_device_layout`, `block_device_layout`), the rest as f32.
 fn device_bytes<'f>(
     file: &'f WeightFile,
     name: &str,
@@ -106,9 +106,12 @@ fn device_bytes<'f>(
     let bytes = file.bytes_as(name, dtype, shape)?;
     Ok(match dtype {
         d if d == DType::F32 || d == half => Cow::Borrowed(bytes),
-        DType::F8_E4M3 => {
+        d if d.is_block() => {
             let (rows, k) = (shape.iter().rev().skip(1).product(), shape.last().copied().unwrap_or(0));
-            let dev = codegen_cuda::fp8_device_layout(name, bytes, rows, k);
+            let dev = match d {
+                DType::F8_E4M3 => codegen_cuda::fp8_device_layout(name, bytes, rows, k),
+                _ => codegen_cuda::block_device_layout(name, d, bytes, rows, k),
+            };
             Cow::Owned(dev.map_err(|e| RuntimeError::Unsupported(e.to_string()))?)
         }
         d => Cow::Owned(d.to_f32(bytes).iter().flat_map(|f| f.to_le_bytes()).collect()),
@@ -122,7 +125,9 @@ fn adjacent_groups(program: &Program) -> Vec<Vec<usize>> {
     for step in &program.steps {
         let Step::Kernels { variants, .. } = step else { continue };
         for l in variants.iter().flat_map(|(_, ls)| ls) {
-            let (KernelKey::Gemm { n, w8: false, .. } | KernelKey::GemmSkinny { n, w8: false, .. }) = l.key else {
+            let (KernelKey::Gemm { n, wf: WFormat::H16, .. } | KernelKey::GemmSkinny { n, wf: WFormat::H16, .. }) =
+                l.key
+            else {
                 continue;
             };
             let ws: Vec<usize> = (0..3)
