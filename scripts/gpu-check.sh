@@ -27,7 +27,8 @@
 #     logits (shapes without a final logit softcap).
 # GGUF's blocks on CUDA (GGUF=0 skips): tests/fixtures/tiny-kquant's Q4_K_M-style GGUF (Q4_K
 # linears, a Q6_K down projection, a Q5_K table tied to the lm_head) and its Qwen2 twin (Q8_0
-# q/k/v with f32 biases, Q4_0, Q4_1 and Q5_K linears, a Q4_K table, a Q6_K lm_head), each kept in
+# q/k/v with f32 biases, Q4_0, Q4_1 and Q5_K linears, a Q4_K table, a Q6_K lm_head) and Qwen3
+# twin (heads of 128 with per-head q/k norms, a Q8_0 table tied to the lm_head), each kept in
 # its blocks, its CUDA logits against the CPU backend's on the same bundle (which reads the blocks exactly as
 # ir::quant defines them), 16 sequences of 24-60 tokens (24 prefilled: every GEMV, small-batch
 # and tiled variant), held to 1.5 x the error of its dequantized twin compiled as bf16 on CUDA.
@@ -181,7 +182,7 @@ if [ "${GGUF:-1}" = 1 ]; then
   mkdir -p "$g"
   seqs=$(python3 -c "import random; r=random.Random(5); print(';'.join(','.join(str(r.randrange(320)) for _ in range(r.randint(24, 60))) for _ in range(16)))")
   lens=$(python3 -c "print(','.join(str(len(s.split(','))) for s in '$seqs'.split(';')))")
-  for pair in kquant:dequant qwen2:qwen2-dequant; do
+  for pair in kquant:dequant qwen2:qwen2-dequant qwen3:qwen3-dequant; do
     m=${pair%%:*} twin=${pair##*:}
     expected=$((expected + 2))
     must "gguf_compile_$m" "$work/gguf-$m-compile.txt" sh -c "'$bin/engc' compile --checkpoint $kq/$m.gguf -o $g/$m.bundle &&

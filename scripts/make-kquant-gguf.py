@@ -122,6 +122,26 @@ def main() -> None:
         ("output.weight", (VOCAB, HIDDEN), Q.Q6_K),
     ]
     write_pair(out, "qwen2", random_tensors(rng, qwen2), ("qwen2.gguf", "qwen2-dequant.gguf"))
+    # The Qwen3 twin: heads of 128 (not hidden / heads: the key length says so), per-head q/k
+    # norms, a Q8_0 table tied to the lm_head.
+    rng = np.random.default_rng(2)
+    d3 = 128
+    qwen3 = [
+        ("token_embd.weight", (VOCAB, HIDDEN), Q.Q8_0),
+        ("blk.0.attn_norm.weight", (HIDDEN,), Q.F32),
+        ("blk.0.attn_q.weight", (HEADS * d3, HIDDEN), Q.Q4_K),
+        ("blk.0.attn_k.weight", (KV_HEADS * d3, HIDDEN), Q.Q4_K),
+        ("blk.0.attn_v.weight", (KV_HEADS * d3, HIDDEN), Q.Q4_K),
+        ("blk.0.attn_q_norm.weight", (d3,), Q.F32),
+        ("blk.0.attn_k_norm.weight", (d3,), Q.F32),
+        ("blk.0.attn_output.weight", (HIDDEN, HEADS * d3), Q.Q5_K),
+        ("blk.0.ffn_norm.weight", (HIDDEN,), Q.F32),
+        ("blk.0.ffn_gate.weight", (FFN, HIDDEN), Q.Q6_K),
+        ("blk.0.ffn_up.weight", (FFN, HIDDEN), Q.Q6_K),
+        ("blk.0.ffn_down.weight", (HIDDEN, FFN), Q.Q4_0),
+        ("output_norm.weight", (HIDDEN,), Q.F32),
+    ]
+    write_pair(out, "qwen3", random_tensors(rng, qwen3), ("qwen3.gguf", "qwen3-dequant.gguf"), head_dim=d3)
     for p in sorted(out.rglob("*")):
         if p.is_file():
             print(f"{p.relative_to(out)}: {p.stat().st_size} bytes")
@@ -141,7 +161,7 @@ def random_tensors(rng: np.random.Generator, spec: list) -> list:
     return tensors
 
 
-def write_pair(out: Path, arch: str, tensors: list, names: tuple) -> None:
+def write_pair(out: Path, arch: str, tensors: list, names: tuple, head_dim: int = HEAD_DIM) -> None:
     """The model of `arch` kept in its blocks (names[0]) and dequantized by gguf-py (names[1])."""
 
     def write(path: Path, dequantized: bool) -> None:
@@ -152,7 +172,10 @@ def write_pair(out: Path, arch: str, tensors: list, names: tuple) -> None:
         w.add_feed_forward_length(FFN)
         w.add_head_count(HEADS)
         w.add_head_count_kv(KV_HEADS)
-        w.add_rope_dimension_count(HEAD_DIM)
+        w.add_rope_dimension_count(head_dim)
+        if head_dim != HIDDEN // HEADS:
+            w.add_key_length(head_dim)
+            w.add_value_length(head_dim)
         w.add_rope_freq_base(10000.0)
         w.add_layer_norm_rms_eps(1e-5)
         w.add_vocab_size(VOCAB)

@@ -96,6 +96,11 @@ fn generated_kernels_compile_with_nvrtc_for_sm90() {
         ],
     );
     runs.push(vec![q2.display().to_string()]);
+    // Its Qwen3 twin: heads of 128 with per-head q/k norms over Q4_K q/k/v, a Q8_0 table tied
+    // to the lm_head.
+    let q3 = compile_to("qwen3", &fixture("tiny-kquant").join("qwen3.gguf"), &dir.join("qwen3-gguf.bundle"), |_| {});
+    has_kernels(&q3, &["embedding_h256_v320_s8(", "gemv_k256_n512_256_256_r1_norm_f32_q4(", "gemv_k256_n320_r1_s8("]);
+    runs.push(vec![q3.display().to_string()]);
     let shapes = [
         ("qwen2", "tests/configs/qwen2.5-0.5b.json", "bf16"),
         ("qwen2", "tests/configs/qwen2.5-7b.json", "bf16"),

@@ -3,7 +3,8 @@
 //! are Q4_K (down Q6_K) and whose tied embedding is Q5_K, against its twin `dequant.gguf`, every
 //! tensor F32 as gguf-py dequantizes it. Kept in their blocks, the reference interpreter and the
 //! CPU backend give the twin's logits; `engc compile --dtype f32` dequantizes to the same weights.
-//! Its Qwen2 twin (`qwen2.gguf`) holds every other block type and f32 biases.
+//! Its Qwen2 twin (`qwen2.gguf`) holds every other block type and f32 biases, its Qwen3 twin
+//! (`qwen3.gguf`) heads of 128 with per-head q/k norms.
 
 use e2e::*;
 use std::collections::BTreeMap;
@@ -142,4 +143,23 @@ fn every_block_type_with_f32_biases_matches_gguf_py_dequantized() {
     {
         assert!(names.iter().any(|n| n == want), "no {want} kernel in {names:?}");
     }
+}
+
+/// The Qwen3 twin (`qwen3.gguf`): heads of 128 (the GGUF's key length, not hidden / heads), the
+/// per-head q/k norms (`attn_q_norm`, `attn_k_norm`), a Q8_0 table tied to the lm_head; kept in
+/// its blocks it gives its dequantized twin's logits on the interpreter and the CPU backend.
+#[test]
+fn qwen3_gguf_kept_in_blocks_matches_gguf_py_dequantized() {
+    let dir = tempfile::tempdir().unwrap();
+    let want = reference_of("qwen3", "qwen3-dequant.gguf", dir.path());
+    let q = bundle::Bundle::open(&compile_as("qwen3", "qwen3.gguf", dir.path(), None)).unwrap();
+    assert_eq!(q.manifest.params.get("head_dim").and_then(|v| v.as_u64()), Some(128));
+    let d = dtypes(&q);
+    assert_eq!(d.get("model.layers.0.self_attn.q_norm.weight").map(String::as_str), Some("f32"));
+    assert_eq!(d.get("model.embed_tokens.weight").map(String::as_str), Some("q8_0"));
+    assert!(!d.contains_key("lm_head.weight"), "the table is tied to the lm_head");
+    let got = logits(runtime::RefBackend::new(&q).unwrap());
+    check("reference interpreter on the Qwen3 block bundle", &got, &want, 1e-4);
+    let got = logits(runtime::CpuBackend::new(&q).unwrap());
+    check("CPU backend on the Qwen3 block bundle", &got, &want, 1e-4);
 }

@@ -180,6 +180,8 @@ pub fn hf_name(gguf: &str) -> Option<String> {
         "attn_k" => "self_attn.k_proj",
         "attn_v" => "self_attn.v_proj",
         "attn_output" => "self_attn.o_proj",
+        "attn_q_norm" => "self_attn.q_norm",
+        "attn_k_norm" => "self_attn.k_norm",
         "ffn_norm" => "post_attention_layernorm",
         "ffn_gate" => "mlp.gate_proj",
         "ffn_up" => "mlp.up_proj",
@@ -284,7 +286,10 @@ impl Gguf {
         let hf_arch = match arch.as_str() {
             "llama" => "LlamaForCausalLM",
             "qwen2" => "Qwen2ForCausalLM",
-            other => return Err(self.err(format!("GGUF architecture `{other}` is not supported (llama, qwen2 are)"))),
+            "qwen3" => "Qwen3ForCausalLM",
+            other => {
+                return Err(self.err(format!("GGUF architecture `{other}` is not supported (llama, qwen2, qwen3 are)")))
+            }
         };
         let key = |k: &str| format!("{arch}.{k}");
         let mut c = serde_json::Map::new();
@@ -299,6 +304,8 @@ impl Gguf {
             ("attention.layer_norm_rms_epsilon", "rms_norm_eps"),
             ("context_length", "max_position_embeddings"),
             ("vocab_size", "vocab_size"),
+            // Qwen3's head size need not be hidden / heads: its key length says it.
+            ("attention.key_length", "head_dim"),
             ("rope.dimension_count", "head_dim"),
         ];
         for (g, h) in map {
