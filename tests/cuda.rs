@@ -67,40 +67,47 @@ fn generated_kernels_compile_with_nvrtc_for_sm90() {
     assert!(o.status.success(), "fp8: {}", stderr(&o));
     assert!(String::from_utf8_lossy(&o.stdout).contains("assembled for sm_90a (wgmma)"), "fp8: no sm_90a pass");
     runs.push(vec![fp8.display().to_string()]);
-    // A GGUF kept in its blocks (Q4_K linears, a Q6_K down projection, a Q5_K table tied to the
-    // lm_head): every format's GEMV, small-batch and tiled kernels and the block table's gather.
-    let kq = compile_to("llama", &fixture("tiny-kquant").join("kquant.gguf"), &dir.join("kquant.bundle"), |_| {});
-    has_kernels(
-        &kq,
-        &[
-            "embedding_h256_v320_u8(",
-            "gemv_k256_n256_128_128_r1_norm_f32_q4(",
-            "gemm_skinny_k256_n512_512_t4_q4(",
-            "gemm_k512_n256_s8(",
-            "gemv_glu_k256_n512_r2_silu_q4(",
-            "gemv_k256_n320_r1_u8(",
-            "gemm_skinny_k256_n320_t16_u8(",
-        ],
-    );
-    runs.push(vec![kq.display().to_string()]);
-    // Its Qwen2 twin: Q8_0 q/k/v with f32 biases (the `_b32` variants), Q4_0 / Q4_1 / Q5_K
-    // linears, a Q4_K table and a Q6_K lm_head.
-    let q2 = compile_to("qwen2", &fixture("tiny-kquant").join("qwen2.gguf"), &dir.join("qwen2-gguf.bundle"), |_| {});
-    has_kernels(
-        &q2,
-        &[
-            "gemv_k256_n256_128_128_r1_norm_f32_s8_b32(",
-            "gemm_skinny_k256_n256_128_128_t4_s8_b32(",
-            "embedding_h256_v320_q4(",
-            "gemv_k256_n320_r1_s8(",
-        ],
-    );
-    runs.push(vec![q2.display().to_string()]);
-    // Its Qwen3 twin: heads of 128 with per-head q/k norms over Q4_K q/k/v, a Q8_0 table tied
-    // to the lm_head.
-    let q3 = compile_to("qwen3", &fixture("tiny-kquant").join("qwen3.gguf"), &dir.join("qwen3-gguf.bundle"), |_| {});
-    has_kernels(&q3, &["embedding_h256_v320_s8(", "gemv_k256_n512_256_256_r1_norm_f32_q4(", "gemv_k256_n320_r1_s8("]);
-    runs.push(vec![q3.display().to_string()]);
+    // The GGUF fixtures kept in their blocks, each format's kernels: the llama (Q4_K linears, a
+    // Q6_K down projection, a Q5_K table tied to the lm_head: every format's GEMV, small-batch
+    // and tiled kernels and the block table's gather); its Qwen2 twin (Q8_0 q/k/v with f32
+    // biases, the `_b32` variants; Q4_0 / Q4_1 / Q5_K linears, a Q4_K table, a Q6_K lm_head); its
+    // Qwen3 twin (heads of 128 with per-head q/k norms over Q4_K q/k/v, a tied Q8_0 table).
+    let ggufs: [(&str, &str, &[&str]); 3] = [
+        (
+            "llama",
+            "kquant",
+            &[
+                "embedding_h256_v320_u8(",
+                "gemv_k256_n256_128_128_r1_norm_f32_q4(",
+                "gemm_skinny_k256_n512_512_t4_q4(",
+                "gemm_k512_n256_s8(",
+                "gemv_glu_k256_n512_r2_silu_q4(",
+                "gemv_k256_n320_r1_u8(",
+                "gemm_skinny_k256_n320_t16_u8(",
+            ],
+        ),
+        (
+            "qwen2",
+            "qwen2",
+            &[
+                "gemv_k256_n256_128_128_r1_norm_f32_s8_b32(",
+                "gemm_skinny_k256_n256_128_128_t4_s8_b32(",
+                "embedding_h256_v320_q4(",
+                "gemv_k256_n320_r1_s8(",
+            ],
+        ),
+        (
+            "qwen3",
+            "qwen3",
+            &["embedding_h256_v320_s8(", "gemv_k256_n512_256_256_r1_norm_f32_q4(", "gemv_k256_n320_r1_s8("],
+        ),
+    ];
+    for (model, file, kernels) in ggufs {
+        let gguf = fixture("tiny-kquant").join(format!("{file}.gguf"));
+        let b = compile_to(model, &gguf, &dir.join(format!("{file}-gguf.bundle")), |_| {});
+        has_kernels(&b, kernels);
+        runs.push(vec![b.display().to_string()]);
+    }
     let shapes = [
         ("qwen2", "tests/configs/qwen2.5-0.5b.json", "bf16"),
         ("qwen2", "tests/configs/qwen2.5-7b.json", "bf16"),

@@ -40,10 +40,17 @@ impl WFormat {
     pub fn of(dtype: DType, half: DType) -> Option<WFormat> {
         match dtype {
             DType::F8_E4M3 => Some(WFormat::E4m3),
+            d if d == half => Some(WFormat::H16),
+            d => WFormat::gguf_of(d),
+        }
+    }
+
+    /// The GGUF format the kernels read a GGUF block type in; `None` for any other type.
+    pub fn gguf_of(dtype: DType) -> Option<WFormat> {
+        match dtype {
             DType::Q4_0 | DType::Q4_1 | DType::Q4_K => Some(WFormat::Q4),
             DType::Q8_0 | DType::Q6_K => Some(WFormat::S8),
             DType::Q5_K => Some(WFormat::U8),
-            d if d == half => Some(WFormat::H16),
             _ => None,
         }
     }
@@ -111,7 +118,7 @@ pub fn block_device_layout(
     n: usize,
     k: usize,
 ) -> Result<Vec<u8>, CodegenError> {
-    let format = WFormat::of(dtype, DType::BF16).filter(|f| f.gguf());
+    let format = WFormat::gguf_of(dtype);
     let want = dtype.bytes(n * k).filter(|_| k.is_multiple_of(dtype.block().map_or(1, |b| b.0)));
     let Some(format) = format.filter(|_| want == Some(bytes.len())) else {
         return Err(CodegenError::Unsupported(format!(
@@ -193,7 +200,7 @@ mod tests {
     #[test]
     fn device_layouts_hold_the_blocks_weights() {
         for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q4_K, DType::Q5_K, DType::Q6_K] {
-            let format = WFormat::of(dtype, DType::BF16).unwrap();
+            let format = WFormat::gguf_of(dtype).unwrap();
             let (n, k) = (3, 512);
             let bytes = random_blocks(dtype, n * k / dtype.block().unwrap().0, 7);
             let dev = block_device_layout("w", dtype, &bytes, n, k).unwrap();
@@ -288,7 +295,7 @@ int main(int argc, char** argv) {
             String::from_utf8_lossy(&o.stderr)
         );
         for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q4_K, DType::Q5_K, DType::Q6_K] {
-            let format = WFormat::of(dtype, DType::BF16).unwrap();
+            let format = WFormat::gguf_of(dtype).unwrap();
             let (n, k) = (5, 512);
             let bytes = random_blocks(dtype, n * k / dtype.block().unwrap().0, 11);
             let dev = block_device_layout("w", dtype, &bytes, n, k).unwrap();

@@ -51,7 +51,7 @@ pub(crate) fn node(b: &mut Builder, i: usize) -> Result<(), CodegenError> {
         Op::Embedding => {
             let out = b.out(i, DType::F32);
             let w = b.wdtype(n.inputs[1]);
-            let key = match WFormat::of(w, b.half).filter(|f| f.gguf()) {
+            let key = match WFormat::gguf_of(w) {
                 Some(wf) => {
                     KernelKey::EmbeddingBlocks { h: cols, rows: b.plan.nodes[n.inputs[1]].ty.dim(0).unwrap_or(0), wf }
                 }

@@ -169,9 +169,9 @@ impl CudaBackend {
         for (shape, launches) in &shapes {
             let mut choice = vec![];
             let wf = match shape.2 {
-                WFormat::H16 => "",
-                WFormat::E4m3 => " e4m3",
-                f => f.ctype(),
+                WFormat::H16 => String::new(),
+                WFormat::E4m3 => " e4m3".into(),
+                f => format!(" {}", f.ctype()),
             };
             let mut line =
                 format!("GEMM k{} n{:?}{wf} (us: ours / L cuBLASLt / A ours W8A8 / T ours tiled):", shape.0, shape.1);
