@@ -13,7 +13,7 @@
 # $OUT/compare-raw$TAG.tgz. LCPP: a carried copy of ../shared/peers (llamacpp.sh and the
 # llama.cpp sources), default peers-gpu; llama.cpp is built once per machine (~4 min).
 # QUANT=TYPE (a llama-quantize type: Q4_K_M, Q6_K, Q8_0, ...): both engines run the GGUF that
-# llama.cpp's llama-quantize makes of the bf16 one, ours compiled from that file with its blocks
+# llama.cpp's quantizer makes of the bf16 one, ours compiled from that file with its blocks
 # kept (docs/runtime.md, "GGUF blocks on the GPU"); the files and the table are named SHAPE-TYPE.
 set -uo pipefail
 bin="${BIN:-bin-gpu}"
@@ -28,8 +28,12 @@ export ENGINE_CACHE_DIR=/tmp/engine-cache
 [ -x /tmp/lcpp/lcpp/build/bin/llama-bench ] || bash "$lcpp/llamacpp.sh" build >"$work/lcpp-build.txt" 2>&1
 lb=/tmp/lcpp/lcpp/build/bin
 quant="${QUANT:-}"
+# The vendored tree has no llama-quantize tool: scripts/gpu/llama_quantize.c calls the library
+# function that tool calls (llama_model_quantize, llama.cpp's own mixes).
 if [ -n "$quant" ] && [ ! -x $lb/llama-quantize ]; then
-  cmake --build /tmp/lcpp/lcpp/build -j "$(nproc)" --target llama-quantize >>"$work/lcpp-build.txt" 2>&1
+  lib=$(dirname "$(find /tmp/lcpp/lcpp/build -name 'libllama.so' | head -1)")
+  cc -O2 -I/tmp/lcpp/lcpp/include -I/tmp/lcpp/lcpp/ggml/include scripts/gpu/llama_quantize.c \
+    -L"$lib" -lllama -Wl,-rpath,"$lib" -o $lb/llama-quantize >>"$work/lcpp-build.txt" 2>&1
 fi
 for shape in ${SHAPES:-qwen2.5-0.5b}; do
   ck=/tmp/cmp-$shape

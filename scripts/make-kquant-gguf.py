@@ -19,7 +19,8 @@ llama.cpp's own Python package (gguf-py: `gguf.GGUFWriter`, `gguf.quants.dequant
                 first of the fixture's tensor of that type, then one whose every byte is random,
                 f16 scales included, drawn until they are finite: negative, subnormal or large
                 scales), and gguf-py's 512 dequantized values, as `values` (floats) and `bits`
-                (the float32 bit patterns, 8 hex digits each, the exact values), plus `source`.
+                (the float32 bit patterns, 8 hex digits each, the exact values), plus `source`;
+                `q5_0` and `q5_1` the same of eight random blocks (256 values).
 
 Seeded and deterministic. Run with llama.cpp's gguf-py on the path (numpy is in the reference
 environment of make-references.py):
@@ -46,6 +47,8 @@ SCALES = {
     Q.Q8_0: [(0, 1e-4, 1e-3)],
     Q.Q4_0: [(0, 1e-3, 1e-2)],
     Q.Q4_1: [(0, 1e-3, 1e-2), (2, 1e-3, 1e-2)],
+    Q.Q5_0: [(0, 1e-3, 1e-2)],
+    Q.Q5_1: [(0, 1e-3, 1e-2), (2, 1e-3, 1e-2)],
 }
 
 
@@ -101,8 +104,9 @@ def main() -> None:
 
     write_pair(out, "llama", tensors, ("kquant.gguf", "dequant.gguf"))
     write_samples(out, rng, tensors)
-    # The Qwen2 twin (its own generator, so the files above stay as they were): every GGUF block
-    # type the engine reads, and f32 q/k/v biases as GGUF files store them.
+    # The Qwen2 twin (its own generator, so the files above stay as they were): the GGUF block
+    # types the others lack (Q8_0, Q5_0 and Q5_1, which llama.cpp writes where a k-quant file's
+    # rows are not whole super-blocks), and f32 q/k/v biases as GGUF files store them.
     rng = np.random.default_rng(1)
     qwen2 = [
         ("token_embd.weight", (VOCAB, HIDDEN), Q.Q4_K),
@@ -113,10 +117,10 @@ def main() -> None:
         ("blk.0.attn_k.bias", (KV_HEADS * HEAD_DIM,), Q.F32),
         ("blk.0.attn_v.weight", (KV_HEADS * HEAD_DIM, HIDDEN), Q.Q8_0),
         ("blk.0.attn_v.bias", (KV_HEADS * HEAD_DIM,), Q.F32),
-        ("blk.0.attn_output.weight", (HIDDEN, HEADS * HEAD_DIM), Q.Q4_1),
+        ("blk.0.attn_output.weight", (HIDDEN, HEADS * HEAD_DIM), Q.Q5_1),
         ("blk.0.ffn_norm.weight", (HIDDEN,), Q.F32),
-        ("blk.0.ffn_gate.weight", (FFN, HIDDEN), Q.Q4_0),
-        ("blk.0.ffn_up.weight", (FFN, HIDDEN), Q.Q4_0),
+        ("blk.0.ffn_gate.weight", (FFN, HIDDEN), Q.Q5_0),
+        ("blk.0.ffn_up.weight", (FFN, HIDDEN), Q.Q5_0),
         ("blk.0.ffn_down.weight", (HIDDEN, FFN), Q.Q5_K),
         ("output_norm.weight", (HIDDEN,), Q.F32),
         ("output.weight", (VOCAB, HIDDEN), Q.Q6_K),
@@ -196,13 +200,22 @@ def write_pair(out: Path, arch: str, tensors: list, names: tuple, head_dim: int 
 
 
 def write_samples(out: Path, rng: np.random.Generator, tensors: list) -> None:
-    """gguf-py's dequantization of two super-blocks of each k-quant (one of `tensors`')."""
+    """gguf-py's dequantization of two super-blocks of each k-quant (one of `tensors`'), and of
+    eight random blocks of Q5_0 and of Q5_1."""
     samples = {"source": f"gguf-py {gguf_version()} gguf.quants.dequantize (numpy {np.__version__}), "
                          "scripts/make-kquant-gguf.py"}
     for qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
         _, size = gguf.GGML_QUANT_SIZES[qtype]
         first = next(d for _, t, d in tensors if t == qtype).reshape(-1, size)[:1]
         raw = np.concatenate([first, random_block(rng, qtype)])
+        values = gguf.quants.dequantize(raw, qtype).astype(np.float32).reshape(-1)
+        samples[qtype.name.lower()] = {
+            "hex": raw.tobytes().hex(),
+            "values": [float(v) for v in values],
+            "bits": "".join(f"{b:08x}" for b in values.view(np.uint32)),
+        }
+    for qtype in (Q.Q5_0, Q.Q5_1):
+        raw = np.concatenate([random_block(rng, qtype) for _ in range(8)])
         values = gguf.quants.dequantize(raw, qtype).astype(np.float32).reshape(-1)
         samples[qtype.name.lower()] = {
             "hex": raw.tobytes().hex(),

@@ -3,7 +3,7 @@
 //! are Q4_K (down Q6_K) and whose tied embedding is Q5_K, against its twin `dequant.gguf`, every
 //! tensor F32 as gguf-py dequantizes it. Kept in their blocks, the reference interpreter and the
 //! CPU backend give the twin's logits; `engc compile --dtype f32` dequantizes to the same weights.
-//! Its Qwen2 twin (`qwen2.gguf`) holds every other block type and f32 biases, its Qwen3 twin
+//! Its Qwen2 twin (`qwen2.gguf`) holds Q8_0, Q5_0, Q5_1 and f32 biases, its Qwen3 twin
 //! (`qwen3.gguf`) heads of 128 with per-head q/k norms.
 
 use e2e::*;
@@ -110,12 +110,12 @@ fn engc_dequantizes_k_quants_to_gguf_py_values() {
     check("engc --dtype f32 of the k-quant GGUF", &got, &want, 1e-4);
 }
 
-/// The Qwen2 twin (`qwen2.gguf`): every GGUF block type the engine reads (a Q4_K table, Q8_0
-/// q/k/v with f32 biases as GGUF files store them, Q4_1 o, Q4_0 gate and up, Q5_K down, a Q6_K
-/// lm_head), kept in its blocks, gives its dequantized twin's logits on the interpreter and the
+/// The Qwen2 twin (`qwen2.gguf`): the GGUF block types the other fixtures lack (a Q4_K table,
+/// Q8_0 q/k/v with f32 biases as GGUF files store them, Q5_1 o, Q5_0 gate and up, Q5_K down, a
+/// Q6_K lm_head), kept in its blocks, gives its dequantized twin's logits on the interpreter and the
 /// CPU backend; the CUDA program reads the biases as f32 beside the Q8_0 weights.
 #[test]
-fn every_block_type_with_f32_biases_matches_gguf_py_dequantized() {
+fn qwen2_gguf_of_q8_0_q5_0_q5_1_with_f32_biases_matches_gguf_py_dequantized() {
     let dir = tempfile::tempdir().unwrap();
     let want = reference_of("qwen2", "qwen2-dequant.gguf", dir.path());
     let q = bundle::Bundle::open(&compile_as("qwen2", "qwen2.gguf", dir.path(), None)).unwrap();
@@ -125,8 +125,9 @@ fn every_block_type_with_f32_biases_matches_gguf_py_dequantized() {
         ("model.embed_tokens.weight", "q4_k"),
         ("model.layers.0.self_attn.q_proj.weight", "q8_0"),
         ("model.layers.0.self_attn.q_proj.bias", "f32"),
-        ("model.layers.0.self_attn.o_proj.weight", "q4_1"),
-        ("model.layers.0.mlp.up_proj.weight", "q4_0"),
+        ("model.layers.0.self_attn.o_proj.weight", "q5_1"),
+        ("model.layers.0.mlp.gate_proj.weight", "q5_0"),
+        ("model.layers.0.mlp.up_proj.weight", "q5_0"),
         ("model.layers.0.mlp.down_proj.weight", "q5_k"),
         ("lm_head.weight", "q6_k"),
     ];

@@ -17,7 +17,7 @@ use std::arch::x86_64::*;
 pub(crate) enum Kind {
     /// Q4_0, Q4_1, Q4_K: `d`, `m` (f32), 16 bytes of nibbles: weight `fma(q, d, m)`.
     Nibbles = 0,
-    /// Q5_K: `d`, `m` (f32), 32 bytes: weight `fma(q, d, m)`.
+    /// Q5_0, Q5_1, Q5_K: `d`, `m` (f32), 32 bytes: weight `fma(q, d, m)`.
     Bytes = 1,
     /// Q8_0: `d` (f32), 32 `i8`: weight `(q·2²⁴)·(d·2⁻²⁴)`, `q·d` rounded once.
     Q8 = 2,
@@ -30,7 +30,7 @@ pub(crate) enum Kind {
 pub(crate) fn kind(dtype: DType) -> Option<Kind> {
     let kind = match dtype {
         DType::Q4_0 | DType::Q4_1 | DType::Q4_K => Kind::Nibbles,
-        DType::Q5_K => Kind::Bytes,
+        DType::Q5_0 | DType::Q5_1 | DType::Q5_K => Kind::Bytes,
         DType::Q8_0 => Kind::Q8,
         DType::Q6_K => Kind::Q6,
         _ => return None,

@@ -8,7 +8,8 @@
 //!   super-block becomes eight such blocks (`d·sc`, `-(dmin·m)`: `ir::quant::q4_k_sub_blocks`);
 //! - Q8_0: 36 bytes: `d` (f32), then the 32 `i8` values;
 //! - Q5_K: 40 bytes per sub-block: `d·sc` (f32), `-(dmin·m)` (f32), then its 32 5-bit values
-//!   one per byte (`ir::quant::q5_k_sub_blocks`);
+//!   one per byte (`ir::quant::q5_k_sub_blocks`); Q5_0 and Q5_1 blocks the same (`d`, `m`:
+//!   `ir::quant::q5_block`);
 //! - Q6_K: 40 bytes per run of 32 values: the scales of its two halves (`d·sc`, f32 each), then
 //!   the 32 values `q - 32` as `i8` (`ir::quant::q6_k_sub_blocks`).
 //!
@@ -19,25 +20,25 @@ use cranelift_frontend::FunctionBuilder;
 use ir::quant::{nibbles, value};
 use ir::{DType, BLOCK};
 
-/// Whether the kernels read `dtype` as blocks (Q8_0, Q4_0, Q4_1, and the k-quants Q4_K, Q5_K,
-/// Q6_K as blocks of 32 of their sub-blocks); the other block types (FP8) are dequantized to
-/// f32 at load.
+/// Whether the kernels read `dtype` as blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, and the k-quants
+/// Q4_K, Q5_K, Q6_K as blocks of 32 of their sub-blocks); the other block types (FP8) are
+/// dequantized to f32 at load.
 pub fn reads(dtype: DType) -> bool {
-    matches!(dtype, DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::Q4_K | DType::Q5_K | DType::Q6_K)
+    dtype.is_block() && dtype != DType::F8_E4M3
 }
 
 /// Bytes of one block of 32 weights in the CPU layout.
 pub fn layout_bytes(dtype: DType) -> usize {
     match dtype {
         DType::Q8_0 => 36,
-        DType::Q5_K | DType::Q6_K => 40,
+        DType::Q5_0 | DType::Q5_1 | DType::Q5_K | DType::Q6_K => 40,
         _ => 24,
     }
 }
 
 /// Whether a block's values are bytes (not nibbles) in the CPU layout.
 fn byte_values(dtype: DType) -> bool {
-    matches!(dtype, DType::Q8_0 | DType::Q5_K | DType::Q6_K)
+    matches!(dtype, DType::Q8_0 | DType::Q5_0 | DType::Q5_1 | DType::Q5_K | DType::Q6_K)
 }
 
 /// Whether a block's values are signed bytes scaled without offset (`q·d`).
@@ -77,7 +78,7 @@ pub fn dequant_row(dtype: DType, row: &[u8], out: &mut [f32]) {
         match dtype {
             DType::Q8_0 => o.iter_mut().zip(&b[4..]).for_each(|(o, &q)| *o = value(dtype, q, d, 0.0)),
             // The second f32 is Q6_K's scale of values 16..32, the others' offset.
-            DType::Q5_K | DType::Q6_K => {
+            DType::Q5_0 | DType::Q5_1 | DType::Q5_K | DType::Q6_K => {
                 let e = f32_at(b, 4);
                 for (l, (o, &q)) in o.iter_mut().zip(&b[8..]).enumerate() {
                     *o = match dtype {

@@ -563,7 +563,7 @@ mod tests {
     #[test]
     fn block_weights_match_their_dequantization_in_any_batch() {
         for &(k, n, rows) in &[(64, 192, 1), (576, 37, 3), (32, 5, 13), (576, 130, 9), (64, 33, 7)] {
-            for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
+            for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q5_0, DType::Q5_1] {
                 check_blocks(dtype, &dtype.from_f32(&values(n * k, 7)), (k, n, rows));
             }
         }
@@ -587,7 +587,9 @@ mod tests {
         let cpu = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
         let on = std::env::var("ENGINE_CPU_AVX2").map_or(true, |v| v != "0");
         let cases = [(64, 6, 1), (576, 9, 3), (32, 1, 2), (256, 5, 1), (512, 4, 3)];
-        for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q4_K, DType::Q5_K, DType::Q6_K] {
+        let types =
+            [DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q5_0, DType::Q5_1, DType::Q4_K, DType::Q5_K, DType::Q6_K];
+        for dtype in types {
             for (k, n, rows) in cases.into_iter().filter(|c| c.0 % dtype.block().map_or(32, |b| b.0) == 0) {
                 let kernel = LinearKernel::compile(k, n, dtype).unwrap();
                 assert_eq!(kernel.avx2.is_some(), cpu && on, "{dtype}");

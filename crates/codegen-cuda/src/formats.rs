@@ -50,7 +50,7 @@ impl WFormat {
         match dtype {
             DType::Q4_0 | DType::Q4_1 | DType::Q4_K => Some(WFormat::Q4),
             DType::Q8_0 | DType::Q6_K => Some(WFormat::S8),
-            DType::Q5_K => Some(WFormat::U8),
+            DType::Q5_0 | DType::Q5_1 | DType::Q5_K => Some(WFormat::U8),
             _ => None,
         }
     }
@@ -154,7 +154,8 @@ mod tests {
         // The f16 fields: d (and Q4_1's m, the k-quants' dmin) between 2^-10 and 2^-6.
         let f16_at: &[usize] = match dtype {
             DType::Q8_0 | DType::Q4_0 => &[0],
-            DType::Q4_1 | DType::Q4_K | DType::Q5_K => &[0, 2],
+            DType::Q5_0 => &[0],
+            DType::Q4_1 | DType::Q5_1 | DType::Q4_K | DType::Q5_K => &[0, 2],
             DType::Q6_K => &[208],
             _ => unreachable!(),
         };
@@ -199,7 +200,9 @@ mod tests {
     /// Every GGUF block type's device layout holds exactly `ir::quant::dequantize`'s weights.
     #[test]
     fn device_layouts_hold_the_blocks_weights() {
-        for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q4_K, DType::Q5_K, DType::Q6_K] {
+        for dtype in
+            [DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q5_0, DType::Q5_1, DType::Q4_K, DType::Q5_K, DType::Q6_K]
+        {
             let format = WFormat::gguf_of(dtype).unwrap();
             let (n, k) = (3, 512);
             let bytes = random_blocks(dtype, n * k / dtype.block().unwrap().0, 7);
@@ -294,7 +297,9 @@ int main(int argc, char** argv) {
             "formats.cuh does not compile for the host: {}",
             String::from_utf8_lossy(&o.stderr)
         );
-        for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q4_K, DType::Q5_K, DType::Q6_K] {
+        for dtype in
+            [DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q5_0, DType::Q5_1, DType::Q4_K, DType::Q5_K, DType::Q6_K]
+        {
             let format = WFormat::gguf_of(dtype).unwrap();
             let (n, k) = (5, 512);
             let bytes = random_blocks(dtype, n * k / dtype.block().unwrap().0, 11);

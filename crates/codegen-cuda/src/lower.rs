@@ -999,7 +999,9 @@ mod tests {
         let narrow = lin_variants(&crate::emit(&plan_of(64, 64, DType::Q4_0)).unwrap(), "_q4");
         let rows: Vec<usize> = narrow.iter().map(|(r, _)| *r).collect();
         assert_eq!(rows, [1, 2, 4, 8, usize::MAX], "{narrow:?}");
-        for (dtype, h, suffix) in [(DType::Q8_0, 64, "_s8"), (DType::Q6_K, 256, "_s8"), (DType::Q5_K, 256, "_u8")] {
+        for (dtype, h, suffix) in
+            [(DType::Q8_0, 64, "_s8"), (DType::Q6_K, 256, "_s8"), (DType::Q5_K, 256, "_u8"), (DType::Q5_0, 64, "_u8")]
+        {
             let names = lin_variants(&crate::emit(&plan_of(h, h, dtype)).unwrap(), suffix);
             assert_eq!(names.len(), 8, "{dtype}: {names:?}");
         }

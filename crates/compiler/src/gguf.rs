@@ -47,6 +47,8 @@ fn dtype_of_id(id: u32) -> Option<DType> {
         1 => DType::F16,
         2 => DType::Q4_0,
         3 => DType::Q4_1,
+        6 => DType::Q5_0,
+        7 => DType::Q5_1,
         8 => DType::Q8_0,
         12 => DType::Q4_K,
         13 => DType::Q5_K,
@@ -227,7 +229,7 @@ impl Gguf {
             dims.reverse();
             let type_id = r.u32()?;
             let ty = dtype_of_id(type_id).ok_or_else(|| {
-                r.err(format!("tensor `{name}` has quantization type {type_id}, which is not supported (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K)"))
+                r.err(format!("tensor `{name}` has quantization type {type_id}, which is not supported (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)"))
             })?;
             let offset = r.u64()? as usize;
             tensors.insert(name.clone(), GgufTensor { name, shape: dims, ty, offset });

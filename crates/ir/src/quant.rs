@@ -1,5 +1,5 @@
-//! The block (quantized) weight types' values: what a block of GGUF's Q8_0, Q4_0, Q4_1, of
-//! its k-quants Q4_K, Q5_K, Q6_K, and of FP8 E4M3 with f32 scales means, declared once. The reference interpreter dequantizes
+//! The block (quantized) weight types' values: what a block of GGUF's Q8_0, Q4_0, Q4_1, Q5_0,
+//! Q5_1, of its k-quants Q4_K, Q5_K, Q6_K, and of FP8 E4M3 with f32 scales means, declared once. The reference interpreter dequantizes
 //! with [`dequantize`]; every backend kernel that reads blocks must produce exactly these f32
 //! weights.
 //!
@@ -40,8 +40,8 @@ pub fn nibbles(qs: &[u8]) -> [u8; BLOCK] {
     q
 }
 
-/// One weight from its block's `d`, `m` ([`block_params`], or a k-quant sub-block's:
-/// [`q4_k_sub_blocks`], [`q5_k_sub_blocks`], [`q6_k_sub_blocks`]) and its value `q` (Q8_0's
+/// One weight from its block's `d`, `m` ([`block_params`], [`q5_block`], or a k-quant
+/// sub-block's: [`q4_k_sub_blocks`], [`q5_k_sub_blocks`], [`q6_k_sub_blocks`]) and its value `q` (Q8_0's
 /// and Q6_K's `q` is an `i8`'s byte, `m` unused): the one formula every reader of these blocks
 /// computes.
 pub fn value(ty: DType, q: u8, d: f32, m: f32) -> f32 {
@@ -112,6 +112,24 @@ fn q5_k(b: &[u8], out: &mut Vec<f32>) {
     }
 }
 
+/// A Q5_0 or Q5_1 block as `(d, m, q)` (Q5_0: 22 bytes, f16 `d`, 4 bytes `qh`, 16 bytes `qs`,
+/// and `m = -16·d`; Q5_1: 24 bytes, f16 `d`, f16 `m`, then `qh` and `qs`): value `l < 16` is
+/// `(qs[l] & 15) | (bit l of qh) << 4`, value `l + 16` is `(qs[l] >> 4) | (bit l + 16 of qh) << 4`
+/// (`qh` little-endian). `w = fma(q, d, m)` ([`value`]): Q5_0's `(q - 16)·d` is exact (a 5-bit
+/// integer times an f16), as llama.cpp's is (but for the sign of a zero: +0 where a negative
+/// `d` gives llama.cpp -0); Q5_1's `q·d + m` rounds once, its product being exact.
+pub fn q5_block(ty: DType, b: &[u8]) -> (f32, f32, [u8; BLOCK]) {
+    let d = f16_at(b, 0);
+    let (m, at) = match ty {
+        DType::Q5_0 => (-16.0 * d, 2),
+        DType::Q5_1 => (f16_at(b, 2), 4),
+        t => panic!("{t} is not Q5_0 or Q5_1"),
+    };
+    let qh = u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]);
+    let lo = nibbles(&b[at + 4..at + 4 + BLOCK / 2]);
+    (d, m, std::array::from_fn(|l| lo[l] | (((qh >> l) & 1) << 4) as u8))
+}
+
 /// The eight runs of 32 values of a Q6_K super-block (210 bytes: 128 bytes `ql` at 0, 64 bytes
 /// `qh` at 128, sixteen `i8` scales `sc` at 192, f16 `d` at 208), in element order: run `i`
 /// holds elements `32·i ..`, half `c = i / 4`, row `r = i % 4`; its value `l` has the low 4
@@ -143,11 +161,11 @@ fn q6_k(b: &[u8], out: &mut Vec<f32>) {
 /// The GGUF block types' weights in runs of 32 along the row, in order: `f(a, b, codes)` per
 /// run, the one decomposition every backend's re-laid blocks are made of (the CPU's
 /// `codegen_cpu::blocks::repack`, CUDA's `codegen_cuda::block_device_layout`). For the
-/// unsigned types (Q4_0, Q4_1, Q4_K, Q5_K) weight `l` is `fma(q, a, b)`; for the signed ones
-/// (Q8_0, Q6_K) it is `q·a` for `l < 16` and `q·b` from 16 on (Q8_0's `a` and `b` are both
-/// its `d`): [`value`]. `codes` are GGUF's 16 bytes of nibbles for the 4-bit types (weight `l`
-/// in byte `l`'s low nibble, `l + 16` in its high one: [`nibbles`]), else one byte a weight
-/// (Q5_K's 5-bit `q`, Q8_0's and Q6_K's `i8` bytes).
+/// unsigned types (Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K) weight `l` is `fma(q, a, b)`; for the
+/// signed ones (Q8_0, Q6_K) it is `q·a` for `l < 16` and `q·b` from 16 on (Q8_0's `a` and `b`
+/// are both its `d`): [`value`]. `codes` are GGUF's 16 bytes of nibbles for the 4-bit types
+/// (weight `l` in byte `l`'s low nibble, `l + 16` in its high one: [`nibbles`]), else one byte
+/// a weight (the 5-bit `q` of Q5_0, Q5_1 and Q5_K, Q8_0's and Q6_K's `i8` bytes).
 pub fn runs(ty: DType, gguf: &[u8], mut f: impl FnMut(f32, f32, &[u8])) {
     let (_, size) = ty.block().unwrap_or_else(|| panic!("{ty} is not a block type"));
     for b in gguf.chunks_exact(size) {
@@ -159,6 +177,10 @@ pub fn runs(ty: DType, gguf: &[u8], mut f: impl FnMut(f32, f32, &[u8])) {
                 }
             }
             DType::Q5_K => q5_k_sub_blocks(b).iter().for_each(|(d, m, q)| f(*d, *m, q)),
+            DType::Q5_0 | DType::Q5_1 => {
+                let (d, m, q) = q5_block(ty, b);
+                f(d, m, &q);
+            }
             DType::Q6_K => q6_k_sub_blocks(b).iter().for_each(|(d0, d1, q)| f(*d0, *d1, q)),
             DType::Q8_0 => {
                 let (d, _, at) = block_params(ty, b);
@@ -189,6 +211,10 @@ pub fn dequantize(ty: DType, bytes: &[u8]) -> Vec<f32> {
             DType::Q4_0 | DType::Q4_1 => {
                 let (d, m, at) = block_params(ty, b);
                 out.extend(nibbles(&b[at..]).iter().map(|&q| value(ty, q, d, m)));
+            }
+            DType::Q5_0 | DType::Q5_1 => {
+                let (d, m, q) = q5_block(ty, b);
+                out.extend(q.iter().map(|&q| value(ty, q, d, m)));
             }
             DType::Q4_K => q4_k(b, &mut out),
             DType::Q5_K => q5_k(b, &mut out),
@@ -257,7 +283,8 @@ pub fn quantize_fp8_rows(values: &[f32], k: usize) -> Vec<u8> {
 }
 
 /// Quantizes f32 values (whole blocks) as llama.cpp's reference quantizers do
-/// (`quantize_row_q8_0_ref`, `..._q4_0_ref`, `..._q4_1_ref`): for making test weights. The
+/// (`quantize_row_q8_0_ref`, `..._q4_0_ref`, `..._q4_1_ref`, `..._q5_0_ref`, `..._q5_1_ref`):
+/// for making test weights. The
 /// k-quants are only read, never made here (their quantizers search scales iteratively):
 /// asking for one panics.
 pub fn quantize(ty: DType, values: &[f32]) -> Vec<u8> {
@@ -296,10 +323,34 @@ pub fn quantize(ty: DType, values: &[f32]) -> Vec<u8> {
                 let q = |v: f32| (((v - min) * id + 0.5) as i8).min(15) as u8;
                 out.extend((0..BLOCK / 2).map(|i| q(x[i]) | (q(x[i + BLOCK / 2]) << 4)));
             }
+            DType::Q5_0 => {
+                let max = x.iter().copied().fold(0.0f32, |a, v| if v.abs() > a.abs() { v } else { a });
+                let d = max / -16.0;
+                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+                out.extend(f16(d));
+                out.extend(five_bits(x, |v| ((v * id + 16.5) as i8).min(31) as u8));
+            }
+            DType::Q5_1 => {
+                let (min, max) = x.iter().fold((f32::MAX, f32::MIN), |(lo, hi), &v| (lo.min(v), hi.max(v)));
+                let d = (max - min) / 31.0;
+                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+                out.extend(f16(d));
+                out.extend(f16(min));
+                out.extend(five_bits(x, |v| ((v - min) * id + 0.5) as u8));
+            }
             d => panic!("{d} is not a block type"),
         }
     }
     out
+}
+
+/// A block's 5-bit values `q(x)` packed as Q5_0 and Q5_1 store them: `qh` (each value's fifth
+/// bit, little-endian), then the low 4 bits as Q4_0's nibbles.
+fn five_bits(x: &[f32], q: impl Fn(f32) -> u8) -> Vec<u8> {
+    let q: Vec<u8> = x.iter().map(|&v| q(v)).collect();
+    let qh = q.iter().enumerate().fold(0u32, |h, (l, &v)| h | (u32::from(v >> 4) << l));
+    let lo = (0..BLOCK / 2).map(|i| (q[i] & 0x0F) | ((q[i + BLOCK / 2] & 0x0F) << 4));
+    qh.to_le_bytes().into_iter().chain(lo).collect()
 }
 
 #[cfg(test)]
@@ -321,12 +372,24 @@ mod tests {
         let mut q8 = vec![d[0], d[1]];
         q8.extend([0xF0u8; 32]);
         assert_eq!(dequantize(DType::Q8_0, &q8)[0], -8.0);
+        // Q5_0 / Q5_1: the fifth bits of values 0 and 16 set (bits 0 and 16 of qh).
+        let qh = (1u32 | 1 << 16).to_le_bytes();
+        let mut q50 = vec![d[0], d[1]];
+        q50.extend(qh);
+        q50.extend([0x21u8; 16]);
+        let v = dequantize(DType::Q5_0, &q50);
+        assert_eq!((v.len(), v[0], v[1], v[16], v[17]), (32, 0.5, -7.5, 1.0, -7.0));
+        let mut q51 = vec![d[0], d[1], m[0], m[1]];
+        q51.extend(qh);
+        q51.extend([0x21u8; 16]);
+        let v = dequantize(DType::Q5_1, &q51);
+        assert_eq!((v[0], v[1], v[16], v[17]), (7.5, -0.5, 8.0, 0.0));
     }
 
     /// gguf-py's dequantization of two super-blocks per k-quant (`scripts/make-kquant-gguf.py`:
     /// one with the fixture's scales, one of random bytes, its f16 scales included), bit for bit.
     #[test]
-    fn k_quants_dequantize_as_gguf_py_does() {
+    fn k_quants_and_q5_dequantize_as_gguf_py_does() {
         let path =
             concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures/tiny-kquant/reference/dequant_samples.json");
         let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{path}: {e}"));
@@ -334,16 +397,20 @@ mod tests {
         let hex = |s: &str, n: usize| -> Vec<u32> {
             (0..s.len() / n).map(|i| u32::from_str_radix(&s[i * n..(i + 1) * n], 16).unwrap()).collect()
         };
-        for ty in [DType::Q4_K, DType::Q5_K, DType::Q6_K] {
+        // Two super-blocks of each k-quant, eight blocks of Q5_0 and Q5_1.
+        for (ty, n) in [(DType::Q4_K, 2), (DType::Q5_K, 2), (DType::Q6_K, 2), (DType::Q5_0, 8), (DType::Q5_1, 8)] {
             let s = &samples[ty.to_string()];
             let bytes: Vec<u8> = hex(s["hex"].as_str().unwrap(), 2).into_iter().map(|b| b as u8).collect();
             let want = hex(s["bits"].as_str().unwrap(), 8);
             let (len, size) = ty.block().unwrap();
-            assert_eq!((bytes.len(), want.len()), (2 * size, 2 * len), "{ty}");
+            assert_eq!((bytes.len(), want.len()), (n * size, n * len), "{ty}");
             let got = dequantize(ty, &bytes);
             assert_eq!(got.len(), want.len(), "{ty}");
             for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-                assert_eq!(g.to_bits(), *w, "{ty} value {i}: ours {g:e}, gguf-py's {:e}", f32::from_bits(*w));
+                // A zero weight's sign aside: Q5_0's `fma(16, d, -16·d)` is +0 where gguf-py's
+                // `(16 - 16)·d` of a negative `d` is -0; either adds nothing to a dot product.
+                let zeros = *g == 0.0 && f32::from_bits(*w) == 0.0;
+                assert!(g.to_bits() == *w || zeros, "{ty} value {i}: ours {g:e}, gguf-py's {:e}", f32::from_bits(*w));
             }
         }
     }
@@ -363,7 +430,14 @@ mod tests {
         let x: Vec<f32> = (0..64).map(|i| ((i * 37 % 29) as f32 - 14.0) / 7.0).collect();
         // x spans [-2, 2]: one step of each type's grid over it, half of it as the bound (Q4_0's
         // grid is one-sided, so a whole step).
-        for (ty, bound) in [(DType::Q8_0, 1.0 / 127.0), (DType::Q4_0, 0.25), (DType::Q4_1, 0.5 * 4.0 / 15.0)] {
+        let grids = [
+            (DType::Q8_0, 1.0 / 127.0),
+            (DType::Q4_0, 0.25),
+            (DType::Q4_1, 0.5 * 4.0 / 15.0),
+            (DType::Q5_0, 0.125),
+            (DType::Q5_1, 0.5 * 4.0 / 31.0),
+        ];
+        for (ty, bound) in grids {
             let back = dequantize(ty, &quantize(ty, &x));
             let err = x.iter().zip(&back).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
             assert!(err <= bound * 1.01, "{ty}: max error {err}");

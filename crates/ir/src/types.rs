@@ -27,6 +27,15 @@ pub enum DType {
     /// `w = fma(q, d, m)` (one rounding; gguf-py's `d·q + m` rounds twice: within one ulp).
     #[serde(rename = "q4_1")]
     Q4_1,
+    /// GGUF's Q5_0: blocks of 32 (22 bytes), each an f16 `d`, 32 bits of each value's fifth
+    /// bit (`qh`, little-endian) and Q4_0's 16 bytes of low 4 bits; `w = (q - 16)·d`. llama.cpp
+    /// writes it for the tensors of a k-quant file whose rows are not whole super-blocks of 256.
+    #[serde(rename = "q5_0")]
+    Q5_0,
+    /// GGUF's Q5_1: blocks of 32 (24 bytes): f16 `d`, f16 `m`, then Q5_0's `qh` and low bits;
+    /// `w = q·d + m`.
+    #[serde(rename = "q5_1")]
+    Q5_1,
     /// GGUF's Q4_K: super-blocks of 256 (144 bytes): f16 `d` and `dmin`, 12 bytes packing
     /// eight 6-bit sub-block scales `sc` and mins `m`, 128 bytes of 4-bit `q`; each sub-block
     /// of 32 is `w = (d·sc)·q - dmin·m` ([`crate::quant`] says where each bit is).
@@ -51,13 +60,13 @@ pub enum DType {
     F8_E4M3,
 }
 
-/// The block length (elements) of the legacy block types Q8_0, Q4_0 and Q4_1 (the k-quants'
-/// super-blocks are 256: [`DType::block`]).
+/// The block length (elements) of the legacy block types Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 (the
+/// k-quants' super-blocks are 256: [`DType::block`]).
 pub const BLOCK: usize = 32;
 
 impl DType {
     /// Every element type, dense first (the text parser's and the checkpoint reader's list).
-    pub const ALL: [DType; 11] = [
+    pub const ALL: [DType; 13] = [
         DType::F32,
         DType::F16,
         DType::BF16,
@@ -65,6 +74,8 @@ impl DType {
         DType::Q8_0,
         DType::Q4_0,
         DType::Q4_1,
+        DType::Q5_0,
+        DType::Q5_1,
         DType::Q4_K,
         DType::Q5_K,
         DType::Q6_K,
@@ -88,6 +99,8 @@ impl DType {
             DType::Q8_0 => Some((BLOCK, 34)),
             DType::Q4_0 => Some((BLOCK, 18)),
             DType::Q4_1 => Some((BLOCK, 20)),
+            DType::Q5_0 => Some((BLOCK, 22)),
+            DType::Q5_1 => Some((BLOCK, 24)),
             DType::Q4_K => Some((256, 144)),
             DType::Q5_K => Some((256, 176)),
             DType::Q6_K => Some((256, 210)),
@@ -136,6 +149,8 @@ impl fmt::Display for DType {
             DType::Q8_0 => "q8_0",
             DType::Q4_0 => "q4_0",
             DType::Q4_1 => "q4_1",
+            DType::Q5_0 => "q5_0",
+            DType::Q5_1 => "q5_1",
             DType::Q4_K => "q4_k",
             DType::Q5_K => "q5_k",
             DType::Q6_K => "q6_k",
@@ -212,19 +227,17 @@ impl DType {
     /// dequantized: [`crate::quant::dequantize`]).
     pub fn to_f32(self, bytes: &[u8]) -> Vec<f32> {
         match self {
-            DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::Q4_K | DType::Q5_K | DType::Q6_K | DType::F8_E4M3 => {
-                crate::quant::dequantize(self, bytes)
-            }
             DType::F32 => bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
             DType::I32 => bytes.chunks_exact(4).map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]) as f32).collect(),
             DType::BF16 => bytes.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
             DType::F16 => bytes.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+            _ => crate::quant::dequantize(self, bytes),
         }
     }
 
     /// Encodes f32 values as little-endian values of this type (round to nearest even); a
-    /// block type is quantized ([`crate::quant::quantize`]: Q8_0, Q4_0 and Q4_1; a k-quant
-    /// panics).
+    /// block type is quantized ([`crate::quant::quantize`]: Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1;
+    /// a k-quant panics).
     pub fn from_f32(self, values: &[f32]) -> Vec<u8> {
         if self.is_block() {
             return crate::quant::quantize(self, values);
@@ -232,13 +245,11 @@ impl DType {
         let mut out = Vec::with_capacity(values.len() * self.size());
         for &v in values {
             match self {
-                DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::Q4_K | DType::Q5_K | DType::Q6_K | DType::F8_E4M3 => {
-                    unreachable!("handled above")
-                }
                 DType::F32 => out.extend_from_slice(&v.to_le_bytes()),
                 DType::I32 => out.extend_from_slice(&(v as i32).to_le_bytes()),
                 DType::BF16 => out.extend_from_slice(&half::bf16::from_f32(v).to_le_bytes()),
                 DType::F16 => out.extend_from_slice(&half::f16::from_f32(v).to_le_bytes()),
+                _ => unreachable!("block types are quantized above"),
             }
         }
         out
@@ -247,11 +258,11 @@ impl DType {
     /// The safetensors spelling (`BF16`, `F16`, `F32`, `I32`; a block type's bytes are `U8`).
     pub fn safetensors_name(self) -> &'static str {
         match self {
-            DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::Q4_K | DType::Q5_K | DType::Q6_K | DType::F8_E4M3 => "U8",
             DType::F32 => "F32",
             DType::F16 => "F16",
             DType::BF16 => "BF16",
             DType::I32 => "I32",
+            _ => "U8",
         }
     }
 
@@ -293,7 +304,11 @@ mod tests {
             (DType::Q4_1.block(), DType::Q4_1.bytes(64), DType::F16.block()),
             (Some((BLOCK, 20)), Some(40), None)
         );
-        assert_eq!(DType::ALL.iter().filter(|d| d.is_block()).count(), 7);
+        assert_eq!(DType::ALL.iter().filter(|d| d.is_block()).count(), 9);
+        for (d, name, bytes) in [(DType::Q5_0, "q5_0", 22), (DType::Q5_1, "q5_1", 24)] {
+            assert_eq!(serde_json::from_str::<DType>(&format!("\"{name}\"")).unwrap(), d);
+            assert_eq!((d.to_string(), d.block(), d.bytes(64)), (name.into(), Some((BLOCK, bytes)), Some(2 * bytes)));
+        }
         assert_eq!((DType::F8_E4M3.block(), DType::F8_E4M3.to_string()), (Some((BLOCK, 36)), "f8_e4m3".into()));
     }
 }
