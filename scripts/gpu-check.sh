@@ -27,11 +27,12 @@
 #     logits (shapes without a final logit softcap).
 # GGUF's blocks on CUDA (GGUF=0 skips): tests/fixtures/tiny-kquant's Q4_K_M-style GGUF (Q4_K
 # linears, a Q6_K down projection, a Q5_K table tied to the lm_head) and its Qwen2 twin (Q8_0
-# q/k/v with f32 biases, Q4_0, Q4_1 and Q5_K linears, a Q4_K table, a Q6_K lm_head) and Qwen3
+# q/k/v with f32 biases, Q5_0, Q5_1 and Q5_K linears, a Q4_K table, a Q6_K lm_head) and Qwen3
 # twin (heads of 128 with per-head q/k norms, a Q8_0 table tied to the lm_head), each kept in
 # its blocks, its CUDA logits against the CPU backend's on the same bundle (which reads the blocks exactly as
 # ir::quant defines them), 16 sequences of 24-60 tokens (24 prefilled: every GEMV, small-batch
 # and tiled variant), held to 1.5 x the error of its dequantized twin compiled as bf16 on CUDA.
+# SHAPES=' ' (blank) with BENCH=0 runs the GGUF checks alone.
 # Then (BENCH=0 skips) the benchmarks recorded in docs/perf.md, and `engrun probe` (the copy
 # bandwidth and matmul rate the fractions divide by); ENGINE_BENCH=1 adds the nano-vllm workload. Raw results go to $WORK (default
 # /tmp/gpu-out); with the device tool's $OUT set they are packed into $OUT/gpu-check$TAG.tgz

@@ -40,7 +40,7 @@ impl TensorInfo {
     }
 
     /// The block type a tensor can be kept in as it is stored, if any: a GGUF tensor's (Q8_0,
-    /// Q4_0, Q4_1, Q4_K, Q5_K, Q6_K), or `F8_E4M3` for an FP8 weight with its scales whose rows
+    /// Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), or `F8_E4M3` for an FP8 weight with its scales whose rows
     /// are whole blocks of 32 ([`Checkpoint::read_blocks`]).
     pub fn block(&self) -> Option<DType> {
         if let Some((_, grid)) = &self.scale {

@@ -216,10 +216,14 @@ fn tok_err(path: &Path, what: &str, e: impl std::fmt::Display) -> CompileError {
 }
 
 /// The tokenizer described by GGUF metadata `meta` (of the file `path`, for messages); `None`
-/// when there is no `tokenizer.ggml.model`.
+/// when there is no `tokenizer.ggml.model`, or it says the file has no vocabulary (`no_vocab`
+/// or `none`, as llama.cpp reads them).
 pub fn from_metadata(meta: &BTreeMap<String, MetaValue>, path: &Path) -> Result<Option<GgufTokenizer>, CompileError> {
     let m = Meta { meta, path };
     let Some(model_type) = m.str("tokenizer.ggml.model")? else { return Ok(None) };
+    if model_type == "no_vocab" || model_type == "none" {
+        return Ok(None);
+    }
     if model_type != "gpt2" && model_type != "llama" {
         return Err(m.err(format!(
             "the GGUF's tokenizer model type `{model_type}` (`tokenizer.ggml.model`) is not supported: \
@@ -507,6 +511,8 @@ mod tests {
         m.insert("tokenizer.ggml.pre".into(), MetaValue::Str("tekken".into()));
         let e = from_metadata(&m, Path::new("x.gguf")).err().unwrap().to_string();
         assert!(e.contains("pre-tokenizer `tekken`"), "{e}");
+        m.insert("tokenizer.ggml.model".into(), MetaValue::Str("no_vocab".into()));
+        assert!(from_metadata(&m, Path::new("x.gguf")).unwrap().is_none());
         m.remove("tokenizer.ggml.model");
         assert!(from_metadata(&m, Path::new("x.gguf")).unwrap().is_none());
     }

@@ -30,8 +30,8 @@ enum Cmd {
         #[arg(long, default_value_t = 1)]
         tp: usize,
         /// Weight dtype: bf16, f16 or f32 (default: the checkpoint's; a GGUF's block tensors, Q8_0,
-        /// Q4_0, Q4_1, Q4_K, Q5_K and Q6_K, then stay in their blocks, which the CPU backends read
-        /// and CUDA does not, and an FP8 checkpoint's linears stay E4M3, which both read).
+        /// Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K, then stay in their blocks, and an FP8
+        /// checkpoint's linears stay E4M3; the CPU and CUDA backends read both).
         #[arg(long, value_parser = parse_dtype)]
         dtype: Option<DType>,
         /// Directory with tokenizer.json / tokenizer_config.json (default: a GGUF's own
