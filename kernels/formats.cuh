@@ -8,7 +8,7 @@
 //   parameters (a, b), two f32 per 32 weights (ir::quant::runs):
 //   q4_t (Q4_0, Q4_1, Q4_K): a chunk is a run, 32 nibbles (weight i in byte i's low nibble,
 //     weight i + 16 in its high one); w = fma(q, a, b);
-//   q8u_t (Q5_K): a chunk is half a run, a byte a weight; w = fma(q, a, b);
+//   q8u_t (Q5_0, Q5_1, Q5_K): a chunk is half a run, a byte a weight; w = fma(q, a, b);
 //   q8s_t (Q8_0, Q6_K): a chunk is half a run, an i8 a weight; w = q * a in the first half,
 //     q * b in the second.
 // The GGUF decoders are plain C (no PTX): a host compiler checks them against ir::quant

@@ -6,7 +6,9 @@
 # Prints a markdown table of prefill and decode tok/s and our fraction of llama.cpp's.
 #
 # Usage: scripts/compare-llamacpp-cpu.sh [GGUF] [THREADS]
-#   GGUF     default: SmolLM2-135M-Instruct Q4_1 (scripts/fetch-smollm2.sh)
+#   GGUF     default: SmolLM2-135M-Instruct Q4_1 (scripts/fetch-smollm2.sh); a random Qwen2.5
+#            shape: scripts/make-random-gguf.py writes it F16, scripts/gpu/llama_quantize.c
+#            (linked against the CPU build's libllama) makes llama.cpp's Q4_K_M of it
 #   THREADS  default: every core; ours runs pinned to cores 0..THREADS-1 (the CPU backend uses
 #            every core it may run on)
 # Needs: target/release/engc and engrun (cargo build --release), and llama.cpp's CPU build

@@ -31,9 +31,12 @@ quant="${QUANT:-}"
 # The vendored tree has no llama-quantize tool: scripts/gpu/llama_quantize.c calls the library
 # function that tool calls (llama_model_quantize, llama.cpp's own mixes).
 if [ -n "$quant" ] && [ ! -x $lb/llama-quantize ]; then
-  lib=$(dirname "$(find /tmp/lcpp/lcpp/build -name 'libllama.so' | head -1)")
+  so=$(find /tmp/lcpp/lcpp/build -name 'libllama.so' | head -1)
+  [ -n "$so" ] || { echo "error: no libllama.so under /tmp/lcpp/lcpp/build (see $work/lcpp-build.txt)" >&2; exit 1; }
+  lib=$(dirname "$so")
   cc -O2 -I/tmp/lcpp/lcpp/include -I/tmp/lcpp/lcpp/ggml/include scripts/gpu/llama_quantize.c \
-    -L"$lib" -lllama -Wl,-rpath,"$lib" -o $lb/llama-quantize >>"$work/lcpp-build.txt" 2>&1
+    -L"$lib" -lllama -Wl,-rpath,"$lib" -o $lb/llama-quantize >>"$work/lcpp-build.txt" 2>&1 ||
+    { echo "error: building scripts/gpu/llama_quantize.c failed (see $work/lcpp-build.txt)" >&2; exit 1; }
 fi
 for shape in ${SHAPES:-qwen2.5-0.5b}; do
   ck=/tmp/cmp-$shape

@@ -26,8 +26,8 @@
 #   - `/v1/embeddings` served from the GPU: the embedding through the lm_head against HF's
 #     logits (shapes without a final logit softcap).
 # GGUF's blocks on CUDA (GGUF=0 skips): tests/fixtures/tiny-kquant's Q4_K_M-style GGUF (Q4_K
-# linears, a Q6_K down projection, a Q5_K table tied to the lm_head) and its Qwen2 twin (Q8_0
-# q/k/v with f32 biases, Q5_0, Q5_1 and Q5_K linears, a Q4_K table, a Q6_K lm_head) and Qwen3
+# linears, a Q6_K down projection, a Q5_K table tied to the lm_head) and its Qwen2 twin (hidden 320: Q8_0
+# q/k/v with f32 biases, Q5_0, Q5_1 linears, a Q4_0 table, a Q4_1 lm_head, Q5_K down) and Qwen3
 # twin (heads of 128 with per-head q/k norms, a Q8_0 table tied to the lm_head), each kept in
 # its blocks, its CUDA logits against the CPU backend's on the same bundle (which reads the blocks exactly as
 # ir::quant defines them), 16 sequences of 24-60 tokens (24 prefilled: every GEMV, small-batch

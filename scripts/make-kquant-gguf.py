@@ -104,28 +104,30 @@ def main() -> None:
 
     write_pair(out, "llama", tensors, ("kquant.gguf", "dequant.gguf"))
     write_samples(out, rng, tensors)
-    # The Qwen2 twin (its own generator, so the files above stay as they were): the GGUF block
-    # types the others lack (Q8_0, Q5_0 and Q5_1, which llama.cpp writes where a k-quant file's
-    # rows are not whole super-blocks), and f32 q/k/v biases as GGUF files store them.
+    # The Qwen2 twin (its own generator, so the files above stay as they were): hidden 320, rows
+    # that are not whole super-blocks of 256, in the types llama.cpp's k-quant mixes fall back to
+    # there (Q8_0, Q5_0, Q5_1, Q4_0, Q4_1; Q5_K where the rows are 512), and f32 q/k/v biases as
+    # GGUF files store them.
     rng = np.random.default_rng(1)
+    h2, d2 = 320, 80
     qwen2 = [
-        ("token_embd.weight", (VOCAB, HIDDEN), Q.Q4_K),
-        ("blk.0.attn_norm.weight", (HIDDEN,), Q.F32),
-        ("blk.0.attn_q.weight", (HEADS * HEAD_DIM, HIDDEN), Q.Q8_0),
-        ("blk.0.attn_q.bias", (HEADS * HEAD_DIM,), Q.F32),
-        ("blk.0.attn_k.weight", (KV_HEADS * HEAD_DIM, HIDDEN), Q.Q8_0),
-        ("blk.0.attn_k.bias", (KV_HEADS * HEAD_DIM,), Q.F32),
-        ("blk.0.attn_v.weight", (KV_HEADS * HEAD_DIM, HIDDEN), Q.Q8_0),
-        ("blk.0.attn_v.bias", (KV_HEADS * HEAD_DIM,), Q.F32),
-        ("blk.0.attn_output.weight", (HIDDEN, HEADS * HEAD_DIM), Q.Q5_1),
-        ("blk.0.ffn_norm.weight", (HIDDEN,), Q.F32),
-        ("blk.0.ffn_gate.weight", (FFN, HIDDEN), Q.Q5_0),
-        ("blk.0.ffn_up.weight", (FFN, HIDDEN), Q.Q5_0),
-        ("blk.0.ffn_down.weight", (HIDDEN, FFN), Q.Q5_K),
-        ("output_norm.weight", (HIDDEN,), Q.F32),
-        ("output.weight", (VOCAB, HIDDEN), Q.Q6_K),
+        ("token_embd.weight", (VOCAB, h2), Q.Q4_0),
+        ("blk.0.attn_norm.weight", (h2,), Q.F32),
+        ("blk.0.attn_q.weight", (HEADS * d2, h2), Q.Q8_0),
+        ("blk.0.attn_q.bias", (HEADS * d2,), Q.F32),
+        ("blk.0.attn_k.weight", (KV_HEADS * d2, h2), Q.Q8_0),
+        ("blk.0.attn_k.bias", (KV_HEADS * d2,), Q.F32),
+        ("blk.0.attn_v.weight", (KV_HEADS * d2, h2), Q.Q8_0),
+        ("blk.0.attn_v.bias", (KV_HEADS * d2,), Q.F32),
+        ("blk.0.attn_output.weight", (h2, HEADS * d2), Q.Q5_1),
+        ("blk.0.ffn_norm.weight", (h2,), Q.F32),
+        ("blk.0.ffn_gate.weight", (FFN, h2), Q.Q5_0),
+        ("blk.0.ffn_up.weight", (FFN, h2), Q.Q5_0),
+        ("blk.0.ffn_down.weight", (h2, FFN), Q.Q5_K),
+        ("output_norm.weight", (h2,), Q.F32),
+        ("output.weight", (VOCAB, h2), Q.Q4_1),
     ]
-    write_pair(out, "qwen2", random_tensors(rng, qwen2), ("qwen2.gguf", "qwen2-dequant.gguf"))
+    write_pair(out, "qwen2", random_tensors(rng, qwen2), ("qwen2.gguf", "qwen2-dequant.gguf"), head_dim=d2, hidden=h2)
     # The Qwen3 twin: heads of 128 (not hidden / heads: the key length says so), per-head q/k
     # norms, a Q8_0 table tied to the lm_head.
     rng = np.random.default_rng(2)
@@ -165,19 +167,19 @@ def random_tensors(rng: np.random.Generator, spec: list) -> list:
     return tensors
 
 
-def write_pair(out: Path, arch: str, tensors: list, names: tuple, head_dim: int = HEAD_DIM) -> None:
+def write_pair(out: Path, arch: str, tensors: list, names: tuple, head_dim: int = HEAD_DIM, hidden: int = HIDDEN) -> None:
     """The model of `arch` kept in its blocks (names[0]) and dequantized by gguf-py (names[1])."""
 
     def write(path: Path, dequantized: bool) -> None:
         w = gguf.GGUFWriter(str(path), arch)
         w.add_block_count(1)
         w.add_context_length(2048)
-        w.add_embedding_length(HIDDEN)
+        w.add_embedding_length(hidden)
         w.add_feed_forward_length(FFN)
         w.add_head_count(HEADS)
         w.add_head_count_kv(KV_HEADS)
         w.add_rope_dimension_count(head_dim)
-        if head_dim != HIDDEN // HEADS:
+        if head_dim != hidden // HEADS:
             w.add_key_length(head_dim)
             w.add_value_length(head_dim)
         w.add_rope_freq_base(10000.0)

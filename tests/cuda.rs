@@ -69,8 +69,9 @@ fn generated_kernels_compile_with_nvrtc_for_sm90() {
     runs.push(vec![fp8.display().to_string()]);
     // The GGUF fixtures kept in their blocks, each format's kernels: the llama (Q4_K linears, a
     // Q6_K down projection, a Q5_K table tied to the lm_head: every format's GEMV, small-batch
-    // and tiled kernels and the block table's gather); its Qwen2 twin (Q8_0 q/k/v with f32
-    // biases, the `_b32` variants; Q4_0 / Q4_1 / Q5_K linears, a Q4_K table, a Q6_K lm_head); its
+    // and tiled kernels and the block table's gather); its Qwen2 twin (rows of 320: Q8_0 q/k/v
+    // with f32 biases, the `_b32` variants; Q5_0 gate/up and a Q5_1 o as bytes, a Q4_0 table and
+    // a Q4_1 lm_head); its
     // Qwen3 twin (heads of 128 with per-head q/k norms over Q4_K q/k/v, a tied Q8_0 table).
     let ggufs: [(&str, &str, &[&str]); 3] = [
         (
@@ -90,10 +91,12 @@ fn generated_kernels_compile_with_nvrtc_for_sm90() {
             "qwen2",
             "qwen2",
             &[
-                "gemv_k256_n256_128_128_r1_norm_f32_s8_b32(",
-                "gemm_skinny_k256_n256_128_128_t4_s8_b32(",
-                "embedding_h256_v320_q4(",
-                "gemv_k256_n320_r1_s8(",
+                "gemv_k320_n320_160_160_r1_norm_f32_s8_b32(",
+                "gemm_skinny_k320_n320_160_160_t4_s8_b32(",
+                "embedding_h320_v320_q4(",
+                "gemv_glu_k320_n512_r2_silu_u8(",
+                "gemm_skinny_k320_n320_t8_u8(",
+                "gemv_k320_n320_r1_q4(",
             ],
         ),
         (

@@ -110,9 +110,10 @@ fn engc_dequantizes_k_quants_to_gguf_py_values() {
     check("engc --dtype f32 of the k-quant GGUF", &got, &want, 1e-4);
 }
 
-/// The Qwen2 twin (`qwen2.gguf`): the GGUF block types the other fixtures lack (a Q4_K table,
-/// Q8_0 q/k/v with f32 biases as GGUF files store them, Q5_1 o, Q5_0 gate and up, Q5_K down, a
-/// Q6_K lm_head), kept in its blocks, gives its dequantized twin's logits on the interpreter and the
+/// The Qwen2 twin (`qwen2.gguf`): hidden 320, rows that are not whole super-blocks of 256, in
+/// the types llama.cpp's k-quant mixes fall back to there (a Q4_0 table, Q8_0 q/k/v with f32
+/// biases as GGUF files store them, Q5_1 o, Q5_0 gate and up, a Q4_1 lm_head; Q5_K down over
+/// rows of 512), kept in its blocks, gives its dequantized twin's logits on the interpreter and the
 /// CPU backend; the CUDA program reads the biases as f32 beside the Q8_0 weights.
 #[test]
 fn qwen2_gguf_of_q8_0_q5_0_q5_1_with_f32_biases_matches_gguf_py_dequantized() {
@@ -122,14 +123,14 @@ fn qwen2_gguf_of_q8_0_q5_0_q5_1_with_f32_biases_matches_gguf_py_dequantized() {
     let d = dtypes(&q);
     let of = |name: &str| d.get(name).map_or("(none)", String::as_str);
     let types = [
-        ("model.embed_tokens.weight", "q4_k"),
+        ("model.embed_tokens.weight", "q4_0"),
         ("model.layers.0.self_attn.q_proj.weight", "q8_0"),
         ("model.layers.0.self_attn.q_proj.bias", "f32"),
         ("model.layers.0.self_attn.o_proj.weight", "q5_1"),
         ("model.layers.0.mlp.gate_proj.weight", "q5_0"),
         ("model.layers.0.mlp.up_proj.weight", "q5_0"),
         ("model.layers.0.mlp.down_proj.weight", "q5_k"),
-        ("lm_head.weight", "q6_k"),
+        ("lm_head.weight", "q4_1"),
     ];
     for (name, dtype) in types {
         assert_eq!(of(name), dtype, "{name}");
@@ -140,8 +141,18 @@ fn qwen2_gguf_of_q8_0_q5_0_q5_1_with_f32_biases_matches_gguf_py_dequantized() {
     check("CPU backend on the Qwen2 block bundle", &got, &want, 1e-4);
     let program = codegen_cuda::emit(&q.plan).unwrap();
     let names: Vec<String> = program.kernels.iter().map(|k| k.name()).collect();
-    for want in ["gemv_k256_n256_128_128_r1_norm_f32_s8_b32", "gemm_k256_n256_128_128_s8_b32", "embedding_h256_v320_q4"]
-    {
+    // Rows of 320: q|k|v's Q8_0 with f32 biases, the Q5_0 gate|up and Q5_1 o as bytes, the Q4_0
+    // table and Q4_1 lm_head as nibbles.
+    let wanted = [
+        "gemv_k320_n320_160_160_r1_norm_f32_s8_b32",
+        "gemm_k320_n320_160_160_s8_b32",
+        "gemv_glu_k320_n512_r1_addnorm_f32_silu_u8",
+        "gemm_skinny_k320_n512_512_t16_u8",
+        "gemm_k320_n320_u8",
+        "embedding_h320_v320_q4",
+        "gemv_k320_n320_r8_q4",
+    ];
+    for want in wanted {
         assert!(names.iter().any(|n| n == want), "no {want} kernel in {names:?}");
     }
 }

@@ -228,7 +228,7 @@ mod tests {
     #[test]
     fn repacked_rows_dequantize_as_the_ir_does() {
         let x: Vec<f32> = (0..128).map(|i| ((i * 53 % 41) as f32 - 20.0) / 9.0).collect();
-        for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
+        for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q5_0, DType::Q5_1] {
             let gguf = dtype.from_f32(&x);
             let mut out = vec![0.0; x.len()];
             dequant_row(dtype, &repack(dtype, &gguf), &mut out);

@@ -308,7 +308,7 @@ impl LinearKernel {
         if !matches!(wdtype, DType::F32 | DType::BF16) && !blocks_ok {
             return Err(JitError::Unsupported(format!(
                 "linear: {wdtype} weights of {k} columns are not supported by the CPU JIT (f32, bf16, and \
-                 q8_0 / q4_0 / q4_1 / q4_k in whole blocks are)"
+                 GGUF's block types in whole blocks of 32 are)"
             )));
         }
         // Block kernels keep the order they are emitted in (`Opt::None`): the e-graph pass moves

@@ -6,8 +6,8 @@
 //! row by row, `k / PER` 16-byte chunks a row, then its run parameters, row by row, two f32
 //! `(a, b)` per run of 32 weights (`ir::quant::runs`, the decomposition the CPU layout is made
 //! of too). A chunk is a run of 32 for the 4-bit types (`q4_t`: Q4_0, Q4_1, Q4_K; GGUF's
-//! nibbles, `w = fma(q, a, b)`) and half a run for the byte types (`q8u_t`: Q5_K, `w = fma(q, a,
-//! b)`; `q8s_t`: Q8_0 and Q6_K, `w = q·a` for the first half and `q·b` for the second). So a
+//! nibbles, `w = fma(q, a, b)`) and half a run for the byte types (`q8u_t`: Q5_0, Q5_1 and
+//! Q5_K, `w = fma(q, a, b)`; `q8s_t`: Q8_0 and Q6_K, `w = q·a` for the first half and `q·b` for the second). So a
 //! weight takes 6 bits (4-bit types) or 10 bits (byte types), the parameters widened to f32
 //! once so that the kernels compute `ir::quant::value` exactly.
 
@@ -27,7 +27,7 @@ pub enum WFormat {
     Q4,
     /// GGUF's signed byte blocks (Q8_0, Q6_K) as `i8` codes and a scale per 16 (`q8s_t`).
     S8,
-    /// GGUF's Q5_K as `u8` codes and a scale and offset per 32 (`q8u_t`).
+    /// GGUF's Q5_0, Q5_1 and Q5_K as `u8` codes and a scale and offset per 32 (`q8u_t`).
     U8,
 }
 
@@ -109,7 +109,7 @@ impl WFormat {
     }
 }
 
-/// A GGUF block weight (`dtype` Q8_0, Q4_0, Q4_1, Q4_K, Q5_K or Q6_K) of `n` rows of `k` in the
+/// A GGUF block weight (`dtype` Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K or Q6_K) of `n` rows of `k` in the
 /// device layout (module docs); `name` is for the error.
 pub fn block_device_layout(
     name: &str,
@@ -151,10 +151,9 @@ mod tests {
             (s >> 33) as u8
         };
         let mut out: Vec<u8> = (0..blocks * size).map(|_| next()).collect();
-        // The f16 fields: d (and Q4_1's m, the k-quants' dmin) between 2^-10 and 2^-6.
+        // The f16 fields: d (and Q4_1's and Q5_1's m, the k-quants' dmin) between 2^-10 and 2^-6.
         let f16_at: &[usize] = match dtype {
-            DType::Q8_0 | DType::Q4_0 => &[0],
-            DType::Q5_0 => &[0],
+            DType::Q8_0 | DType::Q4_0 | DType::Q5_0 => &[0],
             DType::Q4_1 | DType::Q5_1 | DType::Q4_K | DType::Q5_K => &[0, 2],
             DType::Q6_K => &[208],
             _ => unreachable!(),
@@ -238,7 +237,7 @@ mod tests {
 
     /// The host's C++ compiler (`$CXX`, else `c++`) over `kernels/formats.cuh` with a shim for
     /// the CUDA qualifiers and vector types: a program that decodes a device layout of `n` rows
-    /// of 512 (format given by its C type, bytes on stdin) into f32 bits on stdout.
+    /// of `k` (512 or 96; format given by its C type, bytes on stdin) into f32 bits on stdout.
     const HOST_MAIN: &str = r#"
 #include <cstdio>
 #include <cstdlib>
@@ -253,16 +252,24 @@ static void decode(const WT* w, int n, float* out) {
     for (int c = 0; c < K / PER; c++) WFmt<WT>::f32(codes[c], WFmt<WT>::sm(p, c), out + (long)r * K + c * PER);
   }
 }
+template <int K>
+static int decode_as(const char* ctype, const uint4* buf, int n, float* out) {
+  if (!strcmp(ctype, "q4_t")) decode<q4_t, K>((const q4_t*)buf, n, out);
+  else if (!strcmp(ctype, "q8s_t")) decode<q8s_t, K>((const q8s_t*)buf, n, out);
+  else if (!strcmp(ctype, "q8u_t")) decode<q8u_t, K>((const q8u_t*)buf, n, out);
+  else return 2;
+  return 0;
+}
 int main(int argc, char** argv) {
-  const int n = atoi(argv[2]);
+  const int n = atoi(argv[2]), k = atoi(argv[3]);
   std::vector<uint4> buf(1 << 20);
   const size_t got = fread(buf.data(), 1, buf.size() * sizeof(uint4), stdin);
   (void)got;
-  std::vector<float> out((size_t)n * 512);
-  if (!strcmp(argv[1], "q4_t")) decode<q4_t, 512>((const q4_t*)buf.data(), n, out.data());
-  else if (!strcmp(argv[1], "q8s_t")) decode<q8s_t, 512>((const q8s_t*)buf.data(), n, out.data());
-  else if (!strcmp(argv[1], "q8u_t")) decode<q8u_t, 512>((const q8u_t*)buf.data(), n, out.data());
-  else return 2;
+  std::vector<float> out((size_t)n * k);
+  const int rc = k == 512 ? decode_as<512>(argv[1], buf.data(), n, out.data())
+               : k == 96  ? decode_as<96>(argv[1], buf.data(), n, out.data())
+                          : 2;
+  if (rc) return rc;
   fwrite(out.data(), sizeof(float), out.size(), stdout);
   return 0;
 }
@@ -301,28 +308,33 @@ int main(int argc, char** argv) {
             [DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q5_0, DType::Q5_1, DType::Q4_K, DType::Q5_K, DType::Q6_K]
         {
             let format = WFormat::gguf_of(dtype).unwrap();
-            let (n, k) = (5, 512);
-            let bytes = random_blocks(dtype, n * k / dtype.block().unwrap().0, 11);
-            let dev = block_device_layout("w", dtype, &bytes, n, k).unwrap();
-            let mut child = Command::new(&exe)
-                .args([format.ctype(), &n.to_string()])
-                .stdin(Stdio::piped())
-                .stdout(Stdio::piped())
-                .spawn()
-                .unwrap();
-            child.stdin.take().unwrap().write_all(&dev).unwrap();
-            let out = child.wait_with_output().unwrap();
-            assert!(out.status.success(), "{dtype}: the host decoder failed");
-            let got: Vec<f32> = out.stdout.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect();
-            let want = ir::quant::dequantize(dtype, &bytes);
-            assert_eq!(got.len(), want.len(), "{dtype}");
-            let bad = got.iter().zip(&want).position(|(a, b)| a.to_bits() != b.to_bits());
-            assert!(
-                bad.is_none(),
-                "{dtype}: weight {bad:?} decodes to {:?}, not {:?}",
-                bad.map(|i| got[i]),
-                bad.map(|i| want[i])
-            );
+            // Rows of whole super-blocks, and (for the types of blocks of 32) rows of 96, as
+            // llama.cpp's k-quant mixes give Q5_0 / Q8_0 tensors whose rows are not.
+            let shapes = [(5, 512), (3, 96)].into_iter().filter(|(_, k)| k % dtype.block().unwrap().0 == 0);
+            for (n, k) in shapes {
+                let bytes = random_blocks(dtype, n * k / dtype.block().unwrap().0, 11);
+                let dev = block_device_layout("w", dtype, &bytes, n, k).unwrap();
+                let mut child = Command::new(&exe)
+                    .args([format.ctype(), &n.to_string(), &k.to_string()])
+                    .stdin(Stdio::piped())
+                    .stdout(Stdio::piped())
+                    .spawn()
+                    .unwrap();
+                child.stdin.take().unwrap().write_all(&dev).unwrap();
+                let out = child.wait_with_output().unwrap();
+                assert!(out.status.success(), "{dtype} k={k}: the host decoder failed");
+                let got: Vec<f32> =
+                    out.stdout.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect();
+                let want = ir::quant::dequantize(dtype, &bytes);
+                assert_eq!(got.len(), want.len(), "{dtype} k={k}");
+                let bad = got.iter().zip(&want).position(|(a, b)| a.to_bits() != b.to_bits());
+                assert!(
+                    bad.is_none(),
+                    "{dtype} k={k}: weight {bad:?} decodes to {:?}, not {:?}",
+                    bad.map(|i| got[i]),
+                    bad.map(|i| want[i])
+                );
+            }
         }
         let _ = std::fs::remove_dir_all(&dir);
     }

@@ -92,8 +92,8 @@ pub fn compile(opts: &CompileOptions) -> Result<CompileReport, CompileError> {
     Ok(CompileReport { out, plan, warnings, dump })
 }
 
-/// The weights that stay in their checkpoint's block type (GGUF's Q8_0 / Q4_0 / Q4_1 and
-/// k-quants, an FP8 checkpoint's weights as `F8_E4M3`), by name: all of them unless `--dtype`
+/// The weights that stay in their checkpoint's block type (GGUF's Q8_0 / Q4_0 / Q4_1 / Q5_0 /
+/// Q5_1 and k-quants, an FP8 checkpoint's weights as `F8_E4M3`), by name: all of them unless `--dtype`
 /// asks for dequantized weights. (Of FP8 weights, only those read as linears' weights stay
 /// FP8 in the plan: [`fp8_in_linears_only`].)
 fn kept_blocks(model: &BoundModel, ckpt: &Checkpoint, dtype: Option<DType>) -> BTreeMap<String, DType> {

@@ -1,5 +1,6 @@
 //! GGUF v3 checkpoints (llama.cpp's format): the header, metadata, tensor infos, and
-//! dequantization of F32 / F16 / BF16 / Q8_0 / Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K tensors to f32.
+//! dequantization of F32 / F16 / BF16 / Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K
+//! tensors to f32.
 //!
 //! A GGUF file is turned into what the rest of the compiler expects from a HF checkpoint: a
 //! `config.json`-like object built from the metadata ([`Gguf::hf_config`]) and tensors under HF

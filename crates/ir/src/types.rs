@@ -231,7 +231,15 @@ impl DType {
             DType::I32 => bytes.chunks_exact(4).map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]) as f32).collect(),
             DType::BF16 => bytes.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
             DType::F16 => bytes.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
-            _ => crate::quant::dequantize(self, bytes),
+            DType::Q8_0
+            | DType::Q4_0
+            | DType::Q4_1
+            | DType::Q5_0
+            | DType::Q5_1
+            | DType::Q4_K
+            | DType::Q5_K
+            | DType::Q6_K
+            | DType::F8_E4M3 => crate::quant::dequantize(self, bytes),
         }
     }
 
@@ -249,7 +257,15 @@ impl DType {
                 DType::I32 => out.extend_from_slice(&(v as i32).to_le_bytes()),
                 DType::BF16 => out.extend_from_slice(&half::bf16::from_f32(v).to_le_bytes()),
                 DType::F16 => out.extend_from_slice(&half::f16::from_f32(v).to_le_bytes()),
-                _ => unreachable!("block types are quantized above"),
+                DType::Q8_0
+                | DType::Q4_0
+                | DType::Q4_1
+                | DType::Q5_0
+                | DType::Q5_1
+                | DType::Q4_K
+                | DType::Q5_K
+                | DType::Q6_K
+                | DType::F8_E4M3 => unreachable!("block types are quantized above"),
             }
         }
         out
@@ -262,7 +278,15 @@ impl DType {
             DType::F16 => "F16",
             DType::BF16 => "BF16",
             DType::I32 => "I32",
-            _ => "U8",
+            DType::Q8_0
+            | DType::Q4_0
+            | DType::Q4_1
+            | DType::Q5_0
+            | DType::Q5_1
+            | DType::Q4_K
+            | DType::Q5_K
+            | DType::Q6_K
+            | DType::F8_E4M3 => "U8",
         }
     }
 

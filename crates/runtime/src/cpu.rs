@@ -120,7 +120,7 @@ impl CpuBackend {
                     if codegen_cpu::blocks::reads(*dtype) {
                         Some(Weight::Raw(codegen_cpu::blocks::repack(*dtype, bytes), *dtype))
                     } else {
-                        // Blocks the kernels do not read (the k-quants): f32 weights, exactly
+                        // Blocks the kernels do not read (FP8 E4M3): f32 weights, exactly
                         // the interpreter's (`ir::quant::dequantize`).
                         Some(Weight::Raw(DType::F32.from_f32(&dtype.to_f32(bytes)), DType::F32))
                     }
