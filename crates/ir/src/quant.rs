@@ -307,33 +307,25 @@ pub fn quantize(ty: DType, values: &[f32]) -> Vec<u8> {
                 out.extend(x.iter().map(|v| (v * id).round() as i8 as u8));
             }
             DType::Q4_0 => {
-                let max = x.iter().copied().fold(0.0f32, |a, v| if v.abs() > a.abs() { v } else { a });
-                let d = max / -8.0;
-                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+                let (d, id) = symmetric(x, 8.0);
                 out.extend(f16(d));
                 let q = |v: f32| ((v * id + 8.5) as i8).min(15) as u8;
                 out.extend((0..BLOCK / 2).map(|i| q(x[i]) | (q(x[i + BLOCK / 2]) << 4)));
             }
             DType::Q4_1 => {
-                let (min, max) = x.iter().fold((f32::MAX, f32::MIN), |(lo, hi), &v| (lo.min(v), hi.max(v)));
-                let d = (max - min) / 15.0;
-                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+                let (d, id, min) = affine(x, 15.0);
                 out.extend(f16(d));
                 out.extend(f16(min));
                 let q = |v: f32| (((v - min) * id + 0.5) as i8).min(15) as u8;
                 out.extend((0..BLOCK / 2).map(|i| q(x[i]) | (q(x[i + BLOCK / 2]) << 4)));
             }
             DType::Q5_0 => {
-                let max = x.iter().copied().fold(0.0f32, |a, v| if v.abs() > a.abs() { v } else { a });
-                let d = max / -16.0;
-                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+                let (d, id) = symmetric(x, 16.0);
                 out.extend(f16(d));
                 out.extend(five_bits(x, |v| ((v * id + 16.5) as i8).min(31) as u8));
             }
             DType::Q5_1 => {
-                let (min, max) = x.iter().fold((f32::MAX, f32::MIN), |(lo, hi), &v| (lo.min(v), hi.max(v)));
-                let d = (max - min) / 31.0;
-                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+                let (d, id, min) = affine(x, 31.0);
                 out.extend(f16(d));
                 out.extend(f16(min));
                 out.extend(five_bits(x, |v| ((v - min) * id + 0.5) as u8));
@@ -342,6 +334,23 @@ pub fn quantize(ty: DType, values: &[f32]) -> Vec<u8> {
         }
     }
     out
+}
+
+/// The scale `d` of a block of Q4_0 / Q5_0 (`half`: 8 / 16 levels each side) as llama.cpp's
+/// reference quantizers take it, the value of largest magnitude over `-half`, and its inverse
+/// (0 for an all-zero block).
+fn symmetric(x: &[f32], half: f32) -> (f32, f32) {
+    let max = x.iter().copied().fold(0.0f32, |a, v| if v.abs() > a.abs() { v } else { a });
+    let d = max / -half;
+    (d, if d != 0.0 { 1.0 / d } else { 0.0 })
+}
+
+/// The scale `d` of a block of Q4_1 / Q5_1 (`steps`: 15 / 31) over its range, its inverse (0 for
+/// a constant block) and its minimum, the offset, as llama.cpp's reference quantizers take them.
+fn affine(x: &[f32], steps: f32) -> (f32, f32, f32) {
+    let (min, max) = x.iter().fold((f32::MAX, f32::MIN), |(lo, hi), &v| (lo.min(v), hi.max(v)));
+    let d = (max - min) / steps;
+    (d, if d != 0.0 { 1.0 / d } else { 0.0 }, min)
 }
 
 /// A block's 5-bit values `q(x)` packed as Q5_0 and Q5_1 store them: `qh` (each value's fifth

@@ -247,27 +247,23 @@ impl DType {
     /// block type is quantized ([`crate::quant::quantize`]: Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1;
     /// a k-quant panics).
     pub fn from_f32(self, values: &[f32]) -> Vec<u8> {
-        if self.is_block() {
-            return crate::quant::quantize(self, values);
-        }
+        let encode: fn(f32, &mut Vec<u8>) = match self {
+            DType::F32 => |v, out| out.extend_from_slice(&v.to_le_bytes()),
+            DType::I32 => |v, out| out.extend_from_slice(&(v as i32).to_le_bytes()),
+            DType::BF16 => |v, out| out.extend_from_slice(&half::bf16::from_f32(v).to_le_bytes()),
+            DType::F16 => |v, out| out.extend_from_slice(&half::f16::from_f32(v).to_le_bytes()),
+            DType::Q8_0
+            | DType::Q4_0
+            | DType::Q4_1
+            | DType::Q5_0
+            | DType::Q5_1
+            | DType::Q4_K
+            | DType::Q5_K
+            | DType::Q6_K
+            | DType::F8_E4M3 => return crate::quant::quantize(self, values),
+        };
         let mut out = Vec::with_capacity(values.len() * self.size());
-        for &v in values {
-            match self {
-                DType::F32 => out.extend_from_slice(&v.to_le_bytes()),
-                DType::I32 => out.extend_from_slice(&(v as i32).to_le_bytes()),
-                DType::BF16 => out.extend_from_slice(&half::bf16::from_f32(v).to_le_bytes()),
-                DType::F16 => out.extend_from_slice(&half::f16::from_f32(v).to_le_bytes()),
-                DType::Q8_0
-                | DType::Q4_0
-                | DType::Q4_1
-                | DType::Q5_0
-                | DType::Q5_1
-                | DType::Q4_K
-                | DType::Q5_K
-                | DType::Q6_K
-                | DType::F8_E4M3 => unreachable!("block types are quantized above"),
-            }
-        }
+        values.iter().for_each(|&v| encode(v, &mut out));
         out
     }
 
