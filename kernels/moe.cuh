@@ -405,17 +405,17 @@ __device__ void moe_up_rows(const h16_t* x, const int* perm, const int* tiles, c
   const Part part;
   const int lane = threadIdx.x & 31, i = blockIdx.x * 8 + (threadIdx.x >> 5);
   const long row = (long)t.e * I + i;
-  uint4 wg[Part::L], wu[Part::L];
-  part.load((const uint4*)(gate + row * H), nullptr, wg, nullptr);
-  part.load((const uint4*)(up + row * H), nullptr, wu, nullptr);
+  uint4 w[2][Part::L];  // gate, up
+  part.load((const uint4*)(gate + row * H), nullptr, w[0], nullptr);
+  part.load((const uint4*)(up + row * H), nullptr, w[1], nullptr);
   const float bg = gb ? to_f32(gb[row]) : 0.0f, bu = ub ? to_f32(ub[row]) : 0.0f;
   for (int r0 = 0; r0 < t.n; r0 += 4) {
     float sg[4], su[4];
 #pragma unroll
     for (int q = 0; q < 4; q++) {
       const h16_t* xr = x + (long)(perm[t.p0 + min(r0 + q, t.n - 1)] / K) * H;
-      part.template dot<1>(xr, wg, nullptr, 1, sg + q);
-      part.template dot<1>(xr, wu, nullptr, 1, su + q);
+      part.template dot<1>(xr, w, nullptr, 1, sg + q);
+      part.template dot<1>(xr, w + 1, nullptr, 1, su + q);
     }
 #pragma unroll
     for (int q = 0; q < 4; q++) {
@@ -442,7 +442,7 @@ __device__ void moe_down_rows(const h16_t* a, const int* perm, const int* tiles,
   for (int r0 = 0; r0 < t.n; r0 += 4) {
     float s[4];
 #pragma unroll
-    for (int q = 0; q < 4; q++) part.template dot<1>(a + (long)(t.p0 + min(r0 + q, t.n - 1)) * I, wd, nullptr, 1, s + q);
+    for (int q = 0; q < 4; q++) part.template dot<1>(a + (long)(t.p0 + min(r0 + q, t.n - 1)) * I, &wd, nullptr, 1, s + q);
 #pragma unroll
     for (int q = 0; q < 4; q++) {
       const float v = warp_sum(s[q]);
