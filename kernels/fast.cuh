@@ -45,16 +45,6 @@ __device__ __forceinline__ uint4 ld_stream_first(const void* p) {
   return r;
 }
 
-__device__ __forceinline__ float dot8(uint4 w, uint4 x) {
-  float a[8], b[8];
-  unpack8(w, a);
-  unpack8(x, b);
-  float s = 0.0f;
-#pragma unroll
-  for (int i = 0; i < 8; i++) s = fmaf(a[i], b[i], s);
-  return s;
-}
-
 // ---- FP8 E4M3 weights (the format: formats.cuh) ----
 // Two E4M3 codes (the low byte first) as f16x2, exactly (every E4M3 value is an f16).
 __device__ __forceinline__ unsigned e4m3x2_f16x2(unsigned short c) {
