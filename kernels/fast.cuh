@@ -443,10 +443,10 @@ __device__ void gemv_glu(const X& x, const WT* wg, const WT* wu, h16_t* out, int
   const h16_t* xr = x.template rows<K, ROWS>(T);
   float acc[2 * ROWS];
   // Gate and up share each unpacked input chunk where both weights' unpacked chunks fit the
-  // registers of three blocks an SM: 16-bit weights, and 16-weight chunks (E4M3, q8) at one row.
-  // Measured on an H200, 7B shape (docs/perf.md): E4M3 at 2 rows went from 70 to 89 registers
-  // and 4% slower, q4_t's 32-weight chunks from 56 to 95.
-  if constexpr (Part::PER == 8 || (Part::PER == 16 && ROWS == 1)) {
+  // registers of three blocks an SM: 16-bit weights, and E4M3 at one row. Measured on an H200,
+  // 7B shape (docs/perf.md): E4M3 at 2 rows went from 70 to 89 registers and 4% slower; GGUF's
+  // formats (their scales and offsets too) went to 95-96 (q4_t at 1 row, q8s_t / q8u_t at 1).
+  if constexpr (Part::PER == 8 || (!WFmt<WT>::GGUF && ROWS == 1)) {
     part.template dot<ROWS, 2>(xr, wv, sv, T, acc);
   } else {
     part.template dot<ROWS>(xr, wv, sv, T, acc);
