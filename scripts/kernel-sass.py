@@ -1,0 +1,127 @@
+#!/usr/bin/env python3
+"""What ptxas makes of generated kernels, without a GPU: registers, spills and the SASS opcode mix.
+
+Usage: scripts/kernel-sass.py SOURCE [--kernel REGEX] [--arch sm_90] [--top N]
+
+SOURCE is a bundle directory (its kernels/model.cu) or a .cu file in the generated layout (the
+shared templates, then one `extern "C" __global__` line a kernel, as codegen_cuda emits). The
+kernels whose names match REGEX (default: all) are compiled with NVRTC to a cubin for ARCH, as
+the runtime compiles them (`-std=c++17`, one program); ptxas's verbose report gives registers,
+spills and shared memory a kernel. Where `nvdisasm` can be had (PyPI's nvidia-cuda-nvdisasm,
+installed into the venv of scripts/pyenv.sh on first use; its 13.x release reads sm_90 cubins),
+each kernel's static instruction count and most common opcodes follow: what docs/perf.md's
+instruction counts of the decode GEMVs (2026-11-27) were measured with.
+"""
+import argparse
+import collections
+import ctypes
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def nvrtc():
+    lib = subprocess.run(["bash", os.path.join(HERE, "nvrtc.sh")], check=True, capture_output=True, text=True)
+    return ctypes.CDLL(os.path.join(lib.stdout.strip(), "libnvrtc.so"))
+
+
+def source_of(path, pattern):
+    if os.path.isdir(path):
+        path = os.path.join(path, "kernels", "model.cu")
+    lines = open(path).read().splitlines(keepends=True)
+    entry = re.compile(r'^extern "C" __global__ void (?:__launch_bounds__\([^)]*\) )?(\w+)\(')
+    first = next((i for i, l in enumerate(lines) if entry.match(l)), len(lines))
+    kernels = [l for l in lines[first:] if (m := entry.match(l)) and re.search(pattern, m.group(1))]
+    if not kernels:
+        sys.exit(f"no kernel of {path} matches {pattern!r}")
+    return "".join(lines[:first] + kernels), len(kernels)
+
+
+def compile_cubin(lib, src, arch):
+    prog = ctypes.c_void_p()
+    if lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), b"model.cu", 0, None, None):
+        sys.exit("nvrtcCreateProgram failed")
+    opts = [b"-std=c++17", f"--gpu-architecture={arch}".encode(), b"--ptxas-options=-v"]
+    rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+    n = ctypes.c_size_t()
+    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(n))
+    log = ctypes.create_string_buffer(n.value)
+    lib.nvrtcGetProgramLog(prog, log)
+    if rc:
+        sys.exit(f"NVRTC rejected the source:\n{log.value.decode()}")
+    lib.nvrtcGetCUBINSize(prog, ctypes.byref(n))
+    cubin = ctypes.create_string_buffer(n.value)
+    lib.nvrtcGetCUBIN(prog, cubin)
+    return cubin.raw, log.value.decode()
+
+
+def ptxas_report(log):
+    """{kernel: 'N registers, S bytes spilled, M bytes smem'} from ptxas's verbose log."""
+    out, name = {}, None
+    for line in log.splitlines():
+        if m := re.search(r"Compiling entry function '(\w+)'", line):
+            name = m.group(1)
+        elif name and (m := re.search(r"(\d+) bytes spill stores", line)):
+            out[name] = f"{m.group(1)} bytes spilled"
+        elif name and (m := re.search(r"Used (\d+) registers(?:.*?(\d+) bytes smem)?", line)):
+            out[name] = f"{m.group(1)} registers, {out.get(name, '0 bytes spilled')}, {m.group(2) or 0} bytes smem"
+    return out
+
+
+def nvdisasm():
+    py = subprocess.run(["bash", os.path.join(HERE, "pyenv.sh")], check=True, capture_output=True, text=True)
+    py = py.stdout.strip()
+    find = "import nvidia, os, glob; print(next(iter(glob.glob(os.path.join(nvidia.__path__[0], '*', 'bin', 'nvdisasm'))), ''))"
+    for attempt in range(2):
+        r = subprocess.run([py, "-c", find], capture_output=True, text=True)
+        if r.returncode == 0 and r.stdout.strip():
+            return r.stdout.strip()
+        if attempt == 0:
+            print("installing nvidia-cuda-nvdisasm into the venv of scripts/pyenv.sh", file=sys.stderr)
+            subprocess.run([py, "-m", "pip", "install", "--quiet", "nvidia-cuda-nvdisasm"], check=False)
+    return None
+
+
+def opcode_mix(tool, cubin):
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([tool, "-c", f.name], capture_output=True, text=True).stdout
+    mix, name = collections.defaultdict(collections.Counter), None
+    for line in sass.splitlines():
+        if m := re.match(r"^\.text\.(\w+):", line):
+            name = m.group(1)
+        elif name and (m := re.match(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", line)):
+            mix[name][m.group(1)] += 1
+    return mix
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("source")
+    ap.add_argument("--kernel", default=".", help="a regex over kernel names")
+    ap.add_argument("--arch", default="sm_90")
+    ap.add_argument("--top", type=int, default=8, help="opcodes shown a kernel")
+    a = ap.parse_args()
+    src, n = source_of(a.source, a.kernel)
+    print(f"{n} kernels, {a.arch}", file=sys.stderr)
+    cubin, log = compile_cubin(nvrtc(), src, a.arch)
+    report = ptxas_report(log)
+    tool = nvdisasm()
+    mix = opcode_mix(tool, cubin) if tool else {}
+    for name in sorted(report):
+        print(f"{name}: {report[name]}")
+        if name in mix:
+            ops = mix[name]
+            top = ", ".join(f"{op} {c}" for op, c in ops.most_common(a.top))
+            print(f"  {sum(ops.values())} instructions: {top}")
+    if not tool:
+        print("(no nvdisasm: registers only)", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
