@@ -660,7 +660,7 @@ __device__ __forceinline__ DecSplit dec_split(int pos) {
 // Decode attention on tensor cores, for rows of any sequences: a block per row t, kv head and
 // split of the row's keys (dec_split), whose G = H / KVH query heads (at most 16) are the 16 rows
 // of attention_fa's mma.sync tiles (rows past G are zero and not stored), so each K and V tile
-// feeds every head sharing it. The split's tiles go to the DEC_WARPS warps in turn; each warp
+// feeds every head sharing it. The split's tiles go to the WARPS warps in turn; each warp
 // keeps DEC_STAGES tiles in flight (cp.async into its stages of the dynamic shared memory, the
 // next tiles' copies issued before a tile is used) and runs attention_fa's online softmax (f32,
 // log2 units, P rounded to h16 for P·V). The warps' states merge through shared memory: into the
@@ -668,16 +668,17 @@ __device__ __forceinline__ DecSplit dec_split(int pos) {
 // output, max and sum a head), which attention_dec_merge combines. With MIXED_ONLY, only rows
 // attention_fa leaves run (fa_row). Window, cap and sinks as attention_fa's.
 // grid: T * SPLITS * KVH, row-major (a row's kv heads run together, reading its cache rows
-// whole), block: 32 * DEC_WARPS, dynamic shared memory:
-// DEC_WARPS * DEC_STAGES * 2 * 16 * (D + 8) 16-bit values. D <= 128.
-template <int H, int KVH, int D, typename O, bool MIXED_ONLY, int WIN, unsigned CAP, typename SW, int SPLITS>
+// whole), block: 32 * WARPS, dynamic shared memory:
+// WARPS * DEC_STAGES * 2 * 16 * (D + 8) 16-bit values. D <= 128.
+template <int H, int KVH, int D, typename O, bool MIXED_ONLY, int WIN, unsigned CAP, typename SW, int SPLITS,
+          int WARPS>
 __device__ void attention_dec(const float* q, const h16_t* kc, const h16_t* vc, const int* slots,
                               const int* seq_off, const int* pos, float scale, O* out, int T, const SW* sinks,
                               float* part) {
   constexpr int G = H / KVH, S = D + 8, KS = D / 16, DT = D / 8, TILE = 16 * S;
   static_assert(G <= 16 && D % 16 == 0 && D <= 128, "a kv head's query heads fill one mma tile");
   extern __shared__ __align__(16) unsigned char dec_smem[];
-  __shared__ float sm_m[DEC_WARPS][16], sm_l[DEC_WARPS][16];
+  __shared__ float sm_m[WARPS][16], sm_l[WARPS][16];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
   const int t = blockIdx.x / (KVH * SPLITS), kvh = blockIdx.x % KVH, split = blockIdx.x / KVH % SPLITS;
   const int h0 = kvh * G;
@@ -699,16 +700,16 @@ __device__ void attention_dec(const float* q, const h16_t* kc, const h16_t* vc, 
     if (j < j1) fa_load<KVH, D>(kc, vc, mine, kvh, ds.base + j * 16, ds.n, k_s(i), k_s(i) + TILE);
     cp_async_commit();
   };
-  constexpr int AHEAD = (DEC_STAGES - 1) * DEC_WARPS;  // tiles from the one used to the one loaded
+  constexpr int AHEAD = (DEC_STAGES - 1) * WARPS;  // tiles from the one used to the one loaded
 #pragma unroll
   for (int i = 0; i < DEC_STAGES - 1; i++) {
-    const int j = j0 + warp + i * DEC_WARPS, mine = slot(j);
+    const int j = j0 + warp + i * WARPS, mine = slot(j);
     if (!early(j)) pdl_wait();
     load(j, i, mine);
   }
   // The slots of the tiles the next two iterations load, read two iterations ahead: a slot read
   // under the copies' traffic outlasts an iteration, and the copies never wait for one.
-  int next = slot(j0 + warp + AHEAD), after = slot(j0 + warp + AHEAD + DEC_WARPS);
+  int next = slot(j0 + warp + AHEAD), after = slot(j0 + warp + AHEAD + WARPS);
   pdl_wait();
   // The queries are read while the first tiles' copies are in flight.
   const float qs = scale * 1.4426950408889634f;
@@ -718,10 +719,10 @@ __device__ void attention_dec(const float* q, const h16_t* kc, const h16_t* vc, 
 #pragma unroll
   for (int i = 0; i < DT; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
   float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
-  for (int i = 0, j = j0 + warp; j < j1; i++, j += DEC_WARPS) {
+  for (int i = 0, j = j0 + warp; j < j1; i++, j += WARPS) {
     const int mine = next;
     next = after;
-    after = slot(j + AHEAD + 2 * DEC_WARPS);
+    after = slot(j + AHEAD + 2 * WARPS);
     load(j + AHEAD, i + DEC_STAGES - 1, mine);
     cp_async_wait<DEC_STAGES - 1>();
     __syncwarp();
@@ -754,7 +755,7 @@ __device__ void attention_dec(const float* q, const h16_t* kc, const h16_t* vc, 
   for (int hr = 0; hr < 2; hr++) {
     const int row = g + hr * 8;
     const float sink = whole && sinks && row < G ? to_f32(sinks[h0 + row]) * 1.4426950408889634f : NEG_INF;
-    const float2 merged = merge_states<DEC_WARPS, true>(sink, &sm_m[0][row], &sm_l[0][row], 16);
+    const float2 merged = merge_states<WARPS, true>(sink, &sm_m[0][row], &sm_l[0][row], 16);
     f[hr] = m[hr] == NEG_INF ? 0.0f : exp2f(m[hr] - merged.x) / (whole ? merged.y : 1.0f);
     if (!whole && warp == 0 && c == 0 && row < G) {
       ml[G * D + row] = merged.x;
@@ -762,7 +763,7 @@ __device__ void attention_dec(const float* q, const h16_t* kc, const h16_t* vc, 
     }
   }
   // Each warp's scaled outputs to its own 16 x D floats of shared memory (the stages' space:
-  // every warp's copies are done; DEC_WARPS * 16 * D floats fit in it), then summed over the
+  // every warp's copies are done; WARPS * 16 * D floats fit in it), then summed over the
   // warps in order.
   float* so = (float*)dec_smem;
   __syncthreads();
@@ -772,10 +773,10 @@ __device__ void attention_dec(const float* q, const h16_t* kc, const h16_t* vc, 
     for (int e = 0; e < 4; e++)
       so[warp * 16 * D + (g + (e >> 1) * 8) * D + i * 8 + 2 * c + (e & 1)] = o[i][e] * f[e >> 1];
   __syncthreads();
-  for (int i = threadIdx.x; i < G * D; i += DEC_WARPS * 32) {
+  for (int i = threadIdx.x; i < G * D; i += WARPS * 32) {
     float v = so[i];
 #pragma unroll
-    for (int w = 1; w < DEC_WARPS; w++) v += so[w * 16 * D + i];
+    for (int w = 1; w < WARPS; w++) v += so[w * 16 * D + i];
     if (whole)
       store(out + ((long)t * H + h0) * D + i, v);
     else

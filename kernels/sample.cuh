@@ -361,14 +361,24 @@ __device__ __forceinline__ void block_argmax(float& bv, int& bi) {
 
 template <int V, int B>
 __device__ void argmax_rows(const float* logits, float* part_v, int* part_i, unsigned* done, int* out) {
-  constexpr int PER = (V + B - 1) / B;
+  // Each block's share a multiple of four logits, read four at a time where the row is 16-byte
+  // aligned (V a multiple of four), the rest one by one.
+  constexpr int PER = (V + 4 * B - 1) / (4 * B) * 4;
   const int r = blockIdx.x, b = blockIdx.y;
   const float* row = logits + (long)r * V;
-  const int lo = b * PER, hi = min(V, lo + PER);
+  const int lo = min(V, b * PER), hi = min(V, lo + PER), vec = V % 4 == 0 ? (hi - lo) / 4 : 0;
   float bv = NEG_INF;
   int bi = 0x7fffffff;
 #pragma unroll 4
-  for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) argmax_merge(bv, bi, row[i], i);
+  for (int j = threadIdx.x; j < vec; j += blockDim.x) {
+    const float4 v = reinterpret_cast<const float4*>(row + lo)[j];
+    const int i = lo + 4 * j;
+    argmax_merge(bv, bi, v.x, i);
+    argmax_merge(bv, bi, v.y, i + 1);
+    argmax_merge(bv, bi, v.z, i + 2);
+    argmax_merge(bv, bi, v.w, i + 3);
+  }
+  for (int i = lo + 4 * vec + threadIdx.x; i < hi; i += blockDim.x) argmax_merge(bv, bi, row[i], i);
   block_argmax(bv, bi);
   __shared__ bool last;
   if (threadIdx.x == 0) {

@@ -22,7 +22,8 @@
 #     the device);
 #   - the engine (continuous batching, chunked prefill, shared prefixes in the radix cache, paged
 #     KV) against each request run alone (`engrun bench --verify-alone`), and again with decode
-#     batches of 48 rows over 560-724 keys (decode attention's keys split over blocks);
+#     batches of 48 rows over 560-724 keys (decode attention's keys split over blocks) and of
+#     256 rows (decode attention's two-warp blocks);
 #   - `/v1/embeddings` served from the GPU: the embedding through the lm_head against HF's
 #     logits (shapes without a final logit softcap).
 # GGUF's blocks on CUDA (GGUF=0 skips): tests/fixtures/tiny-kquant's Q4_K_M-style GGUF (Q4_K
@@ -94,7 +95,7 @@ for shape in $shapes; do
       [ "$tp" = 1 ] || { b="$ck$dsfx.tp$tp.bundle"; sfx="$dsfx-tp$tp"; }
       [ -d "$b" ] || must compile "$work/$shape$sfx-compile.txt" \
         "$bin/engc" compile --checkpoint "$ckd" "${dflag[@]}" --tp "$tp" -o "$b" || continue
-      expected=$((expected + 22))
+      expected=$((expected + 23))
       rm -rf /tmp/engine-cache
       logits() { # RUN FILE-SUFFIX IDS PREFILL [ENV...]
         local run=$1 fs=$2 seqs=$3 pre=$4
@@ -141,6 +142,11 @@ for shape in $shapes; do
       "${lone[@]}" "$bin/engrun" bench "$b" --device cuda --num-prompts 48 --input-len 700 --output-len 16 --random-range-ratio 0.8 \
         --warmup 0 --verify-alone $tol --json >"$work/$shape$sfx-alone-dec.txt" 2>&1
       cmp alone "$checks" "engine_alone_dec$sfx" "$work/$shape$sfx-alone-dec.txt"
+      # Decode steps of 256 rows: more decode attention blocks than fit the GPU at once, so two
+      # warps a block (codegen_cuda::dec_warps_rows).
+      "${lone[@]}" "$bin/engrun" bench "$b" --device cuda --num-prompts 256 --input-len 300 --output-len 8 --random-range-ratio 0.5 \
+        --warmup 0 --verify-alone $tol --json >"$work/$shape$sfx-alone-wide.txt" 2>&1
+      cmp alone "$checks" "engine_alone_wide$sfx" "$work/$shape$sfx-alone-wide.txt"
       # /v1/embeddings on the GPU, through the lm_head against HF (not under a final softcap,
       # which bends the logits away from W·h).
       if ! grep -q '"final_logit_softcapping": *[0-9]' "tests/configs/$shape.json"; then

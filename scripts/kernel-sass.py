@@ -65,6 +65,8 @@ def ptxas_report(log):
     for line in log.splitlines():
         if m := re.search(r"Compiling entry function '(\w+)'", line):
             name = m.group(1)
+        elif (m := re.search(r"Function properties for (\w+)", line)) and m.group(1) != name:
+            name = None  # a called function's report (a __noinline__ one), not the kernel's
         elif name and (m := re.search(r"(\d+) bytes spill stores", line)):
             out[name] = f"{m.group(1)} bytes spilled"
         elif name and (m := re.search(r"Used (\d+) registers(?:.*?(\d+) bytes smem)?", line)):

@@ -369,10 +369,12 @@ pub enum KernelKey {
         vocab: usize,
     },
     /// Greedy sampling of every row: the argmax of each row of `vocab` logits, split over
-    /// [`ARGMAX_BLOCKS`] blocks per row.
+    /// `blocks` blocks per row ([`argmax_blocks`]).
     Argmax {
         /// Vocabulary size.
         vocab: usize,
+        /// Blocks a row.
+        blocks: usize,
     },
     /// One-shot all-reduce of a small f32 message over peer memory between `ranks` GPUs
     /// (`kernels/comm.cuh`); the runtime launches it in place of NCCL where peers can reach
@@ -417,9 +419,33 @@ fn gemv_input(norm: Option<NormIn>) -> Result<(String, String), CodegenError> {
     ))
 }
 
-/// Blocks per row of the split argmax (`argmax_rows` in `kernels/sample.cuh`): the runtime
-/// gives it this many partial results per row.
+/// The most blocks per row of the split argmax (`argmax_rows` in `kernels/sample.cuh`): the
+/// runtime gives it this many partial results per row.
 pub const ARGMAX_BLOCKS: usize = 128;
+
+/// The fewest blocks per row of the split argmax.
+pub const ARGMAX_MIN_BLOCKS: usize = 8;
+
+/// Split argmax blocks a step of all rows make together: about what an H100 / H200 runs at
+/// once (eight blocks of 256 threads an SM of 132), so many rows do not queue thousands of
+/// short blocks.
+const ARGMAX_STEP_BLOCKS: usize = 1024;
+
+/// Blocks per row of the split argmax at `rows` greedy rows: a power of two from
+/// [`ARGMAX_MIN_BLOCKS`] to [`ARGMAX_BLOCKS`], the most whose blocks stay within
+/// [`ARGMAX_STEP_BLOCKS`] (one row: all of them, for a row alone would wait on one block).
+pub fn argmax_blocks(rows: usize) -> usize {
+    let mut b = ARGMAX_BLOCKS;
+    while b > ARGMAX_MIN_BLOCKS && rows * b > ARGMAX_STEP_BLOCKS {
+        b /= 2;
+    }
+    b
+}
+
+/// Every block count [`argmax_blocks`] gives, fewest first.
+pub fn argmax_block_counts() -> impl Iterator<Item = usize> {
+    std::iter::successors(Some(ARGMAX_MIN_BLOCKS), |b| Some(b * 2)).take_while(|&b| b <= ARGMAX_BLOCKS)
+}
 
 /// Tokens of a row one block of `mask_logits` (`kernels/sample.cuh`) covers.
 pub const MASK_SPAN: usize = 4096;
@@ -544,14 +570,17 @@ pub struct DecAttention {
     /// Blocks a row's keys may split into (`dec_splits`); above 1, each split's state goes to a
     /// scratch buffer that the merge combines.
     pub splits: usize,
+    /// Warps of a decode attention block (`crate::schedule::DEC_WARPS`, or fewer where the
+    /// step's blocks would not fit the GPU at once).
+    pub warps: usize,
 }
 
 impl DecAttention {
     /// The part of both kernels' names after their kind.
     fn suffix(self) -> String {
-        let DecAttention { heads, kv_heads, d, out, mixed_only, mask, splits } = self;
+        let DecAttention { heads, kv_heads, d, out, mixed_only, mask, splits, warps } = self;
         let mixed = if mixed_only { "_mixed" } else { "" };
-        format!("h{heads}_kv{kv_heads}_d{d}_to_{out}{mixed}{}_x{splits}", mask.suffix())
+        format!("h{heads}_kv{kv_heads}_d{d}_to_{out}{mixed}{}_x{splits}_w{warps}", mask.suffix())
     }
 }
 
@@ -799,7 +828,7 @@ impl KernelKey {
             KernelKey::Sample { vocab } => format!("sample_v{vocab}"),
             KernelKey::AdjustLogits { vocab } => format!("adjust_logits_v{vocab}"),
             KernelKey::MaskLogits { vocab } => format!("mask_logits_v{vocab}"),
-            KernelKey::Argmax { vocab } => format!("argmax_v{vocab}"),
+            KernelKey::Argmax { vocab, blocks } => format!("argmax_v{vocab}_{blocks}blocks"),
             KernelKey::AllReduce { ranks } => format!("all_reduce_r{ranks}"),
             KernelKey::AllGather { ranks } => format!("all_gather_r{ranks}"),
         }
@@ -826,7 +855,7 @@ impl KernelKey {
     pub fn dyn_smem(&self) -> usize {
         match *self {
             KernelKey::GemmSkinnyA8 { .. } => A8_SMEM,
-            KernelKey::AttentionDec(a) => crate::schedule::dec_smem(a.d),
+            KernelKey::AttentionDec(a) => crate::schedule::dec_smem(a.warps, a.d),
             _ => 0,
         }
     }
@@ -1021,18 +1050,18 @@ impl KernelKey {
                     ),
                 )
             }
-            KernelKey::AttentionDec(DecAttention { heads, kv_heads, d, out, mixed_only, mask, splits }) => {
+            KernelKey::AttentionDec(DecAttention { heads, kv_heads, d, out, mixed_only, mask, splits, warps }) => {
                 let o = ctype(out)?;
                 (
                     format!("{}, {}, float* part", attention_params(o), mask.sinks_param()?),
                     format!(
-                        "attention_dec<{heads}, {kv_heads}, {d}, {o}, {mixed_only}, {}, {splits}>(q, kc, vc, slots, \
-                         seq_off, pos, scale, out, T, sinks, part)",
+                        "attention_dec<{heads}, {kv_heads}, {d}, {o}, {mixed_only}, {}, {splits}, {warps}>(q, kc, vc, \
+                         slots, seq_off, pos, scale, out, T, sinks, part)",
                         mask.args()?
                     ),
                 )
             }
-            KernelKey::AttentionDecMerge(DecAttention { heads, kv_heads, d, out, mixed_only, mask, splits }) => {
+            KernelKey::AttentionDecMerge(DecAttention { heads, kv_heads, d, out, mixed_only, mask, splits, .. }) => {
                 let o = ctype(out)?;
                 (
                     format!("const int* seq_off, const int* pos, {o}* out, int T, {}, const float* part", mask.sinks_param()?),
@@ -1125,9 +1154,9 @@ impl KernelKey {
                 let (t, o) = (ctype(x)?, ctype(out)?);
                 (format!("const {t}* x, const int* rows, {o}* out"), format!("gather<{h}, {t}, {o}>(x, rows, out)"))
             }
-            KernelKey::Argmax { vocab } => (
+            KernelKey::Argmax { vocab, blocks } => (
                 "const float* logits, float* part_v, int* part_i, unsigned* done, int* out".into(),
-                format!("argmax_rows<{vocab}, {ARGMAX_BLOCKS}>(logits, part_v, part_i, done, out)"),
+                format!("argmax_rows<{vocab}, {blocks}>(logits, part_v, part_i, done, out)"),
             ),
             KernelKey::Sample { vocab } => (
                 "const float* logits, const float* params, int* out".into(),
@@ -1166,5 +1195,21 @@ impl KernelKey {
         };
         let bounds = if matches!(self, KernelKey::GemmSkinnyA8 { .. }) { "__launch_bounds__(128, 1) " } else { "" };
         Ok(format!("extern \"C\" __global__ void {bounds}{name}({params}) {{ {enter}{call}; }}\n"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{argmax_block_counts, argmax_blocks, ARGMAX_BLOCKS};
+
+    /// One row splits over every block; many rows over fewer each, never past the scratch the
+    /// runtime gives a row nor below the fewest, and always a count the program has a kernel for.
+    #[test]
+    fn the_split_argmax_takes_fewer_blocks_a_row_at_more_rows() {
+        let got: Vec<usize> = [1, 8, 16, 64, 128, 256].into_iter().map(argmax_blocks).collect();
+        assert_eq!(got, [128, 128, 64, 16, 8, 8]);
+        let counts: Vec<usize> = argmax_block_counts().collect();
+        assert_eq!(counts, [8, 16, 32, 64, 128]);
+        assert!((1..1000).map(argmax_blocks).all(|b| counts.contains(&b) && b <= ARGMAX_BLOCKS));
     }
 }

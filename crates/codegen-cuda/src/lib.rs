@@ -17,8 +17,8 @@ pub mod schedule;
 pub use formats::{block_device_layout, WFormat};
 pub use fp8::fp8_device_layout;
 pub use keys::{
-    a8_blocks, a8_slots, hopper, DecAttention, HeadNorm, KernelKey, Mask, NormIn, A8_FEATURES, A8_ROWS, A8_SMEM,
-    ALL_REDUCE_MAX_BLOCKS, ARGMAX_BLOCKS, MAP_INPUTS, MASK_SPAN,
+    a8_blocks, a8_slots, argmax_blocks, hopper, DecAttention, HeadNorm, KernelKey, Mask, NormIn, A8_FEATURES, A8_ROWS,
+    A8_SMEM, ALL_REDUCE_MAX_BLOCKS, ARGMAX_BLOCKS, MAP_INPUTS, MASK_SPAN,
 };
 pub use lower::tiled;
 pub use schedule::{
@@ -137,12 +137,14 @@ pub fn emit(plan: &Plan) -> Result<Program, CodegenError> {
     let one_shot = (plan.tp > 1).then_some(KernelKey::AllReduce { ranks: plan.tp });
     let gather = s.steps.iter().any(|st| matches!(st, Step::AllGather { .. }));
     let gather = gather.then_some(KernelKey::AllGather { ranks: plan.tp });
+    let argmax = keys::argmax_block_counts().map(|blocks| KernelKey::Argmax { vocab: plan.vocab, blocks });
     let sampling = [
         KernelKey::Sample { vocab: plan.vocab },
-        KernelKey::Argmax { vocab: plan.vocab },
         KernelKey::AdjustLogits { vocab: plan.vocab },
         KernelKey::MaskLogits { vocab: plan.vocab },
-    ];
+    ]
+    .into_iter()
+    .chain(argmax);
     // E4M3-weight tensor-core linears may run as W8A8 through cuBLASLt, their input quantized first.
     let w8 = s.steps.iter().any(|st| match st {
         Step::Kernels { variants, .. } => variants.iter().flat_map(|(_, ls)| ls).any(|l| l.key.w8_tensor_core()),
@@ -181,8 +183,7 @@ pub fn emit(plan: &Plan) -> Result<Program, CodegenError> {
     let _ = writeln!(source, "#define MOE_TILE {}", schedule::MOE_TILE);
     let _ = writeln!(
         source,
-        "#define DEC_WARPS {}\n#define DEC_STAGES {}\n#define DEC_SPLIT_MIN {}\n",
-        schedule::DEC_WARPS,
+        "#define DEC_STAGES {}\n#define DEC_SPLIT_MIN {}\n",
         schedule::DEC_STAGES,
         schedule::DEC_SPLIT_MIN
     );

@@ -2,8 +2,9 @@
 
 use crate::keys::{intern, DecAttention, HeadNorm, KernelKey, Mask, NormIn, MAP_INPUTS};
 use crate::schedule::{
-    dec_splits, gemv_rows, launch, moe_rows_max, one, per_token, skinny_takes, to_h16, Arg, Builder, Count, Dim,
-    FusedNorm, Input, Launch, Step, DEC_WARPS, MOE_TILE, NORM_IN_GEMV_ROWS, ONE, SKINNY_ROWS,
+    dec_splits, dec_warps_rows, gemv_rows, launch, moe_rows_max, one, per_token, skinny_takes, to_h16, Arg, Builder,
+    Count, Dim, FusedNorm, Input, Launch, Step, DEC_WARPS, DEC_WARPS_PAST_WAVE, MOE_TILE, NORM_IN_GEMV_ROWS, ONE,
+    SKINNY_ROWS,
 };
 use crate::{CodegenError, WFormat};
 use ir::{DType, FusionKind, Op};
@@ -545,25 +546,30 @@ fn attention(b: &mut Builder, i: usize, pre: &[usize]) -> Result<(), CodegenErro
     Ok(())
 }
 
-/// The split counts of decode attention by row bound above [`FA_ABOVE`]: one bound per split
-/// count ([`dec_splits`] at powers of two rows), the last unbounded (and unsplit).
-fn dec_bounds(kv_heads: usize) -> Vec<(usize, usize)> {
-    let mut bounds: Vec<(usize, usize)> = vec![];
+/// The split counts and block warps of decode attention by row bound above [`FA_ABOVE`]: one
+/// bound per split count ([`dec_splits`] at powers of two rows), then the unsplit rows with
+/// [`DEC_WARPS`] warps a block up to [`dec_warps_rows`] and [`DEC_WARPS_PAST_WAVE`] past it, the
+/// last unbounded.
+fn dec_bounds(kv_heads: usize) -> Vec<(usize, usize, usize)> {
+    let mut bounds: Vec<(usize, usize, usize)> = vec![];
     let mut rows = (FA_ABOVE + 1).next_power_of_two();
     loop {
         let splits = dec_splits(rows, kv_heads);
         match bounds.last_mut() {
             Some(last) if last.1 == splits => last.0 = rows,
-            _ => bounds.push((rows, splits)),
+            _ => bounds.push((rows, splits, DEC_WARPS)),
         }
         if splits == 1 {
             break;
         }
         rows *= 2;
     }
-    if let Some(last) = bounds.last_mut() {
-        last.0 = usize::MAX;
+    bounds.pop();
+    let split_rows = bounds.last().map_or(FA_ABOVE, |b| b.0);
+    if dec_warps_rows(kv_heads) > split_rows {
+        bounds.push((dec_warps_rows(kv_heads), 1, DEC_WARPS));
     }
+    bounds.push((usize::MAX, 1, DEC_WARPS_PAST_WAVE));
     bounds
 }
 
@@ -573,7 +579,7 @@ fn dec_bounds(kv_heads: usize) -> Vec<(usize, usize)> {
 /// output, then their maxima and sums, f32, room for the most splits; null where none split),
 /// then the merge of their splits where there are several.
 fn dec_launches(
-    bounds: &[(usize, usize)],
+    bounds: &[(usize, usize, usize)],
     (heads, kv_heads, d): (usize, usize, usize),
     out: DType,
     mask: Mask,
@@ -582,11 +588,11 @@ fn dec_launches(
 ) -> Vec<(usize, Vec<Launch>)> {
     bounds
         .iter()
-        .map(|&(bound, splits)| {
-            let a = DecAttention { heads, kv_heads, d, out, mixed_only: true, mask, splits };
+        .map(|&(bound, splits, warps)| {
+            let a = DecAttention { heads, kv_heads, d, out, mixed_only: true, mask, splits, warps };
             let dec_args = [args, &[part]].concat();
             let grid = [per_token(kv_heads * splits, 1), ONE];
-            let mut launches = vec![launch(KernelKey::AttentionDec(a), dec_args, grid, (32 * DEC_WARPS) as u32)];
+            let mut launches = vec![launch(KernelKey::AttentionDec(a), dec_args, grid, (32 * warps) as u32)];
             if splits > 1 {
                 // seq_off, pos, out, T and sinks of the attention's arguments, then the splits.
                 let merge_args = [4, 5, 7, 8, 9].iter().map(|&a| args[a]).chain([part]).collect();
@@ -876,13 +882,27 @@ mod tests {
     fn decode_attention_splits_keys_until_the_rows_fill_the_gpu() {
         // Two kv heads: 64 rows make 128 blocks, under one an SM, so their keys split in two;
         // four kv heads: 256 blocks at 64 rows, none split.
-        assert_eq!(dec_bounds(2), [(64, 2), (usize::MAX, 1)]);
-        assert_eq!(dec_bounds(4), [(usize::MAX, 1)]);
-        assert_eq!(dec_bounds(1), [(64, 4), (128, 2), (usize::MAX, 1)]);
+        // Unsplit rows take four warps a block while their blocks fit the GPU at once (396
+        // blocks), two past that.
+        assert_eq!(dec_bounds(2), [(64, 2, 4), (198, 1, 4), (usize::MAX, 1, 2)]);
+        assert_eq!(dec_bounds(4), [(99, 1, 4), (usize::MAX, 1, 2)]);
+        assert_eq!(dec_bounds(1), [(64, 4, 4), (128, 2, 4), (396, 1, 4), (usize::MAX, 1, 2)]);
+        assert_eq!(dec_bounds(16), [(usize::MAX, 1, 2)]);
         let args: Vec<Arg> = (0..10).map(Arg::Buf).collect();
         let v = dec_launches(&dec_bounds(1), (8, 1, 128), DType::BF16, Mask::default(), &args, Arg::Buf(99));
-        for ((_, ls), splits) in v.iter().zip([4, 2, 1]) {
-            assert!(matches!(ls[0].key, KernelKey::AttentionDec(DecAttention { splits: s, .. }) if s == splits));
+        for ((_, ls), (splits, warps)) in v.iter().zip([(4, 4), (2, 4), (1, 4), (1, 2)]) {
+            let key = KernelKey::AttentionDec(DecAttention {
+                heads: 8,
+                kv_heads: 1,
+                d: 128,
+                out: DType::BF16,
+                mixed_only: true,
+                mask: Mask::default(),
+                splits,
+                warps,
+            });
+            assert_eq!((ls[0].key, ls[0].block), (key, 32 * warps as u32));
+            assert_eq!(key.dyn_smem(), crate::schedule::dec_smem(warps, 128));
             assert_eq!(ls[0].grid, [Dim::Per(Count::Tokens, splits, 1), Dim::Fixed(1)]);
             assert_eq!(ls[0].args.last(), Some(&Arg::Buf(99)));
             assert_eq!(ls.len(), if splits > 1 { 2 } else { 1 });

@@ -177,16 +177,31 @@ pub const W8_GROUP: usize = 128;
 /// `kernels/moe.cuh`, defined by the generated source from this).
 pub const MOE_TILE: usize = 64;
 
-/// Warps of a decode attention block (`DEC_WARPS` of `kernels/attention.cuh`, defined by the
-/// generated source from this), each taking the row's key tiles in turn.
+/// Warps of a decode attention block while a step's blocks fit the GPU at once
+/// ([`dec_warps_rows`]; `WARPS` of `kernels/attention.cuh`'s `attention_dec`), each taking the
+/// row's key tiles in turn.
 pub const DEC_WARPS: usize = 4;
+
+/// Warps of a decode attention block past [`dec_warps_rows`]: twice the blocks an SM, so a step
+/// whose four-warp blocks would run in two waves runs in one.
+pub const DEC_WARPS_PAST_WAVE: usize = 2;
+
+/// Blocks of [`DEC_WARPS`] warps an H100 / H200 holds at once: three an SM of 132 (their
+/// shared memory, [`dec_smem`], and registers).
+const DEC_WAVE: usize = 396;
+
+/// The most unsplit decode rows of `kv_heads` kv heads whose blocks of [`DEC_WARPS`] warps fit
+/// the GPU at once; more rows take [`DEC_WARPS_PAST_WAVE`] warps a block.
+pub fn dec_warps_rows(kv_heads: usize) -> usize {
+    DEC_WAVE / kv_heads.max(1)
+}
 
 /// Key tiles (16 keys) each decode attention warp has in flight (`DEC_STAGES`).
 pub const DEC_STAGES: usize = 2;
 
-/// The fewest key tiles of a split of a decode row's keys (`DEC_SPLIT_MIN`): eight a warp (512
-/// keys), so a split's fixed costs (its queries, the warps' merge, the partial state written
-/// and merged again) stay small against its reads.
+/// The fewest key tiles of a split of a decode row's keys (`DEC_SPLIT_MIN`): eight a warp of a
+/// [`DEC_WARPS`] block (512 keys), so a split's fixed costs (its queries, the warps' merge, the
+/// partial state written and merged again) stay small against its reads.
 pub const DEC_SPLIT_MIN: usize = 8 * DEC_WARPS;
 
 /// Decode attention blocks a step should have (two an SM of an H100 / H200): a row's keys split
@@ -210,12 +225,12 @@ pub fn dec_splits(rows: usize, kv_heads: usize) -> usize {
     s
 }
 
-/// The dynamic shared memory of a decode attention block of head size `d`: every warp's stages
-/// of a K and a V tile of 16 keys, rows of `d + 8` 16-bit values. At the end the same space holds
-/// every warp's 16 x `d` f32 outputs, summed over the warps: they fit, since a warp's stages
-/// take 2 * `DEC_STAGES` * (`d` + 8) 16-bit values a row.
-pub fn dec_smem(d: usize) -> usize {
-    DEC_WARPS * DEC_STAGES * 2 * 16 * (d + 8) * 2
+/// The dynamic shared memory of a decode attention block of `warps` warps and head size `d`:
+/// every warp's stages of a K and a V tile of 16 keys, rows of `d + 8` 16-bit values. At the end
+/// the same space holds every warp's 16 x `d` f32 outputs, summed over the warps: they fit,
+/// since a warp's stages take 2 * `DEC_STAGES` * (`d` + 8) 16-bit values a row.
+pub fn dec_smem(warps: usize, d: usize) -> usize {
+    warps * DEC_STAGES * 2 * 16 * (d + 8) * 2
 }
 
 /// Up to this many (token, chosen expert) pairs an expert on average, the grouped experts run

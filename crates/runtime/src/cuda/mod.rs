@@ -654,7 +654,8 @@ impl CudaBackend {
         }
         let out = self.bufs[self.program.output].slice(0..wanted * vocab);
         let (key, grid) = if greedy {
-            (KernelKey::Argmax { vocab }, (wanted as u32, codegen_cuda::ARGMAX_BLOCKS as u32, 1))
+            let blocks = codegen_cuda::argmax_blocks(wanted);
+            (KernelKey::Argmax { vocab, blocks }, (wanted as u32, blocks as u32, 1))
         } else {
             (KernelKey::Sample { vocab }, (wanted as u32, 1, 1))
         };
