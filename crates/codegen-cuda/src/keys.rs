@@ -424,7 +424,7 @@ fn gemv_input(norm: Option<NormIn>) -> Result<(String, String), CodegenError> {
 pub const ARGMAX_BLOCKS: usize = 128;
 
 /// The fewest blocks per row of the split argmax.
-pub const ARGMAX_MIN_BLOCKS: usize = 8;
+const ARGMAX_MIN_BLOCKS: usize = 8;
 
 /// Split argmax blocks a step of all rows make together: about what an H100 / H200 runs at
 /// once (eight blocks of 256 threads an SM of 132), so many rows do not queue thousands of

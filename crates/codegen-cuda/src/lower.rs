@@ -553,21 +553,18 @@ fn attention(b: &mut Builder, i: usize, pre: &[usize]) -> Result<(), CodegenErro
 fn dec_bounds(kv_heads: usize) -> Vec<(usize, usize, usize)> {
     let mut bounds: Vec<(usize, usize, usize)> = vec![];
     let mut rows = (FA_ABOVE + 1).next_power_of_two();
-    loop {
-        let splits = dec_splits(rows, kv_heads);
+    let mut splits = dec_splits(rows, kv_heads);
+    while splits > 1 {
         match bounds.last_mut() {
             Some(last) if last.1 == splits => last.0 = rows,
             _ => bounds.push((rows, splits, DEC_WARPS)),
         }
-        if splits == 1 {
-            break;
-        }
         rows *= 2;
+        splits = dec_splits(rows, kv_heads);
     }
-    bounds.pop();
-    let split_rows = bounds.last().map_or(FA_ABOVE, |b| b.0);
-    if dec_warps_rows(kv_heads) > split_rows {
-        bounds.push((dec_warps_rows(kv_heads), 1, DEC_WARPS));
+    let (split_rows, wave_rows) = (bounds.last().map_or(FA_ABOVE, |b| b.0), dec_warps_rows(kv_heads));
+    if wave_rows > split_rows {
+        bounds.push((wave_rows, 1, DEC_WARPS));
     }
     bounds.push((usize::MAX, 1, DEC_WARPS_PAST_WAVE));
     bounds
