@@ -37,17 +37,11 @@ __device__ __forceinline__ float moe_dot_part(const float* x, const W* w) {
   return s;
 }
 
-// The dot product of a warp (every lane gets it).
-template <int H, typename W>
-__device__ __forceinline__ float moe_dot(const float* x, const W* w) {
-  return warp_sum(moe_dot_part<H>(x, w));
-}
-
-// The routing of token t (ir::moe::route) from its E logits, by one warp: the K experts of
-// the largest logits (on equal logits the lower index first), weighted by the softmax of the
-// logits over the chosen ones (NORM) or over all E.
+// The routing of one token (ir::moe::route) from its E logits, by one warp: the K experts of
+// the largest logits (on equal logits the lower index first) in pe, weighted (pw) by the
+// softmax of the logits over the chosen ones (NORM) or over all E; every lane gets them.
 template <int E, int K, bool NORM, typename L>
-__device__ __forceinline__ void moe_pick(const L* logits, int t, int* ids, float* weights) {
+__device__ __forceinline__ void moe_choose(const L* logits, int* pe, float* pw) {
   constexpr int PER = (E + 31) / 32;
   const int lane = threadIdx.x & 31;
   float v[PER];
@@ -58,8 +52,8 @@ __device__ __forceinline__ void moe_pick(const L* logits, int t, int* ids, float
     v[j] = e < E ? to_f32(logits[e]) : NEG_INF;
     taken[j] = e >= E;
   }
-  int pe[K];
   float pl[K];
+#pragma unroll
   for (int k = 0; k < K; k++) {
     float bv = NEG_INF;
     int be = E;
@@ -96,12 +90,22 @@ __device__ __forceinline__ void moe_pick(const L* logits, int t, int* ids, float
       if (lane + 32 * j < E) z += expf(v[j] - m);
     z = warp_sum(z);
   }
-  if (lane == 0) {
+#pragma unroll
+  for (int k = 0; k < K; k++) pw[k] = expf(pl[k] - m) / z;
+}
+
+// The routing of token t written out (lane 0): ids[t K + k], weights[t K + k].
+template <int E, int K, bool NORM, typename L>
+__device__ __forceinline__ void moe_pick(const L* logits, int t, int* ids, float* weights) {
+  int pe[K];
+  float pw[K];
+  moe_choose<E, K, NORM>(logits, pe, pw);
+  if ((threadIdx.x & 31) == 0)
+#pragma unroll
     for (int k = 0; k < K; k++) {
       ids[t * K + k] = pe[k];
-      weights[t * K + k] = expf(pl[k] - m) / z;
+      weights[t * K + k] = pw[k];
     }
-  }
 }
 
 // The routing of token blockIdx.x from its router logits. grid: T, block: 32.
@@ -112,13 +116,44 @@ __device__ void moe_route(const L* logits, int* ids, float* weights) {
 
 // A mixture of experts' router logits: w[e] · x[t] (+ bias[e]) in f32 from the f32 input, for
 // token t = blockIdx.x and experts blockIdx.y * 8 + warp: one warp per (token, expert), the
-// same sums at any batch, and at batch 1 the router's rows spread over E / 8 blocks.
+// same sums at any batch, and at batch 1 the router's rows spread over E / 8 blocks. 16-bit
+// rows are loaded before waiting for the previous kernel (the sums as moe_dot_part's).
 // grid: (T, ceil(E / 8)), block: 256.
 template <int H, int E, typename W, typename B>
 __device__ void moe_router_logits(const float* x, const W* w, const B* bias, float* logits) {
   const int t = blockIdx.x, lane = threadIdx.x & 31, e = blockIdx.y * 8 + (threadIdx.x >> 5);
-  if (e >= E) return;
-  const float s = moe_dot<H>(x + (long)t * H, w + (long)e * H);
+  if (e >= E) {
+    pdl_wait();
+    return;
+  }
+  const float* xr = x + (long)t * H;
+  float s = 0.0f;
+  if constexpr (sizeof(W) == 2 && H % 8 == 0) {
+    constexpr int L = (H + 255) / 256;
+    uint4 wv[L];
+#pragma unroll
+    for (int j = 0; j < L; j++)
+      if (256 * j + lane * 8 < H) wv[j] = ld_stream_first(w + (long)e * H + 256 * j + lane * 8);
+    pdl_wait();
+#pragma unroll
+    for (int j = 0; j < L; j++) {
+      const int c = 256 * j + lane * 8;
+      if (c < H) {
+        // The lane's 8 inputs in two 16-byte loads (8 scalar loads 32 bytes apart across the
+        // warp cost 8 L1 wavefronts each).
+        float f[8];
+        unpack8(wv[j], f);
+        const float4 lo = *(const float4*)(xr + c), hi = *(const float4*)(xr + c + 4);
+        const float xv[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+        for (int i = 0; i < 8; i++) s = fmaf(f[i], xv[i], s);
+      }
+    }
+  } else {
+    pdl_wait();
+    s = moe_dot_part<H>(xr, w + (long)e * H);
+  }
+  s = warp_sum(s);
   if (lane == 0) logits[(long)t * E + e] = s + (bias ? to_f32(bias[e]) : 0.0f);
 }
 
@@ -449,4 +484,88 @@ __device__ void moe_down_rows(const h16_t* a, const int* perm, const int* tiles,
       if (lane == 0 && r0 + q < t.n) y[(long)(t.p0 + r0 + q) * H + h] = weights[perm[t.p0 + r0 + q]] * (v + b);
     }
   }
+}
+
+// ---- direct experts (a step of few tokens): no sort, each pair's expert read where it is ----
+// At batch 1 a token's K experts are K distinct experts: the grouped kernels' count, sort and
+// combine launches (and the input's 16-bit copy) only add latency. The pairs stay in token
+// order (pair t K + k); the sums are the warp-per-feature kernels' (moe_up_rows,
+// moe_down_rows + moe_combine) bit for bit.
+
+// The routing of the pair's token (every warp picks from the logits; blocks of the token's
+// first pair and features 0..7 write ids and weights for moe_down_direct), then gate and up
+// with the activation, a warp per feature i of the pair's expert: a[r][i] for pair
+// r = blockIdx.y, its 16-bit input staged in shared memory. grid: (I / 8, T K), block: 256.
+template <int H, int I, int K, int E, bool NORM, typename B, typename ACT>
+__device__ void moe_up_direct(const float* x, const float* logits, int* ids, float* weights, const h16_t* gate,
+                              const h16_t* up, const B* gb, const B* ub, h16_t* a, ACT act) {
+  __shared__ __align__(16) h16_t xs[H];
+  const int r = blockIdx.y, t = r / K, k = r % K, lane = threadIdx.x & 31;
+  const int i = blockIdx.x * 8 + (threadIdx.x >> 5);
+  for (int c = threadIdx.x; c < H; c += blockDim.x) xs[c] = f32_to_h16(x[(long)t * H + c]);
+  int pe[K];
+  float pw[K];
+  moe_choose<E, K, NORM>(logits + (long)t * E, pe, pw);
+  int e = pe[0];
+#pragma unroll
+  for (int j = 1; j < K; j++)
+    if (j == k) e = pe[j];
+  using Part = RowPart<H, 1, h16_t>;
+  const Part part;
+  const long row = (long)e * I + i;
+  uint4 w[2][Part::L];  // gate, up
+  part.load((const uint4*)(gate + row * H), nullptr, w[0], nullptr);
+  part.load((const uint4*)(up + row * H), nullptr, w[1], nullptr);
+  if (k == 0 && blockIdx.x == 0 && threadIdx.x == 0)
+#pragma unroll
+    for (int j = 0; j < K; j++) {
+      ids[t * K + j] = pe[j];
+      weights[t * K + j] = pw[j];
+    }
+  const float bg = gb ? to_f32(gb[row]) : 0.0f, bu = ub ? to_f32(ub[row]) : 0.0f;
+  __syncthreads();
+  float s[2];
+  part.template dot<1, 2>(xs, w, nullptr, 1, s);
+  const float g = warp_sum(s[0]) + bg, u = warp_sum(s[1]) + bu;
+  if (lane == 0) a[(long)r * I + i] = f32_to_h16(act(g, u));
+}
+
+// The weights of a token's experts that moe_down_direct loads at once: all K where a lane's
+// chunks of their rows fit 24 registers of 16 bytes, else fewer.
+template <int L, int K>
+__host__ __device__ constexpr int moe_direct_group() {
+  return L * K <= 24 ? K : (24 / L > 0 ? 24 / L : 1);
+}
+
+// out[t][h] = Σ_k weights[t][k] · (down[e_k][h] · a[t K + k] + db[e_k][h]), a warp per output
+// feature h of token t = blockIdx.y, the experts' rows loaded in groups (moe_direct_group).
+// grid: (H / 8, T), block: 256.
+template <int H, int I, int K, typename B>
+__device__ void moe_down_direct(const h16_t* a, const int* ids, const float* weights, const h16_t* down, const B* db,
+                                float* out) {
+  using Part = RowPart<I, 1, h16_t>;
+  constexpr int G = moe_direct_group<Part::L, K>();
+  const Part part;
+  const int t = blockIdx.y, lane = threadIdx.x & 31, h = blockIdx.x * 8 + (threadIdx.x >> 5);
+  float sum = 0.0f;
+#pragma unroll
+  for (int k0 = 0; k0 < K; k0 += G) {
+    uint4 wd[G][Part::L];
+    long row[G];
+#pragma unroll
+    for (int j = 0; j < G; j++)
+      if (k0 + j < K) {
+        row[j] = (long)ids[t * K + k0 + j] * H + h;
+        part.load((const uint4*)(down + row[j] * I), nullptr, wd[j], nullptr);
+      }
+#pragma unroll
+    for (int j = 0; j < G; j++)
+      if (k0 + j < K) {
+        float s;
+        part.template dot<1>(a + ((long)t * K + k0 + j) * I, &wd[j], nullptr, 1, &s);
+        const float v = warp_sum(s), b = db ? to_f32(db[row[j]]) : 0.0f;
+        sum += __fmul_rn(weights[t * K + k0 + j], v + b);
+      }
+  }
+  if (lane == 0) out[(long)t * H + h] = sum;
 }

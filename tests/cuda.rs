@@ -240,6 +240,14 @@ fn plan(shape: &str, tp: usize) -> ir::Plan {
 }
 
 /// The launches of a step of `t` tokens (and `t` logit rows).
+/// Kernel `name`'s `extern "C"` line in the program's source and how many parameters it takes
+/// (those after the name: a `__launch_bounds__(..)` before it is not a parameter list).
+fn kernel_params<'a>(p: &'a codegen_cuda::Program, name: &str) -> (&'a str, usize) {
+    let src = p.source.lines().find(|s| s.contains(&format!(" {name}("))).unwrap();
+    let params = src.split_once(&format!(" {name}(")).unwrap().1.split_once(')').unwrap().0;
+    (src, params.split(',').count())
+}
+
 fn launches(p: &codegen_cuda::Program, t: usize) -> Vec<&codegen_cuda::Launch> {
     p.steps
         .iter()
@@ -291,8 +299,7 @@ fn cuda_schedule_fuses_and_reuses_buffers() {
                 };
                 assert!(kinds.iter().any(|k| k.starts_with(want)), "{shape} t={t}: {kinds:?}");
                 for l in launches(&p, t) {
-                    let src = p.source.lines().find(|s| s.contains(&format!(" {}(", l.key.name()))).unwrap();
-                    let params = src.split_once('(').unwrap().1.split_once(')').unwrap().0.split(',').count();
+                    let (src, params) = kernel_params(&p, &l.key.name());
                     assert_eq!(params, l.args.len(), "{}: {src}", l.key.name());
                     for a in &l.args {
                         match *a {
@@ -369,12 +376,14 @@ fn linears_of_one_launch_write_one_packed_matrix() {
     }
 }
 
-/// A mixture of 16-bit experts (the Qwen3-30B-A3B shape) runs the grouped kernels at every
-/// batch (the pairs sorted by expert, one grid row per possible tile), never the per-pair
-/// ones: a warp per feature up to 8 pairs an expert on
-/// average (128 tokens of 128 experts choosing 8), tensor cores above; each launch's arguments match its kernel.
+/// A mixture of 16-bit experts (the Qwen3-30B-A3B shape) runs the direct kernels up to
+/// `MOE_DIRECT_TOKENS` tokens (the routing inside gate/up, no sort, no separate routing
+/// launch) and the grouped kernels above (the pairs sorted by expert, one grid row per
+/// possible tile), never the per-pair ones: a warp per feature up to 8 pairs an expert on
+/// average (128 tokens of 128 experts choosing 8), tensor cores above; each launch's arguments
+/// match its kernel.
 #[test]
-fn cuda_moe_schedule_groups_pairs_at_every_batch() {
+fn cuda_moe_schedule_groups_pairs_above_the_direct_tokens() {
     let config: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(repo().join("tests/configs/qwen3-30b-a3b.json")).unwrap())
             .unwrap();
@@ -385,11 +394,12 @@ fn cuda_moe_schedule_groups_pairs_at_every_batch() {
     for t in [1, 2, 3, 4, rows, rows + 1, 4096] {
         let ls = launches(&p, t);
         let has = |prefix: &str| ls.iter().any(|l| l.key.name().starts_with(prefix));
-        let kinds = (has("moe_up_h"), has("moe_up_rows_"), has("moe_up_grouped_"));
-        assert_eq!(kinds, (false, t <= rows, t > rows), "t={t}");
+        let direct = t <= codegen_cuda::MOE_DIRECT_TOKENS;
+        let kinds = (has("moe_up_h"), has("moe_up_direct_"), has("moe_up_rows_"), has("moe_up_grouped_"));
+        assert_eq!(kinds, (false, direct, !direct && t <= rows, t > rows), "t={t}");
+        assert_eq!((has("moe_route_"), has("moe_sort_"), has("moe_combine_")), (!direct, !direct, !direct), "t={t}");
         for l in ls.iter().filter(|l| l.key.name().starts_with("moe_")) {
-            let src = p.source.lines().find(|s| s.contains(&format!(" {}(", l.key.name()))).unwrap();
-            let params = src.split_once('(').unwrap().1.split_once(')').unwrap().0.split(',').count();
+            let (src, params) = kernel_params(&p, &l.key.name());
             assert_eq!(params, l.args.len(), "{}: {src}", l.key.name());
             if l.key.name().starts_with("moe_up_grouped_") || l.key.name().starts_with("moe_up_rows_") {
                 // 128 experts, 8 a token: at most ceil(8t / 64) + min(128, 8t) tiles.

@@ -334,6 +334,37 @@ pub enum KernelKey {
         /// The bias's dtype, where there is one.
         bias: Option<DType>,
     },
+    /// The routing from f32 router logits, then gate and up with the activation, for each
+    /// (token, chosen expert) in token order (16-bit experts, input f32, output 16-bit): the
+    /// direct path of a step of few tokens, no sort.
+    MoeUpDirect {
+        /// Hidden size.
+        h: usize,
+        /// Each expert's intermediate size.
+        i: usize,
+        /// Experts per token.
+        k: usize,
+        /// Experts.
+        e: usize,
+        /// Softmax over the chosen experts only.
+        norm: bool,
+        /// The biases' dtype, where there are biases.
+        bias: Option<DType>,
+        /// `act(x0 = gate, x1 = up)` as CUDA C (interned).
+        act: &'static str,
+    },
+    /// Each token's chosen experts' down projections weighted and summed (f32 out), after
+    /// [`KernelKey::MoeUpDirect`].
+    MoeDownDirect {
+        /// Hidden size.
+        h: usize,
+        /// Each expert's intermediate size.
+        i: usize,
+        /// Experts per token.
+        k: usize,
+        /// The bias's dtype, where there is one.
+        bias: Option<DType>,
+    },
     /// Each token's weighted expert outputs summed.
     MoeCombine {
         /// Hidden size.
@@ -823,6 +854,15 @@ impl KernelKey {
             KernelKey::MoeDownGrouped { rows, h, i, bias } => {
                 format!("moe_down_{}_h{h}_i{i}{}", grouped_kind(rows), bias.map_or(String::new(), |b| format!("_b{b}")))
             }
+            KernelKey::MoeUpDirect { h, i, k, e, norm, bias, act } => format!(
+                "moe_up_direct_h{h}_i{i}_k{k}_e{e}_{}{}_a{:08x}",
+                u8::from(norm),
+                bias.map_or(String::new(), |b| format!("_b{b}")),
+                fnv(act) as u32
+            ),
+            KernelKey::MoeDownDirect { h, i, k, bias } => {
+                format!("moe_down_direct_h{h}_i{i}_k{k}{}", bias.map_or(String::new(), |b| format!("_b{b}")))
+            }
             KernelKey::MoeCombine { h, k } => format!("moe_combine_h{h}_k{k}"),
             KernelKey::Gather { h, x, out } => format!("gather_h{h}_{x}_to_{out}"),
             KernelKey::Sample { vocab } => format!("sample_v{vocab}"),
@@ -1146,6 +1186,29 @@ impl KernelKey {
                     format!("moe_down_{f}<{h}, {i}, {b}>(a, perm, tiles, weights, down, db, y)"),
                 )
             }
+            KernelKey::MoeUpDirect { h, i, k, e, norm, bias, act } => {
+                let b = opt_ctype(bias)?;
+                (
+                    format!(
+                        "const float* x, const float* logits, int* ids, float* weights, const h16_t* gate, \
+                         const h16_t* up, const {b}* gb, const {b}* ub, h16_t* a"
+                    ),
+                    format!(
+                        "moe_up_direct<{h}, {i}, {k}, {e}, {norm}, {b}>(x, logits, ids, weights, gate, up, gb, ub, a, \
+                         [](float x0, float x1) {{ return {act}; }})"
+                    ),
+                )
+            }
+            KernelKey::MoeDownDirect { h, i, k, bias } => {
+                let b = opt_ctype(bias)?;
+                (
+                    format!(
+                        "const h16_t* a, const int* ids, const float* weights, const h16_t* down, const {b}* db, \
+                         float* out"
+                    ),
+                    format!("moe_down_direct<{h}, {i}, {k}, {b}>(a, ids, weights, down, db, out)"),
+                )
+            }
             KernelKey::MoeCombine { h, k } => (
                 "const float* y, const int* pos_of, float* out".into(),
                 format!("moe_combine<{h}, {k}>(y, pos_of, out)"),
@@ -1188,12 +1251,19 @@ impl KernelKey {
             KernelKey::Gemv { .. }
             | KernelKey::GemvGlu { .. }
             | KernelKey::GemmSkinnyA8 { .. }
+            | KernelKey::MoeRouterLogits { .. }
             | KernelKey::AddRmsNorm { .. }
             | KernelKey::NormAddRmsNorm { .. }
             | KernelKey::AttentionDec(_) => "pdl_trigger(); ",
             _ => "pdl_enter(); ",
         };
-        let bounds = if matches!(self, KernelKey::GemmSkinnyA8 { .. }) { "__launch_bounds__(128, 1) " } else { "" };
+        // The direct down projection's loads of a token's experts fit 128 registers: two blocks
+        // an SM, so a batch-1 launch (H / 8 blocks) runs in one wave.
+        let bounds = match self {
+            KernelKey::GemmSkinnyA8 { .. } => "__launch_bounds__(128, 1) ",
+            KernelKey::MoeDownDirect { .. } => "__launch_bounds__(256, 2) ",
+            _ => "",
+        };
         Ok(format!("extern \"C\" __global__ void {bounds}{name}({params}) {{ {enter}{call}; }}\n"))
     }
 }

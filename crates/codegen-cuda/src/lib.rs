@@ -22,8 +22,8 @@ pub use keys::{
 };
 pub use lower::tiled;
 pub use schedule::{
-    moe_rows_max, Arg, Buffer, Count, Dim, Input, Launch, Step, GEMV_MAX_ROWS, GEMV_ROWS, MOE_ROWS_PAIRS, MOE_TILE,
-    NORM_IN_GEMV_ROWS, SKINNY_ROWS, W8_GROUP,
+    moe_rows_max, Arg, Buffer, Count, Dim, Input, Launch, Step, GEMV_MAX_ROWS, GEMV_ROWS, MOE_DIRECT_TOKENS,
+    MOE_ROWS_PAIRS, MOE_TILE, NORM_IN_GEMV_ROWS, SKINNY_ROWS, W8_GROUP,
 };
 
 use ir::Plan;

@@ -3,8 +3,8 @@
 use crate::keys::{intern, DecAttention, HeadNorm, KernelKey, Mask, NormIn, MAP_INPUTS};
 use crate::schedule::{
     dec_splits, dec_warps_rows, gemv_rows, launch, moe_rows_max, one, per_token, skinny_takes, to_h16, Arg, Builder,
-    Count, Dim, FusedNorm, Input, Launch, Step, DEC_WARPS, DEC_WARPS_PAST_WAVE, MOE_TILE, NORM_IN_GEMV_ROWS, ONE,
-    SKINNY_ROWS,
+    Count, Dim, FusedNorm, Input, Launch, Step, DEC_WARPS, DEC_WARPS_PAST_WAVE, MOE_DIRECT_TOKENS, MOE_TILE,
+    NORM_IN_GEMV_ROWS, ONE, SKINNY_ROWS,
 };
 use crate::{CodegenError, WFormat};
 use ir::{DType, FusionKind, Op};
@@ -641,12 +641,20 @@ fn moe(b: &mut Builder, i: usize, router: Option<usize>) -> Result<(), CodegenEr
     };
     let route = KernelKey::MoeRoute { e, k, norm, logits: DType::F32 };
     let route = launch(route, vec![Arg::Buf(logits), Arg::Buf(ids), Arg::Buf(weights)], [per_token(1, 1), ONE], 32);
-    // 16-bit experts: the grouped kernels over the pairs sorted by expert at every batch
-    // (faster than per pair from one token, docs/perf.md); others per pair.
+    // 16-bit experts: up to MOE_DIRECT_TOKENS tokens the pairs in token order, the routing in
+    // the gate/up launch; above, the grouped kernels over the pairs sorted by expert (faster
+    // than per pair from one token, docs/perf.md); others per pair.
     let variants = if w == b.half && h.is_multiple_of(32) && inter.is_multiple_of(32) {
         let groups = Grouped { x, ids, weights, out, e, h, inter, k, up_bias, down_bias, act };
+        let direct = direct_moe(b, logits, &ins, &groups, norm, &bias_arg);
         let [rows, tiles] = grouped_moe(b, &ins, &groups, &bias_arg);
-        vec![(moe_rows_max(e, k), [vec![route.clone()], rows].concat()), (usize::MAX, [vec![route], tiles].concat())]
+        let rows_max = moe_rows_max(e, k);
+        let mut v = vec![(MOE_DIRECT_TOKENS, direct)];
+        if rows_max > MOE_DIRECT_TOKENS {
+            v.push((rows_max, [vec![route.clone()], rows].concat()));
+        }
+        v.push((usize::MAX, [vec![route], tiles].concat()));
+        v
     } else {
         let a = b.new_val(k * inter, DType::F32, Count::Tokens);
         let up = KernelKey::MoeUp { h, i: inter, k, w, bias: up_bias, act };
@@ -683,6 +691,38 @@ struct Grouped {
     up_bias: Option<DType>,
     down_bias: Option<DType>,
     act: &'static str,
+}
+
+/// The direct MoE launches of a step of few tokens (`kernels/moe.cuh`): the routing with gate
+/// and up a warp per (pair, feature), then each token's down projections weighted and summed
+/// a warp per output feature.
+fn direct_moe(
+    b: &mut Builder,
+    logits: usize,
+    ins: &[usize],
+    g: &Grouped,
+    norm: bool,
+    bias_arg: &impl Fn(usize) -> Arg,
+) -> Vec<Launch> {
+    let Grouped { x, ids, weights, out, e, h, inter, k, .. } = *g;
+    let a = b.new_val(k * inter, b.half, Count::Tokens);
+    let up = KernelKey::MoeUpDirect { h, i: inter, k, e, norm, bias: g.up_bias, act: g.act };
+    let up_args = vec![
+        Arg::Buf(x),
+        Arg::Buf(logits),
+        Arg::Buf(ids),
+        Arg::Buf(weights),
+        Arg::Weight(ins[2]),
+        Arg::Weight(ins[3]),
+        bias_arg(5),
+        bias_arg(6),
+        Arg::Buf(a),
+    ];
+    let up = launch(up, up_args, [Dim::Fixed(inter / 8), per_token(k, 1)], 256);
+    let down = KernelKey::MoeDownDirect { h, i: inter, k, bias: g.down_bias };
+    let down_args =
+        vec![Arg::Buf(a), Arg::Buf(ids), Arg::Buf(weights), Arg::Weight(ins[4]), bias_arg(7), Arg::Buf(out)];
+    vec![up, launch(down, down_args, [Dim::Fixed(h / 8), per_token(1, 1)], 256)]
 }
 
 /// The grouped MoE launches after the routing (`kernels/moe.cuh`): the input in 16 bits, the

@@ -238,6 +238,10 @@ pub fn dec_smem(warps: usize, d: usize) -> usize {
 /// Qwen3-30B-A3B and gpt-oss-20b shapes, docs/perf.md).
 pub const MOE_ROWS_PAIRS: usize = 8;
 
+/// The most tokens a step of a mixture of 16-bit experts runs the direct kernels (pairs in
+/// token order, no sort: `moe_up_direct` / `moe_down_direct`); above, the grouped ones.
+pub const MOE_DIRECT_TOKENS: usize = 1;
+
 /// The most tokens a step of a mixture of `experts` choosing `k` a token runs the grouped
 /// experts a warp per feature ([`MOE_ROWS_PAIRS`] pairs an expert on average).
 pub fn moe_rows_max(experts: usize, k: usize) -> usize {
