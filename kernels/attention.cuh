@@ -131,59 +131,81 @@ __device__ __forceinline__ float softcap(float s) {
 // Lanes that share one key in the kv16 kernels: a lane per 16 dims of the head (D / 16 of
 // them), rounded up to a power of two so that groups tile the warp; the lanes past D / 16 hold
 // zeros (head sizes such as 80 or 96).
-__device__ constexpr int kv16_lanes(int d) {
+__host__ __device__ constexpr int kv16_lanes(int d) {
   int p = 1;
   while (p < d / 16) p <<= 1;
   return p;
 }
 
+// How the kv16 kernels split a sequence's keys: kv16_lanes(D) lanes share a key, 16 dims
+// each, so a warp scores KPW keys at once; eight warps take STATES keys a pass, U passes are
+// loaded at a time.
+template <int D>
+struct Kv16 {
+  static constexpr int G = D / 16, GP = kv16_lanes(D), KPW = 32 / GP, WARPS = 8, STATES = WARPS * KPW, U = 4;
+};
+
+// The lane's K and V chunks of the U passes from position p0 (this warp's first key of them;
+// keys at n or past are zeros, row -1): their slots, then their rows, loaded before any is
+// used, so a short sequence costs two memory round trips rather than two per pass.
+template <int KVH, int D>
+__device__ __forceinline__ void kv16_load(const h16_t* kc, const h16_t* vc, const int* sl, int p0, int n, int kvh,
+                                          long* row, uint4 (*kv)[4]) {
+  using S = Kv16<D>;
+  const int lane = threadIdx.x & 31, sub = lane % S::GP, grp = lane / S::GP;
+#pragma unroll
+  for (int u = 0; u < S::U; u++) {
+    const int p = p0 + u * S::STATES + grp;
+    row[u] = p < n ? (long)sl[p] * (KVH * D) + kvh * D + sub * 16 : -1;
+  }
+#pragma unroll
+  for (int u = 0; u < S::U; u++) {
+    const uint4 z = make_uint4(0, 0, 0, 0);
+    const uint4* kr = (const uint4*)(kc + row[u]);
+    const uint4* vr = (const uint4*)(vc + row[u]);
+    const bool ld = row[u] >= 0 && sub < S::G;
+    kv[u][0] = ld ? kr[0] : z;
+    kv[u][1] = ld ? kr[1] : z;
+    kv[u][2] = ld ? vr[0] : z;
+    kv[u][3] = ld ? vr[1] : z;
+  }
+}
+
+// The loaded passes (kv16_load) added to the lane's online-softmax state.
+template <int D, unsigned CAP>
+__device__ __forceinline__ void kv16_add_passes(const float* qv, const long* row, const uint4 (*kv)[4], float& m,
+                                                float& l, float* acc) {
+  using S = Kv16<D>;
+#pragma unroll
+  for (int u = 0; u < S::U; u++) {
+    float f[16], s = 0.0f;
+    unpack8(kv[u][0], f);
+    unpack8(kv[u][1], f + 8);
+#pragma unroll
+    for (int i = 0; i < 16; i++) s = fmaf(qv[i], f[i], s);
+#pragma unroll
+    for (int o = S::GP / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    s = softcap<CAP>(s);
+    if (row[u] >= 0) {
+      unpack8(kv[u][2], f);
+      unpack8(kv[u][3], f + 8);
+      kv16_add(s, f, m, l, acc);
+    }
+  }
+}
+
 // The keys at positions first..n-1 of a sequence (slots sl[p]) for kv head kvh, split over the
-// warps and lane groups of the block (kv16_lanes(D) lanes share a key, 16 dims each, so a warp
-// scores 32 / kv16_lanes(D) keys at once; eight warps split the keys): each lane's
-// online-softmax state, merged by kv16_merge.
-// U passes at a time: their slots, then their K and V rows, are loaded before any is used, so
-// a short sequence costs two memory round trips rather than two per pass.
+// warps and lane groups of the block (Kv16: eight warps split the keys, U passes at a time):
+// each lane's online-softmax state, merged by kv16_merge.
 template <int KVH, int D, unsigned CAP>
 __device__ __forceinline__ void kv16_scan(const float* qv, const h16_t* kc, const h16_t* vc, const int* sl, int first,
                                          int n, int kvh, float& m, float& l, float* acc) {
-  constexpr int G = D / 16, GP = kv16_lanes(D), KPW = 32 / GP, WARPS = 8, STATES = WARPS * KPW, U = 4;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = lane % GP, grp = lane / GP;
-  const bool on = sub < G;
-  for (int p0 = first + warp * KPW; p0 < n; p0 += U * STATES) {
-    long row[U];
-#pragma unroll
-    for (int u = 0; u < U; u++) {
-      const int p = p0 + u * STATES + grp;
-      row[u] = p < n ? (long)sl[p] * (KVH * D) + kvh * D + sub * 16 : -1;
-    }
-    uint4 kv[U][4];
-#pragma unroll
-    for (int u = 0; u < U; u++) {
-      const uint4 z = make_uint4(0, 0, 0, 0);
-      const uint4* kr = (const uint4*)(kc + row[u]);
-      const uint4* vr = (const uint4*)(vc + row[u]);
-      const bool ld = row[u] >= 0 && on;
-      kv[u][0] = ld ? kr[0] : z;
-      kv[u][1] = ld ? kr[1] : z;
-      kv[u][2] = ld ? vr[0] : z;
-      kv[u][3] = ld ? vr[1] : z;
-    }
-#pragma unroll
-    for (int u = 0; u < U; u++) {
-      float f[16], s = 0.0f;
-      unpack8(kv[u][0], f);
-      unpack8(kv[u][1], f + 8);
-#pragma unroll
-      for (int i = 0; i < 16; i++) s = fmaf(qv[i], f[i], s);
-#pragma unroll
-      for (int o = GP / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-      s = softcap<CAP>(s);
-      if (row[u] >= 0) {
-        unpack8(kv[u][2], f);
-        unpack8(kv[u][3], f + 8);
-        kv16_add(s, f, m, l, acc);
-      }
-    }
+  using S = Kv16<D>;
+  for (int p0 = first + (threadIdx.x >> 5) * S::KPW; p0 < n; p0 += S::U * S::STATES) {
+    long row[S::U];
+    uint4 kv[S::U][4];
+    kv16_load<KVH, D>(kc, vc, sl, p0, n, kvh, row, kv);
+    kv16_add_passes<D, CAP>(qv, row, kv, m, l, acc);
   }
 }
 
@@ -212,7 +234,8 @@ __device__ __forceinline__ float2 merge_states(float sink, const float* ms, cons
 // finite `sink` is one more logit in the softmax's sum (gpt-oss's attention sinks).
 template <int D, typename O>
 __device__ __forceinline__ void kv16_merge(float m, float l, const float* acc, O* o, float sink) {
-  constexpr int G = D / 16, GP = kv16_lanes(D), KPW = 32 / GP, WARPS = 8, STATES = WARPS * KPW;
+  using S = Kv16<D>;
+  constexpr int G = S::G, GP = S::GP, KPW = S::KPW, STATES = S::STATES;
   __shared__ float sm_acc[STATES][D];
   __shared__ float sm_m[STATES], sm_l[STATES];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = lane % GP, grp = lane / GP;
@@ -400,9 +423,19 @@ __device__ void attention_rope1(const float* q, const float* k, const float* v, 
                                 float rscale, const int* slot_of, const NWQ* qnw, const NWK* knw, float qeps,
                                 float keps, h16_t* kc, h16_t* vc, const int* slots, const int* seq_off, float scale,
                                 O* out, const SW* sinks) {
-  constexpr int G = D / 16, GP = kv16_lanes(D);
+  using S = Kv16<D>;
+  constexpr int G = S::G, GP = S::GP;
   const int h = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = lane % GP, grp = lane / GP;
   const int kvh = h / (H / KVH), n = pos[0] + 1;
+  // The first passes' cached keys before waiting for the previous kernel: the position and
+  // slots are the step's inputs, uploaded before its first kernel, and the keys before the
+  // token's own were cached by earlier steps (as attention_dec's early copies).
+  const int* sl = slots + seq_off[0];
+  const int first = WIN ? max(0, n - WIN) : 0, p0 = first + warp * S::KPW;
+  long row[S::U];
+  uint4 kv[S::U][4];
+  kv16_load<KVH, D>(kc, vc, sl, p0, n - 1, kvh, row, kv);
+  pdl_wait();
   // The head's rotated q and the token's k and v (h16 values, as the cache holds them), once
   // per block through shared memory; the norm scales of the q and k heads first (warps 0, 1).
   __shared__ float sq[D], sk[D], sv[D], rms[2];
@@ -433,7 +466,8 @@ __device__ void attention_rope1(const float* q, const float* k, const float* v, 
     acc[i] = 0.0f;
   }
   float m = NEG_INF, l = 0.0f;
-  kv16_scan<KVH, D, CAP>(qv, kc, vc, slots + seq_off[0], WIN ? max(0, n - WIN) : 0, n - 1, kvh, m, l, acc);
+  kv16_add_passes<D, CAP>(qv, row, kv, m, l, acc);
+  kv16_scan<KVH, D, CAP>(qv, kc, vc, sl, first + S::U * S::STATES, n - 1, kvh, m, l, acc);
   if (warp == 0) {
     float s = 0.0f;
 #pragma unroll

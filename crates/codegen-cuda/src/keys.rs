@@ -1245,7 +1245,8 @@ impl KernelKey {
             ),
         };
         // The GEMVs, the norms and the W8A8 GEMM wait for the previous kernel themselves, after
-        // loading weights; decode attention after its first copies of cached keys.
+        // loading weights; decode attention (and one-token attention) after its first copies
+        // or loads of cached keys; the router after loading its rows.
         let enter = match self {
             _ if !self.pdl() => "",
             KernelKey::Gemv { .. }
@@ -1254,7 +1255,8 @@ impl KernelKey {
             | KernelKey::MoeRouterLogits { .. }
             | KernelKey::AddRmsNorm { .. }
             | KernelKey::NormAddRmsNorm { .. }
-            | KernelKey::AttentionDec(_) => "pdl_trigger(); ",
+            | KernelKey::AttentionDec(_)
+            | KernelKey::AttentionRope1 { .. } => "pdl_trigger(); ",
             _ => "pdl_enter(); ",
         };
         // The direct down projection's loads of a token's experts fit 128 registers: two blocks
