@@ -645,8 +645,9 @@ fn moe(b: &mut Builder, i: usize, router: Option<usize>) -> Result<(), CodegenEr
     // the gate/up launch; above, the grouped kernels over the pairs sorted by expert (faster
     // than per pair from one token, docs/perf.md); others per pair.
     let variants = if w == b.half && h.is_multiple_of(32) && inter.is_multiple_of(32) {
-        let groups = Grouped { x, ids, weights, out, e, h, inter, k, up_bias, down_bias, act };
-        let direct = direct_moe(b, logits, &ins, &groups, norm, &bias_arg);
+        let a = b.new_val(k * inter, b.half, Count::Tokens);
+        let groups = Grouped { x, ids, weights, out, e, h, inter, k, a, up_bias, down_bias, act };
+        let direct = direct_moe(logits, &ins, &groups, norm, &bias_arg);
         let [rows, tiles] = grouped_moe(b, &ins, &groups, &bias_arg);
         let rows_max = moe_rows_max(e, k);
         let mut v = vec![(MOE_DIRECT_TOKENS, direct)];
@@ -658,15 +659,7 @@ fn moe(b: &mut Builder, i: usize, router: Option<usize>) -> Result<(), CodegenEr
     } else {
         let a = b.new_val(k * inter, DType::F32, Count::Tokens);
         let up = KernelKey::MoeUp { h, i: inter, k, w, bias: up_bias, act };
-        let up_args = vec![
-            Arg::Buf(x),
-            Arg::Buf(ids),
-            Arg::Weight(ins[2]),
-            Arg::Weight(ins[3]),
-            bias_arg(5),
-            bias_arg(6),
-            Arg::Buf(a),
-        ];
+        let up_args = [&[Arg::Buf(x), Arg::Buf(ids)][..], &gate_up_args(&ins, &bias_arg), &[Arg::Buf(a)]].concat();
         let up = launch(up, up_args, [per_token(k, 1), Dim::Fixed(inter.div_ceil(8))], 256);
         let down = KernelKey::MoeDown { h, i: inter, k, w, bias: down_bias };
         let down_args =
@@ -688,36 +681,26 @@ struct Grouped {
     h: usize,
     inter: usize,
     k: usize,
+    /// Each pair's activations (16-bit), gate/up's output and down's input.
+    a: usize,
     up_bias: Option<DType>,
     down_bias: Option<DType>,
     act: &'static str,
 }
 
+/// The experts' gate and up weights and biases, as every gate/up kernel takes them.
+fn gate_up_args(ins: &[usize], bias_arg: &impl Fn(usize) -> Arg) -> [Arg; 4] {
+    [Arg::Weight(ins[2]), Arg::Weight(ins[3]), bias_arg(5), bias_arg(6)]
+}
+
 /// The direct MoE launches of a step of few tokens (`kernels/moe.cuh`): the routing with gate
 /// and up a warp per (pair, feature), then each token's down projections weighted and summed
 /// a warp per output feature.
-fn direct_moe(
-    b: &mut Builder,
-    logits: usize,
-    ins: &[usize],
-    g: &Grouped,
-    norm: bool,
-    bias_arg: &impl Fn(usize) -> Arg,
-) -> Vec<Launch> {
-    let Grouped { x, ids, weights, out, e, h, inter, k, .. } = *g;
-    let a = b.new_val(k * inter, b.half, Count::Tokens);
+fn direct_moe(logits: usize, ins: &[usize], g: &Grouped, norm: bool, bias_arg: &impl Fn(usize) -> Arg) -> Vec<Launch> {
+    let Grouped { x, ids, weights, out, e, h, inter, k, a, .. } = *g;
     let up = KernelKey::MoeUpDirect { h, i: inter, k, e, norm, bias: g.up_bias, act: g.act };
-    let up_args = vec![
-        Arg::Buf(x),
-        Arg::Buf(logits),
-        Arg::Buf(ids),
-        Arg::Buf(weights),
-        Arg::Weight(ins[2]),
-        Arg::Weight(ins[3]),
-        bias_arg(5),
-        bias_arg(6),
-        Arg::Buf(a),
-    ];
+    let ins4 = [Arg::Buf(x), Arg::Buf(logits), Arg::Buf(ids), Arg::Buf(weights)];
+    let up_args = [&ins4[..], &gate_up_args(ins, bias_arg), &[Arg::Buf(a)]].concat();
     let up = launch(up, up_args, [Dim::Fixed(inter / 8), per_token(k, 1)], 256);
     let down = KernelKey::MoeDownDirect { h, i: inter, k, bias: g.down_bias };
     let down_args =
@@ -730,14 +713,13 @@ fn direct_moe(
 /// each token's weighted sum. Two variants over the same buffers: a warp per feature looping
 /// over a tile's pairs (few pairs an expert), and tensor-core tiles.
 fn grouped_moe(b: &mut Builder, ins: &[usize], g: &Grouped, bias_arg: &impl Fn(usize) -> Arg) -> [Vec<Launch>; 2] {
-    let Grouped { x, ids, weights, out, e, h, inter, k, .. } = *g;
+    let Grouped { x, ids, weights, out, e, h, inter, k, a, .. } = *g;
     let x16 = b.new_val(h, b.half, Count::Tokens);
     let cnt = b.new_val(e, DType::I32, Count::Tokens);
     let (perm, pos_of) = (b.new_val(k, DType::I32, Count::Tokens), b.new_val(k, DType::I32, Count::Tokens));
     // The count, then 3 ints a tile: at most ceil(T k / MOE_TILE) + e tiles, which T (3 k + 3 e
     // + 4) ints hold for any T >= 1 (the bound of `tile_dim`).
     let tiles = b.new_val(3 * (k + e) + 4, DType::I32, Count::Tokens);
-    let a = b.new_val(k * inter, b.half, Count::Tokens);
     let y = b.new_val(k * h, DType::F32, Count::Tokens);
     let pairs = Arg::Elems(Count::Tokens, k);
     let tile_dim = Dim::Groups(Count::Tokens, k, MOE_TILE, e);
@@ -751,16 +733,8 @@ fn grouped_moe(b: &mut Builder, ins: &[usize], g: &Grouped, bias_arg: &impl Fn(u
         // Tensor-core tiles are 16 features a block; a warp per feature, 8.
         let per_block = if rows { 8 } else { 16 };
         let up = KernelKey::MoeUpGrouped { rows, h, i: inter, k, bias: g.up_bias, act: g.act };
-        let up_args = vec![
-            Arg::Buf(x16),
-            Arg::Buf(perm),
-            Arg::Buf(tiles),
-            Arg::Weight(ins[2]),
-            Arg::Weight(ins[3]),
-            bias_arg(5),
-            bias_arg(6),
-            Arg::Buf(a),
-        ];
+        let ins3 = [Arg::Buf(x16), Arg::Buf(perm), Arg::Buf(tiles)];
+        let up_args = [&ins3[..], &gate_up_args(ins, bias_arg), &[Arg::Buf(a)]].concat();
         let up = launch(up, up_args, [Dim::Fixed(inter / per_block), tile_dim], 256);
         let down = KernelKey::MoeDownGrouped { rows, h, i: inter, bias: g.down_bias };
         let down_args = vec![
