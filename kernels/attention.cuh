@@ -526,29 +526,33 @@ __device__ __forceinline__ void fa_load(const h16_t* kc, const h16_t* vc, int mi
   }
 }
 
-// One warp's step over the 16 keys at positions p0.. staged in k_s and v_s (fa_load, copies
-// complete and the warp synchronized) for the 16 query rows whose mma A fragments are qf
-// (scaled to log2 units): S = Q·Kᵀ, the soft cap, the keys at n or past and those
-// `masked(hr, p)` says (row g + 8 hr of the lane's quad, position p) set to -inf, the online
-// softmax of rows g and g + 8 (m, l: the quad's max, the lane's partial sum) and O += P·V with
-// P rounded to h16: attention_fa's and attention_dec's step. With EDGE false the caller knows
-// no key of the tile is masked (nor at n or past), and no mask is computed.
-template <int D, unsigned CAP, bool EDGE = true, typename MASK>
+// One warp's step over the KEYS keys (a multiple of 16) at positions p0.. staged in k_s and v_s
+// (rows of D + 8; copies complete and visible to the warp) for the 16 query rows whose mma A
+// fragments are qf (scaled to log2 units): S = Q·Kᵀ, the soft cap, the keys at n or past and
+// those `masked(hr, p)` says (row g + 8 hr of the lane's quad, position p) set to -inf, the
+// online softmax of rows g and g + 8 (m, l: the quad's max, the lane's partial sum) and
+// O += P·V with P rounded to h16: attention_fa's and attention_dec's step. With EDGE false the
+// caller knows no key of the tile is masked (nor at n or past), and no mask is computed.
+template <int D, unsigned CAP, bool EDGE = true, int KEYS = 16, typename MASK>
 __device__ __forceinline__ void fa_step(const unsigned (&qf)[D / 16][4], int p0, int n, const h16_t* k_s,
                                         const h16_t* v_s, MASK masked, float (&m)[2], float (&l)[2],
                                         float (&o)[D / 8][4]) {
-  constexpr int S = D + 8, KS = D / 16, DT = D / 8;
+  constexpr int S = D + 8, KS = D / 16, DT = D / 8, NT = KEYS / 8;
+  static_assert(KEYS % 16 == 0, "keys in mma tiles of 16");
   const int lane = threadIdx.x & 31, c = lane & 3;
-  float s[2][4];
+  float s[NT][4];
 #pragma unroll
-  for (int nt = 0; nt < 2; nt++) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+  for (int nt = 0; nt < NT; nt++) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
 #pragma unroll
   for (int ks = 0; ks < KS; ks++) {
-    unsigned kf[4];
-    ldmatrix_x4(kf, smem_addr(k_s + ((lane & 7) + (lane >> 4) * 8) * S + ks * 16 + ((lane >> 3) & 1) * 8));
-    const unsigned b0[2] = {kf[0], kf[1]}, b1[2] = {kf[2], kf[3]};
-    mma_h16(s[0], qf[ks], b0);
-    mma_h16(s[1], qf[ks], b1);
+#pragma unroll
+    for (int kb = 0; kb < KEYS / 16; kb++) {
+      unsigned kf[4];
+      ldmatrix_x4(kf, smem_addr(k_s + (kb * 16 + (lane & 7) + (lane >> 4) * 8) * S + ks * 16 + ((lane >> 3) & 1) * 8));
+      const unsigned b0[2] = {kf[0], kf[1]}, b1[2] = {kf[2], kf[3]};
+      mma_h16(s[2 * kb], qf[ks], b0);
+      mma_h16(s[2 * kb + 1], qf[ks], b1);
+    }
   }
   // the mask, then the online softmax of rows g (hr 0) and g + 8 (hr 1)
   float corr[2];
@@ -556,7 +560,7 @@ __device__ __forceinline__ void fa_step(const unsigned (&qf)[D / 16][4], int p0,
   for (int hr = 0; hr < 2; hr++) {
     float mx = NEG_INF;
 #pragma unroll
-    for (int nt = 0; nt < 2; nt++)
+    for (int nt = 0; nt < NT; nt++)
 #pragma unroll
       for (int e = 0; e < 2; e++) {
         const int p = p0 + nt * 8 + 2 * c + e;
@@ -574,7 +578,7 @@ __device__ __forceinline__ void fa_step(const unsigned (&qf)[D / 16][4], int p0,
     m[hr] = m_new;
     float sum = 0.0f;
 #pragma unroll
-    for (int nt = 0; nt < 2; nt++)
+    for (int nt = 0; nt < NT; nt++)
 #pragma unroll
       for (int e = 0; e < 2; e++) {
         float& v = s[nt][hr * 2 + e];
@@ -590,15 +594,20 @@ __device__ __forceinline__ void fa_step(const unsigned (&qf)[D / 16][4], int p0,
 #pragma unroll
       for (int e = 0; e < 4; e++) o[i][e] *= corr[e >> 1];
   }
-  const unsigned pa[4] = {pack_h16x2(s[0][0], s[0][1]), pack_h16x2(s[0][2], s[0][3]),
-                          pack_h16x2(s[1][0], s[1][1]), pack_h16x2(s[1][2], s[1][3])};
 #pragma unroll
-  for (int j = 0; j < D / 16; j++) {
-    unsigned vf[4];
-    ldmatrix_x4_trans(vf, smem_addr(v_s + ((lane & 7) + ((lane >> 3) & 1) * 8) * S + j * 16 + (lane >> 4) * 8));
-    const unsigned b0[2] = {vf[0], vf[1]}, b1[2] = {vf[2], vf[3]};
-    mma_h16(o[2 * j], pa, b0);
-    mma_h16(o[2 * j + 1], pa, b1);
+  for (int kb = 0; kb < KEYS / 16; kb++) {
+    const unsigned pa[4] = {pack_h16x2(s[2 * kb][0], s[2 * kb][1]), pack_h16x2(s[2 * kb][2], s[2 * kb][3]),
+                            pack_h16x2(s[2 * kb + 1][0], s[2 * kb + 1][1]),
+                            pack_h16x2(s[2 * kb + 1][2], s[2 * kb + 1][3])};
+#pragma unroll
+    for (int j = 0; j < D / 16; j++) {
+      unsigned vf[4];
+      ldmatrix_x4_trans(vf,
+                        smem_addr(v_s + (kb * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * S + j * 16 + (lane >> 4) * 8));
+      const unsigned b0[2] = {vf[0], vf[1]}, b1[2] = {vf[2], vf[3]};
+      mma_h16(o[2 * j], pa, b0);
+      mma_h16(o[2 * j + 1], pa, b1);
+    }
   }
 }
 
@@ -616,43 +625,110 @@ __device__ __forceinline__ void fa_tile(const unsigned (&qf)[D / 16][4], const h
   __syncwarp();
 }
 
-// Extend attention on tensor cores (FlashAttention-2 style, per warp): a warp takes 16
-// consecutive query rows of one head; when they belong to one sequence (rows of a sequence are
-// consecutive, at consecutive positions), it walks that sequence's keys in tiles of 16 staged
-// through shared memory (cp.async from the paged cache), S = Q·Kᵀ and O += P·V with mma.sync
-// m16n8k16, online softmax in f32 with a causal mask. Groups that span two sequences are left
-// to attention_gqa<MIXED_ONLY>. Window and cap as attention_gqa's (tiles wholly before the
-// window are skipped); sinks as attention_gqa's. grid: (ceil(T / 64), H), block: 128. D <= 128.
+// The slots of the keys whose K and V chunks this thread copies in attention_fa's block-wide
+// tile of FA_KEYS keys at positions p0.. (chunk i = threadIdx.x + 128 it: key i / (D / 8));
+// keys at n or past take slot 0's.
+template <int D>
+__device__ __forceinline__ void fa_block_slots(int (&sn)[D / 16], const int* sl, int p0, int n) {
+#pragma unroll
+  for (int it = 0; it < D / 16; it++) {
+    const int p = p0 + (threadIdx.x + 128 * it) / (D / 8);
+    sn[it] = sl[p < n ? p : 0];
+  }
+}
+
+// Issues (cp.async, not committed) this thread's copies of the block-wide tile of FA_KEYS keys
+// at positions p0.. (slots sn, fa_block_slots'; kv head kvh; keys at n or past zero-filled) into
+// k_s and v_s (rows of D + 8): the 128 threads copy FA_KEYS * D / 8 chunks of 16 bytes each.
+template <int KVH, int D>
+__device__ __forceinline__ void fa_block_load(const h16_t* kc, const h16_t* vc, const int (&sn)[D / 16], int kvh,
+                                              int p0, int n, h16_t* k_s, h16_t* v_s) {
+  constexpr int S = D + 8, DT = D / 8;
+  static_assert(FA_KEYS * DT == 128 * (D / 16), "every thread copies as many chunks");
+#pragma unroll
+  for (int it = 0; it < D / 16; it++) {
+    const int i = threadIdx.x + 128 * it, key = i / DT, ch = i % DT;
+    const long src = (long)sn[it] * (KVH * D) + kvh * D + ch * 8;
+    const int bytes = p0 + key < n ? 16 : 0;
+    cp_async16(smem_addr(k_s + key * S + ch * 8), kc + src, bytes);
+    cp_async16(smem_addr(v_s + key * S + ch * 8), vc + src, bytes);
+  }
+}
+
+// Extend attention on tensor cores (FlashAttention-2 style): a block takes 64 consecutive query
+// rows of one head, a warp 16 of them, when they belong to one sequence (rows of a sequence are
+// consecutive, at consecutive positions). Where the block's 64 rows are of one sequence, its
+// keys go through shared memory in tiles of FA_KEYS copied once for the four warps (cp.async
+// from the paged cache, FA_STAGES tiles in flight); where they are not, each warp whose 16 rows
+// are walks its own tiles of 16. S = Q·Kᵀ and O += P·V with mma.sync m16n8k16, online softmax
+// in f32 with a causal mask; a warp skips tiles wholly past its rows or before their window.
+// Groups of 16 that span two sequences are left to attention_gqa<MIXED_ONLY> (or
+// attention_dec). Window and cap as attention_gqa's; sinks as attention_gqa's. The blocks of a
+// head's last rows (the most keys) run first. grid: (ceil(T / 64), H), block: 128, dynamic
+// shared memory: FA_STAGES * 2 * FA_KEYS * (D + 8) 16-bit values. D <= 128.
 template <int H, int KVH, int D, typename O, int WIN, unsigned CAP, typename SW>
 __device__ void attention_fa(const float* q, const h16_t* kc, const h16_t* vc, const int* slots,
                              const int* seq_off, const int* pos, float scale, O* out, int T, const SW* sinks) {
-  constexpr int S = D + 8, KS = D / 16, DT = D / 8;
-  __shared__ __align__(16) h16_t sk[4][16 * S];
-  __shared__ __align__(16) h16_t sv[4][16 * S];
+  constexpr int S = D + 8, KS = D / 16, DT = D / 8, TILE = FA_KEYS * S;
+  extern __shared__ __align__(16) unsigned char fa_smem[];
+  h16_t* smem = (h16_t*)fa_smem;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
   const int h = blockIdx.y, kvh = h / (H / KVH);
-  const int r0 = blockIdx.x * 64 + warp * 16;
-  if (r0 >= T) return;
-  const int last = min(r0 + 15, T - 1);
-  if (seq_off[r0] != seq_off[last]) return;
-  const int* sl = slots + seq_off[r0];
-  const int p_first = pos[r0], n_keys = pos[last] + 1;
-  const float qs = scale * 1.4426950408889634f;
-  unsigned qf[KS][4];
-  fa_q<D>(qf, [&](int r) { return r0 + r < T ? q + ((long)(r0 + r) * H + h) * D : nullptr; }, qs);
+  const int b0 = (gridDim.x - 1 - blockIdx.x) * 64;
+  if (b0 >= T) return;
+  const int bl = min(b0 + 63, T - 1), r0 = b0 + warp * 16, last = min(r0 + 15, T - 1);
+  const bool block = seq_off[b0] == seq_off[bl];
+  const bool live = r0 < T && seq_off[r0] == seq_off[last];
+  if (!block && !live) return;
+  const int* sl = slots + seq_off[block ? b0 : r0];
+  const int p_first = live ? pos[r0] : 0, n_keys = live ? pos[last] + 1 : 0;
+  const auto masked = [&](int hr, int p) {
+    const int row_pos = p_first + g + hr * 8;
+    return p > row_pos || (WIN && p <= row_pos - WIN);
+  };
   float o[DT][4];
 #pragma unroll
   for (int i = 0; i < DT; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
   float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
-  h16_t* k_s = sk[warp];
-  h16_t* v_s = sv[warp];
-  const int p_lo = WIN ? max(0, p_first - WIN + 1) & ~15 : 0;
-  for (int p0 = p_lo; p0 < n_keys; p0 += 16) {
-    const auto masked = [&](int hr, int p) {
-      const int row_pos = p_first + g + hr * 8;
-      return p > row_pos || (WIN && p <= row_pos - WIN);
-    };
-    fa_tile<KVH, D, CAP>(qf, kc, vc, sl, kvh, p0, n_keys, k_s, v_s, masked, m, l, o);
+  const float qs = scale * 1.4426950408889634f;
+  unsigned qf[KS][4];
+  if (block) {
+    const int n = pos[bl] + 1;
+    const int p_lo = WIN ? max(0, pos[b0] - WIN + 1) / FA_KEYS * FA_KEYS : 0;
+    const auto stage = [&](int i) { return smem + (i % FA_STAGES) * 2 * TILE; };
+    int sn[D / 16];
+#pragma unroll
+    for (int i = 0; i < FA_STAGES - 1; i++) {
+      fa_block_slots<D>(sn, sl, p_lo + i * FA_KEYS, n);
+      if (p_lo + i * FA_KEYS < n) fa_block_load<KVH, D>(kc, vc, sn, kvh, p_lo + i * FA_KEYS, n, stage(i), stage(i) + TILE);
+      cp_async_commit();
+    }
+    fa_block_slots<D>(sn, sl, p_lo + (FA_STAGES - 1) * FA_KEYS, n);
+    // The queries are read while the first tiles' copies are in flight.
+    fa_q<D>(qf, [&](int r) { return live && r0 + r < T ? q + ((long)(r0 + r) * H + h) * D : nullptr; }, qs);
+    for (int p0 = p_lo, i = 0; p0 < n; p0 += FA_KEYS, i++) {
+      const int pn = p0 + (FA_STAGES - 1) * FA_KEYS;
+      if (pn < n) fa_block_load<KVH, D>(kc, vc, sn, kvh, pn, n, stage(i + FA_STAGES - 1), stage(i + FA_STAGES - 1) + TILE);
+      cp_async_commit();
+      if (pn + FA_KEYS < n) fa_block_slots<D>(sn, sl, pn + FA_KEYS, n);
+      cp_async_wait<FA_STAGES - 1>();
+      __syncthreads();
+      if (live && p0 < n_keys && (!WIN || p0 + FA_KEYS > p_first - WIN + 1)) {
+        const bool edge = p0 + FA_KEYS > p_first || (WIN && p0 <= n_keys - 1 - WIN);
+        if (edge)
+          fa_step<D, CAP, true, FA_KEYS>(qf, p0, n_keys, stage(i), stage(i) + TILE, masked, m, l, o);
+        else
+          fa_step<D, CAP, false, FA_KEYS>(qf, p0, n_keys, stage(i), stage(i) + TILE, masked, m, l, o);
+      }
+      __syncthreads();
+    }
+    cp_async_wait<0>();
+    if (!live) return;
+  } else {
+    fa_q<D>(qf, [&](int r) { return r0 + r < T ? q + ((long)(r0 + r) * H + h) * D : nullptr; }, qs);
+    h16_t* k_s = smem + warp * 2 * 16 * S;
+    for (int p0 = WIN ? max(0, p_first - WIN + 1) & ~15 : 0; p0 < n_keys; p0 += 16)
+      fa_tile<KVH, D, CAP>(qf, kc, vc, sl, kvh, p0, n_keys, k_s, k_s + 16 * S, masked, m, l, o);
   }
 #pragma unroll
   for (int hr = 0; hr < 2; hr++) {

@@ -896,6 +896,7 @@ impl KernelKey {
         match *self {
             KernelKey::GemmSkinnyA8 { .. } => A8_SMEM,
             KernelKey::AttentionDec(a) => crate::schedule::dec_smem(a.warps, a.d),
+            KernelKey::AttentionFa { d, .. } => crate::schedule::fa_smem(d),
             _ => 0,
         }
     }

@@ -225,6 +225,21 @@ pub fn dec_splits(rows: usize, kv_heads: usize) -> usize {
     s
 }
 
+/// Keys a tile of extend attention (`attention_fa`, `FA_KEYS`): copied once into shared memory
+/// for the block's four warps (64 query rows of one head and sequence).
+pub const FA_KEYS: usize = 64;
+
+/// Key tiles an extend attention block has in flight (`FA_STAGES`): the next tile's copies are
+/// issued before the current one is used.
+pub const FA_STAGES: usize = 2;
+
+/// The dynamic shared memory of an extend attention block of head size `d`: [`FA_STAGES`]
+/// stages of a K and a V tile of [`FA_KEYS`] keys, rows of `d + 8` 16-bit values (the blocks
+/// that span sequences give each warp two 16-key tiles of it).
+pub fn fa_smem(d: usize) -> usize {
+    FA_STAGES * 2 * FA_KEYS * (d + 8) * 2
+}
+
 /// The dynamic shared memory of a decode attention block of `warps` warps and head size `d`:
 /// every warp's stages of a K and a V tile of 16 keys, rows of `d + 8` 16-bit values. At the end
 /// the same space holds every warp's 16 x `d` f32 outputs, summed over the warps: they fit,
