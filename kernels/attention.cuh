@@ -625,29 +625,35 @@ __device__ __forceinline__ void fa_tile(const unsigned (&qf)[D / 16][4], const h
   __syncwarp();
 }
 
-// The slots of the keys whose K and V chunks this thread copies in attention_fa's block-wide
-// tile of FA_KEYS keys at positions p0.. (chunk i = threadIdx.x + 128 it: key i / (D / 8));
-// keys at n or past take slot 0's.
+// The 16-byte chunks of K (and of V) each of attention_fa's 128 threads copies a block-wide tile
+// of FA_KEYS keys: chunk i = threadIdx.x + 128 it of the tile's FA_KEYS * D / 8, key i / (D / 8).
 template <int D>
-__device__ __forceinline__ void fa_block_slots(int (&sn)[D / 16], const int* sl, int p0, int n) {
+__host__ __device__ constexpr int fa_chunks() {
+  return (FA_KEYS * (D / 8) + 127) / 128;
+}
+
+// The slots of the keys whose K and V chunks this thread copies in the tile of keys at
+// positions p0.. (fa_chunks); keys at n or past take slot 0's.
+template <int D>
+__device__ __forceinline__ void fa_block_slots(int (&sn)[fa_chunks<D>()], const int* sl, int p0, int n) {
 #pragma unroll
-  for (int it = 0; it < D / 16; it++) {
-    const int p = p0 + (threadIdx.x + 128 * it) / (D / 8);
+  for (int it = 0; it < fa_chunks<D>(); it++) {
+    const int p = p0 + min((int)threadIdx.x + 128 * it, FA_KEYS * (D / 8) - 1) / (D / 8);
     sn[it] = sl[p < n ? p : 0];
   }
 }
 
 // Issues (cp.async, not committed) this thread's copies of the block-wide tile of FA_KEYS keys
 // at positions p0.. (slots sn, fa_block_slots'; kv head kvh; keys at n or past zero-filled) into
-// k_s and v_s (rows of D + 8): the 128 threads copy FA_KEYS * D / 8 chunks of 16 bytes each.
+// k_s and v_s (rows of D + 8).
 template <int KVH, int D>
-__device__ __forceinline__ void fa_block_load(const h16_t* kc, const h16_t* vc, const int (&sn)[D / 16], int kvh,
-                                              int p0, int n, h16_t* k_s, h16_t* v_s) {
+__device__ __forceinline__ void fa_block_load(const h16_t* kc, const h16_t* vc, const int (&sn)[fa_chunks<D>()],
+                                              int kvh, int p0, int n, h16_t* k_s, h16_t* v_s) {
   constexpr int S = D + 8, DT = D / 8;
-  static_assert(FA_KEYS * DT == 128 * (D / 16), "every thread copies as many chunks");
 #pragma unroll
-  for (int it = 0; it < D / 16; it++) {
+  for (int it = 0; it < fa_chunks<D>(); it++) {
     const int i = threadIdx.x + 128 * it, key = i / DT, ch = i % DT;
+    if (FA_KEYS * DT % 128 != 0 && i >= FA_KEYS * DT) break;
     const long src = (long)sn[it] * (KVH * D) + kvh * D + ch * 8;
     const int bytes = p0 + key < n ? 16 : 0;
     cp_async16(smem_addr(k_s + key * S + ch * 8), kc + src, bytes);
@@ -696,7 +702,7 @@ __device__ void attention_fa(const float* q, const h16_t* kc, const h16_t* vc, c
     const int n = pos[bl] + 1;
     const int p_lo = WIN ? max(0, pos[b0] - WIN + 1) / FA_KEYS * FA_KEYS : 0;
     const auto stage = [&](int i) { return smem + (i % FA_STAGES) * 2 * TILE; };
-    int sn[D / 16];
+    int sn[fa_chunks<D>()];
 #pragma unroll
     for (int i = 0; i < FA_STAGES - 1; i++) {
       fa_block_slots<D>(sn, sl, p_lo + i * FA_KEYS, n);

@@ -672,7 +672,22 @@ fn map_bufs(step: &mut Step, f: impl Fn(usize) -> usize, arg: impl Fn(usize) -> 
 
 #[cfg(test)]
 mod tests {
-    use super::{moe_rows_max, Count, Dim, MOE_TILE};
+    use super::{fa_smem, moe_rows_max, Count, Dim, FA_KEYS, FA_STAGES, MOE_TILE};
+
+    /// Extend attention's dynamic shared memory holds its stages of block-wide K and V tiles, also
+    /// the four warps' own two 16-key tiles of a block spanning sequences, at every head size it
+    /// takes (16 to 128), within what one block of an sm_90 GPU may have (227 KB), and leaves room
+    /// for two blocks an SM at heads of 128; every thread copies whole 16-byte chunks.
+    #[test]
+    fn extend_attention_tiles_fit_shared_memory() {
+        for d in (16..=128).step_by(16) {
+            let (row, warp_tiles) = ((d + 8) * 2, 4 * 2 * 16);
+            assert_eq!(fa_smem(d), FA_STAGES * 2 * FA_KEYS * row);
+            assert!(fa_smem(d) >= warp_tiles * row && fa_smem(d) <= 227 * 1024, "d {d}");
+        }
+        assert!(2 * fa_smem(128) <= 228 * 1024);
+        assert_eq!(FA_KEYS % 16, 0, "keys in mma tiles of 16");
+    }
 
     /// `Dim::Groups` bounds the tiles of splits of `count * per` items into at most `groups`
     /// groups (the grouped MoE kernels' grid): all in one group, even, and pseudo-random ones.
