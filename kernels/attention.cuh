@@ -625,11 +625,12 @@ __device__ __forceinline__ void fa_tile(const unsigned (&qf)[D / 16][4], const h
   __syncwarp();
 }
 
-// The 16-byte chunks of K (and of V) each of attention_fa's 128 threads copies a block-wide tile
-// of FA_KEYS keys: chunk i = threadIdx.x + 128 it of the tile's FA_KEYS * D / 8, key i / (D / 8).
+// The 16-byte chunks of K (and of V) each of attention_fa's 32 FA_WARPS threads copies a
+// block-wide tile of FA_KEYS keys: chunk i = threadIdx.x + 32 FA_WARPS it of the tile's
+// FA_KEYS * D / 8, key i / (D / 8).
 template <int D>
 __host__ __device__ constexpr int fa_chunks() {
-  return (FA_KEYS * (D / 8) + 127) / 128;
+  return (FA_KEYS * (D / 8) + 32 * FA_WARPS - 1) / (32 * FA_WARPS);
 }
 
 // The slots of the keys whose K and V chunks this thread copies in the tile of keys at
@@ -638,7 +639,7 @@ template <int D>
 __device__ __forceinline__ void fa_block_slots(int (&sn)[fa_chunks<D>()], const int* sl, int p0, int n) {
 #pragma unroll
   for (int it = 0; it < fa_chunks<D>(); it++) {
-    const int p = p0 + min((int)threadIdx.x + 128 * it, FA_KEYS * (D / 8) - 1) / (D / 8);
+    const int p = p0 + min((int)threadIdx.x + 32 * FA_WARPS * it, FA_KEYS * (D / 8) - 1) / (D / 8);
     sn[it] = sl[p < n ? p : 0];
   }
 }
@@ -652,8 +653,8 @@ __device__ __forceinline__ void fa_block_load(const h16_t* kc, const h16_t* vc, 
   constexpr int S = D + 8, DT = D / 8;
 #pragma unroll
   for (int it = 0; it < fa_chunks<D>(); it++) {
-    const int i = threadIdx.x + 128 * it, key = i / DT, ch = i % DT;
-    if (FA_KEYS * DT % 128 != 0 && i >= FA_KEYS * DT) break;
+    const int i = threadIdx.x + 32 * FA_WARPS * it, key = i / DT, ch = i % DT;
+    if (FA_KEYS * DT % (32 * FA_WARPS) != 0 && i >= FA_KEYS * DT) break;
     const long src = (long)sn[it] * (KVH * D) + kvh * D + ch * 8;
     const int bytes = p0 + key < n ? 16 : 0;
     cp_async16(smem_addr(k_s + key * S + ch * 8), kc + src, bytes);
@@ -661,17 +662,18 @@ __device__ __forceinline__ void fa_block_load(const h16_t* kc, const h16_t* vc, 
   }
 }
 
-// Extend attention on tensor cores (FlashAttention-2 style): a block takes 64 consecutive query
-// rows of one head, a warp 16 of them, when they belong to one sequence (rows of a sequence are
-// consecutive, at consecutive positions). Where the block's 64 rows are of one sequence, its
-// keys go through shared memory in tiles of FA_KEYS copied once for the four warps (cp.async
-// from the paged cache, FA_STAGES tiles in flight); where they are not, each warp whose 16 rows
-// are walks its own tiles of 16. S = Q·Kᵀ and O += P·V with mma.sync m16n8k16, online softmax
-// in f32 with a causal mask; a warp skips tiles wholly past its rows or before their window.
-// Groups of 16 that span two sequences are left to attention_gqa<MIXED_ONLY> (or
-// attention_dec). Window and cap as attention_gqa's; sinks as attention_gqa's. The blocks of a
-// head's last rows (the most keys) run first. grid: (ceil(T / 64), H), block: 128, dynamic
-// shared memory: FA_STAGES * 2 * FA_KEYS * (D + 8) 16-bit values. D <= 128.
+// Extend attention on tensor cores (FlashAttention-2 style): a block of FA_WARPS warps takes
+// 16 FA_WARPS consecutive query rows of one head, a warp 16 of them, when they belong to one
+// sequence (rows of a sequence are consecutive, at consecutive positions). Where the block's
+// rows are of one sequence, its keys go through shared memory in tiles of FA_KEYS copied once
+// for all its warps (cp.async from the paged cache, FA_STAGES tiles in flight); where they are
+// not, each warp whose 16 rows are walks its own tiles of 16. S = Q·Kᵀ and O += P·V with
+// mma.sync m16n8k16, online softmax in f32 with a causal mask; a warp skips tiles wholly past
+// its rows or before their window. Groups of 16 that span two sequences are left to
+// attention_gqa<MIXED_ONLY> (or attention_dec). Window and cap as attention_gqa's; sinks as
+// attention_gqa's. The blocks of a head's last rows (the most keys) run first.
+// grid: (ceil(T / (16 FA_WARPS)), H), block: 32 FA_WARPS, dynamic shared memory: fa_smem's
+// (codegen_cuda::schedule). D <= 128.
 template <int H, int KVH, int D, typename O, int WIN, unsigned CAP, typename SW>
 __device__ void attention_fa(const float* q, const h16_t* kc, const h16_t* vc, const int* slots,
                              const int* seq_off, const int* pos, float scale, O* out, int T, const SW* sinks) {
@@ -680,9 +682,9 @@ __device__ void attention_fa(const float* q, const h16_t* kc, const h16_t* vc, c
   h16_t* smem = (h16_t*)fa_smem;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
   const int h = blockIdx.y, kvh = h / (H / KVH);
-  const int b0 = (gridDim.x - 1 - blockIdx.x) * 64;
+  const int b0 = (gridDim.x - 1 - blockIdx.x) * 16 * FA_WARPS;
   if (b0 >= T) return;
-  const int bl = min(b0 + 63, T - 1), r0 = b0 + warp * 16, last = min(r0 + 15, T - 1);
+  const int bl = min(b0 + 16 * FA_WARPS - 1, T - 1), r0 = b0 + warp * 16, last = min(r0 + 15, T - 1);
   const bool block = seq_off[b0] == seq_off[bl];
   const bool live = r0 < T && seq_off[r0] == seq_off[last];
   if (!block && !live) return;

@@ -183,11 +183,12 @@ pub fn emit(plan: &Plan) -> Result<Program, CodegenError> {
     let _ = writeln!(source, "#define MOE_TILE {}", schedule::MOE_TILE);
     let _ = writeln!(
         source,
-        "#define DEC_STAGES {}\n#define DEC_SPLIT_MIN {}\n#define FA_KEYS {}\n#define FA_STAGES {}\n",
+        "#define DEC_STAGES {}\n#define DEC_SPLIT_MIN {}\n#define FA_KEYS {}\n#define FA_STAGES {}\n#define FA_WARPS {}\n",
         schedule::DEC_STAGES,
         schedule::DEC_SPLIT_MIN,
         schedule::FA_KEYS,
-        schedule::FA_STAGES
+        schedule::FA_STAGES,
+        schedule::FA_WARPS
     );
     for part in [PRELUDE, BASIC, FORMATS, FAST, GEMM, ATTENTION, MOE, COMM, SAMPLE] {
         source += part;

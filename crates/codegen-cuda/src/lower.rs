@@ -3,8 +3,8 @@
 use crate::keys::{intern, DecAttention, HeadNorm, KernelKey, Mask, NormIn, MAP_INPUTS};
 use crate::schedule::{
     dec_splits, dec_warps_rows, gemv_rows, launch, moe_rows_max, one, per_token, skinny_takes, to_h16, Arg, Builder,
-    Count, Dim, FusedNorm, Input, Launch, Step, DEC_WARPS, DEC_WARPS_PAST_WAVE, MOE_DIRECT_TOKENS, MOE_TILE,
-    NORM_IN_GEMV_ROWS, ONE, SKINNY_ROWS,
+    Count, Dim, FusedNorm, Input, Launch, Step, DEC_WARPS, DEC_WARPS_PAST_WAVE, FA_ROWS, FA_WARPS, MOE_DIRECT_TOKENS,
+    MOE_TILE, NORM_IN_GEMV_ROWS, ONE, SKINNY_ROWS,
 };
 use crate::{CodegenError, WFormat};
 use ir::{DType, FusionKind, Op};
@@ -522,7 +522,7 @@ fn attention(b: &mut Builder, i: usize, pre: &[usize]) -> Result<(), CodegenErro
     let mut variants = vec![(1, vec![one]), (FA_ABOVE, vec![rope.clone(), rows(false, 1)])];
     if d <= 128 {
         let fa = KernelKey::AttentionFa { heads, kv_heads, d, out: o, mask };
-        let fa = launch(fa, args.clone(), [per_token(1, 64), Dim::Fixed(heads)], 128);
+        let fa = launch(fa, args.clone(), [per_token(1, FA_ROWS), Dim::Fixed(heads)], (32 * FA_WARPS) as u32);
         // The rows FA leaves (decode rows, mostly) on tensor cores too, a kv head's query
         // heads as the rows of a tile, where they fit one; their keys split over more blocks
         // where the rows alone do not fill the GPU.

@@ -226,18 +226,24 @@ pub fn dec_splits(rows: usize, kv_heads: usize) -> usize {
 }
 
 /// Keys a tile of extend attention (`attention_fa`, `FA_KEYS`): copied once into shared memory
-/// for the block's four warps (64 query rows of one head and sequence).
+/// for the block's [`FA_WARPS`] warps (16 query rows each, of one head and sequence).
 pub const FA_KEYS: usize = 64;
 
 /// Key tiles an extend attention block has in flight (`FA_STAGES`): the next tile's copies are
 /// issued before the current one is used.
 pub const FA_STAGES: usize = 2;
 
+/// Warps of an extend attention block (`FA_WARPS`), 16 query rows each.
+pub const FA_WARPS: usize = 4;
+
+/// The query rows of an extend attention block.
+pub const FA_ROWS: usize = 16 * FA_WARPS;
+
 /// The dynamic shared memory of an extend attention block of head size `d`: [`FA_STAGES`]
-/// stages of a K and a V tile of [`FA_KEYS`] keys, rows of `d + 8` 16-bit values (the blocks
-/// that span sequences give each warp two 16-key tiles of it).
+/// stages of a K and a V tile of [`FA_KEYS`] keys, rows of `d + 8` 16-bit values, or where more,
+/// each warp's K and V tiles of 16 keys (the blocks that span sequences).
 pub fn fa_smem(d: usize) -> usize {
-    FA_STAGES * 2 * FA_KEYS * (d + 8) * 2
+    (FA_STAGES * 2 * FA_KEYS).max(FA_WARPS * 2 * 16) * (d + 8) * 2
 }
 
 /// The dynamic shared memory of a decode attention block of `warps` warps and head size `d`:
@@ -672,18 +678,18 @@ fn map_bufs(step: &mut Step, f: impl Fn(usize) -> usize, arg: impl Fn(usize) -> 
 
 #[cfg(test)]
 mod tests {
-    use super::{fa_smem, moe_rows_max, Count, Dim, FA_KEYS, FA_STAGES, MOE_TILE};
+    use super::{fa_smem, moe_rows_max, Count, Dim, FA_KEYS, FA_STAGES, FA_WARPS, MOE_TILE};
 
     /// Extend attention's dynamic shared memory holds its stages of block-wide K and V tiles, also
-    /// the four warps' own two 16-key tiles of a block spanning sequences, at every head size it
+    /// every warp's own two 16-key tiles of a block spanning sequences, at every head size it
     /// takes (16 to 128), within what one block of an sm_90 GPU may have (227 KB), and leaves room
-    /// for two blocks an SM at heads of 128; every thread copies whole 16-byte chunks.
+    /// for two blocks an SM at heads of 128.
     #[test]
     fn extend_attention_tiles_fit_shared_memory() {
         for d in (16..=128).step_by(16) {
-            let (row, warp_tiles) = ((d + 8) * 2, 4 * 2 * 16);
-            assert_eq!(fa_smem(d), FA_STAGES * 2 * FA_KEYS * row);
-            assert!(fa_smem(d) >= warp_tiles * row && fa_smem(d) <= 227 * 1024, "d {d}");
+            let row = (d + 8) * 2;
+            assert!(fa_smem(d) >= FA_STAGES * 2 * FA_KEYS * row, "d {d}");
+            assert!(fa_smem(d) >= FA_WARPS * 2 * 16 * row && fa_smem(d) <= 227 * 1024, "d {d}");
         }
         assert!(2 * fa_smem(128) <= 228 * 1024);
         assert_eq!(FA_KEYS % 16, 0, "keys in mma tiles of 16");
