@@ -507,22 +507,31 @@ __device__ __forceinline__ int fa_slot(const int* sl, int p0, int n) {
   return sl[key < n ? key : 0];
 }
 
+// Issues (cp.async, not committed) the copies of 16-byte chunk ch of key `key`'s K and V rows
+// (cache slot `slot`, kv head kvh; `bytes` 16, or 0 to zero-fill) into tiles k_s and v_s (rows
+// of D + 8): what attention_fa's and attention_dec's tile loads are made of.
+template <int KVH, int D>
+__device__ __forceinline__ void fa_copy_chunk(const h16_t* kc, const h16_t* vc, int slot, int kvh, int key, int ch,
+                                              int bytes, h16_t* k_s, h16_t* v_s) {
+  const long src = (long)slot * (KVH * D) + kvh * D + ch * 8;
+  cp_async16(smem_addr(k_s + key * (D + 8) + ch * 8), kc + src, bytes);
+  cp_async16(smem_addr(v_s + key * (D + 8) + ch * 8), vc + src, bytes);
+}
+
 // Issues (cp.async, not committed) one warp's copies of the 16 keys at positions p0.. (their
 // slots `mine`, fa_slot's; kv head kvh; keys at n or past are zero-filled) into its K and V
 // tiles k_s and v_s.
 template <int KVH, int D>
 __device__ __forceinline__ void fa_load(const h16_t* kc, const h16_t* vc, int mine, int kvh, int p0, int n,
                                         h16_t* k_s, h16_t* v_s) {
-  constexpr int S = D + 8, DT = D / 8;
+  constexpr int DT = D / 8;
   static_assert(16 * DT % 32 == 0, "every lane takes as many copies");
   const int lane = threadIdx.x & 31;
 #pragma unroll
   for (int i = lane; i < 16 * DT; i += 32) {
-    const int key = i / DT, ch = i % DT;
-    const bool valid = p0 + key < n;
-    const long src = (long)__shfl_sync(0xffffffffu, mine, key) * (KVH * D) + kvh * D + ch * 8;
-    cp_async16(smem_addr(k_s + key * S + ch * 8), kc + src, valid ? 16 : 0);
-    cp_async16(smem_addr(v_s + key * S + ch * 8), vc + src, valid ? 16 : 0);
+    const int key = i / DT;
+    fa_copy_chunk<KVH, D>(kc, vc, __shfl_sync(0xffffffffu, mine, key), kvh, key, i % DT, p0 + key < n ? 16 : 0, k_s,
+                          v_s);
   }
 }
 
@@ -625,12 +634,15 @@ __device__ __forceinline__ void fa_tile(const unsigned (&qf)[D / 16][4], const h
   __syncwarp();
 }
 
-// The 16-byte chunks of K (and of V) each of attention_fa's 32 FA_WARPS threads copies a
-// block-wide tile of FA_KEYS keys: chunk i = threadIdx.x + 32 FA_WARPS it of the tile's
+// The threads of an attention_fa block.
+constexpr int FA_THREADS = 32 * FA_WARPS;
+
+// The 16-byte chunks of K (and of V) each of attention_fa's FA_THREADS threads copies a
+// block-wide tile of FA_KEYS keys: chunk i = threadIdx.x + FA_THREADS it of the tile's
 // FA_KEYS * D / 8, key i / (D / 8).
 template <int D>
 __host__ __device__ constexpr int fa_chunks() {
-  return (FA_KEYS * (D / 8) + 32 * FA_WARPS - 1) / (32 * FA_WARPS);
+  return (FA_KEYS * (D / 8) + FA_THREADS - 1) / FA_THREADS;
 }
 
 // The slots of the keys whose K and V chunks this thread copies in the tile of keys at
@@ -639,7 +651,7 @@ template <int D>
 __device__ __forceinline__ void fa_block_slots(int (&sn)[fa_chunks<D>()], const int* sl, int p0, int n) {
 #pragma unroll
   for (int it = 0; it < fa_chunks<D>(); it++) {
-    const int p = p0 + min((int)threadIdx.x + 32 * FA_WARPS * it, FA_KEYS * (D / 8) - 1) / (D / 8);
+    const int p = p0 + min((int)threadIdx.x + FA_THREADS * it, FA_KEYS * (D / 8) - 1) / (D / 8);
     sn[it] = sl[p < n ? p : 0];
   }
 }
@@ -650,15 +662,12 @@ __device__ __forceinline__ void fa_block_slots(int (&sn)[fa_chunks<D>()], const 
 template <int KVH, int D>
 __device__ __forceinline__ void fa_block_load(const h16_t* kc, const h16_t* vc, const int (&sn)[fa_chunks<D>()],
                                               int kvh, int p0, int n, h16_t* k_s, h16_t* v_s) {
-  constexpr int S = D + 8, DT = D / 8;
+  constexpr int DT = D / 8;
 #pragma unroll
   for (int it = 0; it < fa_chunks<D>(); it++) {
-    const int i = threadIdx.x + 32 * FA_WARPS * it, key = i / DT, ch = i % DT;
-    if (FA_KEYS * DT % (32 * FA_WARPS) != 0 && i >= FA_KEYS * DT) break;
-    const long src = (long)sn[it] * (KVH * D) + kvh * D + ch * 8;
-    const int bytes = p0 + key < n ? 16 : 0;
-    cp_async16(smem_addr(k_s + key * S + ch * 8), kc + src, bytes);
-    cp_async16(smem_addr(v_s + key * S + ch * 8), vc + src, bytes);
+    const int i = threadIdx.x + FA_THREADS * it, key = i / DT;
+    if (FA_KEYS * DT % FA_THREADS != 0 && i >= FA_KEYS * DT) break;
+    fa_copy_chunk<KVH, D>(kc, vc, sn[it], kvh, key, i % DT, p0 + key < n ? 16 : 0, k_s, v_s);
   }
 }
 
@@ -677,14 +686,14 @@ __device__ __forceinline__ void fa_block_load(const h16_t* kc, const h16_t* vc, 
 template <int H, int KVH, int D, typename O, int WIN, unsigned CAP, typename SW>
 __device__ void attention_fa(const float* q, const h16_t* kc, const h16_t* vc, const int* slots,
                              const int* seq_off, const int* pos, float scale, O* out, int T, const SW* sinks) {
-  constexpr int S = D + 8, KS = D / 16, DT = D / 8, TILE = FA_KEYS * S;
+  constexpr int S = D + 8, KS = D / 16, DT = D / 8, TILE = FA_KEYS * S, ROWS = 16 * FA_WARPS;
   extern __shared__ __align__(16) unsigned char fa_smem[];
   h16_t* smem = (h16_t*)fa_smem;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
   const int h = blockIdx.y, kvh = h / (H / KVH);
-  const int b0 = (gridDim.x - 1 - blockIdx.x) * 16 * FA_WARPS;
+  const int b0 = (gridDim.x - 1 - blockIdx.x) * ROWS;
   if (b0 >= T) return;
-  const int bl = min(b0 + 16 * FA_WARPS - 1, T - 1), r0 = b0 + warp * 16, last = min(r0 + 15, T - 1);
+  const int bl = min(b0 + ROWS - 1, T - 1), r0 = b0 + warp * 16, last = min(r0 + 15, T - 1);
   const bool block = seq_off[b0] == seq_off[bl];
   const bool live = r0 < T && seq_off[r0] == seq_off[last];
   if (!block && !live) return;
@@ -699,6 +708,7 @@ __device__ void attention_fa(const float* q, const h16_t* kc, const h16_t* vc, c
   for (int i = 0; i < DT; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
   float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
   const float qs = scale * 1.4426950408889634f;
+  const auto q_row = [&](int r) { return live && r0 + r < T ? q + ((long)(r0 + r) * H + h) * D : nullptr; };
   unsigned qf[KS][4];
   if (block) {
     const int n = pos[bl] + 1;
@@ -713,7 +723,7 @@ __device__ void attention_fa(const float* q, const h16_t* kc, const h16_t* vc, c
     }
     fa_block_slots<D>(sn, sl, p_lo + (FA_STAGES - 1) * FA_KEYS, n);
     // The queries are read while the first tiles' copies are in flight.
-    fa_q<D>(qf, [&](int r) { return live && r0 + r < T ? q + ((long)(r0 + r) * H + h) * D : nullptr; }, qs);
+    fa_q<D>(qf, q_row, qs);
     for (int p0 = p_lo, i = 0; p0 < n; p0 += FA_KEYS, i++) {
       const int pn = p0 + (FA_STAGES - 1) * FA_KEYS;
       if (pn < n) fa_block_load<KVH, D>(kc, vc, sn, kvh, pn, n, stage(i + FA_STAGES - 1), stage(i + FA_STAGES - 1) + TILE);
@@ -733,7 +743,7 @@ __device__ void attention_fa(const float* q, const h16_t* kc, const h16_t* vc, c
     cp_async_wait<0>();
     if (!live) return;
   } else {
-    fa_q<D>(qf, [&](int r) { return r0 + r < T ? q + ((long)(r0 + r) * H + h) * D : nullptr; }, qs);
+    fa_q<D>(qf, q_row, qs);
     h16_t* k_s = smem + warp * 2 * 16 * S;
     for (int p0 = WIN ? max(0, p_first - WIN + 1) & ~15 : 0; p0 < n_keys; p0 += 16)
       fa_tile<KVH, D, CAP>(qf, kc, vc, sl, kvh, p0, n_keys, k_s, k_s + 16 * S, masked, m, l, o);
