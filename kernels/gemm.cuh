@@ -277,13 +277,21 @@ __device__ void gemm_skinny(const h16_t* x, const WT* w0, const BT* b0, float* o
 // m64n128k32 E4M3 wgmma give the group's products, and they are added times the rows' and the
 // weight rows' scales (the scales change every group). A tile done by one block is written by
 // it; otherwise each of its blocks writes its sums to its slot of part [slots, 64, N0 + N1 +
-// N2], and the last to finish (count[tile], which it resets) adds the slots in order, so the
-// result does not depend on which block ends first. codegen_cuda's `a8_blocks` picks BLOCKS,
+// N2] and arrives (count[tile]). Past A8_SHARE_ROWS rows each, once its own units are done,
+// waits for the tile's other blocks and adds its share of the tile's rows over the slots
+// (a8_add_slots), so no one block adds a whole tile; at fewer rows the last to arrive adds them
+// all at once (waiting costs more than adding there). Either way the slots are added in slot
+// order, so the result does not depend on which block ends first. codegen_cuda's `a8_blocks` picks BLOCKS,
 // `a8_slots` says SLOTS (the most a tile has), `A8_SMEM` is the dynamic shared memory.
 // Launched as a programmatic dependent launch, a block loads its first stages' weights before
 // it waits for the previous kernel (pdl_wait). Every N_g is a multiple of 128. grid: BLOCKS,
 // block: 128.
 #define A8_ROWS 64
+// Above this many rows the blocks of a shared tile add its sums in shares at the kernel's end.
+// H200, 4-layer Qwen2.5-7B FP8 decode graph: shares 985 against 1029 us at 64 rows, but 887
+// against 872 at 32 and 814 against 796 at 16, where the last block's whole-tile sum is short
+// and the shares' waiting is not (docs/perf.md, 2026-11-28).
+#define A8_SHARE_ROWS 32
 #define A8_STAGE (A8_ROWS * 128 + 128 * 128)
 
 // The shared-memory descriptor of a K-major tile of 128-byte rows in the 128-byte swizzle: 8-row
@@ -374,6 +382,55 @@ __device__ __forceinline__ int a8_block(int u, long U, int B) {
   return b;
 }
 
+// Waits until count reaches n (every block of a tile wrote its slot); traps after about a
+// second, as mbar_wait does.
+__device__ __forceinline__ void a8_await(const unsigned* count, int n) {
+  for (long spins = 0;; spins++) {
+    unsigned v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(count) : "memory");
+    if (v >= (unsigned)n) return;
+    if (spins > (1l << 24)) __trap();
+  }
+}
+
+// Share `share` of `shares` of a shared tile's sums: its part of the T x 128 outputs (in float4
+// columns), each the bias plus the n slots' split sums (slots [n][64][NTOT] from `slots`) added
+// in slot order, so the result does not depend on which block ends first. out and bias point
+// at the tile's first feature. Every slot's two float4 columns are loaded before any is added.
+template <int SLOTS, int NTOT>
+__device__ void a8_add_slots(const float* slots, int n, int share, int shares, int T, const h16_t* bias,
+                             float* out) {
+  constexpr int F = 128;
+  const int items = T * (F / 4), per = (items + shares - 1) / shares, lo = share * per;
+  const int hi = min(items, lo + per);
+  for (int i0 = lo + (int)threadIdx.x; i0 < hi; i0 += 256) {
+    float4 p[2][SLOTS];
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+      const int i = min(i0 + 128 * h, hi - 1), tok = i / (F / 4), f = (i % (F / 4)) * 4;
+#pragma unroll
+      for (int q = 0; q < SLOTS; q++)
+        if (q < n) p[h][q] = __ldcg((const float4*)&slots[((long)q * A8_ROWS + tok) * NTOT + f]);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+      const int i = i0 + 128 * h, tok = i / (F / 4), f = (i % (F / 4)) * 4;
+      if (i >= hi) break;
+      float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      if (bias) v = make_float4(to_f32(bias[f]), to_f32(bias[f + 1]), to_f32(bias[f + 2]), to_f32(bias[f + 3]));
+#pragma unroll
+      for (int q = 0; q < SLOTS; q++)
+        if (q < n) {
+          v.x += p[h][q].x;
+          v.y += p[h][q].y;
+          v.z += p[h][q].z;
+          v.w += p[h][q].w;
+        }
+      *(float4*)&out[(long)tok * NTOT + f] = v;
+    }
+  }
+}
+
 template <int K, int N0, int N1, int N2, int BLOCKS, int SLOTS, int STAGES>
 __device__ void gemm_skinny_a8(const TmaMap* mx, const float* xs, const fp8_t* w0, const h16_t* b0, float* o0,
                                const fp8_t* w1, const h16_t* b1, float* o1, const fp8_t* w2, const h16_t* b2,
@@ -389,6 +446,7 @@ __device__ void gemm_skinny_a8(const TmaMap* mx, const float* xs, const fp8_t* w
   float* const sxs = (float*)(gen + S * A8_STAGE);
   float* const sws = sxs + S * A8_ROWS;
   __shared__ bool last;
+  int shared[2], nshared = 0;  // the tiles this block shares with others (its first, its last)
   // full[s]: stage s's two tiles landed (thread 0 arrives announcing their bytes).
   __shared__ __align__(8) unsigned long long full[S];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
@@ -486,7 +544,7 @@ __device__ void gemm_skinny_a8(const TmaMap* mx, const float* xs, const fp8_t* w
     }
     cp_async_wait<0>();
     // The blocks that share this tile: one writes it; several each write their sums to their
-    // slot of part, and the last to arrive adds the slots in order.
+    // slot of part and arrive, and add their share of the slots once all their units are done.
     const int first = a8_block(tile * G, U, BLOCKS), n = a8_block(tile * G + G - 1, U, BLOCKS) - first + 1;
     float* const mine = part + ((long)(blockIdx.x - first) * A8_ROWS) * NTOT + tile * F;
 #pragma unroll
@@ -503,41 +561,34 @@ __device__ void gemm_skinny_a8(const TmaMap* mx, const float* xs, const fp8_t* w
     if (n == 1) continue;
     __threadfence();
     __syncthreads();
+    if (T > A8_SHARE_ROWS) {
+      if (tid == 0) atomicAdd(&count[tile], 1u);
+      if (nshared < 2) shared[nshared++] = tile;
+      continue;
+    }
     if (tid == 0) last = atomicAdd(&count[tile], 1u) == (unsigned)n - 1;
     __syncthreads();
     if (!last) continue;
     __threadfence();
-    // Every slot's sums of two float4 columns are loaded before any is added: the loads are in
-    // flight together, not one slot after the other.
-    const float* const slots = part + tile * F;
-    for (int i0 = tid; i0 < T * (F / 4); i0 += 256) {
-      float4 p[2][SLOTS];
-#pragma unroll
-      for (int h = 0; h < 2; h++) {
-        const int i = min(i0 + 128 * h, T * (F / 4) - 1), tok = i / (F / 4), f = (i % (F / 4)) * 4;
-#pragma unroll
-        for (int q = 0; q < SLOTS; q++)
-          if (q < n) p[h][q] = __ldcg((const float4*)&slots[((long)q * A8_ROWS + tok) * NTOT + f]);
-      }
-#pragma unroll
-      for (int h = 0; h < 2; h++) {
-        const int i = i0 + 128 * h, tok = i / (F / 4), f = (i % (F / 4)) * 4;
-        if (i >= T * (F / 4)) break;
-        float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        if (grp.b)
-          v = make_float4(to_f32(grp.b[f0 + f]), to_f32(grp.b[f0 + f + 1]), to_f32(grp.b[f0 + f + 2]),
-                          to_f32(grp.b[f0 + f + 3]));
-#pragma unroll
-        for (int q = 0; q < SLOTS; q++)
-          if (q < n) {
-            v.x += p[h][q].x;
-            v.y += p[h][q].y;
-            v.z += p[h][q].z;
-            v.w += p[h][q].w;
-          }
-        *(float4*)&grp.o[(long)tok * NTOT + f0 + f] = v;
-      }
-    }
+    a8_add_slots<SLOTS, NTOT>(part + tile * F, n, 0, 1, T, grp.b ? grp.b + f0 : nullptr, grp.o + f0);
     if (tid == 0) count[tile] = 0;
+  }
+  // A block shares at most its first and its last tile. It waits for a shared tile's other
+  // blocks only here, its own units done, so no block waits on one that waits; every block of a
+  // grid this size is resident (a8_blocks), so the waits end.
+  for (int i = 0; i < nshared; i++) {
+    const int tile = shared[i], first = a8_block(tile * G, U, BLOCKS);
+    const int n = a8_block(tile * G + G - 1, U, BLOCKS) - first + 1;
+    if (tid == 0) a8_await(&count[tile], n);
+    __syncthreads();
+    __threadfence();
+    int f0 = tile * F;
+    const LinearOut<fp8_t> grp = pick_group(f0, N0, N1, LinearOut<fp8_t>{w0, b0, o0, N0},
+                                            LinearOut<fp8_t>{w1, b1, o1, N1}, LinearOut<fp8_t>{w2, b2, o2, N2});
+    a8_add_slots<SLOTS, NTOT>(part + tile * F, n, blockIdx.x - first, n, T, grp.b ? grp.b + f0 : nullptr,
+                              grp.o + f0);
+    // The tile's count goes to n again as each block ends its share; the last resets it.
+    __syncthreads();
+    if (tid == 0 && atomicAdd(&count[tile], 1u) == 2u * n - 1) count[tile] = 0;
   }
 }

@@ -11,7 +11,8 @@
 # BINS (default bin-gpu) lists folders of binaries to compare: each compiles its own bundle
 # (a bundle carries its CUDA), runs, and removes it; the checkpoint goes after the last (the 64
 # GB disk holds a checkpoint and one bundle of a 9B shape). Results under $WORK, packed into
-# $OUT/costs$TAG.tgz.
+# $OUT/costs$TAG.tgz. QUANT=fp8 compiles with --quant fp8 (the tags get -fp8). A SHAPE ending in
+# -lN is tests/configs/SHAPE.json cut to N layers.
 set -uo pipefail
 work="${WORK:-/tmp/costs}"
 mkdir -p "$work"
@@ -20,11 +21,18 @@ export ENGINE_CACHE_DIR=/tmp/engine-cache
 skips="${SKIPS:-}"
 tpot() { python3 -c 'import json,sys; print("%.4f" % json.loads(sys.stdin.read().strip().splitlines()[-1])["decode_step_ms"])'; }
 for shape in ${SHAPES:-qwen3-8b}; do
-  ck=/tmp/ck-$shape
-  [ -f "$ck/config.json" ] || REF=0 python3 scripts/gpu/hf_reference.py "$shape" "$ck" "tests/configs/$shape.json" >"$work/$shape-hf.txt" 2>&1
+  ck=/tmp/ck-$shape cfg=tests/configs/$shape.json
+  if [[ $shape =~ ^(.*)-l([0-9]+)$ ]] && [ ! -f "$cfg" ]; then
+    cfg=/tmp/costs-$shape.json
+    python3 -c 'import json, sys; c = json.load(open(sys.argv[1])); c["num_hidden_layers"] = int(sys.argv[2]); json.dump(c, open(sys.argv[3], "w"))' \
+      "tests/configs/${BASH_REMATCH[1]}.json" "${BASH_REMATCH[2]}" "$cfg"
+  fi
+  [ -f "$ck/config.json" ] || REF=0 python3 scripts/gpu/hf_reference.py "$shape" "$ck" "$cfg" >"$work/$shape-hf.txt" 2>&1
+  quant=() qtag=""
+  [ -z "${QUANT:-}" ] || quant=(--quant "$QUANT") qtag=-$QUANT
   for bin in ${BINS:-bin-gpu}; do
-    tag=$shape-$(basename "$bin") b=/tmp/ck-$shape-$(basename "$bin").bundle
-    "$bin/engc" compile --checkpoint "$ck" --dtype bf16 -o "$b" >"$work/$tag-compile.txt" 2>&1 || continue
+    tag=$shape$qtag-$(basename "$bin") b=/tmp/ck-$shape$qtag-$(basename "$bin").bundle
+    "$bin/engc" compile --checkpoint "$ck" --dtype bf16 "${quant[@]}" -o "$b" >"$work/$tag-compile.txt" 2>&1 || continue
     head -1 "$b/kernels/model.cu" >>"$work/$tag-compile.txt"
     export ENGINE_GEMM_CHOICES=$work/$tag-gemm-choices.txt
     for batch in ${BATCHES:-${BATCH:-1}}; do
@@ -48,6 +56,6 @@ for shape in ${SHAPES:-qwen3-8b}; do
     # KEEP=1 leaves the bundle for a later command.
     [ -n "${KEEP:-}" ] || rm -rf "$b"
   done
-  rm -rf "$ck"
+  [ -n "${KEEP_CK:-}" ] || rm -rf "$ck"
 done
 [ -n "${OUT:-}" ] && tar czf "$OUT/costs${TAG:-}.tgz" -C "$work" .

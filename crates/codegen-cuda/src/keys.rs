@@ -728,8 +728,9 @@ fn a8_units(k: usize, n: usize) -> usize {
 }
 
 /// The blocks a [`KernelKey::GemmSkinnyA8`] launch shares its units among (stream-K): at most
-/// [`A8_BLOCKS`], and four units a block at least (fewer blocks to a tile, whose split sums the
-/// last of them adds).
+/// [`A8_BLOCKS`], and four units a block at least (fewer blocks to a tile, whose split sums
+/// they add in shares). The blocks of a shared tile wait for each other at the kernel's end,
+/// so a launch must not have more blocks than fit the GPU at once.
 pub fn a8_blocks(k: usize, n: usize) -> usize {
     (a8_units(k, n) / 4).clamp(1, A8_BLOCKS)
 }
@@ -1273,7 +1274,19 @@ impl KernelKey {
 
 #[cfg(test)]
 mod tests {
-    use super::{argmax_block_counts, argmax_blocks, ARGMAX_BLOCKS};
+    use super::{a8_blocks, a8_slots, argmax_block_counts, argmax_blocks, A8_BLOCKS, A8_SMEM, ARGMAX_BLOCKS};
+
+    /// The blocks of a shared W8A8 tile wait for each other (`kernels/gemm.cuh`), which ends only
+    /// if every block of a launch is resident at once: two blocks' shared memory fit an H100 /
+    /// H200 SM (228 KB), and no launch has more than two blocks for each of its 132 SMs.
+    #[test]
+    fn w8a8_launches_fit_the_gpu_at_once() {
+        const { assert!(2 * A8_SMEM <= 228 * 1024 && A8_BLOCKS <= 2 * 132) };
+        for (k, n) in [(896, 1152), (896, 9728), (4864, 896), (3584, 4608), (3584, 37888), (18944, 3584)] {
+            assert!(a8_blocks(k, n) <= A8_BLOCKS, "k {k} n {n}");
+            assert!(a8_slots(k, n) >= 1, "k {k} n {n}");
+        }
+    }
 
     /// One row splits over every block; many rows over fewer each, never past the scratch the
     /// runtime gives a row nor below the fewest, and always a count the program has a kernel for.
