@@ -719,7 +719,7 @@ pub const A8_SMEM: usize = A8_STAGES * (A8_ROWS * 128 + A8_FEATURES * 128 + (A8_
 
 /// Blocks of a [`KernelKey::GemmSkinnyA8`] launch: two a streaming multiprocessor of an H100 /
 /// H200 (132, two blocks' shared memory each), so the weights stream from every SM to the end.
-const A8_BLOCKS: usize = 264;
+pub const A8_BLOCKS: usize = 264;
 
 /// The (128-feature tile, 128-column group) units of a [`KernelKey::GemmSkinnyA8`] launch of
 /// `k` inputs and `n` outputs in all.
@@ -730,7 +730,8 @@ fn a8_units(k: usize, n: usize) -> usize {
 /// The blocks a [`KernelKey::GemmSkinnyA8`] launch shares its units among (stream-K): at most
 /// [`A8_BLOCKS`], and four units a block at least (fewer blocks to a tile, whose split sums
 /// they add in shares). The blocks of a shared tile wait for each other at the kernel's end,
-/// so a launch must not have more blocks than fit the GPU at once.
+/// so a launch must not have more blocks than fit the GPU at once: the runtime runs the kernel
+/// only where [`A8_BLOCKS`] fit (its `a8_fits`).
 pub fn a8_blocks(k: usize, n: usize) -> usize {
     (a8_units(k, n) / 4).clamp(1, A8_BLOCKS)
 }

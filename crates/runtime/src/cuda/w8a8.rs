@@ -75,7 +75,7 @@ impl Fp8Scales {
 /// The device buffers of W8A8 launches: the quantized input (codes `[tokens, k]` and scales,
 /// [`CudaBackend::quantize_input`]), and `gemm_skinny_a8`'s split sums (`[slots, 64, n]` for
 /// the largest of the program's launches, `codegen_cuda::a8_slots`) with one arrival count per
-/// output tile (zero between launches: the last block of a tile resets it).
+/// output tile (zero between launches: the tile's last block to finish resets it).
 pub(crate) struct W8Input {
     q: CudaSlice<u8>,
     s: CudaSlice<f32>,
