@@ -382,6 +382,13 @@ __device__ __forceinline__ int a8_block(int u, long U, int B) {
   return b;
 }
 
+// The blocks that share tile `tile` of G units: the first's index and how many (BLOCKS blocks
+// over U units).
+__device__ __forceinline__ int2 a8_tile_blocks(int tile, int G, long U, int B) {
+  const int first = a8_block(tile * G, U, B);
+  return make_int2(first, a8_block(tile * G + G - 1, U, B) - first + 1);
+}
+
 // Waits until count reaches n (every block of a tile wrote its slot); traps after about a
 // second, as mbar_wait does.
 __device__ __forceinline__ void a8_await(const unsigned* count, int n) {
@@ -545,7 +552,8 @@ __device__ void gemm_skinny_a8(const TmaMap* mx, const float* xs, const fp8_t* w
     cp_async_wait<0>();
     // The blocks that share this tile: one writes it; several each write their sums to their
     // slot of part and arrive, and add their share of the slots once all their units are done.
-    const int first = a8_block(tile * G, U, BLOCKS), n = a8_block(tile * G + G - 1, U, BLOCKS) - first + 1;
+    const int2 blocks = a8_tile_blocks(tile, G, U, BLOCKS);
+    const int first = blocks.x, n = blocks.y;
     float* const mine = part + ((long)(blockIdx.x - first) * A8_ROWS) * NTOT + tile * F;
 #pragma unroll
     for (int j = 0; j < 16; j++)
@@ -577,8 +585,9 @@ __device__ void gemm_skinny_a8(const TmaMap* mx, const float* xs, const fp8_t* w
   // blocks only here, its own units done, so no block waits on one that waits; every block of a
   // grid this size is resident (a8_blocks), so the waits end.
   for (int i = 0; i < nshared; i++) {
-    const int tile = shared[i], first = a8_block(tile * G, U, BLOCKS);
-    const int n = a8_block(tile * G + G - 1, U, BLOCKS) - first + 1;
+    const int tile = shared[i];
+    const int2 blocks = a8_tile_blocks(tile, G, U, BLOCKS);
+    const int first = blocks.x, n = blocks.y;
     if (tid == 0) a8_await(&count[tile], n);
     __syncthreads();
     __threadfence();

@@ -37,8 +37,7 @@ for shape in ${SHAPES:-qwen2.5-0.5b}; do
     cfg=tests/configs/$shape.json
     if [ -n "${LAYERS:-}" ]; then
       cfg=/tmp/ab-$shape-l$LAYERS.json
-      python3 -c 'import json, sys; c = json.load(open(sys.argv[1])); c["num_hidden_layers"] = int(sys.argv[2]); json.dump(c, open(sys.argv[3], "w"))' \
-        "tests/configs/$shape.json" "$LAYERS" "$cfg"
+      python3 scripts/gpu/cut_layers.py "tests/configs/$shape.json" "$LAYERS" "$cfg"
     fi
     REF=0 python3 scripts/gpu/hf_reference.py "$shape" "$ck" "$cfg" >"$out/hf-$shape.txt" 2>&1
   fi

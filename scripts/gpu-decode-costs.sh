@@ -24,8 +24,7 @@ for shape in ${SHAPES:-qwen3-8b}; do
   ck=/tmp/ck-$shape cfg=tests/configs/$shape.json
   if [[ $shape =~ ^(.*)-l([0-9]+)$ ]] && [ ! -f "$cfg" ]; then
     cfg=/tmp/costs-$shape.json
-    python3 -c 'import json, sys; c = json.load(open(sys.argv[1])); c["num_hidden_layers"] = int(sys.argv[2]); json.dump(c, open(sys.argv[3], "w"))' \
-      "tests/configs/${BASH_REMATCH[1]}.json" "${BASH_REMATCH[2]}" "$cfg"
+    python3 scripts/gpu/cut_layers.py "tests/configs/${BASH_REMATCH[1]}.json" "${BASH_REMATCH[2]}" "$cfg"
   fi
   [ -f "$ck/config.json" ] || REF=0 python3 scripts/gpu/hf_reference.py "$shape" "$ck" "$cfg" >"$work/$shape-hf.txt" 2>&1
   quant=() qtag=""

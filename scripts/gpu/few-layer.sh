@@ -17,8 +17,7 @@ few_layer_bundle() {
   local shape=$1 q=$2
   local cfg=/tmp/gemms-$shape.json ck=/tmp/gemms-ck-$shape b=/tmp/gemms-$shape-$q.$(basename "$bin").bundle
   if [ ! -d "$b" ]; then
-    python3 -c 'import json, sys; c = json.load(open(sys.argv[1])); c["num_hidden_layers"] = int(sys.argv[2]); json.dump(c, open(sys.argv[3], "w"))' \
-      "tests/configs/$shape.json" "${LAYERS:-4}" "$cfg"
+    python3 scripts/gpu/cut_layers.py "tests/configs/$shape.json" "${LAYERS:-4}" "$cfg"
     [ -f "$ck/config.json" ] || REF=0 python3 scripts/gpu/hf_reference.py "$shape" "$ck" "$cfg" >/dev/null
     local model flag=()
     model=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["model_type"])' "$cfg")
