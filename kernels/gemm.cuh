@@ -438,6 +438,32 @@ __device__ void a8_add_slots(const float* slots, int n, int share, int shares, i
   }
 }
 
+// A block's sums of a tile (acc: thread (warp, g, c)'s rows r0 and r0 + 8, features 8 j + 2 c
+// and + 1, as wgmma leaves them) stored to dst (rows NTOT floats apart) in 16-byte stores: lanes c
+// and c ^ 1 swap halves, so the even lane holds four features of row r0 and the odd one four of
+// row r0 + 8. `bias` (null: none) is added; rows at T or past are not stored.
+template <int NTOT>
+__device__ __forceinline__ void a8_store(const float* acc, float* dst, int T, int r0, const h16_t* bias) {
+  const int c = threadIdx.x & 3;
+  const bool odd = c & 1;
+  const int tok = r0 + (odd ? 8 : 0);
+#pragma unroll
+  for (int j = 0; j < 16; j++) {
+    const float s0 = __shfl_xor_sync(0xffffffffu, odd ? acc[4 * j] : acc[4 * j + 2], 1);
+    const float s1 = __shfl_xor_sync(0xffffffffu, odd ? acc[4 * j + 1] : acc[4 * j + 3], 1);
+    float4 v = odd ? make_float4(s0, s1, acc[4 * j + 2], acc[4 * j + 3])
+                   : make_float4(acc[4 * j], acc[4 * j + 1], s0, s1);
+    const int f = 8 * j + 2 * (c & ~1);
+    if (bias) {
+      v.x += to_f32(bias[f]);
+      v.y += to_f32(bias[f + 1]);
+      v.z += to_f32(bias[f + 2]);
+      v.w += to_f32(bias[f + 3]);
+    }
+    if (tok < T) *(float4*)&dst[(long)tok * NTOT + f] = v;
+  }
+}
+
 template <int K, int N0, int N1, int N2, int BLOCKS, int SLOTS, int STAGES>
 __device__ void gemm_skinny_a8(const TmaMap* mx, const float* xs, const fp8_t* w0, const h16_t* b0, float* o0,
                                const fp8_t* w1, const h16_t* b1, float* o1, const fp8_t* w2, const h16_t* b2,
@@ -555,29 +581,30 @@ __device__ void gemm_skinny_a8(const TmaMap* mx, const float* xs, const fp8_t* w
     const int2 blocks = a8_tile_blocks(tile, G, U, BLOCKS);
     const int first = blocks.x, n = blocks.y;
     float* const mine = part + ((long)(blockIdx.x - first) * A8_ROWS) * NTOT + tile * F;
-#pragma unroll
-    for (int j = 0; j < 16; j++)
-#pragma unroll
-      for (int e = 0; e < 4; e++) {
-        const int tok = r0 + 8 * (e >> 1), f = 8 * j + 2 * c + (e & 1);
-        if (tok >= T) continue;
-        if (n == 1)
-          grp.o[(long)tok * NTOT + f0 + f] = acc[4 * j + e] + (grp.b ? to_f32(grp.b[f0 + f]) : 0.0f);
-        else
-          mine[(long)tok * NTOT + f] = acc[4 * j + e];
-      }
-    if (n == 1) continue;
-    __threadfence();
+    if (n == 1) {
+      a8_store<NTOT>(acc, grp.o + f0, T, r0, grp.b ? grp.b + f0 : nullptr);
+      continue;
+    }
+    a8_store<NTOT>(acc, mine, T, r0, nullptr);
+    // The block's slot is written: one thread releases it to the tile's other blocks (as a grid
+    // sync does: the barrier orders the block's writes before its fence), or, the last to
+    // arrive, acquires theirs.
     __syncthreads();
     if (T > A8_SHARE_ROWS) {
-      if (tid == 0) atomicAdd(&count[tile], 1u);
+      if (tid == 0) {
+        __threadfence();
+        atomicAdd(&count[tile], 1u);
+      }
       if (nshared < 2) shared[nshared++] = tile;
       continue;
     }
-    if (tid == 0) last = atomicAdd(&count[tile], 1u) == (unsigned)n - 1;
+    if (tid == 0) {
+      __threadfence();
+      last = atomicAdd(&count[tile], 1u) == (unsigned)n - 1;
+      if (last) __threadfence();
+    }
     __syncthreads();
     if (!last) continue;
-    __threadfence();
     a8_add_slots<SLOTS, NTOT>(part + tile * F, n, 0, 1, T, grp.b ? grp.b + f0 : nullptr, grp.o + f0);
     if (tid == 0) count[tile] = 0;
   }
@@ -588,9 +615,8 @@ __device__ void gemm_skinny_a8(const TmaMap* mx, const float* xs, const fp8_t* w
     const int tile = shared[i];
     const int2 blocks = a8_tile_blocks(tile, G, U, BLOCKS);
     const int first = blocks.x, n = blocks.y;
-    if (tid == 0) a8_await(&count[tile], n);
+    if (tid == 0) a8_await(&count[tile], n);  // acquires the slots the other blocks released
     __syncthreads();
-    __threadfence();
     int f0 = tile * F;
     const LinearOut<fp8_t> grp = pick_group(f0, N0, N1, LinearOut<fp8_t>{w0, b0, o0, N0},
                                             LinearOut<fp8_t>{w1, b1, o1, N1}, LinearOut<fp8_t>{w2, b2, o2, N2});
