@@ -14,7 +14,8 @@
 # /tmp/ck-SHAPE$SUFFIX, e.g. CK=-fp8 for the FP8 one scripts/gpu/hf_fp8.py makes; Q=fp8: the
 # bundle compiled with --quant fp8; several joined by commas, environment settings too, e.g.
 # BIN=bin-gpu-new,CK=-fp8 or Q=fp8,ENGINE_PDL=0), at each batch size in BATCHES (default 1), REPS times (default 2),
-# variants interleaved. One line per run in $OUT/ab.txt: shape, setting, batch, TPOT p50, output
+# variants interleaved (AB_DEFAULT=0 leaves out the default run A, e.g. for an A/B of two FP8
+# binaries; the first variant listed then tunes the shared GEMM choices). One line per run in $OUT/ab.txt: shape, setting, batch, TPOT p50, output
 # tok/s, and (ENGINE_CUDA_PROFILE=steps) the GPU time of the graph replay and of sampling, and the step's host wall time.
 # $OUT/ab.jsonl: each run's whole JSON report after the same labels.
 # $OUT/gemm-SHAPE-BINDIR.txt: the GEMM timings and choices each binary logged at its first load (ours or cuBLASLt);
@@ -44,7 +45,9 @@ for shape in ${SHAPES:-qwen2.5-0.5b}; do
   if [ "${SHARED_GEMM:-1}" = 1 ]; then export ENGINE_GEMM_CHOICES=$out/gemm-choices-$shape.txt; fi
   for rep in $(seq "${REPS:-2}"); do
     for n in ${BATCHES:-1}; do
-      for e in ENGINE_AB=default $AB_ENVS; do
+      variants="ENGINE_AB=default $AB_ENVS"
+      [ "${AB_DEFAULT:-1}" = 1 ] || variants=$AB_ENVS
+      for e in $variants; do
         bin=bin-gpu cks="" quant=() envs=()
         for part in ${e//,/ }; do
           case $part in
