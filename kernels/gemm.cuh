@@ -400,6 +400,12 @@ __device__ __forceinline__ void a8_await(const unsigned* count, int n) {
   }
 }
 
+// Features f..f + 3 of a bias (f32; zeros where bias is null).
+__device__ __forceinline__ float4 a8_bias4(const h16_t* bias, int f) {
+  if (!bias) return make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  return make_float4(to_f32(bias[f]), to_f32(bias[f + 1]), to_f32(bias[f + 2]), to_f32(bias[f + 3]));
+}
+
 // Share `share` of `shares` of a shared tile's sums: its part of the T x 128 outputs (in float4
 // columns), each the bias plus the n slots' split sums (slots [n][64][NTOT] from `slots`) added
 // in slot order, so the result does not depend on which block ends first. out and bias point
@@ -423,8 +429,7 @@ __device__ void a8_add_slots(const float* slots, int n, int share, int shares, i
     for (int h = 0; h < 2; h++) {
       const int i = i0 + 128 * h, tok = i / (F / 4), f = (i % (F / 4)) * 4;
       if (i >= hi) break;
-      float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      if (bias) v = make_float4(to_f32(bias[f]), to_f32(bias[f + 1]), to_f32(bias[f + 2]), to_f32(bias[f + 3]));
+      float4 v = a8_bias4(bias, f);
 #pragma unroll
       for (int q = 0; q < SLOTS; q++)
         if (q < n) {
@@ -455,10 +460,8 @@ __device__ __forceinline__ void a8_store(const float* acc, float* dst, int T, in
                    : make_float4(acc[4 * j], acc[4 * j + 1], s0, s1);
     const int f = 8 * j + 2 * (c & ~1);
     if (bias) {
-      v.x += to_f32(bias[f]);
-      v.y += to_f32(bias[f + 1]);
-      v.z += to_f32(bias[f + 2]);
-      v.w += to_f32(bias[f + 3]);
+      const float4 b = a8_bias4(bias, f);
+      v = make_float4(v.x + b.x, v.y + b.y, v.z + b.z, v.w + b.w);
     }
     if (tok < T) *(float4*)&dst[(long)tok * NTOT + f] = v;
   }

@@ -717,9 +717,12 @@ const A8_STAGES: usize = 4;
 /// layout: the stages' tiles, their scales, and room to align the tiles to 1024 bytes).
 pub const A8_SMEM: usize = A8_STAGES * (A8_ROWS * 128 + A8_FEATURES * 128 + (A8_ROWS + A8_FEATURES) * 4) + 1024;
 
-/// Blocks of a [`KernelKey::GemmSkinnyA8`] launch: two a streaming multiprocessor of an H100 /
-/// H200 (132, two blocks' shared memory each), so the weights stream from every SM to the end.
-pub const A8_BLOCKS: usize = 264;
+/// Blocks of a [`KernelKey::GemmSkinnyA8`] launch an SM holds at once (their shared memory).
+pub const A8_BLOCKS_PER_SM: usize = 2;
+
+/// Blocks of a [`KernelKey::GemmSkinnyA8`] launch: [`A8_BLOCKS_PER_SM`] on each of an H100 /
+/// H200's 132 streaming multiprocessors, so the weights stream from every SM to the end.
+pub const A8_BLOCKS: usize = A8_BLOCKS_PER_SM * 132;
 
 /// The (128-feature tile, 128-column group) units of a [`KernelKey::GemmSkinnyA8`] launch of
 /// `k` inputs and `n` outputs in all.

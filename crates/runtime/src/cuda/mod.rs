@@ -147,12 +147,13 @@ impl Compiled {
     }
 }
 
-/// Whether every block of a W8A8 launch (`codegen_cuda::A8_BLOCKS`, two an SM of an H100 SXM /
-/// H200) is resident at once on the device, as the blocks of a shared tile wait for each other
+/// Whether every block of a W8A8 launch (`codegen_cuda::A8_BLOCKS`, `A8_BLOCKS_PER_SM` an SM of
+/// an H100 SXM / H200) is resident at once on the device, as the blocks of a shared tile wait for each other
 /// (`kernels/gemm.cuh`); GPUs with fewer SMs (H100 PCIe, MIG slices) run the other GEMMs.
 fn a8_fits(ctx: &CudaContext) -> bool {
     use cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT;
-    ctx.attribute(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).is_ok_and(|sms| 2 * sms as usize >= codegen_cuda::A8_BLOCKS)
+    ctx.attribute(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        .is_ok_and(|sms| codegen_cuda::A8_BLOCKS_PER_SM * sms as usize >= codegen_cuda::A8_BLOCKS)
 }
 
 impl CudaBackend {

@@ -254,7 +254,7 @@ impl CudaBackend {
         ];
         let cfg = LaunchConfig { grid_dim: (t as u32, blocks as u32, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
         // ENGINE_CUDA_SKIP=quant_e4m3_rows leaves it out (the GEMM then reads stale codes).
-        if !super::profile::skipped(&self.skip, &KernelKey::QuantE4M3.name()) {
+        if self.skip.is_empty() || !super::profile::skipped(&self.skip, &KernelKey::QuantE4M3.name()) {
             self.raw_launch(&KernelKey::QuantE4M3, cfg, &mut params)?;
         }
         Ok((qp, sp))
