@@ -253,15 +253,13 @@ impl CudaBackend {
             &g32 as *const i32 as *mut _,
         ];
         let cfg = LaunchConfig { grid_dim: (t as u32, blocks as u32, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
-        // ENGINE_CUDA_SKIP=quant_e4m3_rows leaves it out (the GEMM then reads stale codes).
-        if self.skip.is_empty() || !super::profile::skipped(&self.skip, &KernelKey::QuantE4M3.name()) {
-            self.raw_launch(&KernelKey::QuantE4M3, cfg, &mut params)?;
-        }
+        self.raw_launch(&KernelKey::QuantE4M3, cfg, &mut params)?;
         Ok((qp, sp))
     }
 
     /// Launches kernel `key` of the program as it is, as a programmatic dependent launch where
-    /// the forward step's are (`KernelKey::pdl`).
+    /// the forward step's are (`KernelKey::pdl`); not where `ENGINE_CUDA_SKIP` names it (e.g.
+    /// `quant_e4m3_rows`: the GEMM then reads stale codes), as for the plan's launches.
     fn raw_launch(
         &self,
         key: &KernelKey,
@@ -271,6 +269,9 @@ impl CudaBackend {
         let Some(func) = self.funcs.get(key) else {
             return Err(RuntimeError::Unsupported(format!("the program has no {} kernel", key.name())));
         };
+        if !self.skip.is_empty() && super::profile::skipped(&self.skip, &key.name()) {
+            return Ok(());
+        }
         let pdl = self.pdl && !Profile::per_launch(&self.profile) && key.pdl();
         unsafe { super::device::launch(&self.stream, func, cfg, params, pdl) }.map_err(driver("a W8A8 launch"))
     }
