@@ -413,20 +413,22 @@ __device__ __forceinline__ float4 a8_bias4(const h16_t* bias, int f) {
 template <int SLOTS, int NTOT>
 __device__ void a8_add_slots(const float* slots, int n, int share, int shares, int T, const h16_t* bias,
                              float* out) {
-  constexpr int F = 128;
+  // H items a thread at once (their loads all in flight before the first add), up to 16
+  // float4 loads a thread: a share of few slots (gate|up's two) is one round trip, not four.
+  constexpr int F = 128, H = SLOTS >= 8 ? 2 : 16 / SLOTS;
   const int items = T * (F / 4), per = (items + shares - 1) / shares, lo = share * per;
   const int hi = min(items, lo + per);
-  for (int i0 = lo + (int)threadIdx.x; i0 < hi; i0 += 256) {
-    float4 p[2][SLOTS];
+  for (int i0 = lo + (int)threadIdx.x; i0 < hi; i0 += 128 * H) {
+    float4 p[H][SLOTS];
 #pragma unroll
-    for (int h = 0; h < 2; h++) {
+    for (int h = 0; h < H; h++) {
       const int i = min(i0 + 128 * h, hi - 1), tok = i / (F / 4), f = (i % (F / 4)) * 4;
 #pragma unroll
       for (int q = 0; q < SLOTS; q++)
         if (q < n) p[h][q] = __ldcg((const float4*)&slots[((long)q * A8_ROWS + tok) * NTOT + f]);
     }
 #pragma unroll
-    for (int h = 0; h < 2; h++) {
+    for (int h = 0; h < H; h++) {
       const int i = i0 + 128 * h, tok = i / (F / 4), f = (i % (F / 4)) * 4;
       if (i >= hi) break;
       float4 v = a8_bias4(bias, f);
@@ -499,7 +501,7 @@ __device__ void gemm_skinny_a8(const TmaMap* mx, const float* xs, const fp8_t* w
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(bytes));
   };
   const int u_end = a8_start(blockIdx.x + 1, U, BLOCKS);
-  bool first = true;
+  bool first = true, synced = false;  // synced: every thread is past the last segment's stages
   for (int u = a8_start(blockIdx.x, U, BLOCKS); u < u_end;) {
     const int tile = u / G, gs = u % G, gn = min(G - gs, u_end - u);
     u += gn;
@@ -530,7 +532,8 @@ __device__ void gemm_skinny_a8(const TmaMap* mx, const float* xs, const fp8_t* w
     float acc[64], d[64];
 #pragma unroll
     for (int i = 0; i < 64; i++) acc[i] = 0.0f;
-    __syncthreads();  // the last segment's stages are read
+    if (!synced) __syncthreads();  // the last segment's stages are read
+    synced = false;
     if (first) {
       // The first stages' weights load while the previous kernel still runs (the wrapper let
       // this one launch early: pdl_trigger); the inputs after it ended. Groups W0 W1 W2 X0 X1
@@ -594,11 +597,14 @@ __device__ void gemm_skinny_a8(const TmaMap* mx, const float* xs, const fp8_t* w
     // arrive, acquires theirs.
     __syncthreads();
     if (T > A8_SHARE_ROWS) {
-      if (tid == 0) {
+      // A thread of the second warp releases the slot, so thread 0 goes on to the next
+      // segment's copies while the fence waits for the block's stores.
+      if (tid == 32) {
         __threadfence();
         atomicAdd(&count[tile], 1u);
       }
       if (nshared < 2) shared[nshared++] = tile;
+      synced = true;
       continue;
     }
     if (tid == 0) {
