@@ -205,21 +205,38 @@ static void run(const Cfg& c, bool bias_all) {
   memset(mw, 0, sizeof mw);
   for (int g = 0; g < 3; g++)
     if (c.N[g]) mw[g] = tmap(dw[g], K, c.N[g], 128);
-  const int Ts[] = {1, 2, 3, 7, 8, 9, 16, 31, 32, 33, 47, 56, 63, 64};
-  std::vector<float> outr((size_t)64 * NT), outc((size_t)64 * NT);
-  for (int T : Ts) {
+  // One launch's arguments at T rows: the input's scales for T rows copied to the device, its
+  // TMA map, the packed outputs and the biases; a.p points into a, so a stays where it is made.
+  struct Args {
+    int T;
+    CUtensorMap mx;
+    float *o0, *o1, *o2;
+    const h16_t *b0, *b1, *b2;
+    void* p[17];
+  };
+  auto set_args = [&](Args& a, int T) {
     std::vector<float> xs((size_t)G * T);
     for (int gi = 0; gi < G; gi++)
       for (int t = 0; t < T; t++) xs[(size_t)gi * T + t] = xsm[gi * 64 + t];
     CK(cudaMemcpy(dxs, xs.data(), xs.size() * 4, cudaMemcpyHostToDevice));
-    CUtensorMap mx = tmap(dxq, K, T, 64);
-    float* o0 = dout;
-    float* o1 = dout + c.N[0];
-    float* o2 = dout + c.N[0] + c.N[1];
-    const h16_t* b0 = has_bias[0] ? db[0] : nullptr;
-    const h16_t* b1 = has_bias[1] ? db[1] : nullptr;
-    const h16_t* b2 = has_bias[2] ? db[2] : nullptr;
-    void* args[] = {&mx, &dxs, &dw[0], &b0, &o0, &dw[1], &b1, &o1, &dw[2], &b2, &o2, &dpart, &dcount, &T, &mw[0], &mw[1], &mw[2]};
+    a.T = T;
+    a.mx = tmap(dxq, K, T, 64);
+    a.o0 = dout;
+    a.o1 = dout + c.N[0];
+    a.o2 = dout + c.N[0] + c.N[1];
+    a.b0 = has_bias[0] ? db[0] : nullptr;
+    a.b1 = has_bias[1] ? db[1] : nullptr;
+    a.b2 = has_bias[2] ? db[2] : nullptr;
+    void* p[] = {&a.mx, &dxs, &dw[0], &a.b0, &a.o0, &dw[1], &a.b1, &a.o1, &dw[2], &a.b2, &a.o2, &dpart, &dcount, &a.T,
+                 &mw[0], &mw[1], &mw[2]};
+    memcpy(a.p, p, sizeof p);
+  };
+  const int Ts[] = {1, 2, 3, 7, 8, 9, 16, 31, 32, 33, 47, 56, 63, 64};
+  std::vector<float> outr((size_t)64 * NT), outc((size_t)64 * NT);
+  for (int T : Ts) {
+    Args a;
+    set_args(a, T);
+    void** args = a.p;
     for (int which = 0; which < 2; which++) {
       CK(cudaMemset(dout, 0xff, (size_t)64 * NT * 4));
       CK(cudaDeviceSynchronize());
@@ -256,18 +273,9 @@ static void run(const Cfg& c, bool bias_all) {
   }
   // Timing: 200 back-to-back PDL launches of each, T = 1 and 64.
   for (int T : {1, 64}) {
-    std::vector<float> xs((size_t)G * T);
-    for (int gi = 0; gi < G; gi++)
-      for (int t = 0; t < T; t++) xs[(size_t)gi * T + t] = xsm[gi * 64 + t];
-    CK(cudaMemcpy(dxs, xs.data(), xs.size() * 4, cudaMemcpyHostToDevice));
-    CUtensorMap mx = tmap(dxq, K, T, 64);
-    float* o0 = dout;
-    float* o1 = dout + c.N[0];
-    float* o2 = dout + c.N[0] + c.N[1];
-    const h16_t* b0 = db[0];
-    const h16_t* b1 = has_bias[1] ? db[1] : nullptr;
-    const h16_t* b2 = has_bias[2] ? db[2] : nullptr;
-    void* args[] = {&mx, &dxs, &dw[0], &b0, &o0, &dw[1], &b1, &o1, &dw[2], &b2, &o2, &dpart, &dcount, &T, &mw[0], &mw[1], &mw[2]};
+    Args a;
+    set_args(a, T);
+    void** args = a.p;
     cudaStream_t st;
     CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
     cudaEvent_t e0, e1;
