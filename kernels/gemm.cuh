@@ -283,9 +283,13 @@ __device__ void gemm_skinny(const h16_t* x, const WT* w0, const BT* b0, float* o
 // all at once (waiting costs more than adding there). Either way the slots are added in slot
 // order, so the result does not depend on which block ends first. codegen_cuda's `a8_blocks` picks BLOCKS,
 // `a8_slots` says SLOTS (the most a tile has), `A8_SMEM` is the dynamic shared memory.
-// Launched as a programmatic dependent launch, a block loads its first stages' weights before
-// it waits for the previous kernel (pdl_wait). Every N_g is a multiple of 128. grid: BLOCKS,
-// block: 128.
+// With CL (codegen_cuda's `a8_cluster`: 2 to 8, where stream-K would put that many blocks on
+// every tile) a tile's groups go instead to one thread-block cluster of CL blocks, an even
+// share each, and their sums meet in distributed shared memory (a8_cluster_sum) rather than in
+// part: no fence, no arrival count, no wait for blocks outside the cluster (which the GPU
+// starts together). Launched as a programmatic dependent launch, a block loads its first
+// stages' weights before it waits for the previous kernel (pdl_wait). Every N_g is a multiple
+// of 128. grid: BLOCKS (CL: tiles x CL), block: 128.
 #define A8_ROWS 64
 // Above this many rows the blocks of a shared tile add its sums in shares at the kernel's end.
 // H200, 4-layer Qwen2.5-7B FP8 decode graph: shares 985 against 1029 us at 64 rows, but 887
@@ -469,7 +473,66 @@ __device__ __forceinline__ void a8_store(const float* acc, float* dst, int T, in
   }
 }
 
-template <int K, int N0, int N1, int N2, int BLOCKS, int SLOTS, int STAGES>
+// This block's rank in its thread-block cluster.
+__device__ __forceinline__ unsigned cluster_rank() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+// Every thread of the cluster's blocks arrives (its shared-memory writes released) and waits
+// for the others (theirs acquired).
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// Four floats at shared address addr of the cluster's block `rank` (distributed shared memory).
+__device__ __forceinline__ float4 ld_cluster_f4(unsigned addr, unsigned rank) {
+  unsigned a;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"(addr), "r"(rank));
+  float4 v;
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(a)
+               : "memory");
+  return v;
+}
+
+// A tile's sums over the CL blocks of its cluster (acc: this block's, laid out as a8_store
+// says): each block puts its 64 x 128 sums in its own shared memory (sums, rows padded to 132
+// floats against bank conflicts; the stages are free by then), and after one cluster barrier
+// adds its share of the T rows' float4 columns over the blocks' sums in rank order (so the
+// result does not depend on timing), plus the bias, to out (rows NTOT floats apart, at the
+// tile's first feature). A second barrier keeps every block's sums until its peers have read
+// them.
+template <int CL, int NTOT>
+__device__ void a8_cluster_sum(const float* acc, float* sums, int T, int r0, const h16_t* bias, float* out) {
+  constexpr int F = 128, LD = F + 4;
+  const int c = threadIdx.x & 3;
+  __syncthreads();  // every warp is past the stages
+#pragma unroll
+  for (int j = 0; j < 16; j++) {
+    const int f = 8 * j + 2 * c;
+    *(float2*)&sums[r0 * LD + f] = make_float2(acc[4 * j], acc[4 * j + 1]);
+    *(float2*)&sums[(r0 + 8) * LD + f] = make_float2(acc[4 * j + 2], acc[4 * j + 3]);
+  }
+  cluster_sync();
+  // The tile's T x 32 float4 columns in CL even shares, in rank order.
+  const int items = T * (F / 4), per = (items + CL - 1) / CL, lo = (int)cluster_rank() * per;
+  const int hi = min(items, lo + per);
+  const unsigned base = smem_addr(sums);
+  for (int i = lo + (int)threadIdx.x; i < hi; i += 128) {
+    const int tok = i / (F / 4), f = (i % (F / 4)) * 4;
+    float4 p[CL];
+#pragma unroll
+    for (int q = 0; q < CL; q++) p[q] = ld_cluster_f4(base + (unsigned)(tok * LD + f) * 4u, q);
+    float4 v = a8_bias4(bias, f);
+#pragma unroll
+    for (int q = 0; q < CL; q++) v = make_float4(v.x + p[q].x, v.y + p[q].y, v.z + p[q].z, v.w + p[q].w);
+    *(float4*)&out[(long)tok * NTOT + f] = v;
+  }
+  cluster_sync();
+}
+
+template <int K, int N0, int N1, int N2, int BLOCKS, int SLOTS, int STAGES, int CL = 0>
 __device__ void gemm_skinny_a8(const TmaMap* mx, const float* xs, const fp8_t* w0, const h16_t* b0, float* o0,
                                const fp8_t* w1, const h16_t* b1, float* o1, const fp8_t* w2, const h16_t* b2,
                                float* o2, float* part, unsigned* count, int T, const TmaMap* mw0,
@@ -500,9 +563,12 @@ __device__ void gemm_skinny_a8(const TmaMap* mx, const float* xs, const fp8_t* w
   auto cp4 = [](unsigned dst, const void* src, int bytes) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(bytes));
   };
-  const int u_end = a8_start(blockIdx.x + 1, U, BLOCKS);
+  // The block's units: stream-K's even share of all of them, or (CL) its share of its
+  // cluster's tile.
+  const int ct = blockIdx.x / (CL ? CL : 1), cr = blockIdx.x % (CL ? CL : 1);
+  const int u_end = CL ? ct * G + (cr + 1) * G / (CL ? CL : 1) : a8_start(blockIdx.x + 1, U, BLOCKS);
   bool first = true, synced = false;  // synced: every thread is past the last segment's stages
-  for (int u = a8_start(blockIdx.x, U, BLOCKS); u < u_end;) {
+  for (int u = CL ? ct * G + cr * G / (CL ? CL : 1) : a8_start(blockIdx.x, U, BLOCKS); u < u_end;) {
     const int tile = u / G, gs = u % G, gn = min(G - gs, u_end - u);
     u += gn;
     int f0 = tile * F;
@@ -582,6 +648,10 @@ __device__ void gemm_skinny_a8(const TmaMap* mx, const float* xs, const fp8_t* w
         }
     }
     cp_async_wait<0>();
+    if constexpr (CL > 0) {  // the tile's only segment: its sums meet the cluster's others
+      a8_cluster_sum<CL, NTOT>(acc, (float*)gen, T, r0, grp.b ? grp.b + f0 : nullptr, grp.o + f0);
+      continue;
+    }
     // The blocks that share this tile: one writes it; several each write their sums to their
     // slot of part and arrive, and add their share of the slots once all their units are done.
     const int2 blocks = a8_tile_blocks(tile, G, U, BLOCKS);

@@ -127,13 +127,17 @@ pub enum KernelKey {
     ToH16,
     /// W8A8 small-batch linear (up to [`A8_ROWS`] rows): `GemmSkinny` of E4M3 weights over an
     /// input quantized by [`KernelKey::QuantE4M3`] (128-column groups), on Hopper's E4M3
-    /// `wgmma` (sm_90a: [`KernelKey::arch`]) over [`a8_blocks`] blocks; every `n` a multiple of
-    /// [`A8_FEATURES`]. The runtime times it against the other GEMMs at load.
+    /// `wgmma` (sm_90a: [`KernelKey::arch`]) over [`a8_grid`] blocks; every `n` a multiple of
+    /// [`A8_FEATURES`]. The runtime times it against the other GEMMs at load, and in the decode
+    /// graph.
     GemmSkinnyA8 {
         /// Input features.
         k: usize,
         /// Output features of each group (0: absent).
         n: [usize; 3],
+        /// The blocks of a tile's thread-block cluster ([`a8_cluster`]), or 0: stream-K over
+        /// all the units ([`a8_blocks`]).
+        cl: usize,
     },
     /// 16-bit rows to E4M3 codes with one f32 scale per row and `group` columns: the
     /// activations of an E4M3-weight linear run on FP8 tensor cores through cuBLASLt (the
@@ -739,6 +743,35 @@ pub fn a8_blocks(k: usize, n: usize) -> usize {
     (a8_units(k, n) / 4).clamp(1, A8_BLOCKS)
 }
 
+/// The most blocks of a thread-block cluster that is portable across GPUs (CUDA's limit
+/// without an opt-in).
+const A8_CLUSTER_MAX: usize = 8;
+
+/// The blocks of a [`KernelKey::GemmSkinnyA8`] tile's cluster (0: stream-K over all the units,
+/// no clusters): where stream-K would spread every tile over 2 or more blocks (few tiles,
+/// e.g. the 7B's o and q|k|v at seven blocks a tile, its down projection at nine, capped to
+/// eight), each tile instead gets that many blocks as one cluster, an even share of its
+/// groups each, and their sums meet in distributed shared memory (`kernels/gemm.cuh`'s
+/// `a8_cluster_sum`) rather than through global memory behind fences and waits.
+pub fn a8_cluster(k: usize, n: usize) -> usize {
+    let (tiles, groups) = (n / A8_FEATURES, k / crate::W8_GROUP);
+    let cl = (a8_blocks(k, n) / tiles.max(1)).min(A8_CLUSTER_MAX).min(groups);
+    if cl >= 2 {
+        cl
+    } else {
+        0
+    }
+}
+
+/// The grid of a [`KernelKey::GemmSkinnyA8`] launch: a cluster of `cl` blocks per tile, or
+/// (`cl` 0) [`a8_blocks`].
+pub fn a8_grid(k: usize, n: usize, cl: usize) -> usize {
+    match cl {
+        0 => a8_blocks(k, n),
+        cl => n / A8_FEATURES * cl,
+    }
+}
+
 /// The most blocks that share one output tile of a [`KernelKey::GemmSkinnyA8`] launch (its
 /// slots of split sums), by the kernel's own split: block `b` takes units
 /// `b * units / blocks ..`.
@@ -802,7 +835,8 @@ impl KernelKey {
             KernelKey::GluMul { act, n } => format!("glu_mul_n{n}_to_h16_{}", act_tag(act)),
             KernelKey::ToH16 => "f32_to_h16_rows".into(),
             KernelKey::QuantE4M3 => "quant_e4m3_rows".into(),
-            KernelKey::GemmSkinnyA8 { k, n } => format!("gemm_skinny_a8_k{k}_n{}", n3(n)),
+            KernelKey::GemmSkinnyA8 { k, n, cl: 0 } => format!("gemm_skinny_a8_k{k}_n{}", n3(n)),
+            KernelKey::GemmSkinnyA8 { k, n, cl } => format!("gemm_skinny_a8_k{k}_n{}_cl{cl}", n3(n)),
             KernelKey::Rope { cols, d, rot } => format!("rope_c{cols}_d{d}{}", rot_suffix(d, rot)),
             KernelKey::RopeKv { heads, kv_heads, d, rot, rope_q, rope_k, norm, ld } => format!(
                 "rope_kv_h{heads}_kv{kv_heads}_d{d}{}_{}{}{}{}",
@@ -922,14 +956,26 @@ impl KernelKey {
     }
 
     /// The W8A8 small-batch kernel that may stand in for this launch (a `GemmSkinny` of E4M3
-    /// weights whose every output count is a multiple of [`A8_FEATURES`]).
+    /// weights whose every output count is a multiple of [`A8_FEATURES`]), stream-K.
     pub fn a8(&self) -> Option<KernelKey> {
         match *self {
             KernelKey::GemmSkinny { k, n, tiles, wf: WFormat::E4m3, b32: false }
                 if tiles * 8 <= A8_ROWS && n.iter().all(|c| c % A8_FEATURES == 0) =>
             {
-                Some(KernelKey::GemmSkinnyA8 { k, n })
+                Some(KernelKey::GemmSkinnyA8 { k, n, cl: 0 })
             }
+            _ => None,
+        }
+    }
+
+    /// The same W8A8 kernel with a thread-block cluster a tile, where the shape has one
+    /// ([`a8_cluster`]).
+    pub fn a8_clustered(&self) -> Option<KernelKey> {
+        match self.a8()? {
+            KernelKey::GemmSkinnyA8 { k, n, .. } => match a8_cluster(k, n.iter().sum()) {
+                0 => None,
+                cl => Some(KernelKey::GemmSkinnyA8 { k, n, cl }),
+            },
             _ => None,
         }
     }
@@ -1022,7 +1068,7 @@ impl KernelKey {
                 format!("glu_mul<{n}>(a, b, out, n, {})", act_lambda(act)),
             ),
             KernelKey::ToH16 => ("const float* a, h16_t* out, long n".into(), "to_h16(a, out, n)".into()),
-            KernelKey::GemmSkinnyA8 { k, n } => (
+            KernelKey::GemmSkinnyA8 { k, n, cl } => (
                 format!(
                     "const __grid_constant__ TmaMap mx, const float* xs, {}, float* part, unsigned* count, int T, \
                      const __grid_constant__ TmaMap mw0, const __grid_constant__ TmaMap mw1, \
@@ -1030,12 +1076,14 @@ impl KernelKey {
                     out_params("fp8_t", false).trim_end_matches(", int T")
                 ),
                 format!(
-                    "gemm_skinny_a8<{k}, {}, {}, {}, {}, {}, {A8_STAGES}>(&mx, xs, {}, part, count, T, &mw0, &mw1, &mw2)",
+                    "gemm_skinny_a8<{k}, {}, {}, {}, {}, {}, {A8_STAGES}, {}>(&mx, xs, {}, part, count, T, &mw0, &mw1, \
+                     &mw2)",
                     n[0],
                     n[1],
                     n[2],
                     a8_blocks(k, n.iter().sum()),
                     a8_slots(k, n.iter().sum()),
+                    cl,
                     OUT_ARGS.trim_end_matches(", T")
                 ),
             ),
@@ -1267,10 +1315,13 @@ impl KernelKey {
         };
         // The direct down projection's loads of a token's experts fit 128 registers: two blocks
         // an SM, so a batch-1 launch (H / 8 blocks) runs in one wave.
-        let bounds = match self {
-            KernelKey::GemmSkinnyA8 { .. } => "__launch_bounds__(128, 1) ",
-            KernelKey::MoeDownDirect { .. } => "__launch_bounds__(256, 2) ",
-            _ => "",
+        let bounds = match *self {
+            KernelKey::GemmSkinnyA8 { cl, .. } => match cl {
+                0 => "__launch_bounds__(128, 1) ".into(),
+                cl => format!("__launch_bounds__(128, 1) __cluster_dims__({cl}, 1, 1) "),
+            },
+            KernelKey::MoeDownDirect { .. } => "__launch_bounds__(256, 2) ".into(),
+            _ => String::new(),
         };
         Ok(format!("extern \"C\" __global__ void {bounds}{name}({params}) {{ {enter}{call}; }}\n"))
     }

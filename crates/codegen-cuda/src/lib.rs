@@ -17,8 +17,9 @@ pub mod schedule;
 pub use formats::{block_device_layout, WFormat};
 pub use fp8::fp8_device_layout;
 pub use keys::{
-    a8_blocks, a8_slots, argmax_blocks, hopper, DecAttention, HeadNorm, KernelKey, Mask, NormIn, A8_BLOCKS,
-    A8_BLOCKS_PER_SM, A8_FEATURES, A8_ROWS, A8_SMEM, ALL_REDUCE_MAX_BLOCKS, ARGMAX_BLOCKS, MAP_INPUTS, MASK_SPAN,
+    a8_blocks, a8_cluster, a8_grid, a8_slots, argmax_blocks, hopper, DecAttention, HeadNorm, KernelKey, Mask, NormIn,
+    A8_BLOCKS, A8_BLOCKS_PER_SM, A8_FEATURES, A8_ROWS, A8_SMEM, ALL_REDUCE_MAX_BLOCKS, ARGMAX_BLOCKS, MAP_INPUTS,
+    MASK_SPAN,
 };
 pub use lower::tiled;
 pub use schedule::{
@@ -155,9 +156,10 @@ pub fn emit(plan: &Plan) -> Result<Program, CodegenError> {
         .steps
         .iter()
         .flat_map(|st| match st {
-            Step::Kernels { variants, .. } => {
-                variants.iter().flat_map(|(_, ls)| ls.iter().filter_map(|l| l.key.a8())).collect()
-            }
+            Step::Kernels { variants, .. } => variants
+                .iter()
+                .flat_map(|(_, ls)| ls.iter().flat_map(|l| l.key.a8().into_iter().chain(l.key.a8_clustered())))
+                .collect(),
             _ => vec![],
         })
         .collect();

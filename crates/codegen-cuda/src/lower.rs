@@ -953,13 +953,13 @@ mod tests {
             let wf = if w8 { WFormat::E4m3 } else { WFormat::H16 };
             KernelKey::GemmSkinny { k: 256, n: [n, 0, 0], tiles, wf, b32: false }
         };
-        let a8 = |n: usize| Some(KernelKey::GemmSkinnyA8 { k: 256, n: [n, 0, 0] });
+        let a8 = |n: usize| Some(KernelKey::GemmSkinnyA8 { k: 256, n: [n, 0, 0], cl: 0 });
         assert_eq!(skinny(128, 4, true).a8(), a8(128));
         assert_eq!(skinny(128, 8, true).a8(), a8(128));
         assert_eq!(skinny(128, 9, true).a8(), None);
         assert_eq!(skinny(64, 8, true).a8(), None);
         assert_eq!(skinny(128, 8, false).a8(), None);
-        let key = KernelKey::GemmSkinnyA8 { k: 256, n: [128, 0, 0] };
+        let key = KernelKey::GemmSkinnyA8 { k: 256, n: [128, 0, 0], cl: 0 };
         assert_eq!(
             (key.arch("sm_90"), key.arch("compute_90"), key.arch("sm_100")),
             ("sm_90a".into(), "compute_90a".into(), "sm_100".into())
@@ -977,6 +977,31 @@ mod tests {
         assert_eq!((blocks(3584, 37888), slots(3584, 37888)), (264, 2));
         assert_eq!((blocks(18944, 3584), slots(18944, 3584)), (264, 11));
         assert_eq!((blocks(896, 1152), slots(896, 1152)), (15, 3));
+        // Clusters where stream-K puts two or more blocks on every tile: the 7B's o and q|k|v
+        // (seven a tile), its down projection (nine, capped to eight), the 0.5B's down (nine);
+        // not the 7B's gate/up (more tiles than blocks) nor the 0.5B's q/k/v (15 blocks, 9 tiles).
+        let (cluster, grid) = (crate::a8_cluster, crate::a8_grid);
+        assert_eq!([(3584, 3584), (3584, 4608), (18944, 3584), (4864, 896)].map(|(k, n)| cluster(k, n)), [7, 7, 8, 8]);
+        assert_eq!(
+            [(3584, 3584, 7), (18944, 3584, 8), (18944, 3584, 0)].map(|(k, n, c)| grid(k, n, c)),
+            [196, 224, 264]
+        );
+        assert_eq!((cluster(3584, 37888), cluster(896, 1152)), (0, 0));
+        // Both instances of a shape that has clusters, for the runtime to choose between; one
+        // of a shape that has none.
+        let o7b = KernelKey::GemmSkinny { k: 3584, n: [3584, 0, 0], tiles: 8, wf: WFormat::E4m3, b32: false };
+        let (plain, clustered) = (o7b.a8().unwrap(), o7b.a8_clustered().unwrap());
+        assert_eq!(clustered, KernelKey::GemmSkinnyA8 { k: 3584, n: [3584, 0, 0], cl: 7 });
+        let o = clustered.instance().unwrap();
+        assert!(
+            o.contains("__launch_bounds__(128, 1) __cluster_dims__(7, 1, 1) gemm_skinny_a8_k3584_n3584_cl7("),
+            "{o}"
+        );
+        assert!(o.contains("gemm_skinny_a8<3584, 3584, 0, 0, 196, 7, 4, 7>("), "{o}");
+        let o = plain.instance().unwrap();
+        assert!(o.contains("__launch_bounds__(128, 1) gemm_skinny_a8_k3584_n3584("), "{o}");
+        assert!(o.contains("gemm_skinny_a8<3584, 3584, 0, 0, 196, 7, 4, 0>("), "{o}");
+        assert_eq!(skinny(128, 8, true).a8_clustered(), None);
     }
 
     /// An E4M3 linear weight takes the `w8` variants: the GEMV up to `GEMV_MAX_ROWS`, the

@@ -49,11 +49,16 @@ pub(crate) enum Gemm {
     Ours,
     /// cuBLASLt (W8A8 for E4M3 weights: `w8a8`).
     Blas,
-    /// Our W8A8 small-batch kernel (`KernelKey::GemmSkinnyA8`).
+    /// Our W8A8 small-batch kernel (`KernelKey::GemmSkinnyA8`), stream-K.
     A8,
     /// The schedule's tiled GEMM where the small-batch kernel is the variant at the row count
     /// (`codegen_cuda::tiled`): it fills more SMs on narrow shapes.
     Tiled,
+    /// Our W8A8 small-batch kernel with a thread-block cluster a tile, where the shape has one
+    /// (`KernelKey::a8_clustered`). Alone it may be slower than stream-K (q|k|v of the 7B at
+    /// 64 rows: 18 against 15 us) and yet shorten the step (a 4-layer 7B FP8 graph at 64 rows:
+    /// 851 against 926 us), or the reverse (16 rows: 840 against 790): the graph chooses.
+    A8c,
 }
 
 impl Gemm {
@@ -65,6 +70,7 @@ impl Gemm {
             Gemm::Blas => ("*", "L", 1),
             Gemm::A8 => ("+", "A", 2),
             Gemm::Tiled => ("^", "T", 3),
+            Gemm::A8c => ("#", "C", 4),
         }
     }
 
@@ -75,16 +81,17 @@ impl Gemm {
         match (self, key.a8()) {
             (Gemm::Blas, _) => format!("cublaslt[{}]", key.name()),
             (Gemm::A8, Some(a8)) => format!("{} (+quant_e4m3)", a8.name()),
+            (Gemm::A8c, _) => key.a8_clustered().map_or_else(|| key.name(), |k| format!("{} (+quant_e4m3)", k.name())),
             (Gemm::Tiled, _) => key.tiled().map_or_else(|| key.name(), |k| k.name()),
             _ => key.name(),
         }
     }
 
     pub(crate) fn from_number(n: usize) -> Option<Gemm> {
-        [Gemm::Ours, Gemm::Blas, Gemm::A8, Gemm::Tiled].get(n).copied()
+        [Gemm::Ours, Gemm::Blas, Gemm::A8, Gemm::Tiled, Gemm::A8c].get(n).copied()
     }
 
-    /// `ENGINE_GEMM_FORCE` (`ours`, `cublaslt`, `a8` or `tiled`): the GEMM every launch runs where it
+    /// `ENGINE_GEMM_FORCE` (`ours`, `cublaslt`, `a8`, `a8c` or `tiled`): the GEMM every launch runs where it
     /// has it and its check passed, whatever the timing says, so the GPU check can test each
     /// (the choices are kept in a cache file of their own, so that the check's processes run
     /// the same GEMMs).
@@ -93,6 +100,7 @@ impl Gemm {
             "ours" => Some(Gemm::Ours),
             "cublaslt" => Some(Gemm::Blas),
             "a8" => Some(Gemm::A8),
+            "a8c" => Some(Gemm::A8c),
             "tiled" => Some(Gemm::Tiled),
             _ => None,
         }
@@ -104,11 +112,12 @@ impl Gemm {
 pub(crate) fn candidates<'a>(l: &'a Launch, refused: &'a [Gemm]) -> impl Iterator<Item = Gemm> + 'a {
     let has = |g: &Gemm| match g {
         Gemm::A8 => l.key.a8().is_some(),
+        Gemm::A8c => l.key.a8_clustered().is_some(),
         Gemm::Tiled => l.key.tiled().is_some(),
         Gemm::Blas => gemm_shape(&l.key).is_some_and(|s| !s.2.gguf()),
         Gemm::Ours => true,
     };
-    [Gemm::Blas, Gemm::A8, Gemm::Tiled].into_iter().filter(move |g| has(g) && !refused.contains(g))
+    [Gemm::Blas, Gemm::A8, Gemm::A8c, Gemm::Tiled].into_iter().filter(move |g| has(g) && !refused.contains(g))
 }
 
 /// The GEMM a linear shape runs at one bucket, with what else could: the choice of the load's
@@ -173,8 +182,10 @@ impl CudaBackend {
                 WFormat::E4m3 => " e4m3".into(),
                 f => format!(" {}", f.ctype()),
             };
-            let mut line =
-                format!("GEMM k{} n{:?}{wf} (us: ours / L cuBLASLt / A ours W8A8 / T ours tiled):", shape.0, shape.1);
+            let mut line = format!(
+                "GEMM k{} n{:?}{wf} (us: ours / L cuBLASLt / A ours W8A8 / C its clusters / T ours tiled):",
+                shape.0, shape.1
+            );
             let fresh = !launches.iter().all(|(t, _)| cached.contains_key(&(*shape, *t)));
             let w8 = shape.2 == WFormat::E4m3;
             let refused = if w8 && fresh { self.w8a8_refusals(launches, &mut line)? } else { vec![] };
@@ -189,7 +200,7 @@ impl CudaBackend {
                 choice.push((*t, best));
                 timed = true;
             }
-            eprintln!("{line} (runs: *: cuBLASLt, +: ours W8A8, ^: ours tiled)");
+            eprintln!("{line} (runs: *: cuBLASLt, +: ours W8A8, #: its clusters, ^: ours tiled)");
             choice.sort_by_key(|(t, _)| *t);
             self.blas_choice.insert(*shape, choice);
         }
@@ -240,7 +251,8 @@ impl CudaBackend {
         match g {
             Gemm::Ours => self.launch(l, t, t, &[0; 6]),
             Gemm::Blas => self.launch_blas(l, t),
-            Gemm::A8 => self.launch_a8(l, t),
+            Gemm::A8 => self.launch_a8(l, t, false),
+            Gemm::A8c => self.launch_a8(l, t, true),
             Gemm::Tiled => match codegen_cuda::tiled(l) {
                 Some(tiled) => self.launch(&tiled, t, t, &[0; 6]),
                 None => Err(RuntimeError::Unsupported(format!("{} has no tiled GEMM", l.key.name()))),
@@ -394,7 +406,7 @@ fn choices_file(stream: &CudaStream, source: &str) -> Option<std::path::PathBuf>
 
 /// The choices of a file [`write_choices`] wrote: lines `k n0 n1 n2 wf t gemm viable tuned`
 /// (`wf` the weight format's number, [`WFormat::number`]: 0 16-bit, 1 E4M3, as the `w8` column
-/// of older files; `tuned` 1 or 0; `gemm` 0 ours, 1 cuBLASLt, 2 ours W8A8, 3 ours tiled; `viable` the
+/// of older files; `tuned` 1 or 0; `gemm` 0 ours, 1 cuBLASLt, 2 ours W8A8, 3 ours tiled, 4 ours W8A8 with clusters; `viable` the
 /// mask of [`Choice`]); unreadable lines (and a missing file) are left out, so they are timed
 /// again.
 fn read_choices(path: &std::path::Path) -> HashMap<(Shape, usize), Choice> {
@@ -484,7 +496,7 @@ mod tests {
         // The seven-field lines of a file from before the graph's tuning, the six-field ones from
         // before E4M3 shapes, and unknown kernels, are timed again.
         let lines =
-            "896 4864 4864 0 0 16 0 1 0\n896 4864 x 0 0 64 1 3 0\n896 4864 4864 0 16 0\n896 4864 4864 0 1 8 4 17 0\n\
+            "896 4864 4864 0 0 16 0 1 0\n896 4864 x 0 0 64 1 3 0\n896 4864 4864 0 16 0\n896 4864 4864 0 1 8 5 33 0\n\
                      896 4864 4864 0 0 32 1\n1 2 3\n";
         std::fs::write(&path, lines).unwrap();
         assert_eq!(read_choices(&path), HashMap::from([((shape, 16), of(Gemm::Ours))]));

@@ -185,6 +185,7 @@ impl CudaBackend {
                 if let Some(why) = self.w8a8_disagrees(l, *t, g)? {
                     let who = match g {
                         Gemm::A8 => "W8A8",
+                        Gemm::A8c => "W8A8 clusters",
                         Gemm::Tiled => "tiled GEMM",
                         _ => "cuBLASLt",
                     };
@@ -214,7 +215,7 @@ impl CudaBackend {
         }
         let (mut sums, mut tiles) = (1, 1);
         for key in &self.program.kernels {
-            if let KernelKey::GemmSkinnyA8 { k, n } = *key {
+            if let KernelKey::GemmSkinnyA8 { k, n, cl: 0 } = *key {
                 let n: usize = n.iter().sum();
                 let slots = codegen_cuda::a8_slots(k, n);
                 if slots > 1 {
@@ -278,9 +279,11 @@ impl CudaBackend {
 
     /// A small-batch launch of E4M3 weights (`GemmSkinny`) of `t` rows as W8A8 by our kernel
     /// (`KernelKey::GemmSkinnyA8`): the input quantized per token and 128 columns, then the
-    /// E4M3 tensor-core kernel, writing the launch's outputs.
-    pub(super) fn launch_a8(&self, l: &Launch, t: usize) -> Result<(), RuntimeError> {
-        let (Some(key), KernelKey::GemmSkinny { k, n, .. }) = (l.key.a8(), l.key) else {
+    /// E4M3 tensor-core kernel, writing the launch's outputs; `clustered`: its instance with a
+    /// thread-block cluster a tile (`KernelKey::a8_clustered`).
+    pub(super) fn launch_a8(&self, l: &Launch, t: usize, clustered: bool) -> Result<(), RuntimeError> {
+        let key = if clustered { l.key.a8_clustered() } else { l.key.a8() };
+        let (Some(key @ KernelKey::GemmSkinnyA8 { cl, .. }), KernelKey::GemmSkinny { k, n, .. }) = (key, l.key) else {
             return Err(RuntimeError::Unsupported(format!("{} has no W8A8 kernel", l.key.name())));
         };
         if !self.wgmma {
@@ -305,7 +308,7 @@ impl CudaBackend {
         params.push(&t32 as *const i32 as *mut _);
         params.extend(mw.iter().map(|m| m as *const TmaMap as *mut std::ffi::c_void));
         let n: usize = n.iter().sum();
-        let grid = (codegen_cuda::a8_blocks(k, n) as u32, 1, 1);
+        let grid = (codegen_cuda::a8_grid(k, n, cl) as u32, 1, 1);
         let cfg = LaunchConfig { grid_dim: grid, block_dim: (128, 1, 1), shared_mem_bytes: key.dyn_smem() as u32 };
         self.raw_launch(&key, cfg, &mut params)
     }
