@@ -59,6 +59,9 @@ pub(crate) enum Gemm {
     /// 64 rows: 18 against 15 us) and yet shorten the step (a 4-layer 7B FP8 graph at 64 rows:
     /// 851 against 926 us), or the reverse (16 rows: 840 against 790): the graph chooses.
     A8c,
+    /// cuBLASLt's 16-bit GEMM on a 16-bit copy of E4M3 weights, where the model is small enough
+    /// to keep one (`w16`).
+    Blas16,
 }
 
 impl Gemm {
@@ -71,6 +74,7 @@ impl Gemm {
             Gemm::A8 => ("+", "A", 2),
             Gemm::Tiled => ("^", "T", 3),
             Gemm::A8c => ("#", "C", 4),
+            Gemm::Blas16 => ("%", "H", 5),
         }
     }
 
@@ -80,6 +84,7 @@ impl Gemm {
     pub(crate) fn label(self, key: &KernelKey) -> String {
         match (self, key.a8()) {
             (Gemm::Blas, _) => format!("cublaslt[{}]", key.name()),
+            (Gemm::Blas16, _) => format!("cublaslt[{}_h16]", key.name()),
             (Gemm::A8, Some(a8)) => format!("{} (+quant_e4m3)", a8.name()),
             (Gemm::A8c, _) => key.a8_clustered().map_or_else(|| key.name(), |k| format!("{} (+quant_e4m3)", k.name())),
             (Gemm::Tiled, _) => key.tiled().map_or_else(|| key.name(), |k| k.name()),
@@ -88,10 +93,10 @@ impl Gemm {
     }
 
     pub(crate) fn from_number(n: usize) -> Option<Gemm> {
-        [Gemm::Ours, Gemm::Blas, Gemm::A8, Gemm::Tiled, Gemm::A8c].get(n).copied()
+        [Gemm::Ours, Gemm::Blas, Gemm::A8, Gemm::Tiled, Gemm::A8c, Gemm::Blas16].get(n).copied()
     }
 
-    /// `ENGINE_GEMM_FORCE` (`ours`, `cublaslt`, `a8`, `a8c` or `tiled`): the GEMM every launch runs where it
+    /// `ENGINE_GEMM_FORCE` (`ours`, `cublaslt`, `a8`, `a8c`, `h16` or `tiled`): the GEMM every launch runs where it
     /// has it and its check passed, whatever the timing says, so the GPU check can test each
     /// (the choices are kept in a cache file of their own, so that the check's processes run
     /// the same GEMMs).
@@ -101,6 +106,7 @@ impl Gemm {
             "cublaslt" => Some(Gemm::Blas),
             "a8" => Some(Gemm::A8),
             "a8c" => Some(Gemm::A8c),
+            "h16" => Some(Gemm::Blas16),
             "tiled" => Some(Gemm::Tiled),
             _ => None,
         }
@@ -113,11 +119,14 @@ pub(crate) fn candidates<'a>(l: &'a Launch, refused: &'a [Gemm]) -> impl Iterato
     let has = |g: &Gemm| match g {
         Gemm::A8 => l.key.a8().is_some(),
         Gemm::A8c => l.key.a8_clustered().is_some(),
+        Gemm::Blas16 => gemm_shape(&l.key).is_some_and(|s| s.2 == WFormat::E4m3),
         Gemm::Tiled => l.key.tiled().is_some(),
         Gemm::Blas => gemm_shape(&l.key).is_some_and(|s| !s.2.gguf()),
         Gemm::Ours => true,
     };
-    [Gemm::Blas, Gemm::A8, Gemm::A8c, Gemm::Tiled].into_iter().filter(move |g| has(g) && !refused.contains(g))
+    [Gemm::Blas, Gemm::Blas16, Gemm::A8, Gemm::A8c, Gemm::Tiled]
+        .into_iter()
+        .filter(move |g| has(g) && !refused.contains(g))
 }
 
 /// The GEMM a linear shape runs at one bucket, with what else could: the choice of the load's
@@ -170,6 +179,7 @@ impl CudaBackend {
         blas.explore(true);
         self.blas = Some(blas);
         let firsts: Vec<Launch> = shapes.iter().flat_map(|(_, ls)| ls.iter().map(|(_, l)| l.clone())).collect();
+        self.make_w16_copies()?;
         self.convert_biases(&firsts)?;
         self.convert_w8_scales()?;
         self.ensure_cap(buckets[buckets.len() - 1], MAX_LOGITS_ROWS)?;
@@ -183,7 +193,7 @@ impl CudaBackend {
                 f => format!(" {}", f.ctype()),
             };
             let mut line = format!(
-                "GEMM k{} n{:?}{wf} (us: ours / L cuBLASLt / A ours W8A8 / C its clusters / T ours tiled):",
+                "GEMM k{} n{:?}{wf} (us: ours / L cuBLASLt / H its 16-bit copy / A ours W8A8 / C its clusters / T ours tiled):",
                 shape.0, shape.1
             );
             let fresh = !launches.iter().all(|(t, _)| cached.contains_key(&(*shape, *t)));
@@ -200,7 +210,7 @@ impl CudaBackend {
                 choice.push((*t, best));
                 timed = true;
             }
-            eprintln!("{line} (runs: *: cuBLASLt, +: ours W8A8, #: its clusters, ^: ours tiled)");
+            eprintln!("{line} (runs: *: cuBLASLt, %: its 16-bit copy, +: ours W8A8, #: its clusters, ^: ours tiled)");
             choice.sort_by_key(|(t, _)| *t);
             self.blas_choice.insert(*shape, choice);
         }
@@ -250,7 +260,11 @@ impl CudaBackend {
     pub(super) fn run_gemm(&self, l: &Launch, t: usize, g: Gemm) -> Result<(), RuntimeError> {
         match g {
             Gemm::Ours => self.launch(l, t, t, &[0; 6]),
-            Gemm::Blas => self.launch_blas(l, t),
+            Gemm::Blas => self.launch_blas(l, t, None),
+            Gemm::Blas16 => match self.w16_copy(l) {
+                Some(copy) => self.launch_blas(l, t, Some(copy)),
+                None => Err(RuntimeError::Unsupported(format!("{} has no 16-bit copy", l.key.name()))),
+            },
             Gemm::A8 => self.launch_a8(l, t, false),
             Gemm::A8c => self.launch_a8(l, t, true),
             Gemm::Tiled => match codegen_cuda::tiled(l) {
@@ -296,9 +310,13 @@ impl CudaBackend {
             _ => vec![],
         });
         for l in launches.filter(|l| gemms.iter().any(|g| g.key == l.key)) {
-            let (Some((_, n, WFormat::H16)), Some(&Arg::Weight(first))) = (gemm_shape(&l.key), l.args.get(1)) else {
+            let (Some((_, n, wf)), Some(&Arg::Weight(first))) = (gemm_shape(&l.key), l.args.get(1)) else {
                 continue;
             };
+            // 16-bit weights, and E4M3 ones with a 16-bit copy (`w16`).
+            if wf != WFormat::H16 && !(wf == WFormat::E4m3 && self.w16.contains_key(&first)) {
+                continue;
+            }
             let biases: Vec<Option<usize>> = (0..3)
                 .filter(|&g| n[g] > 0)
                 .map(|g| if let Some(&Arg::Weight(b)) = l.args.get(2 + 3 * g) { Some(b) } else { None })
@@ -324,15 +342,16 @@ impl CudaBackend {
     /// A GEMM launch (`KernelKey::Gemm`: x, then weight, bias and output of up to three linears,
     /// the outputs one packed matrix) of `t` tokens through cuBLASLt: one matmul where the
     /// weights are adjacent (`weights`) and 16-bit, else one per linear; E4M3 weights as W8A8
-    /// (`w8a8`), refused where their scales fit no cuBLASLt mode.
-    pub(super) fn launch_blas(&self, l: &Launch, t: usize) -> Result<(), RuntimeError> {
+    /// (`w8a8`), refused where their scales fit no cuBLASLt mode, or (`copy`: the address of
+    /// their 16-bit copy, `w16`) as 16-bit ones.
+    pub(super) fn launch_blas(&self, l: &Launch, t: usize, copy: Option<u64>) -> Result<(), RuntimeError> {
         let (Some((k, n, wf)), Some(blas)) = (gemm_shape(&l.key), &self.blas) else {
             return Err(RuntimeError::Unsupported(format!("{} is not a cuBLASLt GEMM", l.key.name())));
         };
         if wf.gguf() {
             return Err(RuntimeError::Unsupported(format!("{}: cuBLASLt reads no GGUF blocks", l.key.name())));
         }
-        let w8 = wf == WFormat::E4m3;
+        let w8 = wf == WFormat::E4m3 && copy.is_none();
         let ntot: usize = n.iter().sum();
         let biases = l.args.get(1).and_then(|w| if let Arg::Weight(w) = w { self.bias_f32.get(w) } else { None });
         let mut parts = Vec::with_capacity(3);
@@ -345,7 +364,11 @@ impl CudaBackend {
                 Some(Arg::Weight(_)) => biases.map_or(0, |s| self.ptr(s) + 4 * at as u64),
                 _ => 0,
             };
-            let (w, out) = (self.arg_ptr(&l.args[1 + 3 * g]), self.arg_ptr(&l.args[3 + 3 * g]));
+            let w = match copy {
+                Some(c) => c + (at * k * self.program.half.size()) as u64,
+                None => self.arg_ptr(&l.args[1 + 3 * g]),
+            };
+            let out = self.arg_ptr(&l.args[3 + 3 * g]);
             let mut w_scales = 0;
             if let (true, Arg::Weight(i)) = (w8, &l.args[1 + 3 * g]) {
                 let Some((mode, s)) = self.w8_scales.get(i) else {
@@ -406,7 +429,7 @@ fn choices_file(stream: &CudaStream, source: &str) -> Option<std::path::PathBuf>
 
 /// The choices of a file [`write_choices`] wrote: lines `k n0 n1 n2 wf t gemm viable tuned`
 /// (`wf` the weight format's number, [`WFormat::number`]: 0 16-bit, 1 E4M3, as the `w8` column
-/// of older files; `tuned` 1 or 0; `gemm` 0 ours, 1 cuBLASLt, 2 ours W8A8, 3 ours tiled, 4 ours W8A8 with clusters; `viable` the
+/// of older files; `tuned` 1 or 0; `gemm` 0 ours, 1 cuBLASLt, 2 ours W8A8, 3 ours tiled, 4 ours W8A8 with clusters, 5 cuBLASLt on a 16-bit copy; `viable` the
 /// mask of [`Choice`]); unreadable lines (and a missing file) are left out, so they are timed
 /// again.
 fn read_choices(path: &std::path::Path) -> HashMap<(Shape, usize), Choice> {
@@ -496,7 +519,7 @@ mod tests {
         // The seven-field lines of a file from before the graph's tuning, the six-field ones from
         // before E4M3 shapes, and unknown kernels, are timed again.
         let lines =
-            "896 4864 4864 0 0 16 0 1 0\n896 4864 x 0 0 64 1 3 0\n896 4864 4864 0 16 0\n896 4864 4864 0 1 8 5 33 0\n\
+            "896 4864 4864 0 0 16 0 1 0\n896 4864 x 0 0 64 1 3 0\n896 4864 4864 0 16 0\n896 4864 4864 0 1 8 6 65 0\n\
                      896 4864 4864 0 0 32 1\n1 2 3\n";
         std::fs::write(&path, lines).unwrap();
         assert_eq!(read_choices(&path), HashMap::from([((shape, 16), of(Gemm::Ours))]));
@@ -515,7 +538,9 @@ mod tests {
     }
 
     /// The tiled GEMM stands in for the small-batch kernel's launches only; our W8A8 kernel for
-    /// those of E4M3 weights with output counts of whole 128-feature tiles.
+    /// those of E4M3 weights with output counts of whole 128-feature tiles (its clusters where
+    /// stream-K puts several blocks on every tile); cuBLASLt on a 16-bit copy for any E4M3
+    /// launch (whether it has one is the load's to say: `w16_refused`).
     #[test]
     fn candidates_follow_the_launch() {
         let (k, n) = (896, [4864, 4864, 0]);
@@ -523,12 +548,14 @@ mod tests {
             let l = Launch { key, args: vec![], grid: [codegen_cuda::Dim::Fixed(1); 2], block: 256 };
             candidates(&l, refused).collect::<Vec<_>>()
         };
-        let (b, a, t) = (Gemm::Blas, Gemm::A8, Gemm::Tiled);
+        let (b, a, t, c, h) = (Gemm::Blas, Gemm::A8, Gemm::Tiled, Gemm::A8c, Gemm::Blas16);
         let (h16, w8) = (WFormat::H16, WFormat::E4m3);
         assert_eq!(of(KernelKey::GemmSkinny { k, n, tiles: 8, wf: h16, b32: false }, &[]), [b, t]);
-        assert_eq!(of(KernelKey::GemmSkinny { k, n: [4864, 128, 0], tiles: 8, wf: w8, b32: false }, &[b]), [a, t]);
-        assert_eq!(of(KernelKey::GemmSkinny { k, n, tiles: 16, wf: w8, b32: false }, &[]), [b, t]);
-        assert_eq!(of(KernelKey::Gemm { k, n, wf: w8, b32: false }, &[]), [b]);
+        assert_eq!(of(KernelKey::GemmSkinny { k, n: [4864, 128, 0], tiles: 8, wf: w8, b32: false }, &[b]), [h, a, t]);
+        assert_eq!(of(KernelKey::GemmSkinny { k, n, tiles: 16, wf: w8, b32: false }, &[h]), [b, t]);
+        assert_eq!(of(KernelKey::Gemm { k, n, wf: w8, b32: false }, &[]), [b, h]);
+        let o7b = KernelKey::GemmSkinny { k: 3584, n: [3584, 0, 0], tiles: 8, wf: w8, b32: false };
+        assert_eq!(of(o7b, &[h]), [b, a, c, t]);
         // GGUF's blocks: our tiled GEMM only, never cuBLASLt.
         assert_eq!(of(KernelKey::GemmSkinny { k, n, tiles: 8, wf: WFormat::Q4, b32: false }, &[]), [t]);
         assert_eq!(of(KernelKey::Gemm { k, n, wf: WFormat::S8, b32: false }, &[]), []);

@@ -26,6 +26,7 @@ pub(crate) mod probe;
 mod profile;
 pub mod tp;
 mod tune;
+mod w16;
 mod w8a8;
 mod weights;
 
@@ -95,6 +96,8 @@ pub struct CudaBackend {
     /// a launch with our W8A8 kernel's split sums.
     w8_scales: HashMap<usize, (w8a8::Fp8Scales, CudaSlice<f32>)>,
     w8_input: Option<w8a8::W8Input>,
+    /// 16-bit copies of small E4M3 linears, by a launch's first weight ([`w16`]).
+    w16: HashMap<usize, CudaSlice<u8>>,
     /// `ENGINE_CUDA_PROFILE` ([`profile`]).
     profile: Option<Profile>,
     /// `ENGINE_CUDA_SKIP` ([`profile::skip_from_env`]): kernels left out, for timing only.
@@ -261,6 +264,7 @@ impl CudaBackend {
             choices_file: None,
             bias_f32: HashMap::new(),
             w8_scales: HashMap::new(),
+            w16: HashMap::new(),
             w8_input: None,
             profile,
             skip: vec![],

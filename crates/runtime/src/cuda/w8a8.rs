@@ -174,7 +174,7 @@ impl CudaBackend {
         launches: &[(usize, Launch)],
         line: &mut String,
     ) -> Result<Vec<Gemm>, RuntimeError> {
-        let (mut refused, mut seen) = (vec![], vec![]);
+        let (mut refused, mut seen) = (launches.first().map_or(vec![], |(_, l)| self.w16_refused(l)), vec![]);
         for (t, l) in launches {
             if seen.contains(&l.key) {
                 continue;
@@ -187,6 +187,7 @@ impl CudaBackend {
                         Gemm::A8 => "W8A8",
                         Gemm::A8c => "W8A8 clusters",
                         Gemm::Tiled => "tiled GEMM",
+                        Gemm::Blas16 => "cuBLASLt on the 16-bit copy",
                         _ => "cuBLASLt",
                     };
                     line.push_str(&format!(" [{who} refused at t={t}: {why}]"));
