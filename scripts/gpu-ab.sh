@@ -32,8 +32,20 @@ mkdir -p "$out"
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
 export ENGINE_CACHE_DIR=/tmp/engine-cache NCCL_NVLS_ENABLE=0
 : "${AB_ENVS:?set AB_ENVS, e.g. AB_ENVS=ENGINE_PDL=0}"
+# The machine's disk (64 GB) holds the full 7B's checkpoint and two bundles (~38 GB), but not
+# beside the cut shapes' of earlier calls (2026-11-28: a compile failed, no space left): below
+# 40 GB free, the checkpoints and bundles in /tmp of shapes other than $1 are removed first.
+room() {
+  local free d
+  free=$(df --output=avail -BG /tmp | tail -1 | tr -dc 0-9)
+  [ "$free" -ge 40 ] && return
+  for d in /tmp/ck-* /tmp/.ck-*; do
+    case $d in "$1" | "$1".* | "$1"-fp8*) ;; *) rm -rf "$d" ;; esac
+  done
+}
 for shape in ${SHAPES:-qwen2.5-0.5b}; do
   ck=/tmp/ck-$shape${LAYERS:+-l$LAYERS}
+  room "$ck"
   if [ ! -f "$ck/config.json" ]; then
     cfg=tests/configs/$shape.json
     if [ -n "${LAYERS:-}" ]; then
