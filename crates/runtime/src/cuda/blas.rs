@@ -170,7 +170,8 @@ impl CudaBackend {
             eprintln!("cuBLASLt not found: every GEMM runs our kernel");
             return Ok(());
         };
-        let file = choices_file(&self.stream, &self.program.source);
+        self.make_w16_copies();
+        let file = choices_file(&self.stream, &self.program.source, !self.w16.is_empty());
         self.choices_file.clone_from(&file);
         let algos_file = file.as_ref().map(|f| f.with_extension("algos"));
         if let Some(f) = &algos_file {
@@ -179,7 +180,6 @@ impl CudaBackend {
         blas.explore(true);
         self.blas = Some(blas);
         let firsts: Vec<Launch> = shapes.iter().flat_map(|(_, ls)| ls.iter().map(|(_, l)| l.clone())).collect();
-        self.make_w16_copies()?;
         self.convert_biases(&firsts)?;
         self.convert_w8_scales()?;
         self.ensure_cap(buckets[buckets.len() - 1], MAX_LOGITS_ROWS)?;
@@ -217,6 +217,7 @@ impl CudaBackend {
         if timed {
             self.save_choices();
         }
+        self.drop_unused_w16();
         if let Some(b) = &self.blas {
             b.explore(false);
             if let Some(f) = &algos_file {
@@ -414,8 +415,10 @@ impl CudaBackend {
 /// GEMMs: where the two time within the noise the choice would otherwise differ from run to
 /// run, and the logits with it. `None`: no cache folder. `ENGINE_GEMM_CHOICES=FILE` names the
 /// file instead, so that binaries with different kernels run the same GEMMs (an A/B of
-/// anything but the GEMMs: `scripts/gpu-ab.sh`).
-fn choices_file(stream: &CudaStream, source: &str) -> Option<std::path::PathBuf> {
+/// anything but the GEMMs: `scripts/gpu-ab.sh`). A load with 16-bit copies of its E4M3 linears
+/// (`copies`, `w16`) keeps its own: a choice of the copies means nothing to a load without them,
+/// and a load with them would never time them against choices made without.
+fn choices_file(stream: &CudaStream, source: &str, copies: bool) -> Option<std::path::PathBuf> {
     use std::hash::{Hash, Hasher};
     if let Some(f) = std::env::var_os("ENGINE_GEMM_CHOICES") {
         return Some(f.into());
@@ -424,7 +427,8 @@ fn choices_file(stream: &CudaStream, source: &str) -> Option<std::path::PathBuf>
     let mut h = std::collections::hash_map::DefaultHasher::new();
     (name, source).hash(&mut h);
     let forced = Gemm::forced().map_or(String::new(), |g| format!("-forced{}", g.mark().2));
-    Some(codegen_cuda::nvrtc::cache_dir()?.join(format!("gemm-choices-{:016x}{forced}.txt", h.finish())))
+    let copies = if copies { "-h16" } else { "" };
+    Some(codegen_cuda::nvrtc::cache_dir()?.join(format!("gemm-choices-{:016x}{forced}{copies}.txt", h.finish())))
 }
 
 /// The choices of a file [`write_choices`] wrote: lines `k n0 n1 n2 wf t gemm viable tuned`
@@ -443,17 +447,21 @@ fn read_choices(path: &std::path::Path) -> HashMap<(Shape, usize), Choice> {
     text.lines().filter_map(parse).collect()
 }
 
-/// Writes every shape's choices (atomically: a temporary file renamed); a cache that cannot be
-/// written is only a cache.
+/// Writes every shape's choices over those the file holds (a file shared by two bundles, as
+/// `scripts/gpu-ab.sh`'s bf16 and FP8 runs share one, keeps both bundles' shapes), atomically:
+/// a temporary file renamed; a cache that cannot be written is only a cache.
 fn write_choices(path: &std::path::Path, choices: &HashMap<Shape, Vec<(usize, Choice)>>) {
-    let mut text = String::new();
-    for ((k, n, wf), ch) in choices {
-        for (t, c) in ch {
+    let mut all = read_choices(path);
+    all.extend(choices.iter().flat_map(|(s, ch)| ch.iter().map(move |(t, c)| ((*s, *t), *c))));
+    let mut lines: Vec<String> = all
+        .iter()
+        .map(|(((k, n, wf), t), c)| {
             let (g, tuned) = (c.gemm.mark().2, u8::from(c.tuned));
-            let _ = writeln!(text, "{k} {} {} {} {} {t} {g} {} {tuned}", n[0], n[1], n[2], wf.number(), c.viable);
-        }
-    }
-    write_atomically(path, &text);
+            format!("{k} {} {} {} {} {t} {g} {} {tuned}\n", n[0], n[1], n[2], wf.number(), c.viable)
+        })
+        .collect();
+    lines.sort();
+    write_atomically(path, &lines.concat());
 }
 
 /// Writes `text` to `path` through a temporary file renamed (a cache that cannot be written is
@@ -507,7 +515,9 @@ mod tests {
             (shape, vec![(16, of(Gemm::Ours)), (64, of(Gemm::Blas))]),
             (w8, vec![(16, of(Gemm::A8)), (128, tuned)]),
         ]);
-        write_choices(&path, &choices);
+        // Written in two parts (two bundles' shapes sharing the file): both are kept.
+        write_choices(&path, &HashMap::from([(shape, choices[&shape].clone())]));
+        write_choices(&path, &HashMap::from([(w8, choices[&w8].clone())]));
         let back = read_choices(&path);
         let want = [
             ((shape, 16), of(Gemm::Ours)),

@@ -5,14 +5,16 @@
 //! shapes. So where the copies of all the program's E4M3 linears fit `ENGINE_W8_COPY_MB`
 //! (default 1024 MB: the 0.5B's take 716; the 7B's 14.6 GB never), each launch's weights are
 //! dequantized once at load (codes times their scales, the values every other GEMM multiplies
-//! by, as `ir::quant` defines them) into one 16-bit matrix, and the GEMM choice (timing at
-//! load, then the decode graph's) takes it where faster. The results are the W8A16 ones (no
-//! activation quantization).
+//! by, as `ir::quant` defines them, rounded to 16 bits) into one 16-bit matrix, and the GEMM
+//! choice (timing at load, then the decode graph's) takes it where faster: no activation
+//! quantization, so within the 16-bit rounding of the weights of the W8A16 results. Copies no
+//! choice can use are freed after the load's timing.
 
 use super::blas::Gemm;
 use super::{driver, CudaBackend};
 use crate::RuntimeError;
 use codegen_cuda::{Arg, KernelKey, Launch, Step, W8_GROUP};
+use rayon::prelude::*;
 
 /// One launch's E4M3 linears: their weights (index, output rows) in the launch's order, and
 /// their input features.
@@ -20,28 +22,52 @@ type Linears = (Vec<(usize, usize)>, usize);
 
 impl CudaBackend {
     /// Makes the 16-bit copies where all of them fit the budget (`ENGINE_W8_COPY_MB`); logs
-    /// their size.
-    pub(super) fn make_w16_copies(&mut self) -> Result<(), RuntimeError> {
+    /// their size. Optional: where one cannot be made, none are, and the log says why.
+    pub(super) fn make_w16_copies(&mut self) {
         let budget = std::env::var("ENGINE_W8_COPY_MB").ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(1024);
         let launches = w8_launches(&self.program);
         let half = self.program.half.size();
         let bytes: usize = launches.iter().map(|(ws, k)| ws.iter().map(|w| w.1).sum::<usize>() * k * half).sum();
         if launches.is_empty() || bytes > budget << 20 {
-            return Ok(());
+            return;
         }
-        for (ws, k) in &launches {
-            let mut values = Vec::with_capacity(ws.iter().map(|w| w.1).sum::<usize>() * k);
-            for &(w, n) in ws {
-                let Some(dev) = self.weights.view(w) else { return Ok(()) };
-                let stored = self.stream.clone_dtoh(&dev).map_err(driver("reading an E4M3 weight"))?;
-                values.extend(dequantize(&stored, n, *k)?);
+        let start = std::time::Instant::now();
+        match launches.iter().try_for_each(|ls| self.make_w16_copy(ls)) {
+            Ok(()) => eprintln!(
+                "16-bit copies of the E4M3 linears: {} MB in {:.2}s (ENGINE_W8_COPY_MB={budget})",
+                bytes >> 20,
+                start.elapsed().as_secs_f64()
+            ),
+            Err(e) => {
+                eprintln!("no 16-bit copies of the E4M3 linears: {e}");
+                self.w16.clear();
             }
-            let copy =
-                self.stream.clone_htod(&self.program.half.from_f32(&values)).map_err(driver("uploading a copy"))?;
-            self.w16.insert(ws[0].0, copy);
         }
-        eprintln!("16-bit copies of the E4M3 linears: {} MB (ENGINE_W8_COPY_MB={budget})", bytes >> 20);
+    }
+
+    /// The copy of one launch's linears, end to end.
+    fn make_w16_copy(&mut self, (ws, k): &Linears) -> Result<(), RuntimeError> {
+        let mut values = Vec::with_capacity(ws.iter().map(|w| w.1).sum::<usize>() * k);
+        for &(w, n) in ws {
+            let dev =
+                self.weights.view(w).ok_or_else(|| RuntimeError::Unsupported(format!("weight {w} is not loaded")))?;
+            let stored = self.stream.clone_dtoh(&dev).map_err(driver("reading an E4M3 weight"))?;
+            values.extend(dequantize(&stored, n, *k)?);
+        }
+        let half = self.program.half;
+        let bytes: Vec<u8> = values.par_chunks(1 << 16).flat_map_iter(|c| half.from_f32(c)).collect();
+        let copy = self.stream.clone_htod(&bytes).map_err(driver("uploading a 16-bit copy"))?;
+        self.w16.insert(ws[0].0, copy);
         Ok(())
+    }
+
+    /// Frees the copies where no shape's choice lists them as viable (refused or never timed:
+    /// their memory goes back to the KV pool).
+    pub(super) fn drop_unused_w16(&mut self) {
+        let bit = 1 << Gemm::Blas16.mark().2;
+        if !self.blas_choice.values().flatten().any(|(_, c)| c.viable & bit != 0) {
+            self.w16.clear();
+        }
     }
 
     /// The device address of the 16-bit copy of launch `l`'s weights, if it has one.
@@ -68,12 +94,18 @@ fn dequantize(stored: &[u8], n: usize, k: usize) -> Result<Vec<f32>, RuntimeErro
         return Err(RuntimeError::Unsupported(format!("an E4M3 weight of {} bytes is not [{n}, {k}]", stored.len())));
     }
     let (codes, scales) = stored.split_at(n * k);
-    let scale = |r: usize, g: usize| {
-        let at = 4 * (r * groups + g);
-        f32::from_le_bytes([scales[at], scales[at + 1], scales[at + 2], scales[at + 3]])
-    };
     let value: [f32; 256] = std::array::from_fn(|q| ir::quant::e4m3_to_f32(q as u8));
-    Ok((0..n * k).map(|i| value[codes[i] as usize] * scale(i / k, i % k / W8_GROUP)).collect())
+    let mut out = vec![0f32; n * k];
+    out.par_chunks_mut(k).zip(codes.par_chunks(k)).enumerate().for_each(|(r, (row, codes))| {
+        for (g, (out, codes)) in row.chunks_mut(W8_GROUP).zip(codes.chunks(W8_GROUP)).enumerate() {
+            let at = 4 * (r * groups + g);
+            let s = f32::from_le_bytes([scales[at], scales[at + 1], scales[at + 2], scales[at + 3]]);
+            for (o, &q) in out.iter_mut().zip(codes) {
+                *o = value[q as usize] * s;
+            }
+        }
+    });
+    Ok(out)
 }
 
 /// Each launch's E4M3 tensor-core linears (the small-batch and the tiled launch of one set of
