@@ -384,7 +384,7 @@ impl CudaBackend {
                             .map_or(blas::Gemm::Ours, |ch| blas::chosen(ch, c));
                         // ENGINE_CUDA_PROFILE=1 times cuBLASLt's and our W8A8 launches too.
                         let other = || {
-                            let bytes = || self.launch_bytes(l, t, r);
+                            let bytes = || self.gemm_launch_bytes(l, t, r, g);
                             Profile::launch(
                                 &self.profile,
                                 &self.stream,

@@ -193,6 +193,24 @@ impl CudaBackend {
         let kv = KvRead { positions: self.positions, row_bytes: self.plan.kv.row() * 2 };
         launch_bytes(&l.args, t, r, kv, &self.program.buffers, weight)
     }
+
+    /// The same for linear launch `l` through GEMM `g`: through cuBLASLt on a 16-bit copy
+    /// (`w16`), the copy's bytes in place of the E4M3 weights'.
+    pub(super) fn gemm_launch_bytes(&self, l: &Launch, t: usize, r: usize, g: super::blas::Gemm) -> usize {
+        let all = self.launch_bytes(l, t, r);
+        let copy = match (g, l.args.get(1)) {
+            (super::blas::Gemm::Blas16, Some(Arg::Weight(w))) => self.w16.get(w),
+            _ => None,
+        };
+        let Some(copy) = copy else { return all };
+        let e4m3: usize = (0..3)
+            .filter_map(|i| match l.args.get(1 + 3 * i) {
+                Some(&Arg::Weight(w)) => Some(self.weights.len(w)),
+                _ => None,
+            })
+            .sum();
+        all.saturating_sub(e4m3) + copy.len()
+    }
 }
 
 /// What a step's KV caches hold: the positions of its sequences, and the bytes of one position
