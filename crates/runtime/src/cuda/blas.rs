@@ -82,13 +82,22 @@ impl Gemm {
     /// cuBLASLt's under the kernel it stands in for, ours W8A8 under its own kernel (both with
     /// the input's quantization, for E4M3 weights), the tiled GEMM under its own.
     pub(crate) fn label(self, key: &KernelKey) -> String {
-        match (self, key.a8()) {
+        match (self, self.a8_key(key)) {
             (Gemm::Blas, _) => format!("cublaslt[{}]", key.name()),
             (Gemm::Blas16, _) => format!("cublaslt[{}_h16]", key.name()),
-            (Gemm::A8, Some(a8)) => format!("{} (+quant_e4m3)", a8.name()),
-            (Gemm::A8c, _) => key.a8_clustered().map_or_else(|| key.name(), |k| format!("{} (+quant_e4m3)", k.name())),
+            (_, Some(a8)) => format!("{} (+quant_e4m3)", a8.name()),
             (Gemm::Tiled, _) => key.tiled().map_or_else(|| key.name(), |k| k.name()),
             _ => key.name(),
+        }
+    }
+
+    /// The instance of our W8A8 kernel this GEMM runs for launch `key`, if it is ours W8A8
+    /// and the launch has one: stream-K, or with clusters.
+    pub(crate) fn a8_key(self, key: &KernelKey) -> Option<KernelKey> {
+        match self {
+            Gemm::A8 => key.a8(),
+            Gemm::A8c => key.a8_clustered(),
+            _ => None,
         }
     }
 
@@ -117,8 +126,7 @@ impl Gemm {
 /// GGUF's blocks), our W8A8 kernel and our tiled GEMM where the launch has them.
 pub(crate) fn candidates<'a>(l: &'a Launch, refused: &'a [Gemm]) -> impl Iterator<Item = Gemm> + 'a {
     let has = |g: &Gemm| match g {
-        Gemm::A8 => l.key.a8().is_some(),
-        Gemm::A8c => l.key.a8_clustered().is_some(),
+        Gemm::A8 | Gemm::A8c => g.a8_key(&l.key).is_some(),
         Gemm::Blas16 => gemm_shape(&l.key).is_some_and(|s| s.2 == WFormat::E4m3),
         Gemm::Tiled => l.key.tiled().is_some(),
         Gemm::Blas => gemm_shape(&l.key).is_some_and(|s| !s.2.gguf()),
@@ -266,8 +274,7 @@ impl CudaBackend {
                 Some(copy) => self.launch_blas(l, t, Some(copy)),
                 None => Err(RuntimeError::Unsupported(format!("{} has no 16-bit copy", l.key.name()))),
             },
-            Gemm::A8 => self.launch_a8(l, t, false),
-            Gemm::A8c => self.launch_a8(l, t, true),
+            Gemm::A8 | Gemm::A8c => self.launch_a8(l, t, g),
             Gemm::Tiled => match codegen_cuda::tiled(l) {
                 Some(tiled) => self.launch(&tiled, t, t, &[0; 6]),
                 None => Err(RuntimeError::Unsupported(format!("{} has no tiled GEMM", l.key.name()))),

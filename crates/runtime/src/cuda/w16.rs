@@ -11,14 +11,11 @@
 //! choice can use are freed after the load's timing.
 
 use super::blas::Gemm;
+use super::w8a8::{w8_launches, Linears};
 use super::{driver, CudaBackend};
 use crate::RuntimeError;
-use codegen_cuda::{Arg, KernelKey, Launch, Step, W8_GROUP};
+use codegen_cuda::{Arg, Launch, W8_GROUP};
 use rayon::prelude::*;
-
-/// One launch's E4M3 linears: their weights (index, output rows) in the launch's order, and
-/// their input features.
-type Linears = (Vec<(usize, usize)>, usize);
 
 impl CudaBackend {
     /// Makes the 16-bit copies where all of them fit the budget (`ENGINE_W8_COPY_MB`); logs
@@ -106,31 +103,6 @@ fn dequantize(stored: &[u8], n: usize, k: usize) -> Result<Vec<f32>, RuntimeErro
         }
     });
     Ok(out)
-}
-
-/// Each launch's E4M3 tensor-core linears (the small-batch and the tiled launch of one set of
-/// weights share one copy), by its first weight.
-fn w8_launches(program: &codegen_cuda::Program) -> Vec<Linears> {
-    let mut out: Vec<Linears> = vec![];
-    for step in &program.steps {
-        let Step::Kernels { variants, .. } = step else { continue };
-        for l in variants.iter().flat_map(|(_, ls)| ls).filter(|l| l.key.w8_tensor_core()) {
-            let (KernelKey::Gemm { k, n, .. } | KernelKey::GemmSkinny { k, n, .. }) = l.key else { continue };
-            let ws: Vec<(usize, usize)> = n
-                .iter()
-                .enumerate()
-                .filter(|(_, &n)| n > 0)
-                .filter_map(|(g, &n)| match l.args.get(1 + 3 * g) {
-                    Some(&Arg::Weight(w)) => Some((w, n)),
-                    _ => None,
-                })
-                .collect();
-            if ws.len() == n.iter().filter(|&&n| n > 0).count() && !out.iter().any(|o| o.0[0] == ws[0]) {
-                out.push((ws, k));
-            }
-        }
-    }
-    out
 }
 
 #[cfg(test)]

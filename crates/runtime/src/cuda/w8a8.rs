@@ -283,11 +283,11 @@ impl CudaBackend {
 
     /// A small-batch launch of E4M3 weights (`GemmSkinny`) of `t` rows as W8A8 by our kernel
     /// (`KernelKey::GemmSkinnyA8`): the input quantized per token and 128 columns, then the
-    /// E4M3 tensor-core kernel, writing the launch's outputs; `clustered`: its instance with a
-    /// thread-block cluster a tile (`KernelKey::a8_clustered`).
-    pub(super) fn launch_a8(&self, l: &Launch, t: usize, clustered: bool) -> Result<(), RuntimeError> {
-        let key = if clustered { l.key.a8_clustered() } else { l.key.a8() };
-        let (Some(key @ KernelKey::GemmSkinnyA8 { cl, .. }), KernelKey::GemmSkinny { k, n, .. }) = (key, l.key) else {
+    /// E4M3 tensor-core kernel (`g`'s instance: [`Gemm::a8_key`]), writing the launch's outputs.
+    pub(super) fn launch_a8(&self, l: &Launch, t: usize, g: Gemm) -> Result<(), RuntimeError> {
+        let (Some(key @ KernelKey::GemmSkinnyA8 { cl, .. }), KernelKey::GemmSkinny { k, n, .. }) =
+            (g.a8_key(&l.key), l.key)
+        else {
             return Err(RuntimeError::Unsupported(format!("{} has no W8A8 kernel", l.key.name())));
         };
         if !self.wgmma {
@@ -358,24 +358,40 @@ fn tma_map(ptr: u64, row_bytes: usize, rows: usize, box_rows: u32) -> Result<Tma
     Ok(map)
 }
 
-/// Each E4M3 weight a tensor-core linear launch of `program` reads (`KernelKey::w8_tensor_core`),
-/// once: (weight, its inputs k, its outputs n).
-fn w8_linear_weights(program: &codegen_cuda::Program) -> Vec<(usize, usize, usize)> {
-    let mut out: Vec<(usize, usize, usize)> = vec![];
+/// One launch's E4M3 linears: their weights (index, output rows) in the launch's order, and
+/// their input features.
+pub(super) type Linears = (Vec<(usize, usize)>, usize);
+
+/// Each launch's E4M3 tensor-core linears, once per set of weights (its small-batch, tiled and
+/// prefill launches share them), by its first weight.
+pub(super) fn w8_launches(program: &codegen_cuda::Program) -> Vec<Linears> {
+    let mut out: Vec<Linears> = vec![];
     for step in &program.steps {
         let Step::Kernels { variants, .. } = step else { continue };
         for l in variants.iter().flat_map(|(_, ls)| ls).filter(|l| l.key.w8_tensor_core()) {
             let (KernelKey::Gemm { k, n, .. } | KernelKey::GemmSkinny { k, n, .. }) = l.key else { continue };
-            for (g, &n) in n.iter().enumerate().filter(|(_, &n)| n > 0) {
-                if let Some(&Arg::Weight(w)) = l.args.get(1 + 3 * g) {
-                    if !out.iter().any(|o| o.0 == w) {
-                        out.push((w, k, n));
-                    }
-                }
+            let ws: Vec<(usize, usize)> = n
+                .iter()
+                .enumerate()
+                .filter(|(_, &n)| n > 0)
+                .filter_map(|(g, &n)| match l.args.get(1 + 3 * g) {
+                    Some(&Arg::Weight(w)) => Some((w, n)),
+                    _ => None,
+                })
+                .collect();
+            let whole = !ws.is_empty() && ws.len() == n.iter().filter(|&&n| n > 0).count();
+            if whole && !out.iter().any(|o| o.0[0] == ws[0]) {
+                out.push((ws, k));
             }
         }
     }
     out
+}
+
+/// Each E4M3 weight a tensor-core linear launch of `program` reads (`KernelKey::w8_tensor_core`),
+/// once: (weight, its inputs k, its outputs n).
+fn w8_linear_weights(program: &codegen_cuda::Program) -> Vec<(usize, usize, usize)> {
+    w8_launches(program).into_iter().flat_map(|(ws, k)| ws.into_iter().map(move |(w, n)| (w, k, n))).collect()
 }
 
 #[cfg(test)]
