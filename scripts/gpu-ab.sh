@@ -19,7 +19,8 @@
 # tok/s, and (ENGINE_CUDA_PROFILE=steps) the GPU time of the graph replay and of sampling, and the step's host wall time.
 # $OUT/ab.jsonl: each run's whole JSON report after the same labels.
 # $OUT/gemm-SHAPE-BINDIR.txt: the GEMM timings and choices each binary logged at its first load (ours or cuBLASLt);
-# $OUT/tune-SHAPE.txt: each run's decode-graph GEMM tuning lines (none once the choices are tuned).
+# $OUT/tune-SHAPE.txt: each run's decode-graph tuning lines (GEMMs: none once the choices are tuned; the
+# launches idle in decode steps: kept or left out).
 # Every variant runs the GEMM choices the first run timed (ENGINE_GEMM_CHOICES, one file per
 # shape): each process times ours against cuBLASLt at load, near ties fall differently, and a
 # step's time would follow them. SHARED_GEMM=0 lets each binary time its own (an A/B of GEMMs):
@@ -80,7 +81,7 @@ for shape in ${SHAPES:-qwen2.5-0.5b}; do
         gf="$out/gemm-$shape-$(basename "$bin").txt"
         [ -z "$g" ] || [ -f "$gf" ] || echo "$g" > "$gf"
         # The decode graphs' GEMM tuning (which GEMM each shape runs inside the graph).
-        echo "$r" | grep '^GEMMs in the batch' | sed "s/^/$e: /" >> "$out/tune-$shape.txt" || true
+        echo "$r" | grep -E '^(GEMMs in the batch|batch-[0-9]+ graph:)' | sed "s/^/$e: /" >> "$out/tune-$shape.txt" || true
         p=$(echo "$r" | grep "CUDA graph steps" | sed 's/.*replay \([0-9.]*\) us.*sampling \([0-9.]*\) us.*, \([0-9.]*\) us.step wall.*/replay_us \1 sample_us \2 step_wall_us \3/' || true)
         python3 -c "import json,sys; j=json.loads(sys.argv[1]); print('$shape $e b$n rep$rep ttft_ms_p50', round(j['ttft_ms_p50'], 3), 'tpot_ms_p50', round(j['tpot_ms_p50'], 4), 'output_tok_s', round(j['output_tok_s']), 'decode_bw', round(j['decode_bandwidth_fraction'], 3), 'roofline', round(j.get('decode_roofline_fraction', 0), 3), 'step_ms', round(j.get('decode_step_ms', 0), 3), sys.argv[2])" "$j" "$p" | tee -a "$out/ab.txt"
       done

@@ -913,6 +913,14 @@ impl KernelKey {
         }
     }
 
+    /// Whether the kernel has nothing to do in a step whose every row is a sequence of its own
+    /// (a decode graph's, padding rows included): extend attention takes only groups of 16
+    /// rows of one sequence (`fa_row` of `kernels/attention.cuh`), so the runtime leaves it out
+    /// of such steps.
+    pub fn idle_in_decode(&self) -> bool {
+        matches!(self, KernelKey::AttentionFa { .. })
+    }
+
     /// Whether the kernel waits for the previous one itself (`pdl_enter`, or `pdl_trigger` then
     /// `pdl_wait` after the weight loads of a GEMV or a norm, or decode attention's first copies
     /// of cached keys: `kernels/prelude.cuh`), so the runtime may launch

@@ -134,6 +134,20 @@ pub enum Step {
     },
 }
 
+impl Step {
+    /// The launches this step runs in a forward step of `tokens` tokens and `rows` logit rows
+    /// (the first variant whose bound holds its count); none for a collective.
+    pub fn launches(&self, tokens: usize, rows: usize) -> &[Launch] {
+        match self {
+            Step::Kernels { by, variants } => {
+                let c = if *by == Count::Tokens { tokens } else { rows };
+                variants.iter().find(|(max, _)| c <= *max).map_or(&[], |v| &v.1[..])
+            }
+            _ => &[],
+        }
+    }
+}
+
 /// A device buffer: `row_bytes` per token (or per logit row).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Buffer {
@@ -678,7 +692,22 @@ fn map_bufs(step: &mut Step, f: impl Fn(usize) -> usize, arg: impl Fn(usize) -> 
 
 #[cfg(test)]
 mod tests {
-    use super::{fa_smem, moe_rows_max, Count, Dim, FA_KEYS, FA_STAGES, FA_WARPS, MOE_TILE};
+    use super::{fa_smem, launch, moe_rows_max, Count, Dim, Step, FA_KEYS, FA_STAGES, FA_WARPS, MOE_TILE, ONE};
+    use crate::keys::KernelKey;
+
+    /// A step runs the first variant whose bound holds its count (tokens or logit rows, as the
+    /// step says); a collective has no launches.
+    #[test]
+    fn a_step_runs_the_first_variant_its_count_fits() {
+        let l = |k| launch(k, vec![], [ONE, ONE], 32);
+        let (a, b) = (l(KernelKey::ToH16), l(KernelKey::Argmax { vocab: 8, blocks: 1 }));
+        let step =
+            |by| Step::Kernels { by, variants: vec![(1, vec![a.clone()]), (usize::MAX, vec![b.clone(), a.clone()])] };
+        assert_eq!(step(Count::Tokens).launches(1, 9), std::slice::from_ref(&a));
+        assert_eq!(step(Count::Tokens).launches(2, 1), [b.clone(), a.clone()]);
+        assert_eq!(step(Count::Rows).launches(9, 1), std::slice::from_ref(&a));
+        assert!(Step::AllReduce { buf: 0, cols: 4 }.launches(1, 1).is_empty());
+    }
 
     /// Extend attention's dynamic shared memory holds its stages of block-wide K and V tiles, also
     /// every warp's own two 16-key tiles of a block spanning sequences, at every head size it

@@ -80,6 +80,9 @@ pub struct CudaBackend {
     /// Logits rows of the last step.
     last_rows: usize,
     graphs: HashMap<usize, Graph>,
+    /// Per decode graph size, whether its capture leaves out the launches idle in decode steps
+    /// (`KernelKey::idle_in_decode`; timed both ways before the first capture: `tune`).
+    lean: HashMap<usize, bool>,
     use_graphs: bool,
     /// Forward-step kernels launched as programmatic dependent launches (`device::pdl_enabled`).
     pdl: bool,
@@ -256,6 +259,7 @@ impl CudaBackend {
             argmax,
             last_rows: 0,
             graphs: HashMap::new(),
+            lean: HashMap::new(),
             use_graphs,
             pdl: device::pdl_enabled(&ctx),
             wgmma: compiled.wgmma,
@@ -308,45 +312,12 @@ impl CudaBackend {
     }
 
     /// Packs the inputs of `batch` (checked against the plan and the pool) into the one array a
-    /// step uploads; a decode batch is padded to a captured graph size with sequences of one
-    /// token (id 0, position 0, writing the scratch slot).
+    /// step uploads; a decode batch is padded to a captured graph size ([`pack_inputs`]).
     pub(crate) fn pack(&self, batch: &[StepSeq]) -> Result<Packed, RuntimeError> {
         check_batch(&self.plan, batch, self.slots)?;
         let graph = self.graph_size(batch);
         let pad = graph.map_or(0, |s| s - batch.len());
-        let wanted: usize = batch.iter().map(|q| q.rows.len()).sum();
-        let t: usize = batch.iter().map(|q| q.tokens.len()).sum::<usize>() + pad;
-        let r = wanted + pad;
-        let s: usize = batch.iter().map(|q| q.slots.len()).sum::<usize>() + 1;
-        let off = [0, t, 2 * t, 3 * t, 4 * t, 4 * t + r];
-        let mut h = vec![0i32; 4 * t + r + s];
-        let (mut tok, mut row, mut slot) = (0, 0, 0);
-        for q in batch {
-            for (i, &id) in q.tokens.iter().enumerate() {
-                h[tok] = id as i32;
-                h[off[1] + tok] = (q.start() + i) as i32;
-                h[off[2] + tok] = q.slots[q.start() + i] as i32;
-                h[off[3] + tok] = slot as i32;
-                tok += 1;
-            }
-            for &x in q.rows {
-                h[off[4] + row] = (tok - q.tokens.len() + x) as i32;
-                row += 1;
-            }
-            for &x in q.slots {
-                h[off[5] + slot] = x as i32;
-                slot += 1;
-            }
-        }
-        h[off[5] + slot] = self.slots as i32;
-        for _ in 0..pad {
-            h[off[2] + tok] = self.slots as i32;
-            h[off[3] + tok] = slot as i32;
-            h[off[4] + row] = tok as i32;
-            tok += 1;
-            row += 1;
-        }
-        Ok(Packed { host: h, off, t, r, wanted, graph: graph.is_some() })
+        Ok(Packed { graph: graph.is_some(), ..pack_inputs(batch, pad, self.slots) })
     }
 
     fn ptr<T>(&self, s: &CudaSlice<T>) -> u64 {
@@ -366,16 +337,18 @@ impl CudaBackend {
 
     /// Enqueues every launch (and all-reduce) of the schedule for a step of `t` tokens and `r`
     /// logit rows.
-    fn enqueue(&mut self, t: usize, r: usize, off: &[usize; 6]) -> Result<(), RuntimeError> {
+    /// Enqueues the launches of a step of `t` tokens and `r` logit rows (inputs at `off`);
+    /// `lean`: every row is a sequence of its own (a decode graph's step), and the kernels idle
+    /// in such steps are left out.
+    fn enqueue(&mut self, t: usize, r: usize, off: &[usize; 6], lean: bool) -> Result<(), RuntimeError> {
         let program = self.program.clone();
         for step in &program.steps {
             match step {
                 Step::AllReduce { buf, cols } => self.all_reduce(*buf, t * cols)?,
                 Step::AllGather { src, dst, cols } => self.all_gather(*src, *dst, r, *cols)?,
-                Step::Kernels { by, variants } => {
+                Step::Kernels { by, .. } => {
                     let c = if *by == Count::Tokens { t } else { r };
-                    let (_, launches) = variants.iter().find(|(max, _)| c <= *max).expect("an unbounded variant");
-                    for l in launches {
+                    for l in step.launches(t, r).iter().filter(|l| !(lean && l.key.idle_in_decode())) {
                         let shape = blas::gemm_shape(&l.key);
                         // Where the chosen GEMM refuses a row count its choice covers (cuBLASLt's
                         // W8A8 with block scales at rows not a multiple of four), ours runs.
@@ -592,6 +565,49 @@ fn check_rows(wanted: usize, rows: &[RowSampling]) -> Result<(), RuntimeError> {
     Err(RuntimeError::Invalid(format!("{} sampling rows for a step of {wanted} logits rows", rows.len())))
 }
 
+/// The step inputs of `batch` in one array (ids, positions, slots written, each token's
+/// sequence offset into the slot table, logit rows, the slot table), then `pad` sequences of
+/// one token (id 0, position 0) writing scratch slot `scratch` (the pool's size). Each padding
+/// row is a sequence of its own, as every decode row is: no 16 rows of a padded decode step are
+/// of one sequence, so extend attention has none (`KernelKey::idle_in_decode`).
+fn pack_inputs(batch: &[StepSeq], pad: usize, scratch: usize) -> Packed {
+    let wanted: usize = batch.iter().map(|q| q.rows.len()).sum();
+    let t: usize = batch.iter().map(|q| q.tokens.len()).sum::<usize>() + pad;
+    let r = wanted + pad;
+    let s: usize = batch.iter().map(|q| q.slots.len()).sum::<usize>() + pad + 1;
+    let off = [0, t, 2 * t, 3 * t, 4 * t, 4 * t + r];
+    let mut h = vec![0i32; 4 * t + r + s];
+    let (mut tok, mut row, mut slot) = (0, 0, 0);
+    for q in batch {
+        for (i, &id) in q.tokens.iter().enumerate() {
+            h[tok] = id as i32;
+            h[off[1] + tok] = (q.start() + i) as i32;
+            h[off[2] + tok] = q.slots[q.start() + i] as i32;
+            h[off[3] + tok] = slot as i32;
+            tok += 1;
+        }
+        for &x in q.rows {
+            h[off[4] + row] = (tok - q.tokens.len() + x) as i32;
+            row += 1;
+        }
+        for &x in q.slots {
+            h[off[5] + slot] = x as i32;
+            slot += 1;
+        }
+    }
+    for _ in 0..pad {
+        h[off[2] + tok] = scratch as i32;
+        h[off[3] + tok] = slot as i32;
+        h[off[4] + row] = tok as i32;
+        h[off[5] + slot] = scratch as i32;
+        tok += 1;
+        row += 1;
+        slot += 1;
+    }
+    h[off[5] + slot] = scratch as i32;
+    Packed { host: h, off, t, r, wanted, graph: false }
+}
+
 /// A step's inputs as one array, the same for every rank (see [`CudaBackend::pack`]).
 pub(crate) struct Packed {
     host: Vec<i32>,
@@ -775,10 +791,11 @@ impl CudaBackend {
         let t = p.t;
         self.positions = (p.host.len() - p.off[5]).saturating_sub(1);
         if !p.graph {
-            return self.enqueue(t, p.r, &p.off);
+            return self.enqueue(t, p.r, &p.off, false);
         }
         if !self.graphs.contains_key(&t) {
             self.tune_graph(p)?;
+            self.tune_lean(p)?;
             let start = std::time::Instant::now();
             let graph = self.capture(p)?;
             if self.comm.as_ref().is_none_or(|c| c.0.rank() == 0) {
@@ -788,5 +805,55 @@ impl CudaBackend {
         }
         let graph = &self.graphs[&t].0;
         Profile::span(&self.profile, &self.stream, false, || graph.launch().map_err(driver("replaying a graph")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `fa_row` of `kernels/attention.cuh`: whether extend attention takes row `t`.
+    fn fa_row(seq_off: &[i32], t: usize) -> bool {
+        let g = t & !15;
+        seq_off[g] == seq_off[(g + 15).min(seq_off.len() - 1)]
+    }
+
+    #[test]
+    fn padded_decode_rows_are_sequences_of_their_own() {
+        // 17 decode rows padded to the 40 of a captured size: rows 32..40 are all padding.
+        let slots: Vec<Vec<u32>> = (0..17).map(|i| (0..=i).map(|p| 1000 * i + p).collect()).collect();
+        let batch: Vec<StepSeq> =
+            slots.iter().map(|s| StepSeq { tokens: &[7][..], slots: &s[..], rows: &[0][..] }).collect();
+        let n = batch.len();
+        let p = pack_inputs(&batch, 40 - n, 9999);
+        assert_eq!((p.t, p.r, p.wanted), (40, 40, n));
+        let seq_off = &p.host[p.off[3]..p.off[3] + p.t];
+        let table = &p.host[p.off[5]..];
+        // Every row's offset differs from the others', so extend attention takes none.
+        assert!(seq_off.windows(2).all(|w| w[0] < w[1]));
+        assert!((0..p.t).all(|t| !fa_row(seq_off, t)));
+        // A padding row: position 0, writing the scratch slot, its own table entry the scratch
+        // slot, its logits row its token; the table ends with one more scratch entry.
+        for t in n..p.t {
+            assert_eq!(p.host[p.off[1] + t], 0);
+            assert_eq!(p.host[p.off[2] + t], 9999);
+            assert_eq!(table[seq_off[t] as usize], 9999);
+            assert_eq!(p.host[p.off[4] + t], t as i32);
+        }
+        assert_eq!(table.len(), batch.iter().map(|q| q.slots.len()).sum::<usize>() + (40 - n) + 1);
+        assert_eq!(table.last(), Some(&9999));
+        // A real row reads its own slots: its last position is the one it writes.
+        let last = batch[3].slots.len() - 1;
+        assert_eq!(table[seq_off[3] as usize + last], p.host[p.off[2] + 3]);
+    }
+
+    #[test]
+    fn a_prefill_sequence_fills_its_groups_of_sixteen() {
+        let s: Vec<u32> = (0..40).collect();
+        let q = StepSeq { tokens: &[1; 20][..], slots: &s[..], rows: &[19][..] };
+        let p = pack_inputs(&[q], 0, 64);
+        let seq_off = &p.host[p.off[3]..p.off[3] + p.t];
+        assert!(fa_row(seq_off, 0) && fa_row(seq_off, 19));
+        assert_eq!(&p.host[p.off[1]..p.off[1] + 2], &[20, 21]);
     }
 }

@@ -8,7 +8,9 @@
 //! step being tuned is the real one: a replay writes the same KV rows and logits again. The
 //! choices, marked tuned, go to the choices file, so a later load captures at once.
 //! `ENGINE_GEMM_TUNE=0` keeps the load's choices; tensor-parallel ranks keep them too (their
-//! graphs meet in collectives, and would have to be timed in step).
+//! graphs meet in collectives, and would have to be timed in step). The same timing decides
+//! whether a graph leaves out the launches idle in decode steps ([`CudaBackend::tune_lean`];
+//! untimed, it does).
 
 use super::blas::{Choice, Gemm, Shape};
 use super::{driver, CudaBackend, Packed};
@@ -24,7 +26,8 @@ impl CudaBackend {
         self.stream
             .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(driver("capturing a graph"))?;
-        let enq = self.enqueue(p.t, p.r, &p.off);
+        let lean = p.graph && self.lean.get(&p.t).copied().unwrap_or(true);
+        let enq = self.enqueue(p.t, p.r, &p.off, lean);
         let graph = self.stream.end_capture(CUgraphInstantiate_flags(0)).map_err(driver("capturing a graph"))?;
         enq?;
         graph.ok_or_else(|| RuntimeError::Unsupported("CUDA: graph capture gave nothing".into()))
@@ -33,8 +36,7 @@ impl CudaBackend {
     /// Chooses, by timing step `p`'s graph, the GEMM of every linear shape whose choice at the
     /// step's size is not tuned yet and has more than one viable GEMM.
     pub(super) fn tune_graph(&mut self, p: &Packed) -> Result<(), RuntimeError> {
-        let off = std::env::var("ENGINE_GEMM_TUNE").is_ok_and(|v| v == "0");
-        if off || self.comm.is_some() || Gemm::forced().is_some() {
+        if self.untimed() || Gemm::forced().is_some() {
             return Ok(());
         }
         let t = p.t;
@@ -79,6 +81,42 @@ impl CudaBackend {
         }
         self.save_choices();
         Ok(())
+    }
+
+    /// Whether decode graph step `p` runs faster without the launches idle in it
+    /// (`KernelKey::idle_in_decode`), by timing its graph both ways, twice in turn. They cost
+    /// a launch each, yet leaving them out can slow the kernels around them: measured on an
+    /// H200 (docs/perf.md), Qwen2.5-0.5B's steps of 64 and 128 rows 5-7% faster without
+    /// extend attention's launch, a 4-layer Qwen2.5-7B's of 64 rows 3% slower.
+    pub(super) fn tune_lean(&mut self, p: &Packed) -> Result<(), RuntimeError> {
+        let idle = |s: &codegen_cuda::Step| s.launches(p.t, p.r).iter().any(|l| l.key.idle_in_decode());
+        if self.untimed() || self.lean.contains_key(&p.t) || !self.program.steps.iter().any(idle) {
+            return Ok(());
+        }
+        let mut best = [f64::MAX; 2];
+        for _ in 0..2 {
+            for lean in [false, true] {
+                self.lean.insert(p.t, lean);
+                let ms = self.time_graph(p)?;
+                best[usize::from(lean)] = best[usize::from(lean)].min(ms);
+            }
+        }
+        let lean = best[1] < best[0];
+        self.lean.insert(p.t, lean);
+        eprintln!(
+            "batch-{} graph: {:.0} us with the launches idle in decode steps, {:.0} without ->{}",
+            p.t,
+            best[0] * 1e3,
+            best[1] * 1e3,
+            if lean { "without" } else { "with" }
+        );
+        Ok(())
+    }
+
+    /// Whether decode graphs are captured as the load left them, untimed: with
+    /// `ENGINE_GEMM_TUNE=0`, and on tensor-parallel ranks.
+    fn untimed(&self) -> bool {
+        self.comm.is_some() || std::env::var("ENGINE_GEMM_TUNE").is_ok_and(|v| v == "0")
     }
 
     /// Milliseconds a replay of step `p`'s graph takes (one warm-up, the mean of three).
