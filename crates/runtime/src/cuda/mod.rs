@@ -336,10 +336,8 @@ impl CudaBackend {
     }
 
     /// Enqueues every launch (and all-reduce) of the schedule for a step of `t` tokens and `r`
-    /// logit rows.
-    /// Enqueues the launches of a step of `t` tokens and `r` logit rows (inputs at `off`);
-    /// `lean`: every row is a sequence of its own (a decode graph's step), and the kernels idle
-    /// in such steps are left out.
+    /// logit rows (inputs at `off`); `lean`: every row is a sequence of its own (a decode
+    /// graph's step), and the kernels idle in such steps are left out.
     fn enqueue(&mut self, t: usize, r: usize, off: &[usize; 6], lean: bool) -> Result<(), RuntimeError> {
         let program = self.program.clone();
         for step in &program.steps {
