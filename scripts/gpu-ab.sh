@@ -18,7 +18,8 @@
 # binaries; the first variant listed then tunes the shared GEMM choices). One line per run in $OUT/ab.txt: shape, setting, batch, TPOT p50, output
 # tok/s, and (ENGINE_CUDA_PROFILE=steps) the GPU time of the graph replay and of sampling, and the step's host wall time.
 # $OUT/ab.jsonl: each run's whole JSON report after the same labels.
-# $OUT/gemm-SHAPE-BINDIR.txt: the GEMM timings and choices each binary logged at its first load (ours or cuBLASLt);
+# $OUT/gemm-SHAPE-BINDIR.txt: the GEMM timings and choices each binary logged at its first load (ours or cuBLASLt;
+# and the load's 16-bit copies of an FP8 model's linears, with the time they took);
 # $OUT/tune-SHAPE.txt: each run's decode-graph tuning lines (GEMMs: none once the choices are tuned; the
 # launches idle in decode steps: kept or left out).
 # Every variant runs the GEMM choices the first run timed (ENGINE_GEMM_CHOICES, one file per
@@ -75,8 +76,9 @@ for shape in ${SHAPES:-qwen2.5-0.5b}; do
           --input-len "${INPUT_LEN:-128}" --output-len "${OUTPUT_LEN:-128}" ${BENCH_ARGS:-} --json 2>&1)
         j=$(echo "$r" | grep '^{' | tail -1)
         echo "$shape $e b$n rep$rep $j" >> "$out/ab.jsonl"
-        # The GEMM timings at load, per shape and row count (ours against cuBLASLt).
-        g=$(echo "$r" | grep '^GEMM ' || true)
+        # The GEMM timings at load, per shape and row count (ours against cuBLASLt), and the
+        # time the 16-bit copies of a small FP8 model's linears took.
+        g=$(echo "$r" | grep -E '^(GEMM |16-bit copies)' || true)
         # The first run's: later runs read the choices back ("cached") and time nothing.
         gf="$out/gemm-$shape-$(basename "$bin").txt"
         [ -z "$g" ] || [ -f "$gf" ] || echo "$g" > "$gf"
