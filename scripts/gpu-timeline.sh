@@ -12,8 +12,9 @@
 # Output: $OUT/timeline-SHAPE-QUANT-bB.txt (default /tmp/gpu-out).
 source scripts/gpu/few-layer.sh
 shape="${SHAPE:-qwen2.5-7b}" q="${QUANT:-bf16}"
-inc=$(dirname "$(find /usr/local/cuda/ /usr/local/cuda-*/ -name cupti.h 2>/dev/null | head -1)")
-lib=$(dirname "$(find /usr/local/cuda/ /usr/local/cuda-*/ -name 'libcupti.so*' 2>/dev/null | head -1)")
+found() { find /usr/local/cuda/ /usr/local/cuda-*/ -name "$1" 2>/dev/null | head -1 || true; }
+inc=$(dirname "$(found cupti.h)")
+lib=$(dirname "$(found 'libcupti.so*')")
 [ -f "$inc/cupti.h" ] && [ -d "$lib" ] || { echo "error: no CUPTI (cupti.h, libcupti.so) under /usr/local/cuda*" >&2; exit 1; }
 so=/tmp/libtimeline.so
 cc -O2 -shared -fPIC -I"$inc" -I/usr/local/cuda/include scripts/gpu/timeline.c -L"$lib" -lcupti \
@@ -25,6 +26,6 @@ for n in ${BATCHES:-64 128}; do
   env ${ENV:-} CUDA_INJECTION64_PATH="$so" TIMELINE_OUT="$t" "$bin/engrun" bench "$b" --device cuda \
     --num-prompts "$n" --input-len "${INPUT_LEN:-128}" --output-len "${OUTPUT_LEN:-64}" --json \
     > "/tmp/timeline-bench-b$n.txt" 2>&1 || { tail -5 "/tmp/timeline-bench-b$n.txt" >&2; continue; }
-  { echo "$shape x${LAYERS:-4} $q batch $n ($(grep -c . "$t") kernel records)"
+  { echo "$shape x${LAYERS:-4} $q batch $n ($(wc -l < "$t") kernel records)"
     python3 scripts/gpu/timeline.py "$t" "${NODES:-40}"; } > "$out/timeline-$shape-$q-b$n.txt"
 done
