@@ -27,5 +27,5 @@ for n in ${BATCHES:-64 128}; do
     --num-prompts "$n" --input-len "${INPUT_LEN:-128}" --output-len "${OUTPUT_LEN:-64}" --json \
     > "/tmp/timeline-bench-b$n.txt" 2>&1 || { tail -5 "/tmp/timeline-bench-b$n.txt" >&2; continue; }
   { echo "$shape x${LAYERS:-4} $q batch $n ($(wc -l < "$t") kernel records)"
-    python3 scripts/gpu/timeline.py "$t" "${NODES:-40}"; } > "$out/timeline-$shape-$q-b$n.txt"
+    python3 scripts/gpu/timeline.py "$t" "${NODES:-40}" 2>&1 || true; } > "$out/timeline-$shape-$q-b$n.txt"
 done
