@@ -135,16 +135,21 @@ pub enum Step {
 }
 
 impl Step {
-    /// The launches this step runs in a forward step of `tokens` tokens and `rows` logit rows
-    /// (the first variant whose bound holds its count); none for a collective.
-    pub fn launches(&self, tokens: usize, rows: usize) -> &[Launch] {
+    /// What selects this step's variant in a forward step of `tokens` tokens and `rows` logit
+    /// rows: the one its `by` names (tokens for a collective).
+    pub fn count(&self, tokens: usize, rows: usize) -> usize {
         match self {
-            Step::Kernels { by, variants } => {
-                let c = if *by == Count::Tokens { tokens } else { rows };
-                variants.iter().find(|(max, _)| c <= *max).map_or(&[], |v| &v.1[..])
-            }
-            _ => &[],
+            Step::Kernels { by: Count::Rows, .. } => rows,
+            _ => tokens,
         }
+    }
+
+    /// The launches this step runs in a forward step of `tokens` tokens and `rows` logit rows
+    /// (the first variant whose bound holds its [`Step::count`]); none for a collective.
+    pub fn launches(&self, tokens: usize, rows: usize) -> &[Launch] {
+        let Step::Kernels { variants, .. } = self else { return &[] };
+        let c = self.count(tokens, rows);
+        variants.iter().find(|(max, _)| c <= *max).map_or(&[], |v| &v.1[..])
     }
 }
 

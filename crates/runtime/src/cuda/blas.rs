@@ -288,10 +288,9 @@ impl CudaBackend {
     fn gemm_launches(&self, buckets: &[usize]) -> Vec<(Shape, Vec<(usize, Launch)>)> {
         let mut shapes: Vec<(Shape, Vec<(usize, Launch)>)> = Vec::new();
         for step in self.program.steps.iter() {
-            let Step::Kernels { variants, by } = step else { continue };
+            let Step::Kernels { by, .. } = step else { continue };
             for &t in buckets.iter().filter(|&&t| *by == Count::Tokens || t <= MAX_LOGITS_ROWS) {
-                let Some((_, launches)) = variants.iter().find(|(max, _)| t <= *max) else { continue };
-                for l in launches {
+                for l in step.launches(t, t) {
                     let Some(shape) = gemm_shape(&l.key) else { continue };
                     let at = match shapes.iter().position(|(s, _)| *s == shape) {
                         Some(i) => i,

@@ -344,8 +344,8 @@ impl CudaBackend {
             match step {
                 Step::AllReduce { buf, cols } => self.all_reduce(*buf, t * cols)?,
                 Step::AllGather { src, dst, cols } => self.all_gather(*src, *dst, r, *cols)?,
-                Step::Kernels { by, .. } => {
-                    let c = if *by == Count::Tokens { t } else { r };
+                Step::Kernels { .. } => {
+                    let c = step.count(t, r);
                     for l in step.launches(t, r).iter().filter(|l| !(lean && l.key.idle_in_decode())) {
                         let shape = blas::gemm_shape(&l.key);
                         // Where the chosen GEMM refuses a row count its choice covers (cuBLASLt's
