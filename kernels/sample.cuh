@@ -432,3 +432,12 @@ __device__ void adjust_logits(float* logits, const float* adjust, int n) {
   const float v = *x;
   *x = __fadd_rn(v > 0.0f ? __fdiv_rn(v, a[2]) : __fmul_rn(v, a[3]), a[4]);
 }
+
+// A step launched before the previous one's tokens reached the host (the worker's pipelined
+// steps): each id -1 - r among the step's n token ids is replaced by the token chosen for
+// logits row r of the step before, still in `tokens` (where the sampling kernels write).
+// grid: ceil(n / 256), block: 256.
+__device__ void feed_from_step_before(int* ids, const int* tokens, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n && ids[i] < 0) ids[i] = tokens[-1 - ids[i]];
+}

@@ -6,11 +6,13 @@
 use e2e::*;
 use proptest::prelude::*;
 use runtime::{
-    CpuBackend, Engine, EngineConfig, Event, FinishReason, Policy, ReqId, Request, Sampler, SamplingParams, Sequences,
+    CpuBackend, Engine, EngineConfig, Event, FinishReason, HostPipeline, Policy, ReqId, Request, Sampler,
+    SamplingParams, Sequences,
 };
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::OnceLock;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
 
 fn bundle_path() -> &'static PathBuf {
     static B: OnceLock<PathBuf> = OnceLock::new();
@@ -29,6 +31,16 @@ fn bundle() -> bundle::Bundle {
 fn engine(cfg: EngineConfig) -> Engine {
     let b = bundle();
     Engine::new(Box::new(CpuBackend::new(&b).unwrap()), cfg).unwrap()
+}
+
+/// An engine whose worker launches steps ahead of the tokens of the step before
+/// (`HostPipeline`, each step ready a millisecond after its launch, as on a device), and the
+/// count of tokens it has fed from a step before.
+fn pipelined_engine(cfg: EngineConfig) -> (Engine, Arc<AtomicUsize>) {
+    let latency = std::time::Duration::from_millis(1);
+    let p = HostPipeline::new(Box::new(CpuBackend::new(&bundle()).unwrap()), latency);
+    let fed = p.fed_tokens();
+    (Engine::new(Box::new(p), cfg).unwrap(), fed)
 }
 
 fn config() -> EngineConfig {
@@ -155,6 +167,7 @@ proptest! {
         chunk in 3usize..40,
         extra_pages in 0usize..4,
         overlap in any::<bool>(),
+        pipelined in any::<bool>(),
         radix in any::<bool>(),
         lpm in any::<bool>(),
         n in 2usize..10,
@@ -173,7 +186,7 @@ proptest! {
             ..config()
         };
         let eos = cfg.eos_ids.clone();
-        let mut e = engine(cfg);
+        let mut e = if pipelined { pipelined_engine(cfg).0 } else { engine(cfg) };
         let got = drive(&mut e, &plan);
         if std::env::var_os("ENGINE_TEST_STATS").is_some() {
             eprintln!("{:?}", e.stats());
@@ -401,6 +414,58 @@ fn overlap_runs_every_request_every_step() {
         for (i, (r, o)) in reqs.iter().zip(&outs).enumerate() {
             assert_eq!(o.tokens, alone(&mut s, r, &[]).0, "overlap {overlap}: request {i}");
         }
+    }
+}
+
+/// A worker that launches each step before the step before has its tokens on the host (the
+/// tokens fed on the device, `Backend::launch_sample`) gives every request what the
+/// synchronous worker gives: greedy and seeded requests pipelined, those whose choice needs
+/// the tokens before it on the host (penalties, `min_tokens`, logprobs) run after the step in
+/// flight, and requests finishing while their next step is in flight.
+#[test]
+fn pipelined_steps_equal_synchronous_ones() {
+    let mut rng = Rng(37);
+    let seeded = SamplingParams { temperature: 0.8, top_p: 0.9, seed: 5, ..Default::default() };
+    let sampling = [
+        SamplingParams::default(),
+        seeded.clone(),
+        SamplingParams { logit_bias: vec![(7, 2.0)], ..seeded.clone() },
+        SamplingParams { frequency_penalty: 0.3, ..Default::default() },
+        SamplingParams { min_tokens: 6, min_tokens_ids: vec![5, 9], ..seeded },
+    ];
+    let mut reqs: Vec<Request> = (0..10)
+        .map(|i| Request {
+            sampling: sampling[i % sampling.len()].clone(),
+            ..Request::greedy(rng.tokens(3 + 5 * i), 4 + 3 * i)
+        })
+        .collect();
+    reqs[6].logprobs = Some(2);
+    let cfg = || EngineConfig { chunked_prefill_size: 24, ..config() };
+    // Every request; then those that need nothing on the host (greedy, seeded, logit_bias).
+    let light: Vec<Request> = [0, 1, 2, 5, 7].iter().map(|&i| reqs[i].clone()).collect();
+    for (reqs, share) in [(reqs.clone(), 0.0), (light, 0.5)] {
+        let want = engine(cfg()).generate(reqs.clone()).unwrap();
+        let (mut e, fed) = pipelined_engine(cfg());
+        let got = e.generate(reqs.clone()).unwrap();
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!((&g.tokens, g.finish.reason), (&w.tokens, w.finish.reason), "request {i}");
+            assert_eq!(g.logprobs.len(), w.logprobs.len(), "request {i}");
+        }
+        let decoded: usize = want.iter().map(|o| o.tokens.len() - 1).sum();
+        let fed = fed.load(Ordering::Relaxed);
+        eprintln!("{} requests: {fed} of {decoded} decode tokens fed from the step before", reqs.len());
+        assert!(
+            fed > 0 && fed as f64 >= share * decoded as f64,
+            "{fed} of {decoded} decode tokens fed from the step before"
+        );
+    }
+    // Greedy requests equal running alone.
+    let (mut e, _) = pipelined_engine(cfg());
+    let greedy: Vec<Request> = reqs.iter().map(|r| Request::greedy(r.prompt.clone(), r.max_tokens)).collect();
+    let outs = e.generate(greedy.clone()).unwrap();
+    let mut s = seqs(CpuBackend::new(&bundle()).unwrap());
+    for (i, (r, o)) in greedy.iter().zip(&outs).enumerate() {
+        assert_eq!((o.tokens.clone(), o.finish.reason), alone(&mut s, r, &config().eos_ids), "greedy request {i}");
     }
 }
 

@@ -403,6 +403,9 @@ pub enum KernelKey {
         /// Vocabulary size.
         vocab: usize,
     },
+    /// A pipelined step's token ids that name a row of the step before (`-1 - row`) replaced
+    /// by the token chosen there, on the device (`kernels/sample.cuh`'s `feed_tokens`).
+    FeedTokens,
     /// Greedy sampling of every row: the argmax of each row of `vocab` logits, split over
     /// `blocks` blocks per row ([`argmax_blocks`]).
     Argmax {
@@ -907,6 +910,7 @@ impl KernelKey {
             KernelKey::Sample { vocab } => format!("sample_v{vocab}"),
             KernelKey::AdjustLogits { vocab } => format!("adjust_logits_v{vocab}"),
             KernelKey::MaskLogits { vocab } => format!("mask_logits_v{vocab}"),
+            KernelKey::FeedTokens => "feed_tokens".into(),
             KernelKey::Argmax { vocab, blocks } => format!("argmax_v{vocab}_{blocks}blocks"),
             KernelKey::AllReduce { ranks } => format!("all_reduce_r{ranks}"),
             KernelKey::AllGather { ranks } => format!("all_gather_r{ranks}"),
@@ -934,6 +938,7 @@ impl KernelKey {
                 | KernelKey::Sample { .. }
                 | KernelKey::AdjustLogits { .. }
                 | KernelKey::MaskLogits { .. }
+                | KernelKey::FeedTokens
                 | KernelKey::Argmax { .. }
         )
     }
@@ -1291,6 +1296,7 @@ impl KernelKey {
                 "float* logits, const float* adjust, int n".into(),
                 format!("adjust_logits<{vocab}>(logits, adjust, n)"),
             ),
+            KernelKey::FeedTokens => ("int* ids, const int* tokens, int n".into(), "feed_from_step_before(ids, tokens, n)".into()),
             KernelKey::MaskLogits { vocab } => (
                 "float* logits, const unsigned* masks, int m, int words".into(),
                 format!("mask_logits<{vocab}, {MASK_SPAN}>(logits, masks, m, words)"),

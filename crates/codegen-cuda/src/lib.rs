@@ -143,6 +143,7 @@ pub fn emit(plan: &Plan) -> Result<Program, CodegenError> {
         KernelKey::Sample { vocab: plan.vocab },
         KernelKey::AdjustLogits { vocab: plan.vocab },
         KernelKey::MaskLogits { vocab: plan.vocab },
+        KernelKey::FeedTokens,
     ]
     .into_iter()
     .chain(argmax);

@@ -60,6 +60,15 @@ impl StepSeq<'_> {
     }
 }
 
+/// A token of a pipelined step fed from the step before ([`Backend::launch_sample`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fed {
+    /// The token's index in the step, counting the sequences' tokens one after another.
+    pub token: usize,
+    /// The logits row of the step before whose chosen token it is.
+    pub row: usize,
+}
+
 /// A loaded model that runs forward steps over a KV pool of token slots.
 pub trait Backend: Send {
     /// Vocabulary size (columns of the logits).
@@ -111,6 +120,36 @@ pub trait Backend: Send {
                 }
             })
             .collect())
+    }
+    /// Whether this backend launches a step without waiting for its tokens
+    /// ([`Backend::launch_sample`]), so that the worker can launch the next step before they
+    /// reach the host (SGLang's overlap of "future" token ids): the next step's tokens that
+    /// are this one's samples are then fed on the device.
+    fn pipelined(&self) -> bool {
+        false
+    }
+    /// Like `forward_sample` with no constraints, but returns once the step is launched; its
+    /// tokens come from [`Backend::finish_sample`], steps finishing in launch order. Each
+    /// [`Fed`] names a token of `batch` (whose value there is ignored) that is the token chosen
+    /// for a row of the step launched before this one, not yet finished. Only for a
+    /// [`Backend::pipelined`] backend.
+    fn launch_sample(
+        &mut self,
+        batch: &[StepSeq],
+        rows: &[RowSampling],
+        adjust: &[Vec<Adjust>],
+        fed: &[Fed],
+    ) -> Result<(), RuntimeError> {
+        let _ = (batch, rows, adjust, fed);
+        Err(RuntimeError::Unsupported("this backend does not launch steps ahead of their tokens".into()))
+    }
+    /// Whether the oldest launched step's tokens are on the host (`finish_sample` would not wait).
+    fn sample_ready(&mut self) -> Result<bool, RuntimeError> {
+        Ok(true)
+    }
+    /// The tokens of the oldest launched step not yet finished, waiting for them.
+    fn finish_sample(&mut self) -> Result<Vec<u32>, RuntimeError> {
+        Err(RuntimeError::Unsupported("no step was launched ahead of its tokens".into()))
     }
     /// Chooses again, on the device, from the logits of the last step (one entry of `rows` and
     /// of `adjust` per logits row, as for `forward_sample`), for checking the device's choice

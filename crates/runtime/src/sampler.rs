@@ -344,6 +344,14 @@ impl RequestSampler {
         adj.into_values().collect()
     }
 
+    /// Whether this step's adjustments depend on the tokens generated so far (a penalty, or
+    /// `min_tokens` still holding ids back), so that choosing the next token needs this one
+    /// recorded first (a pipelined worker does not launch the next step ahead of it).
+    pub fn reads_own_tokens(&self) -> bool {
+        let p = &self.sampler.params;
+        p.repetition_penalty != 1.0 || p.frequency_penalty != 0.0 || p.presence_penalty != 0.0 || self.holding_back()
+    }
+
     /// Whether `min_tokens` still holds its ids back.
     fn holding_back(&self) -> bool {
         let p = &self.sampler.params;

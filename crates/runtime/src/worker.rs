@@ -3,10 +3,12 @@
 //! with each request's own generator. Because it runs steps in order, the scheduler may plan
 //! step N+1 while step N runs (overlap scheduling).
 
+use crate::sampler::{Adjust, RowSampling};
 use crate::scheduler::{Sampled, SeqOut, StepPlan};
-use crate::{Backend, ReqId, RequestSampler, RuntimeError, StepSeq};
-use std::collections::HashMap;
-use std::sync::mpsc::{channel, Receiver, Sender};
+use crate::{Backend, Constraint, Fed, ReqId, RequestSampler, RuntimeError, StepSeq};
+use std::collections::hash_map::Entry;
+use std::collections::{HashMap, VecDeque};
+use std::sync::mpsc::{channel, Receiver, Sender, TryRecvError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -64,24 +66,85 @@ impl Drop for Worker {
     }
 }
 
+/// The worker's state between messages.
 #[derive(Default)]
 struct State {
     samplers: HashMap<ReqId, RequestSampler>,
+    /// Each request's last token on the host.
     last: HashMap<ReqId, u32>,
+    /// Steps launched and not yet finished, oldest first (a pipelined backend; at most two).
+    flight: VecDeque<Launched>,
+    /// Releases waiting for the steps received before them to finish: (request, steps
+    /// received by then).
+    releases: Vec<(ReqId, u64)>,
+    received: u64,
+    finished: u64,
+    /// When the last step finished (a step's time counts from there or its start, the later).
+    last_done: Option<Instant>,
+}
+
+/// A step launched on a pipelined backend, its tokens not yet on the host.
+struct Launched {
+    plan: StepPlan,
+    /// The requests of its sampled sequences, in logits-row order.
+    sampled: Vec<ReqId>,
+    start: Instant,
+}
+
+impl State {
+    fn apply_releases(&mut self) {
+        let finished = self.finished;
+        let (samplers, last) = (&mut self.samplers, &mut self.last);
+        self.releases.retain(|&(id, received)| {
+            let due = finished >= received;
+            if due {
+                samplers.remove(&id);
+                last.remove(&id);
+            }
+            !due
+        });
+    }
+
+    /// A step started at `start` is done now: its time, counted from the later of its start
+    /// and the previous step's end (a pipelined step starts before the one before it ends).
+    fn done(&mut self, start: Instant) -> Duration {
+        let now = Instant::now();
+        let from = self.last_done.map_or(start, |d| d.max(start));
+        self.last_done = Some(now);
+        self.finished += 1;
+        now.saturating_duration_since(from)
+    }
+}
+
+enum Poll {
+    Msg(Msg),
+    Ready,
+    Closed,
 }
 
 fn run(mut backend: Box<dyn Backend>, inbox: Receiver<Msg>, outbox: Sender<StepDone>) {
     let mut st = State::default();
-    for msg in inbox {
+    loop {
+        let msg = if st.flight.is_empty() {
+            match inbox.recv() {
+                Ok(m) => m,
+                Err(_) => return,
+            }
+        } else {
+            match poll(backend.as_mut(), &inbox) {
+                Poll::Msg(m) => m,
+                Poll::Ready if finish_oldest(backend.as_mut(), &mut st, &outbox) => continue,
+                Poll::Ready | Poll::Closed => return,
+            }
+        };
         match msg {
             Msg::Release(id) => {
-                st.samplers.remove(&id);
-                st.last.remove(&id);
+                st.releases.push((id, st.received));
+                st.apply_releases();
             }
             Msg::Step(plan) => {
-                let t = Instant::now();
-                let r = step(backend.as_mut(), &plan, &mut st);
-                if outbox.send((plan, r, t.elapsed())).is_err() {
+                st.received += 1;
+                if !take(backend.as_mut(), plan, &mut st, &outbox) {
                     return;
                 }
             }
@@ -89,62 +152,213 @@ fn run(mut backend: Box<dyn Backend>, inbox: Receiver<Msg>, outbox: Sender<StepD
     }
 }
 
-fn step(backend: &mut dyn Backend, plan: &StepPlan, st: &mut State) -> Result<Vec<SeqOut>, RuntimeError> {
-    if plan.embed {
-        return embed_step(backend, plan);
-    }
-    let mut tokens = Vec::with_capacity(plan.seqs.len());
-    let mut rows = Vec::with_capacity(plan.seqs.len());
-    for s in &plan.seqs {
-        let mut t = s.tokens.clone();
-        if s.prev {
-            let p = st.last.get(&s.req).ok_or_else(|| {
-                RuntimeError::Invalid(format!("request {} is fed a previous token it never sampled", s.req))
-            })?;
-            t.push(*p);
+/// With a step in flight: the next message, or that the step's tokens are ready, whichever
+/// comes first (the worker spins: a step is a millisecond or two of device time, and the next
+/// plan should launch as soon as the engine sends it).
+fn poll(backend: &mut dyn Backend, inbox: &Receiver<Msg>) -> Poll {
+    loop {
+        match inbox.try_recv() {
+            Ok(m) => return Poll::Msg(m),
+            Err(TryRecvError::Disconnected) => return Poll::Closed,
+            Err(TryRecvError::Empty) => {}
         }
-        rows.push(if s.sample.is_some() { vec![t.len() - 1] } else { vec![] });
-        tokens.push(t);
+        if backend.sample_ready().unwrap_or(true) {
+            return Poll::Ready;
+        }
+        std::hint::spin_loop();
     }
-    let steps: Vec<StepSeq> = plan
-        .seqs
-        .iter()
-        .zip(&tokens)
-        .zip(&rows)
-        .map(|((s, t), r)| StepSeq { tokens: t, slots: &s.slots, rows: r })
-        .collect();
-    // One draw per sampled sequence and step, whichever side then chooses the token.
-    let (mut rows, mut adjust, mut constraints) = (Vec::new(), Vec::new(), Vec::new());
-    let mut on_device = true;
-    for s in &plan.seqs {
-        let Some(req) = &s.sample else { continue };
-        let sampler = match st.samplers.entry(s.req) {
-            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-            std::collections::hash_map::Entry::Vacant(e) => {
-                e.insert(RequestSampler::new(req.sampling.clone(), &req.prompt)?)
+}
+
+/// Finishes the oldest launched step and sends its result; false when the engine is gone.
+fn finish_oldest(backend: &mut dyn Backend, st: &mut State, outbox: &Sender<StepDone>) -> bool {
+    let Some(l) = st.flight.pop_front() else { return true };
+    let r = backend.finish_sample().and_then(|ids| {
+        if ids.len() != l.sampled.len() {
+            return Err(RuntimeError::Invalid(format!(
+                "the backend returned {} tokens for a step sampling {}",
+                ids.len(),
+                l.sampled.len()
+            )));
+        }
+        let chosen = l.sampled.iter().zip(ids).map(|(req, token)| {
+            if let Some(s) = st.samplers.get_mut(req) {
+                s.record(token);
             }
-        };
-        on_device &= req.logprobs.is_none();
-        constraints.push(req.constraint.clone());
-        adjust.push(sampler.adjustments());
-        rows.push(sampler.row());
+            Sampled { token, logprobs: None }
+        });
+        let chosen = chosen.collect();
+        Ok(outputs(&l.plan, chosen, st))
+    });
+    let elapsed = st.done(l.start);
+    let sent = outbox.send((l.plan, r, elapsed)).is_ok();
+    st.apply_releases();
+    sent
+}
+
+fn finish_all(backend: &mut dyn Backend, st: &mut State, outbox: &Sender<StepDone>) -> bool {
+    while !st.flight.is_empty() {
+        if !finish_oldest(backend, st, outbox) {
+            return false;
+        }
     }
-    let mut chosen = Vec::with_capacity(rows.len());
-    if on_device {
-        let ids = backend.forward_sample(&steps, &rows, &adjust, &constraints)?;
-        for (s, token) in plan.seqs.iter().filter(|s| s.sample.is_some()).zip(ids) {
-            st.samplers.get_mut(&s.req).expect("sampler made above").record(token);
-            if let Some(c) = s.sample.as_ref().and_then(|r| r.constraint.as_ref()) {
+    true
+}
+
+/// Runs or launches a step the engine sent; false when the engine is gone.
+fn take(backend: &mut dyn Backend, plan: StepPlan, st: &mut State, outbox: &Sender<StepDone>) -> bool {
+    let start = Instant::now();
+    let sampling = if plan.embed { None } else { Some(sampling(&plan, st)) };
+    // Launched ahead of the step in flight (its tokens fed on the device), or after it.
+    let ahead = backend.pipelined() && matches!(&sampling, Some(Ok(s)) if s.ahead);
+    if !ahead && !finish_all(backend, st, outbox) {
+        return false;
+    }
+    let r = match sampling {
+        None => embed_step(backend, &plan),
+        Some(Err(e)) => Err(e),
+        Some(Ok(s)) if ahead => match launch(backend, &plan, &s, st) {
+            Ok(()) => {
+                st.flight.push_back(Launched { plan, sampled: s.sampled, start });
+                // The step before is needed on the host for the engine to plan the next.
+                while st.flight.len() > 1 {
+                    if !finish_oldest(backend, st, outbox) {
+                        return false;
+                    }
+                }
+                return true;
+            }
+            Err(e) => {
+                if !finish_all(backend, st, outbox) {
+                    return false;
+                }
+                Err(e)
+            }
+        },
+        Some(Ok(s)) => step(backend, &plan, &s, st),
+    };
+    let elapsed = st.done(start);
+    let sent = outbox.send((plan, r, elapsed)).is_ok();
+    st.apply_releases();
+    sent
+}
+
+/// A step's sampled sequences: one draw each (whichever side then chooses the token), their
+/// adjustments and constraints.
+struct Sampling {
+    rows: Vec<RowSampling>,
+    adjust: Vec<Vec<Adjust>>,
+    constraints: Vec<Option<Constraint>>,
+    /// The requests, in logits-row order.
+    sampled: Vec<ReqId>,
+    /// Every choice can be made on the device (no logprobs).
+    on_device: bool,
+    /// And needs nothing of the tokens before it on the host (no constraint, no penalty): the
+    /// step may launch before the one in flight finishes.
+    ahead: bool,
+}
+
+fn sampling(plan: &StepPlan, st: &mut State) -> Result<Sampling, RuntimeError> {
+    let mut s =
+        Sampling { rows: vec![], adjust: vec![], constraints: vec![], sampled: vec![], on_device: true, ahead: true };
+    for q in &plan.seqs {
+        let Some(req) = &q.sample else { continue };
+        let sampler = match st.samplers.entry(q.req) {
+            Entry::Occupied(e) => e.into_mut(),
+            Entry::Vacant(e) => e.insert(RequestSampler::new(req.sampling.clone(), &req.prompt)?),
+        };
+        s.on_device &= req.logprobs.is_none();
+        s.ahead &= req.logprobs.is_none() && req.constraint.is_none() && !sampler.reads_own_tokens();
+        s.constraints.push(req.constraint.clone());
+        s.adjust.push(sampler.adjustments());
+        s.rows.push(sampler.row());
+        s.sampled.push(q.req);
+    }
+    Ok(s)
+}
+
+/// A step's tokens and logits rows per sequence, and those fed on the device from the step in
+/// flight (a request it samples whose token this step feeds).
+struct Inputs {
+    tokens: Vec<Vec<u32>>,
+    rows: Vec<Vec<usize>>,
+    fed: Vec<Fed>,
+}
+
+impl Inputs {
+    fn new(plan: &StepPlan, st: &State) -> Result<Inputs, RuntimeError> {
+        let in_flight: HashMap<ReqId, usize> =
+            st.flight.back().map(|l| l.sampled.iter().enumerate().map(|(i, &r)| (r, i)).collect()).unwrap_or_default();
+        let mut inp = Inputs { tokens: vec![], rows: vec![], fed: vec![] };
+        let mut at = 0;
+        for s in &plan.seqs {
+            let mut t = s.tokens.clone();
+            if s.prev {
+                if let Some(&row) = in_flight.get(&s.req) {
+                    inp.fed.push(Fed { token: at + t.len(), row });
+                    t.push(0);
+                } else {
+                    let p = st.last.get(&s.req).ok_or_else(|| {
+                        RuntimeError::Invalid(format!("request {} is fed a previous token it never sampled", s.req))
+                    })?;
+                    t.push(*p);
+                }
+            }
+            at += t.len();
+            inp.rows.push(if s.sample.is_some() { vec![t.len() - 1] } else { vec![] });
+            inp.tokens.push(t);
+        }
+        Ok(inp)
+    }
+
+    fn steps<'a>(&'a self, plan: &'a StepPlan) -> Vec<StepSeq<'a>> {
+        let seqs = plan.seqs.iter().zip(&self.tokens).zip(&self.rows);
+        seqs.map(|((s, t), r)| StepSeq { tokens: t, slots: &s.slots, rows: r }).collect()
+    }
+}
+
+fn launch(backend: &mut dyn Backend, plan: &StepPlan, s: &Sampling, st: &State) -> Result<(), RuntimeError> {
+    let inp = Inputs::new(plan, st)?;
+    backend.launch_sample(&inp.steps(plan), &s.rows, &s.adjust, &inp.fed)
+}
+
+/// Each sequence's output, a sampled one's token in turn from `chosen` (kept as the request's
+/// last token).
+fn outputs(plan: &StepPlan, chosen: Vec<Sampled>, st: &mut State) -> Vec<SeqOut> {
+    let mut chosen = chosen.into_iter();
+    let mut out = Vec::with_capacity(plan.seqs.len());
+    for s in &plan.seqs {
+        let sampled = s.sample.as_ref().and_then(|_| chosen.next());
+        out.push(match sampled {
+            Some(c) => {
+                st.last.insert(s.req, c.token);
+                SeqOut::Token(c)
+            }
+            None => SeqOut::Nothing,
+        });
+    }
+    out
+}
+
+/// Runs a step to its tokens (nothing in flight).
+fn step(backend: &mut dyn Backend, plan: &StepPlan, s: &Sampling, st: &mut State) -> Result<Vec<SeqOut>, RuntimeError> {
+    let inp = Inputs::new(plan, st)?;
+    let steps = inp.steps(plan);
+    let mut chosen = Vec::with_capacity(s.rows.len());
+    if s.on_device {
+        let ids = backend.forward_sample(&steps, &s.rows, &s.adjust, &s.constraints)?;
+        for ((req, c), token) in s.sampled.iter().zip(&s.constraints).zip(ids) {
+            st.samplers.get_mut(req).expect("sampler made by `sampling`").record(token);
+            if let Some(c) = c {
                 c.accept(token);
             }
             chosen.push(Sampled { token, logprobs: None });
         }
     } else {
         let logits = backend.forward(&steps)?;
-        let sampled = plan.seqs.iter().filter_map(|s| Some((s.req, s.sample.as_ref()?)));
-        let rows = rows.iter().zip(&adjust);
+        let sampled = plan.seqs.iter().filter_map(|q| Some((q.req, q.sample.as_ref()?)));
+        let rows = s.rows.iter().zip(&s.adjust);
         for (((req, r), logits), (row, adjust)) in sampled.zip(logits.chunks_exact(backend.vocab())).zip(rows) {
-            let sampler = st.samplers.get_mut(&req).expect("sampler made above");
+            let sampler = st.samplers.get_mut(&req).expect("sampler made by `sampling`");
             let (token, logprobs) = match &r.constraint {
                 Some(c) => {
                     let mut masked = logits.to_vec();
@@ -158,19 +372,7 @@ fn step(backend: &mut dyn Backend, plan: &StepPlan, st: &mut State) -> Result<Ve
             chosen.push(Sampled { token, logprobs });
         }
     }
-    let mut chosen = chosen.into_iter();
-    let mut out = Vec::with_capacity(plan.seqs.len());
-    for s in &plan.seqs {
-        let sampled = s.sample.as_ref().and_then(|_| chosen.next());
-        out.push(match sampled {
-            Some(c) => {
-                st.last.insert(s.req, c.token);
-                SeqOut::Token(c)
-            }
-            None => SeqOut::Nothing,
-        });
-    }
-    Ok(out)
+    Ok(outputs(plan, chosen, st))
 }
 
 /// A step of embedding chunks: the final hidden states of each sequence's `hidden_rows`.

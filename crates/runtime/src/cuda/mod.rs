@@ -7,7 +7,7 @@
 //! each on its own thread and GPU, the all-reduces over NCCL ([`tp`]). cudarc loads the
 //! driver, NVRTC and NCCL at run time, so building needs no CUDA.
 
-use crate::backend::{check_batch, Backend, StepSeq};
+use crate::backend::{check_batch, Backend, Fed, StepSeq};
 use crate::sampler::{Adjust, RowSampling};
 use crate::{Constraint, RuntimeError};
 use bundle::Bundle;
@@ -24,6 +24,7 @@ mod device;
 mod lt;
 pub(crate) mod probe;
 mod profile;
+mod staging;
 pub mod tp;
 mod tune;
 mod w16;
@@ -105,6 +106,12 @@ pub struct CudaBackend {
     profile: Option<Profile>,
     /// `ENGINE_CUDA_SKIP` ([`profile::skip_from_env`]): kernels left out, for timing only.
     skip: Vec<String>,
+    /// Pinned host memory for the inputs and tokens, and the steps whose tokens are on their
+    /// way back ([`staging`]).
+    staging: staging::Staging,
+    /// Steps launch ahead of the step before's tokens (`Backend::launch_sample`): one GPU,
+    /// not profiled launch by launch, `ENGINE_PIPELINE` not `0`.
+    pipelined: bool,
 }
 
 impl Drop for CudaBackend {
@@ -235,6 +242,9 @@ impl CudaBackend {
         let profile = Profile::from_env();
         let use_graphs =
             !Profile::per_launch(&profile) && std::env::var("ENGINE_CUDA_GRAPHS").map_or(true, |v| v != "0");
+        let pipelined = comm.is_none()
+            && !Profile::per_launch(&profile)
+            && std::env::var("ENGINE_PIPELINE").map_or(true, |v| v != "0");
         let mut be = CudaBackend {
             plan,
             program,
@@ -270,8 +280,10 @@ impl CudaBackend {
             w8_scales: HashMap::new(),
             w16: HashMap::new(),
             w8_input: None,
+            pipelined,
             profile,
             skip: vec![],
+            staging: staging::Staging::default(),
         };
         be.ensure_cap(256, 256)?;
         // Not through the profiler: it would time ours with its per-launch sync and the others
@@ -294,7 +306,15 @@ impl CudaBackend {
         let cap = (grow(tokens, self.cap.0), grow(rows, self.cap.1));
         self.graphs.clear();
         self.bufs.clear();
-        self.tokens = self.stream.alloc_zeros::<i32>(cap.1).map_err(driver("alloc"))?;
+        // The tokens of a step in flight may still be fed to the next one (`FeedTokens`).
+        let mut tokens = self.stream.alloc_zeros::<i32>(cap.1).map_err(driver("alloc"))?;
+        let kept = self.tokens.len().min(cap.1);
+        if kept > 0 {
+            self.stream
+                .memcpy_dtod(&self.tokens.slice(0..kept), &mut tokens.slice_mut(0..kept))
+                .map_err(driver("copying tokens"))?;
+        }
+        self.tokens = tokens;
         self.sample_params = self.stream.alloc_zeros::<f32>(5 * cap.1).map_err(driver("alloc"))?;
         self.argmax = argmax_scratch(&self.stream, cap.1)?;
         for b in &self.program.buffers {
@@ -519,13 +539,36 @@ impl Backend for CudaBackend {
         adjust: &[Vec<Adjust>],
         constraints: &[Option<Constraint>],
     ) -> Result<Vec<u32>, RuntimeError> {
-        Profile::step_start(&self.profile);
-        let p = self.pack(batch)?;
-        check_rows(p.wanted, rows)?;
-        self.execute(&p)?;
-        // The GPU runs the step while the host computes the masks.
-        let masks = crate::constraint::masks(constraints);
-        let ids = self.sample(rows, adjust, &masks);
+        if self.staging.pending() > 0 {
+            return Err(RuntimeError::Invalid("a step run while another's tokens are on their way".into()));
+        }
+        self.launch_step(batch, rows, adjust, constraints, &[])?;
+        self.finish_sample()
+    }
+
+    fn pipelined(&self) -> bool {
+        self.pipelined
+    }
+
+    fn launch_sample(
+        &mut self,
+        batch: &[StepSeq],
+        rows: &[RowSampling],
+        adjust: &[Vec<Adjust>],
+        fed: &[Fed],
+    ) -> Result<(), RuntimeError> {
+        if !fed.is_empty() && self.staging.pending() == 0 {
+            return Err(RuntimeError::Invalid("a step feeds tokens from a step before it that has finished".into()));
+        }
+        self.launch_step(batch, rows, adjust, &[], fed)
+    }
+
+    fn sample_ready(&mut self) -> Result<bool, RuntimeError> {
+        self.staging.ready()
+    }
+
+    fn finish_sample(&mut self) -> Result<Vec<u32>, RuntimeError> {
+        let ids = self.staging.take();
         Profile::step_end(&self.profile);
         ids
     }
@@ -533,6 +576,28 @@ impl Backend for CudaBackend {
     fn resample(&mut self, rows: &[RowSampling], adjust: &[Vec<Adjust>]) -> Result<Option<Vec<u32>>, RuntimeError> {
         check_rows(self.last_rows, rows)?;
         self.sample(rows, adjust, &[]).map(Some)
+    }
+}
+
+impl CudaBackend {
+    /// Packs, uploads and runs a step, then launches its sampling; the tokens come from
+    /// `finish_sample`.
+    fn launch_step(
+        &mut self,
+        batch: &[StepSeq],
+        rows: &[RowSampling],
+        adjust: &[Vec<Adjust>],
+        constraints: &[Option<Constraint>],
+        fed: &[Fed],
+    ) -> Result<(), RuntimeError> {
+        Profile::step_start(&self.profile);
+        let mut p = self.pack(batch)?;
+        check_rows(p.wanted, rows)?;
+        p.feed(fed)?;
+        self.execute(&p)?;
+        // The GPU runs the step while the host computes the masks.
+        let masks = crate::constraint::masks(constraints);
+        self.launch_sampling(rows, adjust, &masks)
     }
 }
 
@@ -603,7 +668,7 @@ fn pack_inputs(batch: &[StepSeq], pad: usize, scratch: usize) -> Packed {
         slot += 1;
     }
     h[off[5] + slot] = scratch as i32;
-    Packed { host: h, off, t, r, wanted, graph: false }
+    Packed { host: h, off, t, r, wanted, graph: false, fed: false }
 }
 
 /// A step's inputs as one array, the same for every rank (see [`CudaBackend::pack`]).
@@ -618,6 +683,24 @@ pub(crate) struct Packed {
     wanted: usize,
     /// Replayed as a captured graph (of `t` rows).
     graph: bool,
+    /// Some ids are `-1 - row`: the token chosen for that row of the step before, fed on the
+    /// device ([`Packed::feed`]).
+    fed: bool,
+}
+
+impl Packed {
+    /// Marks the tokens of `fed` as those chosen for rows of the step before (`-1 - row`),
+    /// replaced on the device before the step runs (`KernelKey::FeedTokens`).
+    fn feed(&mut self, fed: &[Fed]) -> Result<(), RuntimeError> {
+        for f in fed {
+            if f.token >= self.t {
+                return Err(RuntimeError::Invalid(format!("fed token {} outside a step of {}", f.token, self.t)));
+            }
+            self.host[self.off[0] + f.token] = -1 - f.row as i32;
+        }
+        self.fed = !fed.is_empty();
+        Ok(())
+    }
 }
 
 impl CudaBackend {
@@ -656,17 +739,32 @@ impl CudaBackend {
 
     /// The token of each of the first logit rows of the last step, one per entry of `rows`,
     /// chosen on the GPU (`kernels/sample.cuh`) after the rows' constraint `masks` (one per
-    /// row, or none at all) and `adjust`.
+    /// row, or none at all) and `adjust`; waits for them (no step's tokens may be on their way).
     pub(crate) fn sample(
         &mut self,
         rows: &[RowSampling],
         adjust: &[Vec<Adjust>],
         masks: &[Option<Vec<u32>>],
     ) -> Result<Vec<u32>, RuntimeError> {
+        if self.staging.pending() > 0 {
+            return Err(RuntimeError::Invalid("a step sampled while another's tokens are on their way".into()));
+        }
+        self.launch_sampling(rows, adjust, masks)?;
+        self.staging.take()
+    }
+
+    /// Launches the choice of [`CudaBackend::sample`] and queues the tokens' copy to the host
+    /// ([`staging::Staging::take`] returns them).
+    fn launch_sampling(
+        &mut self,
+        rows: &[RowSampling],
+        adjust: &[Vec<Adjust>],
+        masks: &[Option<Vec<u32>>],
+    ) -> Result<(), RuntimeError> {
         let wanted = rows.len();
+        let src = self.ptr(&self.tokens);
         if wanted == 0 {
-            self.stream.synchronize().map_err(driver("running a step"))?;
-            return Ok(vec![]);
+            return self.staging.download(&self.stream, src, 0);
         }
         let vocab = self.plan.vocab;
         self.mask_logits(masks, wanted)?;
@@ -699,10 +797,19 @@ impl CudaBackend {
         Profile::span(&self.profile, &self.stream, true, || {
             unsafe { b.launch(cfg) }.map(|_| ()).map_err(driver("launching the sampling kernel"))
         })?;
-        let mut ids = vec![0i32; wanted];
-        self.stream.memcpy_dtoh(&self.tokens.slice(0..wanted), &mut ids).map_err(driver("copying tokens"))?;
-        self.stream.synchronize().map_err(driver("running a step"))?;
-        Ok(ids.into_iter().map(|i| i as u32).collect())
+        self.staging.download(&self.stream, src, wanted)
+    }
+
+    /// Replaces the step's ids that name a row of the step before (`-1 - row`, [`Packed::feed`])
+    /// by the token chosen there, still in `tokens`.
+    fn feed_tokens(&mut self, t: usize) -> Result<(), RuntimeError> {
+        let mut ids = self.inputs.slice_mut(0..t);
+        let mut b = self.stream.launch_builder(&self.funcs[&KernelKey::FeedTokens]);
+        let n = t as i32;
+        b.arg(&mut ids).arg(&self.tokens).arg(&n);
+        let cfg =
+            LaunchConfig { grid_dim: ((t as u32).div_ceil(256), 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        unsafe { b.launch(cfg) }.map(|_| ()).map_err(driver("launching the fed tokens"))
     }
 
     /// Sets the logits of the tokens each masked row's constraint does not allow to -inf (one
@@ -784,9 +891,12 @@ impl CudaBackend {
             self.graphs.clear();
             self.inputs = self.stream.alloc_zeros::<i32>(p.host.len() * 2).map_err(driver("alloc"))?;
         }
-        let mut dst = self.inputs.slice_mut(0..p.host.len());
-        self.stream.memcpy_htod(&p.host, &mut dst).map_err(driver("copying step inputs"))?;
+        let dst = self.ptr(&self.inputs);
+        self.staging.upload(&self.stream, &p.host, dst)?;
         let t = p.t;
+        if p.fed {
+            self.feed_tokens(t)?;
+        }
         self.positions = (p.host.len() - p.off[5]).saturating_sub(1);
         if !p.graph {
             return self.enqueue(t, p.r, &p.off, false);

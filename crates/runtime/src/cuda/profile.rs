@@ -52,8 +52,12 @@ pub(super) struct Steps {
     replay_ms: f64,
     sample_ms: f64,
     wall_ms: f64,
-    /// The step under way.
-    open: Option<OpenStep>,
+    /// The steps under way, oldest first (two where a step launches before the one before
+    /// it finishes: `Backend::launch_sample`).
+    open: std::collections::VecDeque<OpenStep>,
+    /// When the last step finished: a step's wall time counts from there or its start, the
+    /// later, so steps that overlap are not counted twice.
+    last_end: Option<Instant>,
 }
 
 /// A step's start on the host, and the events around its replay and its sampling.
@@ -116,7 +120,7 @@ impl Profile {
     /// A step starts on the host (steps mode).
     pub(super) fn step_start(this: &Option<Profile>) {
         if let Some(Profile::Steps(s)) = this {
-            s.borrow_mut().open = Some(OpenStep { start: Instant::now(), replay: None, sample: None });
+            s.borrow_mut().open.push_back(OpenStep { start: Instant::now(), replay: None, sample: None });
         }
     }
 
@@ -130,23 +134,27 @@ impl Profile {
     ) -> Result<(), RuntimeError> {
         let Some(Profile::Steps(s)) = this else { return work() };
         let events = between(stream, work)?;
-        if let Some(open) = s.borrow_mut().open.as_mut() {
+        if let Some(open) = s.borrow_mut().open.back_mut() {
             *(if sample { &mut open.sample } else { &mut open.replay }) = Some(events);
         }
         Ok(())
     }
 
-    /// A step's results are on the host (steps mode; its stream synchronized): counts it if
-    /// it was replayed from a graph.
+    /// The oldest step's results are on the host (steps mode): counts it if it was replayed
+    /// from a graph.
     pub(super) fn step_end(this: &Option<Profile>) {
         let Some(Profile::Steps(s)) = this else { return };
         let mut s = s.borrow_mut();
-        let Some(OpenStep { start, replay: Some(replay), sample }) = s.open.take() else { return };
+        let Some(OpenStep { start, replay, sample }) = s.open.pop_front() else { return };
+        let now = Instant::now();
+        let wall = now.saturating_duration_since(s.last_end.map_or(start, |e| e.max(start)));
+        s.last_end = Some(now);
+        let Some(replay) = replay else { return };
         let ms = |(a, b): &(CudaEvent, CudaEvent)| a.elapsed_ms(b).map(f64::from).unwrap_or(0.0);
         s.steps += 1;
         s.replay_ms += ms(&replay);
         s.sample_ms += sample.as_ref().map_or(0.0, ms);
-        s.wall_ms += start.elapsed().as_secs_f64() * 1e3;
+        s.wall_ms += wall.as_secs_f64() * 1e3;
     }
 
     /// The summary, on stderr.
