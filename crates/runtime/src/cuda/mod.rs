@@ -773,9 +773,8 @@ impl CudaBackend {
         let greedy = rows.iter().all(RowSampling::is_greedy);
         if !greedy {
             let params: Vec<f32> = rows.iter().flat_map(|r| r.to_device(vocab)).collect();
-            self.stream
-                .memcpy_htod(&params, &mut self.sample_params.slice_mut(0..params.len()))
-                .map_err(driver("copying sampling parameters"))?;
+            let dst = self.ptr(&self.sample_params);
+            self.staging.upload_params(&self.stream, &params, dst)?;
         }
         let out = self.bufs[self.program.output].slice(0..wanted * vocab);
         let (key, grid) = if greedy {
@@ -858,9 +857,8 @@ impl CudaBackend {
         if entries.len() > self.adjust.len() {
             self.adjust = self.stream.alloc_zeros::<f32>(entries.len().next_power_of_two()).map_err(driver("alloc"))?;
         }
-        self.stream
-            .memcpy_htod(&entries, &mut self.adjust.slice_mut(0..entries.len()))
-            .map_err(driver("copying logit adjustments"))?;
+        let dst = self.ptr(&self.adjust);
+        self.staging.upload_adjust(&self.stream, &entries, dst)?;
         let n = (entries.len() / 5) as i32;
         let vocab = self.plan.vocab;
         let mut out = self.bufs[self.program.output].slice_mut(0..wanted * vocab);

@@ -39,47 +39,88 @@ impl HostBuf {
     }
 }
 
+/// Two pinned buffers taken in turn.
+#[derive(Default)]
+struct Ring {
+    bufs: [Option<HostBuf>; 2],
+    next: usize,
+}
+
+impl Ring {
+    /// The next buffer, with room for `len` values (a new one when too small), once its last
+    /// copy is done; and its index.
+    fn take(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        len: usize,
+        write_only: bool,
+    ) -> Result<(usize, &mut HostBuf), RuntimeError> {
+        let i = self.next;
+        self.next ^= 1;
+        if let Some(b) = &self.bufs[i] {
+            b.wait()?;
+        }
+        if self.bufs[i].as_ref().is_none_or(|b| b.buf.len() < len) {
+            self.bufs[i] = Some(HostBuf::new(stream, len, write_only)?);
+        }
+        Ok((i, self.bufs[i].as_mut().expect("made above")))
+    }
+
+    /// Queues the copy of `host` (4-byte values) to device memory at `dst` (room for
+    /// `host.len()` values) on `stream`.
+    fn upload(&mut self, stream: &Arc<CudaStream>, host: &[i32], dst: CUdeviceptr) -> Result<(), RuntimeError> {
+        let (_, b) = self.take(stream, host.len(), true)?;
+        let pinned = &mut b.buf.as_mut_slice().map_err(driver("pinned host memory"))?[..host.len()];
+        pinned.copy_from_slice(host);
+        // Safety: `dst` holds `host.len()` values (the caller's); the pinned source stays
+        // untouched until `copied` completes (`take` waits for it).
+        unsafe { result::memcpy_htod_async(dst, pinned, stream.cu_stream()) }.map_err(driver("copying to the GPU"))?;
+        b.copied.record(stream).map_err(driver("recording an event"))
+    }
+}
+
 /// The pinned buffers of one backend, and the steps whose tokens are on their way back.
 #[derive(Default)]
 pub(super) struct Staging {
-    inputs: [Option<HostBuf>; 2],
-    next_input: usize,
-    tokens: [Option<HostBuf>; 2],
-    next_tokens: usize,
+    /// A step's inputs (`Packed`), its sampling parameters and its logit adjustments.
+    inputs: Ring,
+    params: Ring,
+    adjust: Ring,
+    tokens: Ring,
     /// Per step whose tokens were queued for copying and not yet taken: its buffer and count.
     pending: VecDeque<(usize, usize)>,
 }
 
-/// The buffer `slot` of `bufs` with room for `len` values (a new one when too small), once its
-/// last copy is done.
-fn slot<'a>(
-    bufs: &'a mut [Option<HostBuf>; 2],
-    slot: usize,
-    stream: &Arc<CudaStream>,
-    len: usize,
-    write_only: bool,
-) -> Result<&'a mut HostBuf, RuntimeError> {
-    if let Some(b) = &bufs[slot] {
-        b.wait()?;
-    }
-    if bufs[slot].as_ref().is_none_or(|b| b.buf.len() < len) {
-        bufs[slot] = Some(HostBuf::new(stream, len, write_only)?);
-    }
-    Ok(bufs[slot].as_mut().expect("made above"))
+/// f32 values as the 4-byte words a pinned buffer holds.
+fn words(v: &[f32]) -> Vec<i32> {
+    v.iter().map(|x| x.to_bits() as i32).collect()
 }
 
 impl Staging {
-    /// Queues the copy of `host` to device memory at `dst` (room for `host.len()` values) on
-    /// `stream`, through the next pinned input buffer.
+    /// Queues the copy of a step's packed inputs to device memory at `dst` (room for
+    /// `host.len()` values) on `stream`.
     pub fn upload(&mut self, stream: &Arc<CudaStream>, host: &[i32], dst: CUdeviceptr) -> Result<(), RuntimeError> {
-        let b = slot(&mut self.inputs, self.next_input, stream, host.len(), true)?;
-        self.next_input ^= 1;
-        let pinned = &mut b.buf.as_mut_slice().map_err(driver("pinned host memory"))?[..host.len()];
-        pinned.copy_from_slice(host);
-        // Safety: `dst` holds `host.len()` values (the caller's); the pinned source stays
-        // untouched until `copied` completes (`slot` waits for it).
-        unsafe { result::memcpy_htod_async(dst, pinned, stream.cu_stream()) }.map_err(driver("copying step inputs"))?;
-        b.copied.record(stream).map_err(driver("recording an event"))
+        self.inputs.upload(stream, host, dst)
+    }
+
+    /// Likewise a step's sampling parameters.
+    pub fn upload_params(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        host: &[f32],
+        dst: CUdeviceptr,
+    ) -> Result<(), RuntimeError> {
+        self.params.upload(stream, &words(host), dst)
+    }
+
+    /// Likewise a step's logit adjustments.
+    pub fn upload_adjust(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        host: &[f32],
+        dst: CUdeviceptr,
+    ) -> Result<(), RuntimeError> {
+        self.adjust.upload(stream, &words(host), dst)
     }
 
     /// Queues the copy of the `wanted` tokens at `src` to the host; [`Staging::take`] returns
@@ -88,9 +129,7 @@ impl Staging {
         if self.pending.len() == 2 {
             return Err(RuntimeError::Invalid("a third step launched before the first one's tokens were taken".into()));
         }
-        let i = self.next_tokens;
-        let b = slot(&mut self.tokens, i, stream, wanted, false)?;
-        self.next_tokens ^= 1;
+        let (i, b) = self.tokens.take(stream, wanted, false)?;
         if wanted > 0 {
             let pinned = &mut b.buf.as_mut_slice().map_err(driver("pinned host memory"))?[..wanted];
             // Safety: `src` holds `wanted` tokens; the buffer is read only after `copied`.
@@ -104,7 +143,7 @@ impl Staging {
     /// Whether the oldest queued step's tokens are on the host (true when none is queued).
     pub fn ready(&self) -> Result<bool, RuntimeError> {
         let Some(&(i, _)) = self.pending.front() else { return Ok(true) };
-        let b = self.tokens[i].as_ref().expect("a queued step's buffer");
+        let b = self.tokens.bufs[i].as_ref().expect("a queued step's buffer");
         b.copied.try_is_complete().map_err(driver("running a step"))
     }
 
@@ -114,7 +153,7 @@ impl Staging {
             .pending
             .pop_front()
             .ok_or_else(|| RuntimeError::Invalid("no step's tokens are on their way".into()))?;
-        let b = self.tokens[i].as_ref().expect("a queued step's buffer");
+        let b = self.tokens.bufs[i].as_ref().expect("a queued step's buffer");
         b.wait()?;
         let ids = b.buf.as_slice().map_err(driver("pinned host memory"))?;
         Ok(ids[..wanted].iter().map(|&t| t as u32).collect())
