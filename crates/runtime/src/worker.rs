@@ -207,12 +207,12 @@ fn finish_all(backend: &mut dyn Backend, st: &mut State, outbox: &Sender<StepDon
 /// Runs or launches a step the engine sent; false when the engine is gone.
 fn take(backend: &mut dyn Backend, plan: StepPlan, st: &mut State, outbox: &Sender<StepDone>) -> bool {
     let start = Instant::now();
-    let sampling = if plan.embed { None } else { Some(sampling(&plan, st)) };
     // Launched ahead of the step in flight (its tokens fed on the device), or after it.
-    let ahead = backend.pipelined() && matches!(&sampling, Some(Ok(s)) if s.ahead);
+    let ahead = backend.pipelined() && !plan.embed && needs_nothing_back(&plan, st);
     if !ahead && !finish_all(backend, st, outbox) {
         return false;
     }
+    let sampling = if plan.embed { None } else { Some(sampling(&plan, st)) };
     let r = match sampling {
         None => embed_step(backend, &plan),
         Some(Err(e)) => Err(e),
@@ -252,14 +252,20 @@ struct Sampling {
     sampled: Vec<ReqId>,
     /// Every choice can be made on the device (no logprobs).
     on_device: bool,
-    /// And needs nothing of the tokens before it on the host (no constraint, no penalty): the
-    /// step may launch before the one in flight finishes.
-    ahead: bool,
+}
+
+/// Whether every sampled request of `plan` needs nothing on the host of the tokens before its
+/// choice (no constraint, no logprobs, no penalty, no `min_tokens` holding back), so that the
+/// step may launch before the step in flight finishes.
+fn needs_nothing_back(plan: &StepPlan, st: &State) -> bool {
+    plan.seqs.iter().filter_map(|q| Some((q.req, q.sample.as_ref()?))).all(|(id, r)| {
+        let reads = st.samplers.get(&id).map_or_else(|| r.sampling.reads_tokens(0), RequestSampler::reads_own_tokens);
+        r.logprobs.is_none() && r.constraint.is_none() && !reads
+    })
 }
 
 fn sampling(plan: &StepPlan, st: &mut State) -> Result<Sampling, RuntimeError> {
-    let mut s =
-        Sampling { rows: vec![], adjust: vec![], constraints: vec![], sampled: vec![], on_device: true, ahead: true };
+    let mut s = Sampling { rows: vec![], adjust: vec![], constraints: vec![], sampled: vec![], on_device: true };
     for q in &plan.seqs {
         let Some(req) = &q.sample else { continue };
         let sampler = match st.samplers.entry(q.req) {
@@ -267,7 +273,6 @@ fn sampling(plan: &StepPlan, st: &mut State) -> Result<Sampling, RuntimeError> {
             Entry::Vacant(e) => e.insert(RequestSampler::new(req.sampling.clone(), &req.prompt)?),
         };
         s.on_device &= req.logprobs.is_none();
-        s.ahead &= req.logprobs.is_none() && req.constraint.is_none() && !sampler.reads_own_tokens();
         s.constraints.push(req.constraint.clone());
         s.adjust.push(sampler.adjustments());
         s.rows.push(sampler.row());
