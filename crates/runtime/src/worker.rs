@@ -1,7 +1,10 @@
 //! The worker: a thread that owns the backend and runs planned steps strictly in order,
 //! feeding each sequence's placeholder token from the previous step's sample and sampling
 //! with each request's own generator. Because it runs steps in order, the scheduler may plan
-//! step N+1 while step N runs (overlap scheduling).
+//! step N+1 while step N runs (overlap scheduling). On a pipelined backend
+//! ([`Backend::pipelined`]) it also launches step N+1 before step N's tokens reach the host,
+//! where no request of N+1 needs them there: the placeholders are then fed on the device
+//! ([`Fed`]; docs/runtime.md, "Pipelined steps").
 
 use crate::sampler::{Adjust, RowSampling};
 use crate::scheduler::{Sampled, SeqOut, StepPlan};
