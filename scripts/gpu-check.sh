@@ -24,7 +24,9 @@
 #   - the engine (continuous batching, chunked prefill, shared prefixes in the radix cache, paged
 #     KV) against each request run alone (`engrun bench --verify-alone`), and again with decode
 #     batches of 48 rows over 560-724 keys (decode attention's keys split over blocks) and of
-#     256 rows (decode attention's two-warp blocks);
+#     256 rows (decode attention's two-warp blocks); and the tokens of seeded sampling with
+#     pipelined steps (the next step launched before this one's tokens are on the host) equal
+#     to those of the worker that waits for them;
 #   - `/v1/embeddings` served from the GPU: the embedding through the lm_head against HF's
 #     logits (shapes without a final logit softcap).
 # GGUF's blocks on CUDA (GGUF=0 skips): tests/fixtures/tiny-kquant's Q4_K_M-style GGUF (Q4_K
@@ -96,7 +98,9 @@ for shape in $shapes; do
       [ "$tp" = 1 ] || { b="$ck$dsfx.tp$tp.bundle"; sfx="$dsfx-tp$tp"; }
       [ -d "$b" ] || must compile "$work/$shape$sfx-compile.txt" \
         "$bin/engc" compile --checkpoint "$ckd" "${dflag[@]}" --tp "$tp" -o "$b" || continue
-      expected=$((expected + 23))
+      # Four logits runs against HF (max, rms, greedy each), three settings against the
+      # default, seven sampling settings, four engine checks.
+      expected=$((expected + 26))
       rm -rf /tmp/engine-cache
       logits() { # RUN FILE-SUFFIX IDS PREFILL [ENV...]
         local run=$1 fs=$2 seqs=$3 pre=$4
@@ -158,6 +162,15 @@ for shape in $shapes; do
       "${lone[@]}" "$bin/engrun" bench "$b" --device cuda --num-prompts 256 --input-len 300 --output-len 8 --random-range-ratio 0.5 \
         --warmup 0 --verify-alone $tol --json >"$work/$shape$sfx-alone-wide.txt" 2>&1
       cmp alone "$checks" "engine_alone_wide$sfx" "$work/$shape$sfx-alone-wide.txt"
+      # Pipelined steps (each launched before the step before has its tokens on the host, which
+      # it takes on the device) against the worker waiting for them: seeded sampling gives every
+      # request the same tokens. Our GEMMs forced, so that no timing chooses the kernels.
+      for p in 1 0; do
+        ENGINE_PIPELINE=$p ENGINE_GEMM_FORCE=ours "${lone[@]}" "$bin/engrun" bench "$b" --device cuda --num-prompts 48 \
+          --input-len 200 --output-len 48 --random-range-ratio 0.5 --temperature 0.8 --top-p 0.95 --seed 5 --warmup 0 \
+          --output-tokens "$work/$shape$sfx-pipe$p.json" --json >"$work/$shape$sfx-pipe$p.txt" 2>&1
+      done
+      cmp same_tokens "$checks" "engine_pipelined_sampled$sfx" "$work/$shape$sfx-pipe1.json" "$work/$shape$sfx-pipe0.json"
       # /v1/embeddings on the GPU, through the lm_head against HF (not under a final softcap,
       # which bends the logits away from W·h).
       if ! grep -q '"final_logit_softcapping": *[0-9]' "tests/configs/$shape.json"; then

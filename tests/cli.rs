@@ -251,6 +251,22 @@ fn bench_reports_json() {
     assert!((6..=12).contains(&out), "output lengths uniform in [2, 4]: {out}");
     let o = run("engrun", &["bench", s(&b), "--num-prompts", "0"]);
     assert!(!o.status.success() && stderr(&o).contains("num-prompts"));
+    // --output-tokens: every request's tokens, the same for the same seed, not for another.
+    let tokens = |seed: &str, name: &str| {
+        let f = dir.path().join(name);
+        let args =
+            ["bench", s(&b), "--num-prompts", "3", "--input-len", "9", "--output-len", "5", "--temperature", "0.9"];
+        let o = run("engrun", &[&args[..], &["--seed", seed, "--output-tokens", s(&f)]].concat());
+        assert!(o.status.success(), "{}", stderr(&o));
+        serde_json::from_str::<Vec<Vec<u32>>>(&std::fs::read_to_string(f).unwrap()).unwrap()
+    };
+    let (a, b2, c) = (tokens("4", "a.json"), tokens("4", "b.json"), tokens("5", "c.json"));
+    assert_eq!(a.len(), 3);
+    assert!(a.iter().all(|t| t.len() == 5), "{a:?}");
+    assert_eq!(a, b2, "the same seed gives the same tokens");
+    assert_ne!(a, c, "another seed other tokens");
+    let o = run("engrun", &["bench", s(&b), "--num-prompts", "1", "--output-tokens", "/nonexistent/dir/t.json"]);
+    assert!(!o.status.success() && stderr(&o).contains("/nonexistent/dir/t.json"), "{}", stderr(&o));
     // A shared prefix is computed once and then served from the radix cache (one prompt per
     // step; without overlap each step is planned after the previous one's prefix is cached).
     let args = ["bench", s(&b), "--num-prompts", "4", "--input-len", "40", "--output-len", "2", "--json"];

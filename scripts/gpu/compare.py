@@ -5,6 +5,8 @@ line with its value, its limit and `pass`; scripts/gpu/verdict.py reads them all
   compare.py pair CHECKS NAME A B DTYPE CK RUN      two of our logits files of RUN
   compare.py sampling CHECKS NAME FILE             `engrun logits` sampling reports, one per line
   compare.py alone CHECKS NAME FILE                `engrun bench --verify-alone` JSON
+  compare.py same_tokens CHECKS NAME A B           two `engrun bench --output-tokens` files: every
+                                                   request's tokens equal
   compare.py embed CHECKS CK SHAPE SFX DTYPE URL   /v1/embeddings of b1's sequence (last-token
                                                    pooling) through the lm_head vs HF's logits
   compare.py gguf CHECKS NAME CPU CUDA TWIN LENS PRE   CUDA logits of a bundle kept in GGUF blocks
@@ -133,6 +135,24 @@ def alone(checks, name, path):
          near_ties=r["near_ties"], worst_margin=r["worst_margin"], tol=r["tol"], first_clear=r["first_clear"])
 
 
+def same_tokens(checks, name, a, b):
+    try:
+        ta, tb = (json.load(open(p)) for p in (a, b))
+    except (OSError, ValueError) as e:
+        emit(checks, check=name, value=1, limit=0, note=f"no tokens: {e}")
+        return
+    differ = [i for i, (x, y) in enumerate(zip(ta, tb)) if x != y]
+    if len(ta) != len(tb) or not ta:
+        differ = differ or [-1]
+    first = differ[0] if differ else None
+    where = None
+    if first is not None and first >= 0:
+        x, y = ta[first], tb[first]
+        where = next((j for j, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
+    emit(checks, check=name, value=len(differ), limit=0, requests=len(ta), tokens=sum(map(len, ta)),
+         first_request=first, first_token=where)
+
+
 def lm_head(ck):
     """The checkpoint's lm_head (or the embedding it is tied to), from any of its shards."""
     import glob
@@ -184,4 +204,5 @@ def gguf(checks, name, cpu, cuda, twin, lens, pre):
 
 if __name__ == "__main__":
     kind, checks, *args = sys.argv[1:]
-    {"hf": hf, "pair": pair, "sampling": sampling, "alone": alone, "embed": embed, "gguf": gguf}[kind](checks, *args)
+    {"hf": hf, "pair": pair, "sampling": sampling, "alone": alone, "same_tokens": same_tokens, "embed": embed,
+     "gguf": gguf}[kind](checks, *args)

@@ -142,6 +142,11 @@ enum Cmd {
         /// largest magnitude. Exits non-zero on any other difference.
         #[arg(long, value_name = "TOL")]
         verify_alone: Option<f32>,
+        /// Then write every request's generated token ids to this file, one JSON array of
+        /// arrays in request order (for comparing runs: a seed gives every request the same
+        /// tokens whatever the settings that must not change them).
+        #[arg(long, value_name = "FILE")]
+        output_tokens: Option<PathBuf>,
         /// Every request's output follows this regular expression (SGLang's `regex`; choose
         /// one that outlasts --output-len, such as `[a-z]{5000}`).
         #[arg(long, conflicts_with_all = ["json_schema", "verify_alone"])]
@@ -292,6 +297,7 @@ fn main() -> ExitCode {
             sampling,
             json,
             verify_alone,
+            output_tokens,
             regex,
             json_schema,
             engine,
@@ -307,8 +313,9 @@ fn main() -> ExitCode {
                 sampling: sampling.params(seed),
                 constraints: None,
             };
+            let after = After { verify_alone, output_tokens };
             bench_format(regex, json_schema)
-                .and_then(|format| bench(&bundle, device, &engine, opts, format, json, verify_alone))
+                .and_then(|format| bench(&bundle, device, &engine, opts, format, json, &after))
         }
         Cmd::BenchServe(args) => bench_serve::run(&args).map(|_| ()),
         Cmd::Probe { device, devices, host_mib, device_mib, matmul_size, reps, warmup, json } => {
@@ -645,6 +652,14 @@ impl SampleCheck {
     }
 }
 
+/// What `engrun bench` does with the requests' outputs after the run.
+struct After {
+    /// `--verify-alone`: the tolerance of the lone runs' check.
+    verify_alone: Option<f32>,
+    /// `--output-tokens`: where the tokens go.
+    output_tokens: Option<PathBuf>,
+}
+
 fn bench(
     path: &Path,
     device: DeviceArgs,
@@ -652,7 +667,7 @@ fn bench(
     mut opts: runtime::bench::BenchOptions,
     format: Option<grammar::Spec>,
     json: bool,
-    verify_alone: Option<f32>,
+    after: &After,
 ) -> Result<(), String> {
     let (b, mut backend, dev) = open(path, &device)?;
     if let Some(spec) = format {
@@ -672,7 +687,11 @@ fn bench(
     let mut engine = Engine::new(backend, cfg).map_err(|e| e.to_string())?;
     let (r, outs) = runtime::bench::run(&mut engine, opts, cost).map_err(|e| e.to_string())?;
     drop(engine);
-    let alone = verify_alone.map(|tol| verify(path, &device, opts, &outs, tol)).transpose()?;
+    if let Some(f) = &after.output_tokens {
+        let text = serde_json::to_string(&outs).map_err(|e| e.to_string())?;
+        std::fs::write(f, text + "\n").map_err(|e| format!("writing the output tokens to {}: {e}", f.display()))?;
+    }
+    let alone = after.verify_alone.map(|tol| verify(path, &device, opts, &outs, tol)).transpose()?;
     let violations = opts.constraints.as_ref().map(|c| format_violations(c, &outs)).transpose()?;
     if json {
         let mut v = serde_json::to_value(&r).map_err(|e| e.to_string())?;
