@@ -1,9 +1,10 @@
-//! Pinned host memory for a step's inputs and its chosen tokens. A copy from pageable memory
-//! makes the driver wait for the stream first, and a copy into it returns only when done; from
-//! and into pinned memory both are queued on the stream, so the host can pack and launch the
-//! next step while the GPU runs this one (pipelined steps, `Backend::launch_sample`). Two
-//! buffers each, taken in turn: a step's buffer is written again only two steps later, after
-//! its event says the copy is done.
+//! Pinned host memory for a step's inputs, sampling parameters and logit adjustments, and its
+//! chosen tokens. A copy from pageable memory makes the driver wait for the stream first, and a
+//! copy into it returns only when done; from and into pinned memory both are queued on the
+//! stream, so the host can pack and launch the next step while the GPU runs this one
+//! (pipelined steps, `Backend::launch_sample`). Two buffers of each kind, taken in turn: a
+//! step's buffer is written again only two steps later, after its event says the copy is done.
+//! (Constraint masks still go up from pageable memory: constrained steps are not pipelined.)
 
 use super::driver;
 use crate::RuntimeError;
