@@ -440,18 +440,25 @@ fn pipelined_steps_equal_synchronous_ones() {
         })
         .collect();
     reqs[6].logprobs = Some(2);
+    // Embedding requests take turns with the generation steps (each runs after the step in
+    // flight).
+    let mut all = reqs.clone();
+    all.insert(3, Request::embedding(rng.tokens(30), runtime::Pooling::Mean));
+    all.push(Request::embedding(rng.tokens(7), runtime::Pooling::Last));
     let cfg = || EngineConfig { chunked_prefill_size: 24, ..config() };
     // Every request; then those that need nothing on the host (greedy, seeded, logit_bias).
     let light: Vec<Request> = [0, 1, 2, 5, 7].iter().map(|&i| reqs[i].clone()).collect();
-    for (reqs, share) in [(reqs.clone(), 0.0), (light, 0.5)] {
+    for (reqs, share) in [(all, 0.0), (light, 0.5)] {
         let want = engine(cfg()).generate(reqs.clone()).unwrap();
         let (mut e, fed) = pipelined_engine(cfg());
         let got = e.generate(reqs.clone()).unwrap();
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
             assert_eq!((&g.tokens, g.finish.reason), (&w.tokens, w.finish.reason), "request {i}");
             assert_eq!(g.logprobs.len(), w.logprobs.len(), "request {i}");
+            assert_eq!(g.embedding, w.embedding, "request {i}");
         }
-        let decoded: usize = want.iter().map(|o| o.tokens.len() - 1).sum();
+        assert!(got.iter().zip(&reqs).all(|(g, r)| r.embed.is_none() || !g.embedding.is_empty()));
+        let decoded: usize = want.iter().map(|o| o.tokens.len().saturating_sub(1)).sum();
         let fed = fed.load(Ordering::Relaxed);
         eprintln!("{} requests: {fed} of {decoded} decode tokens fed from the step before", reqs.len());
         assert!(
