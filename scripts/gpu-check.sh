@@ -163,11 +163,13 @@ for shape in $shapes; do
         --warmup 0 --verify-alone $tol --json >"$work/$shape$sfx-alone-wide.txt" 2>&1
       cmp alone "$checks" "engine_alone_wide$sfx" "$work/$shape$sfx-alone-wide.txt"
       # Pipelined steps (each launched before the step before has its tokens on the host, which
-      # it takes on the device) against the worker waiting for them: seeded sampling gives every
-      # request the same tokens. Our GEMMs forced, so that no timing chooses the kernels.
+      # it takes on the device; its penalties made once they are) against the worker waiting for
+      # them: seeded sampling gives every request the same tokens. Our GEMMs forced, so that no
+      # timing chooses the kernels.
       for p in 1 0; do
         ENGINE_PIPELINE=$p ENGINE_GEMM_FORCE=ours "${lone[@]}" "$bin/engrun" bench "$b" --device cuda --num-prompts 48 \
-          --input-len 200 --output-len 48 --random-range-ratio 0.5 --temperature 0.8 --top-p 0.95 --seed 5 --warmup 0 \
+          --input-len 200 --output-len 48 --random-range-ratio 0.5 --temperature 0.8 --top-p 0.95 \
+          --frequency-penalty 0.3 --seed 5 --warmup 0 \
           --output-tokens "$work/$shape$sfx-pipe$p.json" --json >"$work/$shape$sfx-pipe$p.txt" 2>&1
       done
       cmp same_tokens "$checks" "engine_pipelined_sampled$sfx" "$work/$shape$sfx-pipe1.json" "$work/$shape$sfx-pipe0.json"

@@ -417,11 +417,12 @@ fn overlap_runs_every_request_every_step() {
     }
 }
 
-/// A worker that launches each step before the step before has its tokens on the host (the
-/// tokens fed on the device, `Backend::launch_sample`) gives every request what the
-/// synchronous worker gives: greedy and seeded requests pipelined, those whose choice needs
-/// the tokens before it on the host (penalties, `min_tokens`, logprobs) run after the step in
-/// flight, and requests finishing while their next step is in flight.
+/// A worker that launches each step's forward pass before the step before has its tokens on
+/// the host (the tokens fed on the device, `Backend::launch_forward`) and its choice once they
+/// are gives every request what the synchronous worker gives: greedy, seeded, penalised,
+/// `min_tokens` and constrained requests pipelined (their adjustments and masks made after the
+/// step before's tokens), steps with logprobs or embeddings after the step in flight, and
+/// requests finishing while their next step is in flight.
 #[test]
 fn pipelined_steps_equal_synchronous_ones() {
     let mut rng = Rng(37);
@@ -431,7 +432,7 @@ fn pipelined_steps_equal_synchronous_ones() {
         seeded.clone(),
         SamplingParams { logit_bias: vec![(7, 2.0)], ..seeded.clone() },
         SamplingParams { frequency_penalty: 0.3, ..Default::default() },
-        SamplingParams { min_tokens: 6, min_tokens_ids: vec![5, 9], ..seeded },
+        SamplingParams { min_tokens: 6, min_tokens_ids: vec![5, 9], ..seeded.clone() },
     ];
     let mut reqs: Vec<Request> = (0..10)
         .map(|i| Request {
@@ -466,6 +467,29 @@ fn pipelined_steps_equal_synchronous_ones() {
             "{fed} of {decoded} decode tokens fed from the step before"
         );
     }
+    // Constrained requests: each token must follow the one before (`Follows`), so a mask made
+    // before the step before's token was taken would show.
+    let constrained = |seed: u64| -> Vec<Request> {
+        (0..6)
+            .map(|i| Request {
+                sampling: if i % 2 == 0 {
+                    SamplingParams::default()
+                } else {
+                    SamplingParams { seed, ..seeded.clone() }
+                },
+                constraint: Some(runtime::Constraint::new(Follows(None))),
+                ..Request::greedy(Rng(40 + i).tokens(5 + 4 * i as usize), 10 + i as usize)
+            })
+            .collect()
+    };
+    let want = engine(cfg()).generate(constrained(3)).unwrap();
+    let (mut e, fed) = pipelined_engine(cfg());
+    let got = e.generate(constrained(3)).unwrap();
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(g.tokens, w.tokens, "constrained request {i}");
+        assert!(g.tokens.windows(2).all(|t| t[1] % 5 == (t[0] + 1) % 5), "request {i}: {:?}", g.tokens);
+    }
+    assert!(fed.load(Ordering::Relaxed) > 0);
     // Greedy requests equal running alone.
     let (mut e, _) = pipelined_engine(cfg());
     let greedy: Vec<Request> = reqs.iter().map(|r| Request::greedy(r.prompt.clone(), r.max_tokens)).collect();
@@ -473,6 +497,20 @@ fn pipelined_steps_equal_synchronous_ones() {
     let mut s = seqs(CpuBackend::new(&bundle()).unwrap());
     for (i, (r, o)) in greedy.iter().zip(&outs).enumerate() {
         assert_eq!((o.tokens.clone(), o.finish.reason), alone(&mut s, r, &config().eos_ids), "greedy request {i}");
+    }
+}
+
+/// A test constraint: after token t only tokens t' with t' % 5 == (t + 1) % 5 (anything first).
+struct Follows(Option<u32>);
+
+impl runtime::TokenConstraint for Follows {
+    fn allowed(&mut self) -> Vec<u32> {
+        let words = 1024usize.div_ceil(32);
+        let ok = |t: u32| self.0.is_none_or(|p| t % 5 == (p + 1) % 5);
+        (0..words).map(|w| (0..32).filter(|b| ok(32 * w as u32 + b)).fold(0u32, |m, b| m | 1 << b)).collect()
+    }
+    fn accept(&mut self, token: u32) {
+        self.0 = Some(token);
     }
 }
 

@@ -60,7 +60,7 @@ impl StepSeq<'_> {
     }
 }
 
-/// A token of a pipelined step fed from the step before ([`Backend::launch_sample`]).
+/// A token of a pipelined step fed from the step before ([`Backend::launch_forward`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Fed {
     /// The token's index in the step, counting the sequences' tokens one after another.
@@ -105,42 +105,34 @@ pub trait Backend: Send {
         constraints: &[Option<Constraint>],
     ) -> Result<Vec<u32>, RuntimeError> {
         let logits = self.forward(batch)?;
-        let masks = masks(constraints);
-        let rows = logits.chunks_exact(self.vocab()).zip(rows).enumerate();
-        Ok(rows
-            .map(|(i, (l, r))| {
-                let a = adjust.get(i).filter(|a| !a.is_empty());
-                match masks.get(i).and_then(Option::as_ref) {
-                    Some(m) => {
-                        let mut l = a.map_or_else(|| l.to_vec(), |a| adjusted(l, a));
-                        apply(m, &mut l);
-                        pick(&l, r)
-                    }
-                    None => a.map_or_else(|| pick(l, r), |a| pick(&adjusted(l, a), r)),
-                }
-            })
-            .collect())
+        Ok(choose_rows(&logits, self.vocab(), rows, adjust, constraints))
     }
     /// Whether this backend launches a step without waiting for its tokens
-    /// ([`Backend::launch_sample`]), so that the worker can launch the next step before they
-    /// reach the host (SGLang's overlap of "future" token ids): the next step's tokens that
-    /// are this one's samples are then fed on the device.
+    /// ([`Backend::launch_forward`], [`Backend::launch_choice`]), so that the worker can launch
+    /// the next step before they reach the host (SGLang's overlap of "future" token ids): the
+    /// next step's tokens that are this one's samples are then fed on the device.
     fn pipelined(&self) -> bool {
         false
     }
-    /// Like `forward_sample` with no constraints, but returns once the step is launched; its
-    /// tokens come from [`Backend::finish_sample`], steps finishing in launch order. Each
-    /// [`Fed`] names a token of `batch` (whose value there is ignored) that is the token chosen
-    /// for a row of the step launched before this one, not yet finished. Only for a
-    /// [`Backend::pipelined`] backend.
-    fn launch_sample(
+    /// The forward pass of `forward_sample`, returning once it is launched; the choice follows
+    /// with [`Backend::launch_choice`] and the tokens come from [`Backend::finish_sample`],
+    /// steps finishing in launch order. Each [`Fed`] names a token of `batch` (whose value there
+    /// is ignored) that is the token chosen for a row of the step launched before this one,
+    /// not yet finished. Only for a [`Backend::pipelined`] backend.
+    fn launch_forward(&mut self, batch: &[StepSeq], fed: &[Fed]) -> Result<(), RuntimeError> {
+        let _ = (batch, fed);
+        Err(RuntimeError::Unsupported("this backend does not launch steps ahead of their tokens".into()))
+    }
+    /// The choice of `forward_sample` for the step last launched by `launch_forward`, returning
+    /// once it is launched (the adjustments and constraints as they are after the step before
+    /// finished: the worker calls this after finishing it).
+    fn launch_choice(
         &mut self,
-        batch: &[StepSeq],
         rows: &[RowSampling],
         adjust: &[Vec<Adjust>],
-        fed: &[Fed],
+        constraints: &[Option<Constraint>],
     ) -> Result<(), RuntimeError> {
-        let _ = (batch, rows, adjust, fed);
+        let _ = (rows, adjust, constraints);
         Err(RuntimeError::Unsupported("this backend does not launch steps ahead of their tokens".into()))
     }
     /// Whether the oldest launched step's tokens are on the host (`finish_sample` would not wait).
@@ -173,6 +165,31 @@ pub trait Backend: Send {
     fn matmul_rate(&mut self) -> Option<f64> {
         None
     }
+}
+
+/// The token of each row of `logits` (`vocab` a row) by `forward_sample`'s rule: each row's
+/// `adjust` (one list per row, or none at all) and the mask of its constraint, then [`pick`].
+pub fn choose_rows(
+    logits: &[f32],
+    vocab: usize,
+    rows: &[RowSampling],
+    adjust: &[Vec<Adjust>],
+    constraints: &[Option<Constraint>],
+) -> Vec<u32> {
+    let masks = masks(constraints);
+    let rows = logits.chunks_exact(vocab).zip(rows).enumerate();
+    rows.map(|(i, (l, r))| {
+        let a = adjust.get(i).filter(|a| !a.is_empty());
+        match masks.get(i).and_then(Option::as_ref) {
+            Some(m) => {
+                let mut l = a.map_or_else(|| l.to_vec(), |a| adjusted(l, a));
+                apply(m, &mut l);
+                pick(&l, r)
+            }
+            None => a.map_or_else(|| pick(l, r), |a| pick(&adjusted(l, a), r)),
+        }
+    })
+    .collect()
 }
 
 /// Checks a step against the plan and the pool: token ids and rows (as

@@ -1,8 +1,8 @@
-//! [`HostPipeline`]: the pipelined interface of a backend ([`Backend::launch_sample`]) over
-//! any backend, on the host, so the worker's pipelined path runs (and is tested) without a
-//! device.
+//! [`HostPipeline`]: the pipelined interface of a backend ([`Backend::launch_forward`],
+//! [`Backend::launch_choice`]) over any backend, on the host, so the worker's pipelined path
+//! runs (and is tested) without a device.
 
-use crate::backend::{Backend, Fed, StepSeq};
+use crate::backend::{choose_rows, Backend, Fed, StepSeq};
 use crate::sampler::{Adjust, RowSampling};
 use crate::{Constraint, RuntimeError};
 use std::collections::VecDeque;
@@ -10,13 +10,16 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// A backend whose steps launch ahead of their tokens: each launch runs the step at once on
-/// the inner backend (its fed tokens taken from the step launched before, which must not be
-/// finished yet, as a device's would be) and keeps the tokens until `finish_sample`;
-/// `sample_ready` says yes only `latency` after the launch, as a device busy with the step
-/// would. Every other call goes to the inner backend, and only with no step unfinished.
+/// A backend whose steps launch ahead of their tokens: `launch_forward` runs the forward pass
+/// at once on the inner backend (its fed tokens taken from the step launched before, which
+/// must not be finished yet, as a device's would be), `launch_choice` chooses from its logits
+/// by the backends' rule ([`choose_rows`]) and keeps the tokens until `finish_sample`;
+/// `sample_ready` says yes only `latency` after the choice's launch, as a device busy with the
+/// step would. Every other call goes to the inner backend, and only with no step unfinished.
 pub struct HostPipeline {
     inner: Box<dyn Backend>,
+    /// The logits of the forward pass launched and not yet chosen from.
+    logits: Option<Vec<f32>>,
     /// Tokens of the steps launched and not finished, oldest first, and when each launched.
     unfinished: VecDeque<(Vec<u32>, Instant)>,
     latency: Duration,
@@ -27,7 +30,7 @@ pub struct HostPipeline {
 impl HostPipeline {
     /// Wraps `inner`, its steps ready `latency` after their launch.
     pub fn new(inner: Box<dyn Backend>, latency: Duration) -> HostPipeline {
-        HostPipeline { inner, unfinished: VecDeque::new(), latency, fed: Arc::new(AtomicUsize::new(0)) }
+        HostPipeline { inner, logits: None, unfinished: VecDeque::new(), latency, fed: Arc::new(AtomicUsize::new(0)) }
     }
 
     /// The count of tokens fed from a step before, over every launch so far (shared).
@@ -36,7 +39,7 @@ impl HostPipeline {
     }
 
     fn idle(&self, what: &str) -> Result<(), RuntimeError> {
-        if self.unfinished.is_empty() {
+        if self.unfinished.is_empty() && self.logits.is_none() {
             return Ok(());
         }
         Err(RuntimeError::Invalid(format!(
@@ -84,13 +87,10 @@ impl Backend for HostPipeline {
     fn pipelined(&self) -> bool {
         true
     }
-    fn launch_sample(
-        &mut self,
-        batch: &[StepSeq],
-        rows: &[RowSampling],
-        adjust: &[Vec<Adjust>],
-        fed: &[Fed],
-    ) -> Result<(), RuntimeError> {
+    fn launch_forward(&mut self, batch: &[StepSeq], fed: &[Fed]) -> Result<(), RuntimeError> {
+        if self.logits.is_some() {
+            return Err(RuntimeError::Invalid("a forward pass launched before the last one's choice".into()));
+        }
         let mut tokens: Vec<Vec<u32>> = batch.iter().map(|s| s.tokens.to_vec()).collect();
         if !fed.is_empty() {
             let (before, _) = self.unfinished.back().ok_or_else(|| {
@@ -110,7 +110,18 @@ impl Backend for HostPipeline {
         }
         let steps: Vec<StepSeq> =
             batch.iter().zip(&tokens).map(|(s, t)| StepSeq { tokens: t, slots: s.slots, rows: s.rows }).collect();
-        let ids = self.inner.forward_sample(&steps, rows, adjust, &[])?;
+        self.logits = Some(self.inner.forward(&steps)?);
+        Ok(())
+    }
+    fn launch_choice(
+        &mut self,
+        rows: &[RowSampling],
+        adjust: &[Vec<Adjust>],
+        constraints: &[Option<Constraint>],
+    ) -> Result<(), RuntimeError> {
+        let logits =
+            self.logits.take().ok_or_else(|| RuntimeError::Invalid("a choice launched with no forward pass".into()))?;
+        let ids = choose_rows(&logits, self.inner.vocab(), rows, adjust, constraints);
         self.unfinished.push_back((ids, Instant::now()));
         Ok(())
     }

@@ -56,15 +56,6 @@ impl Default for SamplingParams {
 }
 
 impl SamplingParams {
-    /// Whether the choice after `generated` tokens depends on which tokens they were (a
-    /// penalty) or on their count (`min_tokens` still holding ids back): then the tokens
-    /// before must be on the host first, and a pipelined worker does not launch the step
-    /// ahead of them.
-    pub fn reads_tokens(&self, generated: usize) -> bool {
-        let holding_back = !self.min_tokens_ids.is_empty() && generated < self.min_tokens;
-        self.repetition_penalty != 1.0 || self.frequency_penalty != 0.0 || self.presence_penalty != 0.0 || holding_back
-    }
-
     /// Checks every parameter's range.
     pub fn validate(&self) -> Result<(), RuntimeError> {
         let bad = |m: String| Err(RuntimeError::Invalid(m));
@@ -353,19 +344,10 @@ impl RequestSampler {
         adj.into_values().collect()
     }
 
-    /// [`SamplingParams::reads_tokens`] after the tokens recorded so far.
-    pub fn reads_own_tokens(&self) -> bool {
-        self.sampler.params.reads_tokens(self.generated())
-    }
-
-    fn generated(&self) -> usize {
-        self.counts.values().sum::<u32>() as usize
-    }
-
     /// Whether `min_tokens` still holds its ids back.
     fn holding_back(&self) -> bool {
         let p = &self.sampler.params;
-        !p.min_tokens_ids.is_empty() && self.generated() < p.min_tokens
+        !p.min_tokens_ids.is_empty() && (self.counts.values().sum::<u32>() as usize) < p.min_tokens
     }
 
     /// This step's parameters and uniform number (see [`Sampler::row`]); draw once per step.
@@ -620,28 +602,6 @@ mod tests {
         assert_eq!(s.next(&logits, None).0, 2, "and at the second");
         assert!(s.adjustments().is_empty(), "free after two tokens");
         assert_eq!(s.next(&logits, None).0, 1);
-    }
-
-    /// A request needs its tokens on the host before the next choice exactly while its
-    /// adjustments depend on them: a penalty always, `min_tokens` while it holds ids back.
-    #[test]
-    fn which_requests_read_their_tokens() {
-        let p = SamplingParams { min_tokens: 2, min_tokens_ids: vec![1], ..Default::default() };
-        let mut s = RequestSampler::new(p, &[]).unwrap();
-        assert!(s.reads_own_tokens());
-        s.record(2);
-        assert!(s.reads_own_tokens());
-        s.record(2);
-        assert!(!s.reads_own_tokens(), "free after two tokens");
-        let penalties = [
-            SamplingParams { repetition_penalty: 1.1, ..Default::default() },
-            SamplingParams { frequency_penalty: 0.1, ..Default::default() },
-            SamplingParams { presence_penalty: -0.1, ..Default::default() },
-        ];
-        assert!(penalties.iter().all(|p| p.reads_tokens(0) && p.reads_tokens(100)));
-        let light =
-            SamplingParams { temperature: 0.7, logit_bias: vec![(1, 2.0)], min_tokens: 3, ..Default::default() };
-        assert!(!light.reads_tokens(0), "logit_bias is the same every step; min_tokens without ids bans nothing");
     }
 
     #[test]

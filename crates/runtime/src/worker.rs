@@ -89,8 +89,9 @@ struct State {
 /// A step launched on a pipelined backend, its tokens not yet on the host.
 struct Launched {
     plan: StepPlan,
-    /// The requests of its sampled sequences, in logits-row order.
+    /// The requests of its sampled sequences, in logits-row order, and their constraints.
     sampled: Vec<ReqId>,
+    constraints: Vec<Option<Constraint>>,
     start: Instant,
 }
 
@@ -183,9 +184,12 @@ fn finish_oldest(backend: &mut dyn Backend, st: &mut State, outbox: &Sender<Step
                 l.sampled.len()
             )));
         }
-        let chosen = l.sampled.iter().zip(ids).map(|(req, token)| {
+        let chosen = l.sampled.iter().zip(&l.constraints).zip(ids).map(|((req, c), token)| {
             if let Some(s) = st.samplers.get_mut(req) {
                 s.record(token);
+            }
+            if let Some(c) = c {
+                c.accept(token);
             }
             Sampled { token, logprobs: None }
         });
@@ -210,8 +214,9 @@ fn finish_all(backend: &mut dyn Backend, st: &mut State, outbox: &Sender<StepDon
 /// Runs or launches a step the engine sent; false when the engine is gone.
 fn take(backend: &mut dyn Backend, plan: StepPlan, st: &mut State, outbox: &Sender<StepDone>) -> bool {
     let start = Instant::now();
-    // Launched ahead of the step in flight (its tokens fed on the device), or after it.
-    let ahead = backend.pipelined() && !plan.embed && needs_nothing_back(&plan, st);
+    // The forward pass launched ahead of the step in flight (its tokens fed on the device),
+    // or the whole step after it.
+    let ahead = backend.pipelined() && !plan.embed && all_on_device(&plan);
     if !ahead && !finish_all(backend, st, outbox) {
         return false;
     }
@@ -219,24 +224,22 @@ fn take(backend: &mut dyn Backend, plan: StepPlan, st: &mut State, outbox: &Send
     let r = match sampling {
         None => embed_step(backend, &plan),
         Some(Err(e)) => Err(e),
-        Some(Ok(s)) if ahead => match launch(backend, &plan, &s, st) {
-            Ok(()) => {
-                st.flight.push_back(Launched { plan, sampled: s.sampled, start });
-                // The step before is needed on the host for the engine to plan the next.
-                while st.flight.len() > 1 {
-                    if !finish_oldest(backend, st, outbox) {
-                        return false;
-                    }
-                }
-                return true;
+        Some(Ok(s)) if ahead => {
+            let forward = Inputs::new(&plan, st).and_then(|inp| backend.launch_forward(&inp.steps(&plan), &inp.fed));
+            // The step before finishes while this one's forward pass runs: the engine needs its
+            // tokens to plan the next, and this step's adjustments and masks follow them.
+            if !finish_all(backend, st, outbox) {
+                return false;
             }
-            Err(e) => {
-                if !finish_all(backend, st, outbox) {
-                    return false;
+            match forward.and_then(|()| backend.launch_choice(&s.rows, &adjustments(&s, st), &s.constraints)) {
+                Ok(()) => {
+                    let (sampled, constraints) = (s.sampled, s.constraints);
+                    st.flight.push_back(Launched { plan, sampled, constraints, start });
+                    return true;
                 }
-                Err(e)
+                Err(e) => Err(e),
             }
-        },
+        }
         Some(Ok(s)) => step(backend, &plan, &s, st),
     };
     let elapsed = st.done(start);
@@ -245,11 +248,10 @@ fn take(backend: &mut dyn Backend, plan: StepPlan, st: &mut State, outbox: &Send
     sent
 }
 
-/// A step's sampled sequences: one draw each (whichever side then chooses the token), their
-/// adjustments and constraints.
+/// A step's sampled sequences: one draw each (whichever side then chooses the token) and their
+/// constraints.
 struct Sampling {
     rows: Vec<RowSampling>,
-    adjust: Vec<Vec<Adjust>>,
     constraints: Vec<Option<Constraint>>,
     /// The requests, in logits-row order.
     sampled: Vec<ReqId>,
@@ -257,18 +259,21 @@ struct Sampling {
     on_device: bool,
 }
 
-/// Whether every sampled request of `plan` needs nothing on the host of the tokens before its
-/// choice (no constraint, no logprobs, no penalty, no `min_tokens` holding back), so that the
-/// step may launch before the step in flight finishes.
-fn needs_nothing_back(plan: &StepPlan, st: &State) -> bool {
-    plan.seqs.iter().filter_map(|q| Some((q.req, q.sample.as_ref()?))).all(|(id, r)| {
-        let reads = st.samplers.get(&id).map_or_else(|| r.sampling.reads_tokens(0), RequestSampler::reads_own_tokens);
-        r.logprobs.is_none() && r.constraint.is_none() && !reads
-    })
+/// Whether every token of `plan` is chosen on the device (no request asks for logprobs, whose
+/// logits the host reads): only then may its forward pass launch before the step in flight
+/// finishes.
+fn all_on_device(plan: &StepPlan) -> bool {
+    plan.seqs.iter().filter_map(|q| q.sample.as_ref()).all(|r| r.logprobs.is_none())
+}
+
+/// This step's changes to each sampled row's logits (penalties, `logit_bias`, `min_tokens`'
+/// bans), as the tokens recorded so far make them: made once the step before has finished.
+fn adjustments(s: &Sampling, st: &State) -> Vec<Vec<Adjust>> {
+    s.sampled.iter().map(|r| st.samplers.get(r).map_or_else(Vec::new, RequestSampler::adjustments)).collect()
 }
 
 fn sampling(plan: &StepPlan, st: &mut State) -> Result<Sampling, RuntimeError> {
-    let mut s = Sampling { rows: vec![], adjust: vec![], constraints: vec![], sampled: vec![], on_device: true };
+    let mut s = Sampling { rows: vec![], constraints: vec![], sampled: vec![], on_device: true };
     for q in &plan.seqs {
         let Some(req) = &q.sample else { continue };
         let sampler = match st.samplers.entry(q.req) {
@@ -277,7 +282,6 @@ fn sampling(plan: &StepPlan, st: &mut State) -> Result<Sampling, RuntimeError> {
         };
         s.on_device &= req.logprobs.is_none();
         s.constraints.push(req.constraint.clone());
-        s.adjust.push(sampler.adjustments());
         s.rows.push(sampler.row());
         s.sampled.push(q.req);
     }
@@ -324,11 +328,6 @@ impl Inputs {
     }
 }
 
-fn launch(backend: &mut dyn Backend, plan: &StepPlan, s: &Sampling, st: &State) -> Result<(), RuntimeError> {
-    let inp = Inputs::new(plan, st)?;
-    backend.launch_sample(&inp.steps(plan), &s.rows, &s.adjust, &inp.fed)
-}
-
 /// Each sequence's output, a sampled one's token in turn from `chosen` (kept as the request's
 /// last token).
 fn outputs(plan: &StepPlan, chosen: Vec<Sampled>, st: &mut State) -> Vec<SeqOut> {
@@ -351,9 +350,10 @@ fn outputs(plan: &StepPlan, chosen: Vec<Sampled>, st: &mut State) -> Vec<SeqOut>
 fn step(backend: &mut dyn Backend, plan: &StepPlan, s: &Sampling, st: &mut State) -> Result<Vec<SeqOut>, RuntimeError> {
     let inp = Inputs::new(plan, st)?;
     let steps = inp.steps(plan);
+    let adjust = adjustments(s, st);
     let mut chosen = Vec::with_capacity(s.rows.len());
     if s.on_device {
-        let ids = backend.forward_sample(&steps, &s.rows, &s.adjust, &s.constraints)?;
+        let ids = backend.forward_sample(&steps, &s.rows, &adjust, &s.constraints)?;
         for ((req, c), token) in s.sampled.iter().zip(&s.constraints).zip(ids) {
             st.samplers.get_mut(req).expect("sampler made by `sampling`").record(token);
             if let Some(c) = c {
@@ -364,7 +364,7 @@ fn step(backend: &mut dyn Backend, plan: &StepPlan, s: &Sampling, st: &mut State
     } else {
         let logits = backend.forward(&steps)?;
         let sampled = plan.seqs.iter().filter_map(|q| Some((q.req, q.sample.as_ref()?)));
-        let rows = s.rows.iter().zip(&s.adjust);
+        let rows = s.rows.iter().zip(&adjust);
         for (((req, r), logits), (row, adjust)) in sampled.zip(logits.chunks_exact(backend.vocab())).zip(rows) {
             let sampler = st.samplers.get_mut(&req).expect("sampler made by `sampling`");
             let (token, logprobs) = match &r.constraint {

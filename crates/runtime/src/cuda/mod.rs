@@ -109,7 +109,7 @@ pub struct CudaBackend {
     /// Pinned host memory for the inputs and tokens, and the steps whose tokens are on their
     /// way back ([`staging`]).
     staging: staging::Staging,
-    /// Steps launch ahead of the step before's tokens (`Backend::launch_sample`): one GPU,
+    /// Steps launch ahead of the step before's tokens (`Backend::launch_forward`): one GPU,
     /// not profiled launch by launch, `ENGINE_PIPELINE` not `0`.
     pipelined: bool,
 }
@@ -542,7 +542,9 @@ impl Backend for CudaBackend {
         if self.staging.pending() > 0 {
             return Err(RuntimeError::Invalid("a step run while another's tokens are on their way".into()));
         }
-        self.launch_step(batch, rows, adjust, constraints, &[])?;
+        self.launch_forward(batch, &[])?;
+        // The GPU runs the step while the host computes the masks.
+        self.launch_choice(rows, adjust, constraints)?;
         self.finish_sample()
     }
 
@@ -550,17 +552,25 @@ impl Backend for CudaBackend {
         self.pipelined
     }
 
-    fn launch_sample(
-        &mut self,
-        batch: &[StepSeq],
-        rows: &[RowSampling],
-        adjust: &[Vec<Adjust>],
-        fed: &[Fed],
-    ) -> Result<(), RuntimeError> {
+    fn launch_forward(&mut self, batch: &[StepSeq], fed: &[Fed]) -> Result<(), RuntimeError> {
         if !fed.is_empty() && self.staging.pending() == 0 {
             return Err(RuntimeError::Invalid("a step feeds tokens from a step before it that has finished".into()));
         }
-        self.launch_step(batch, rows, adjust, &[], fed)
+        Profile::step_start(&self.profile);
+        let mut p = self.pack(batch)?;
+        p.feed(fed)?;
+        self.execute(&p)
+    }
+
+    fn launch_choice(
+        &mut self,
+        rows: &[RowSampling],
+        adjust: &[Vec<Adjust>],
+        constraints: &[Option<Constraint>],
+    ) -> Result<(), RuntimeError> {
+        check_rows(self.last_rows, rows)?;
+        let masks = crate::constraint::masks(constraints);
+        self.launch_sampling(rows, adjust, &masks)
     }
 
     fn sample_ready(&mut self) -> Result<bool, RuntimeError> {
@@ -576,28 +586,6 @@ impl Backend for CudaBackend {
     fn resample(&mut self, rows: &[RowSampling], adjust: &[Vec<Adjust>]) -> Result<Option<Vec<u32>>, RuntimeError> {
         check_rows(self.last_rows, rows)?;
         self.sample(rows, adjust, &[]).map(Some)
-    }
-}
-
-impl CudaBackend {
-    /// Packs, uploads and runs a step, then launches its sampling; the tokens come from
-    /// `finish_sample`.
-    fn launch_step(
-        &mut self,
-        batch: &[StepSeq],
-        rows: &[RowSampling],
-        adjust: &[Vec<Adjust>],
-        constraints: &[Option<Constraint>],
-        fed: &[Fed],
-    ) -> Result<(), RuntimeError> {
-        Profile::step_start(&self.profile);
-        let mut p = self.pack(batch)?;
-        check_rows(p.wanted, rows)?;
-        p.feed(fed)?;
-        self.execute(&p)?;
-        // The GPU runs the step while the host computes the masks.
-        let masks = crate::constraint::masks(constraints);
-        self.launch_sampling(rows, adjust, &masks)
     }
 }
 
@@ -831,9 +819,8 @@ impl CudaBackend {
         if data.len() > self.masks.len() {
             self.masks = self.stream.alloc_zeros::<u32>(data.len().next_power_of_two()).map_err(driver("alloc"))?;
         }
-        self.stream
-            .memcpy_htod(&data, &mut self.masks.slice_mut(0..data.len()))
-            .map_err(driver("copying constraint masks"))?;
+        let dst = self.ptr(&self.masks);
+        self.staging.upload_masks(&self.stream, &data, dst)?;
         let mut out = self.bufs[self.program.output].slice_mut(0..wanted * vocab);
         let mut b = self.stream.launch_builder(&self.funcs[&KernelKey::MaskLogits { vocab }]);
         let (m32, w32) = (m as i32, words as i32);

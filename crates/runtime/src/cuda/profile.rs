@@ -53,7 +53,7 @@ pub(super) struct Steps {
     sample_ms: f64,
     wall_ms: f64,
     /// The steps under way, oldest first (two where a step launches before the one before
-    /// it finishes: `Backend::launch_sample`).
+    /// it finishes: `Backend::launch_forward`).
     open: std::collections::VecDeque<OpenStep>,
     /// When the last step finished: a step's wall time counts from there or its start, the
     /// later, so steps that overlap are not counted twice.

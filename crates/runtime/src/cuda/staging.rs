@@ -1,10 +1,9 @@
-//! Pinned host memory for a step's inputs, sampling parameters and logit adjustments, and its
-//! chosen tokens. A copy from pageable memory makes the driver wait for the stream first, and a
+//! Pinned host memory for a step's inputs, sampling parameters, logit adjustments and
+//! constraint masks, and its chosen tokens. A copy from pageable memory makes the driver wait for the stream first, and a
 //! copy into it returns only when done; from and into pinned memory both are queued on the
 //! stream, so the host can pack and launch the next step while the GPU runs this one
-//! (pipelined steps, `Backend::launch_sample`). Two buffers of each kind, taken in turn: a
+//! (pipelined steps, `Backend::launch_forward`). Two buffers of each kind, taken in turn: a
 //! step's buffer is written again only two steps later, after its event says the copy is done.
-//! (Constraint masks still go up from pageable memory: constrained steps are not pipelined.)
 
 use super::driver;
 use crate::RuntimeError;
@@ -87,6 +86,7 @@ pub(super) struct Staging {
     inputs: Ring,
     params: Ring,
     adjust: Ring,
+    masks: Ring,
     tokens: Ring,
     /// Per step whose tokens were queued for copying and not yet taken: its buffer and count.
     pending: VecDeque<(usize, usize)>,
@@ -112,6 +112,17 @@ impl Staging {
         dst: CUdeviceptr,
     ) -> Result<(), RuntimeError> {
         self.params.upload(stream, &words(host), dst)
+    }
+
+    /// Likewise a step's constraint masks.
+    pub fn upload_masks(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        host: &[u32],
+        dst: CUdeviceptr,
+    ) -> Result<(), RuntimeError> {
+        let words: Vec<i32> = host.iter().map(|&w| w as i32).collect();
+        self.masks.upload(stream, &words, dst)
     }
 
     /// Likewise a step's logit adjustments.
