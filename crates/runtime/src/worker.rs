@@ -223,7 +223,11 @@ fn take(backend: &mut dyn Backend, plan: StepPlan, st: &mut State, outbox: &Send
     let sampling = if plan.embed { None } else { Some(sampling(&plan, st)) };
     let r = match sampling {
         None => embed_step(backend, &plan),
-        Some(Err(e)) => Err(e),
+        // Results go back in order: the step in flight's first.
+        Some(Err(e)) => match finish_all(backend, st, outbox) {
+            true => Err(e),
+            false => return false,
+        },
         Some(Ok(s)) if ahead => {
             let forward = Inputs::new(&plan, st).and_then(|inp| backend.launch_forward(&inp.steps(&plan), &inp.fed));
             // The step before finishes while this one's forward pass runs: the engine needs its
