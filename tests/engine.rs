@@ -1,7 +1,8 @@
 //! The engine (scheduler, paged KV pool, radix cache, worker) on the CPU backend: outputs
 //! under continuous batching, chunked prefill, prefix reuse, eviction, retraction, aborts,
-//! overlap, `max_running_requests` and a `--tp 2` bundle equal each request run alone; the
-//! pool's integrity holds after every step; each penalty follows its documented formula.
+//! overlap, pipelined steps (`HostPipeline`), `max_running_requests` and a `--tp 2` bundle equal
+//! each request run alone; the pool's integrity holds after every step; each penalty follows its
+//! documented formula.
 
 use e2e::*;
 use proptest::prelude::*;
