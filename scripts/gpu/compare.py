@@ -141,16 +141,18 @@ def same_tokens(checks, name, a, b):
     except (OSError, ValueError) as e:
         emit(checks, check=name, value=1, limit=0, note=f"no tokens: {e}")
         return
+    if not ta or len(ta) != len(tb):
+        emit(checks, check=name, value=1, limit=0, note=f"{len(ta)} and {len(tb)} requests")
+        return
     differ = [i for i, (x, y) in enumerate(zip(ta, tb)) if x != y]
-    if len(ta) != len(tb) or not ta:
-        differ = differ or [-1]
     first = differ[0] if differ else None
-    where = None
-    if first is not None and first >= 0:
+    # The first token that differs in the first request that does (or where one ends first).
+    at = None
+    if first is not None:
         x, y = ta[first], tb[first]
-        where = next((j for j, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
+        at = next((j for j, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
     emit(checks, check=name, value=len(differ), limit=0, requests=len(ta), tokens=sum(map(len, ta)),
-         first_request=first, first_token=where)
+         first_request=first, first_token=at)
 
 
 def lm_head(ck):

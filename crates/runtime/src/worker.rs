@@ -109,15 +109,21 @@ impl State {
         });
     }
 
-    /// A step started at `start` is done now: its time, counted from the later of its start
-    /// and the previous step's end (a pipelined step starts before the one before it ends).
+    /// A step started at `start` is done now: its time ([`step_time`]).
     fn done(&mut self, start: Instant) -> Duration {
-        let now = Instant::now();
-        let from = self.last_done.map_or(start, |d| d.max(start));
-        self.last_done = Some(now);
         self.finished += 1;
-        now.saturating_duration_since(from)
+        step_time(start, &mut self.last_done)
     }
+}
+
+/// The time of a step started at `start` and done now, counted from the later of its start and
+/// `last_end`, the previous step's end (a pipelined step starts before the one before it ends,
+/// and overlapping steps must not count twice); `last_end` becomes now.
+pub(crate) fn step_time(start: Instant, last_end: &mut Option<Instant>) -> Duration {
+    let now = Instant::now();
+    let from = last_end.map_or(start, |e| e.max(start));
+    *last_end = Some(now);
+    now.saturating_duration_since(from)
 }
 
 enum Poll {
@@ -259,8 +265,6 @@ struct Sampling {
     constraints: Vec<Option<Constraint>>,
     /// The requests, in logits-row order.
     sampled: Vec<ReqId>,
-    /// Every choice can be made on the device (no logprobs).
-    on_device: bool,
 }
 
 /// Whether every token of `plan` is chosen on the device (no request asks for logprobs, whose
@@ -277,14 +281,13 @@ fn adjustments(s: &Sampling, st: &State) -> Vec<Vec<Adjust>> {
 }
 
 fn sampling(plan: &StepPlan, st: &mut State) -> Result<Sampling, RuntimeError> {
-    let mut s = Sampling { rows: vec![], constraints: vec![], sampled: vec![], on_device: true };
+    let mut s = Sampling { rows: vec![], constraints: vec![], sampled: vec![] };
     for q in &plan.seqs {
         let Some(req) = &q.sample else { continue };
         let sampler = match st.samplers.entry(q.req) {
             Entry::Occupied(e) => e.into_mut(),
             Entry::Vacant(e) => e.insert(RequestSampler::new(req.sampling.clone(), &req.prompt)?),
         };
-        s.on_device &= req.logprobs.is_none();
         s.constraints.push(req.constraint.clone());
         s.rows.push(sampler.row());
         s.sampled.push(q.req);
@@ -356,7 +359,7 @@ fn step(backend: &mut dyn Backend, plan: &StepPlan, s: &Sampling, st: &mut State
     let steps = inp.steps(plan);
     let adjust = adjustments(s, st);
     let mut chosen = Vec::with_capacity(s.rows.len());
-    if s.on_device {
+    if all_on_device(plan) {
         let ids = backend.forward_sample(&steps, &s.rows, &adjust, &s.constraints)?;
         for ((req, c), token) in s.sampled.iter().zip(&s.constraints).zip(ids) {
             st.samplers.get_mut(req).expect("sampler made by `sampling`").record(token);

@@ -539,9 +539,7 @@ impl Backend for CudaBackend {
         adjust: &[Vec<Adjust>],
         constraints: &[Option<Constraint>],
     ) -> Result<Vec<u32>, RuntimeError> {
-        if self.staging.pending() > 0 {
-            return Err(RuntimeError::Invalid("a step run while another's tokens are on their way".into()));
-        }
+        self.staging.none_pending("a step run")?;
         self.launch_forward(batch, &[])?;
         // The GPU runs the step while the host computes the masks.
         self.launch_choice(rows, adjust, constraints)?;
@@ -734,9 +732,7 @@ impl CudaBackend {
         adjust: &[Vec<Adjust>],
         masks: &[Option<Vec<u32>>],
     ) -> Result<Vec<u32>, RuntimeError> {
-        if self.staging.pending() > 0 {
-            return Err(RuntimeError::Invalid("a step sampled while another's tokens are on their way".into()));
-        }
+        self.staging.none_pending("a step sampled")?;
         self.launch_sampling(rows, adjust, masks)?;
         self.staging.take()
     }
@@ -762,7 +758,7 @@ impl CudaBackend {
         if !greedy {
             let params: Vec<f32> = rows.iter().flat_map(|r| r.to_device(vocab)).collect();
             let dst = self.ptr(&self.sample_params);
-            self.staging.upload_params(&self.stream, &params, dst)?;
+            self.staging.upload(staging::Upload::Params, &self.stream, &params, dst)?;
         }
         let out = self.bufs[self.program.output].slice(0..wanted * vocab);
         let (key, grid) = if greedy {
@@ -820,7 +816,7 @@ impl CudaBackend {
             self.masks = self.stream.alloc_zeros::<u32>(data.len().next_power_of_two()).map_err(driver("alloc"))?;
         }
         let dst = self.ptr(&self.masks);
-        self.staging.upload_masks(&self.stream, &data, dst)?;
+        self.staging.upload(staging::Upload::Masks, &self.stream, &data, dst)?;
         let mut out = self.bufs[self.program.output].slice_mut(0..wanted * vocab);
         let mut b = self.stream.launch_builder(&self.funcs[&KernelKey::MaskLogits { vocab }]);
         let (m32, w32) = (m as i32, words as i32);
@@ -845,7 +841,7 @@ impl CudaBackend {
             self.adjust = self.stream.alloc_zeros::<f32>(entries.len().next_power_of_two()).map_err(driver("alloc"))?;
         }
         let dst = self.ptr(&self.adjust);
-        self.staging.upload_adjust(&self.stream, &entries, dst)?;
+        self.staging.upload(staging::Upload::Adjust, &self.stream, &entries, dst)?;
         let n = (entries.len() / 5) as i32;
         let vocab = self.plan.vocab;
         let mut out = self.bufs[self.program.output].slice_mut(0..wanted * vocab);
@@ -877,7 +873,7 @@ impl CudaBackend {
             self.inputs = self.stream.alloc_zeros::<i32>(p.host.len() * 2).map_err(driver("alloc"))?;
         }
         let dst = self.ptr(&self.inputs);
-        self.staging.upload(&self.stream, &p.host, dst)?;
+        self.staging.upload(staging::Upload::Inputs, &self.stream, &p.host, dst)?;
         let t = p.t;
         if p.fed {
             self.feed_tokens(t)?;

@@ -55,8 +55,7 @@ pub(super) struct Steps {
     /// The steps under way, oldest first (two where a step launches before the one before
     /// it finishes: `Backend::launch_forward`).
     open: std::collections::VecDeque<OpenStep>,
-    /// When the last step finished: a step's wall time counts from there or its start, the
-    /// later, so steps that overlap are not counted twice.
+    /// When the last step finished (`worker::step_time`).
     last_end: Option<Instant>,
 }
 
@@ -146,9 +145,7 @@ impl Profile {
         let Some(Profile::Steps(s)) = this else { return };
         let mut s = s.borrow_mut();
         let Some(OpenStep { start, replay, sample }) = s.open.pop_front() else { return };
-        let now = Instant::now();
-        let wall = now.saturating_duration_since(s.last_end.map_or(start, |e| e.max(start)));
-        s.last_end = Some(now);
+        let wall = crate::worker::step_time(start, &mut s.last_end);
         let Some(replay) = replay else { return };
         let ms = |(a, b): &(CudaEvent, CudaEvent)| a.elapsed_ms(b).map(f64::from).unwrap_or(0.0);
         s.steps += 1;

@@ -68,10 +68,12 @@ impl Ring {
 
     /// Queues the copy of `host` (4-byte values) to device memory at `dst` (room for
     /// `host.len()` values) on `stream`.
-    fn upload(&mut self, stream: &Arc<CudaStream>, host: &[i32], dst: CUdeviceptr) -> Result<(), RuntimeError> {
+    fn upload<W: Word>(&mut self, stream: &Arc<CudaStream>, host: &[W], dst: CUdeviceptr) -> Result<(), RuntimeError> {
         let (_, b) = self.take(stream, host.len(), true)?;
         let pinned = &mut b.buf.as_mut_slice().map_err(driver("pinned host memory"))?[..host.len()];
-        pinned.copy_from_slice(host);
+        for (p, h) in pinned.iter_mut().zip(host) {
+            *p = h.bits();
+        }
         // Safety: `dst` holds `host.len()` values (the caller's); the pinned source stays
         // untouched until `copied` completes (`take` waits for it).
         unsafe { result::memcpy_htod_async(dst, pinned, stream.cu_stream()) }.map_err(driver("copying to the GPU"))?;
@@ -79,60 +81,60 @@ impl Ring {
     }
 }
 
+/// A 4-byte value as the bits a pinned buffer holds.
+pub(super) trait Word: Copy {
+    fn bits(self) -> i32;
+}
+impl Word for i32 {
+    fn bits(self) -> i32 {
+        self
+    }
+}
+impl Word for u32 {
+    fn bits(self) -> i32 {
+        self as i32
+    }
+}
+impl Word for f32 {
+    fn bits(self) -> i32 {
+        self.to_bits() as i32
+    }
+}
+
+/// What a step uploads, each through pinned buffers of its own.
+#[derive(Clone, Copy)]
+pub(super) enum Upload {
+    /// The packed inputs (`Packed`).
+    Inputs,
+    /// The sampling parameters.
+    Params,
+    /// The logit adjustments.
+    Adjust,
+    /// The constraint masks.
+    Masks,
+}
+
 /// The pinned buffers of one backend, and the steps whose tokens are on their way back.
 #[derive(Default)]
 pub(super) struct Staging {
-    /// A step's inputs (`Packed`), its sampling parameters and its logit adjustments.
-    inputs: Ring,
-    params: Ring,
-    adjust: Ring,
-    masks: Ring,
+    /// One ring per kind of [`Upload`], in its order.
+    uploads: [Ring; 4],
     tokens: Ring,
     /// Per step whose tokens were queued for copying and not yet taken: its buffer and count.
     pending: VecDeque<(usize, usize)>,
 }
 
-/// f32 values as the 4-byte words a pinned buffer holds.
-fn words(v: &[f32]) -> Vec<i32> {
-    v.iter().map(|x| x.to_bits() as i32).collect()
-}
-
 impl Staging {
-    /// Queues the copy of a step's packed inputs to device memory at `dst` (room for
-    /// `host.len()` values) on `stream`.
-    pub fn upload(&mut self, stream: &Arc<CudaStream>, host: &[i32], dst: CUdeviceptr) -> Result<(), RuntimeError> {
-        self.inputs.upload(stream, host, dst)
-    }
-
-    /// Likewise a step's sampling parameters.
-    pub fn upload_params(
+    /// Queues the copy of a step's `what` to device memory at `dst` (room for `host.len()`
+    /// values) on `stream`.
+    pub fn upload<W: Word>(
         &mut self,
+        what: Upload,
         stream: &Arc<CudaStream>,
-        host: &[f32],
+        host: &[W],
         dst: CUdeviceptr,
     ) -> Result<(), RuntimeError> {
-        self.params.upload(stream, &words(host), dst)
-    }
-
-    /// Likewise a step's constraint masks.
-    pub fn upload_masks(
-        &mut self,
-        stream: &Arc<CudaStream>,
-        host: &[u32],
-        dst: CUdeviceptr,
-    ) -> Result<(), RuntimeError> {
-        let words: Vec<i32> = host.iter().map(|&w| w as i32).collect();
-        self.masks.upload(stream, &words, dst)
-    }
-
-    /// Likewise a step's logit adjustments.
-    pub fn upload_adjust(
-        &mut self,
-        stream: &Arc<CudaStream>,
-        host: &[f32],
-        dst: CUdeviceptr,
-    ) -> Result<(), RuntimeError> {
-        self.adjust.upload(stream, &words(host), dst)
+        self.uploads[what as usize].upload(stream, host, dst)
     }
 
     /// Queues the copy of the `wanted` tokens at `src` to the host; [`Staging::take`] returns
@@ -174,5 +176,14 @@ impl Staging {
     /// Steps whose tokens were queued and not taken.
     pub fn pending(&self) -> usize {
         self.pending.len()
+    }
+
+    /// An error naming `what` when some step's tokens are on their way (what must wait for
+    /// them all).
+    pub fn none_pending(&self, what: &str) -> Result<(), RuntimeError> {
+        if self.pending.is_empty() {
+            return Ok(());
+        }
+        Err(RuntimeError::Invalid(format!("{what} while another step's tokens are on their way")))
     }
 }
