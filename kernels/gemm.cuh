@@ -265,9 +265,13 @@ __device__ void gemm_skinny(const h16_t* x, const WT* w0, const BT* b0, float* o
   }
 }
 
-// ---- small-batch linear, W8A8 on Hopper's tensor cores (wgmma, sm_90a) ----
-// The input quantized by quant_e4m3 with 128-column groups (codes [T, K], read through the TMA
-// map mx; scales xs [K / 128, T]), up to 64 rows. The work is (128-feature tile, 128-column group) units, tile by
+// ---- small-batch linear on Hopper's tensor cores (wgmma, sm_90a): W8A8, or 16-bit ----
+// WT fp8_t: the input quantized by quant_e4m3 with 128-column groups (codes [T, K], read through
+// the TMA map mx; scales xs [K / 128, T]); WT h16_t: the 16-bit input rows as they are (mx
+// over x [T, K], xs unused), the weights' 16-bit rows, and every group's products added in the
+// wgmma's accumulators (m64n128k16, no scales). A group is 128 bytes of a row either way (128
+// codes, or 64 16-bit weights), so the stages, the swizzle and the descriptors are one.
+// Up to 64 rows. The work is (128-feature tile, 128-byte column group) units, tile by
 // tile, shared evenly by BLOCKS blocks (stream-K: a block's units may end one tile and start
 // the next), so every SM streams weights to the end whatever the tile count. A block (one
 // warpgroup) takes its units a tile at a time: per group, a 64-row box of the input and the 128 weight
@@ -315,6 +319,30 @@ __device__ __forceinline__ void wgmma_e4m3_n128(float* d, unsigned long long a, 
       "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, "
       "%43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
       "%64, %65, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
+        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]),
+        "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]),
+        "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
+        "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(a), "l"(b), "r"(acc));
+#else
+  __trap();
+#endif
+}
+
+// d = (acc ? d : 0) + A (64 x 16 h16_t, K-major, descriptor a) x B (128 x 16, descriptor b)ᵀ.
+__device__ __forceinline__ void wgmma_h16_n128(float* d, unsigned long long a, unsigned long long b, int acc) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32." H16_PTX "." H16_PTX " "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "
+      "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, "
+      "%43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "%64, %65, p, 1, 1, 0, 0;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
         "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
         "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
@@ -532,12 +560,14 @@ __device__ void a8_cluster_sum(const float* acc, float* sums, int T, int r0, con
   cluster_sync();
 }
 
-template <int K, int N0, int N1, int N2, int BLOCKS, int SLOTS, int STAGES, int CL = 0>
-__device__ void gemm_skinny_a8(const TmaMap* mx, const float* xs, const fp8_t* w0, const h16_t* b0, float* o0,
-                               const fp8_t* w1, const h16_t* b1, float* o1, const fp8_t* w2, const h16_t* b2,
+template <typename WT, int K, int N0, int N1, int N2, int BLOCKS, int SLOTS, int STAGES, int CL = 0>
+__device__ void gemm_skinny_a8(const TmaMap* mx, const float* xs, const WT* w0, const h16_t* b0, float* o0,
+                               const WT* w1, const h16_t* b1, float* o1, const WT* w2, const h16_t* b2,
                                float* o2, float* part, unsigned* count, int T, const TmaMap* mw0,
                                const TmaMap* mw1, const TmaMap* mw2) {
-  constexpr int F = 128, G = K / W8_GROUP, S = STAGES, NTOT = N0 + N1 + N2;
+  // W8: E4M3 codes with scales per group; else 16-bit weights, no scales. A group is 128 bytes.
+  constexpr bool W8 = sizeof(WT) == 1;
+  constexpr int F = 128, G = K / (128 / (int)sizeof(WT)), S = STAGES, NTOT = N0 + N1 + N2;
   constexpr long U = (long)(NTOT / F) * G;
   extern __shared__ unsigned char a8_smem[];
   // Stage s: input tile at tiles + s * A8_STAGE, weight tile 8 KB after it, 1024-aligned; then
@@ -573,8 +603,8 @@ __device__ void gemm_skinny_a8(const TmaMap* mx, const float* xs, const fp8_t* w
     u += gn;
     int f0 = tile * F;
     const TmaMap* const mw = f0 >= N0 + N1 ? mw2 : f0 >= N0 ? mw1 : mw0;
-    const LinearOut<fp8_t> grp = pick_group(f0, N0, N1, LinearOut<fp8_t>{w0, b0, o0, N0},
-                                            LinearOut<fp8_t>{w1, b1, o1, N1}, LinearOut<fp8_t>{w2, b2, o2, N2});
+    const LinearOut<WT> grp = pick_group(f0, N0, N1, LinearOut<WT>{w0, b0, o0, N0}, LinearOut<WT>{w1, b1, o1, N1},
+                                         LinearOut<WT>{w2, b2, o2, N2});
     const int N = grp.n;
     const float* wsc = row_scales<K>(grp.w, N, f0 + tid);
     // Stage st's weight tile and scales (which no kernel writes), and its input tile and
@@ -583,13 +613,14 @@ __device__ void gemm_skinny_a8(const TmaMap* mx, const float* xs, const fp8_t* w
     auto stage_w = [&](int st, int gi) {
       if (tid == 0) {
         mbar_expect(smem_addr(&full[st]), A8_STAGE);
-        tma_load_2d(tiles + st * A8_STAGE + A8_ROWS * 128, mw, gi * W8_GROUP, f0, smem_addr(&full[st]));
+        tma_load_2d(tiles + st * A8_STAGE + A8_ROWS * 128, mw, gi * 128, f0, smem_addr(&full[st]));
       }
-      cp4(smem_addr(&sws[st * F + tid]), wsc + gi, 4);
+      if constexpr (W8) cp4(smem_addr(&sws[st * F + tid]), wsc + gi, 4);
     };
     auto stage_x = [&](int st, int gi) {
-      if (tid == 0) tma_load_2d(tiles + st * A8_STAGE, mx, gi * W8_GROUP, 0, smem_addr(&full[st]));
-      if (tid < T) cp4(smem_addr(&sxs[st * A8_ROWS + tid]), xs + (long)gi * T + tid, 4);
+      if (tid == 0) tma_load_2d(tiles + st * A8_STAGE, mx, gi * 128, 0, smem_addr(&full[st]));
+      if constexpr (W8)
+        if (tid < T) cp4(smem_addr(&sxs[st * A8_ROWS + tid]), xs + (long)gi * T + tid, 4);
     };
     auto stage = [&](int st, int gi) {
       stage_w(st, gi);
@@ -634,18 +665,24 @@ __device__ void gemm_skinny_a8(const TmaMap* mx, const float* xs, const fp8_t* w
       const unsigned long long da = wg_desc(tiles + st * A8_STAGE);
       const unsigned long long db = wg_desc(tiles + st * A8_STAGE + A8_ROWS * 128);
       wgmma_fence();
+      if constexpr (W8) {  // the group's products, times the rows' and weight rows' scales
 #pragma unroll
-      for (int kk = 0; kk < 4; kk++) wgmma_e4m3_n128(d, da + 2 * kk, db + 2 * kk, kk);
-      wgmma_commit_wait();
-      const float x0 = sxs[st * A8_ROWS + r0], x1 = sxs[st * A8_ROWS + r0 + 8];
+        for (int kk = 0; kk < 4; kk++) wgmma_e4m3_n128(d, da + 2 * kk, db + 2 * kk, kk);
+        wgmma_commit_wait();
+        const float x0 = sxs[st * A8_ROWS + r0], x1 = sxs[st * A8_ROWS + r0 + 8];
 #pragma unroll
-      for (int j = 0; j < 16; j++)
+        for (int j = 0; j < 16; j++)
 #pragma unroll
-        for (int e = 0; e < 2; e++) {
-          const float w = sws[st * F + 8 * j + 2 * c + e];
-          acc[4 * j + e] = fmaf(x0 * w, d[4 * j + e], acc[4 * j + e]);
-          acc[4 * j + 2 + e] = fmaf(x1 * w, d[4 * j + 2 + e], acc[4 * j + 2 + e]);
-        }
+          for (int e = 0; e < 2; e++) {
+            const float w = sws[st * F + 8 * j + 2 * c + e];
+            acc[4 * j + e] = fmaf(x0 * w, d[4 * j + e], acc[4 * j + e]);
+            acc[4 * j + 2 + e] = fmaf(x1 * w, d[4 * j + 2 + e], acc[4 * j + 2 + e]);
+          }
+      } else {  // 16-bit: the group's products straight into the sums
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++) wgmma_h16_n128(acc, da + 2 * kk, db + 2 * kk, 1);
+        wgmma_commit_wait();
+      }
     }
     cp_async_wait<0>();
     if constexpr (CL > 0) {  // the tile's only segment: its sums meet the cluster's others
@@ -697,8 +734,8 @@ __device__ void gemm_skinny_a8(const TmaMap* mx, const float* xs, const fp8_t* w
     if (tid == 0) a8_await(&count[tile], n);  // acquires the slots the other blocks released
     __syncthreads();
     int f0 = tile * F;
-    const LinearOut<fp8_t> grp = pick_group(f0, N0, N1, LinearOut<fp8_t>{w0, b0, o0, N0},
-                                            LinearOut<fp8_t>{w1, b1, o1, N1}, LinearOut<fp8_t>{w2, b2, o2, N2});
+    const LinearOut<WT> grp = pick_group(f0, N0, N1, LinearOut<WT>{w0, b0, o0, N0}, LinearOut<WT>{w1, b1, o1, N1},
+                                         LinearOut<WT>{w2, b2, o2, N2});
     a8_add_slots<SLOTS, NTOT>(part + tile * F, n, blockIdx.x - first, n, T, grp.b ? grp.b + f0 : nullptr,
                               grp.o + f0);
     // The tile's count goes to n again as each block ends its share; the last resets it.

@@ -14,8 +14,8 @@
 #   - our CUDA logits against HF's f32 forward, max and rms error and greedy tokens where clear:
 #     batch 1 (40 tokens prefilled, 24 decode steps), batch 16 of mixed lengths (24 prefilled,
 #     then one shrinking decode batch; and 8 prefilled, 128 rows, on our GEMMs), and a 520-token
-#     sequence (512 prefilled, 8 decoded); FP8 bundles batch 16 again with each of their GEMMs
-#     forced (ENGINE_GEMM_FORCE=a8, a8c, h16);
+#     sequence (512 prefilled, 8 decoded); batch 16 again with each of our wgmma kernel's forms
+#     forced (ENGINE_GEMM_FORCE=a8, a8c; FP8 bundles h16 too);
 #   - CUDA graphs off (ENGINE_CUDA_GRAPHS=0) and PDL off (ENGINE_PDL=0) equal to the default on
 #     batch 16, and our GEMM (ENGINE_CUBLASLT=0) equal to the default on the long prefill;
 #   - the GPU sampling kernels against the host's rule on the same logits (greedy through the
@@ -114,16 +114,17 @@ for shape in $shapes; do
       # kernel's largest instance.
       logits b16p8 "$sfx" "$many" 8 ENGINE_GEMM_FORCE=ours && cmp hf "$checks" "$ckd" "$shape" b16p8 "$sfx" "$tdt"
       logits long "$sfx" "$long" 512 && cmp hf "$checks" "$ckd" "$shape" long "$sfx" "$tdt"
-      # E4M3 bundles: the 16 sequences again with each of their GEMMs forced wherever a launch
-      # has it (our W8A8 kernel stream-K and with clusters, 8-64 rows; cuBLASLt on the 16-bit
-      # copies a small model gets: a 7B has none, and runs the timing's choices there), so each
-      # is checked against HF whatever the timing chose.
-      if [ "$tdt" != "$dtype" ]; then
-        for g in a8 a8c h16; do
-          expected=$((expected + 3))
-          logits b16 "$sfx-force$g" "$many" 24 ENGINE_GEMM_FORCE=$g && cmp hf "$checks" "$ckd" "$shape" b16 "$sfx-force$g" "$tdt"
-        done
-      fi
+      # The 16 sequences again with each of our wgmma kernel's forms forced wherever a launch
+      # has it (stream-K and with clusters, 8-64 rows: W8A8 for E4M3 bundles, 16-bit for the
+      # others), and for E4M3 bundles cuBLASLt on the 16-bit copies a small model gets (a 7B
+      # has none, and runs the timing's choices there), so each is checked against HF whatever
+      # the timing chose.
+      forced="a8 a8c"
+      [ "$tdt" != "$dtype" ] && forced="a8 a8c h16"
+      for g in $forced; do
+        expected=$((expected + 3))
+        logits b16 "$sfx-force$g" "$many" 24 ENGINE_GEMM_FORCE=$g && cmp hf "$checks" "$ckd" "$shape" b16 "$sfx-force$g" "$tdt"
+      done
       grep -h "cuBLASLt" "$work/$shape-long$sfx.txt" | head -5
       for v in graphs:ENGINE_CUDA_GRAPHS=0:b16:many:24 pdl:ENGINE_PDL=0:b16:many:24 cublaslt:ENGINE_CUBLASLT=0:long:long:512; do
         IFS=: read -r what setting run which pre <<<"$v"

@@ -125,11 +125,12 @@ pub enum KernelKey {
     },
     /// f32 to the 16-bit float.
     ToH16,
-    /// W8A8 small-batch linear (up to [`A8_ROWS`] rows): `GemmSkinny` of E4M3 weights over an
-    /// input quantized by [`KernelKey::QuantE4M3`] (128-column groups), on Hopper's E4M3
-    /// `wgmma` (sm_90a: [`KernelKey::arch`]) over [`a8_grid`] blocks; every `n` a multiple of
-    /// [`A8_FEATURES`]. The runtime times it against the other GEMMs at load, and in the decode
-    /// graph.
+    /// Small-batch linear on Hopper's `wgmma` (sm_90a: [`KernelKey::arch`]; up to [`A8_ROWS`]
+    /// rows) over [`a8_grid`] blocks, every `n` a multiple of [`A8_FEATURES`]: W8A8 (`wf`
+    /// E4M3: `GemmSkinny` of E4M3 weights over an input quantized by
+    /// [`KernelKey::QuantE4M3`], 128-column groups), or 16-bit (`wf` H16: the 16-bit input
+    /// and weights as they are). The runtime times it against the other GEMMs at load, and in
+    /// the decode graph.
     GemmSkinnyA8 {
         /// Input features.
         k: usize,
@@ -138,6 +139,8 @@ pub enum KernelKey {
         /// The blocks of a tile's thread-block cluster ([`a8_cluster`]), or 0: stream-K over
         /// all the units ([`a8_blocks`]).
         cl: usize,
+        /// The weights' format: [`WFormat::E4m3`] or [`WFormat::H16`].
+        wf: WFormat,
     },
     /// 16-bit rows to E4M3 codes with one f32 scale per row and `group` columns: the
     /// activations of an E4M3-weight linear run on FP8 tensor cores through cuBLASLt (the
@@ -731,10 +734,14 @@ pub const A8_BLOCKS_PER_SM: usize = 2;
 /// H200's 132 streaming multiprocessors, so the weights stream from every SM to the end.
 pub const A8_BLOCKS: usize = A8_BLOCKS_PER_SM * 132;
 
-/// The (128-feature tile, 128-column group) units of a [`KernelKey::GemmSkinnyA8`] launch of
-/// `k` inputs and `n` outputs in all.
-fn a8_units(k: usize, n: usize) -> usize {
-    (n / A8_FEATURES) * (k / crate::W8_GROUP)
+/// The bytes of a weight row's group of a [`KernelKey::GemmSkinnyA8`] stage (128 E4M3 codes or
+/// 64 16-bit weights): the functions below take a row's bytes `kb`, `k` times the weight's size.
+const A8_GROUP_BYTES: usize = 128;
+
+/// The (128-feature tile, 128-byte column group) units of a [`KernelKey::GemmSkinnyA8`] launch
+/// of weight rows of `kb` bytes and `n` outputs in all.
+fn a8_units(kb: usize, n: usize) -> usize {
+    (n / A8_FEATURES) * (kb / A8_GROUP_BYTES)
 }
 
 /// The blocks a [`KernelKey::GemmSkinnyA8`] launch shares its units among (stream-K): at most
@@ -742,8 +749,8 @@ fn a8_units(k: usize, n: usize) -> usize {
 /// they add in shares). The blocks of a shared tile wait for each other at the kernel's end,
 /// so a launch must not have more blocks than fit the GPU at once: the runtime runs the kernel
 /// only where [`A8_BLOCKS`] fit (its `a8_fits`).
-pub fn a8_blocks(k: usize, n: usize) -> usize {
-    (a8_units(k, n) / 4).clamp(1, A8_BLOCKS)
+pub fn a8_blocks(kb: usize, n: usize) -> usize {
+    (a8_units(kb, n) / 4).clamp(1, A8_BLOCKS)
 }
 
 /// The most blocks of a thread-block cluster that is portable across GPUs (CUDA's limit
@@ -756,9 +763,9 @@ const A8_CLUSTER_MAX: usize = 8;
 /// eight), each tile instead gets that many blocks as one cluster, an even share of its
 /// groups each, and their sums meet in distributed shared memory (`kernels/gemm.cuh`'s
 /// `a8_cluster_sum`) rather than through global memory behind fences and waits.
-pub fn a8_cluster(k: usize, n: usize) -> usize {
-    let (tiles, groups) = (n / A8_FEATURES, k / crate::W8_GROUP);
-    let cl = (a8_blocks(k, n) / tiles.max(1)).min(A8_CLUSTER_MAX).min(groups);
+pub fn a8_cluster(kb: usize, n: usize) -> usize {
+    let (tiles, groups) = (n / A8_FEATURES, kb / A8_GROUP_BYTES);
+    let cl = (a8_blocks(kb, n) / tiles.max(1)).min(A8_CLUSTER_MAX).min(groups);
     if cl >= 2 {
         cl
     } else {
@@ -768,9 +775,9 @@ pub fn a8_cluster(k: usize, n: usize) -> usize {
 
 /// The grid of a [`KernelKey::GemmSkinnyA8`] launch: a cluster of `cl` blocks per tile, or
 /// (`cl` 0) [`a8_blocks`].
-pub fn a8_grid(k: usize, n: usize, cl: usize) -> usize {
+pub fn a8_grid(kb: usize, n: usize, cl: usize) -> usize {
     match cl {
-        0 => a8_blocks(k, n),
+        0 => a8_blocks(kb, n),
         cl => n / A8_FEATURES * cl,
     }
 }
@@ -778,10 +785,20 @@ pub fn a8_grid(k: usize, n: usize, cl: usize) -> usize {
 /// The most blocks that share one output tile of a [`KernelKey::GemmSkinnyA8`] launch (its
 /// slots of split sums), by the kernel's own split: block `b` takes units
 /// `b * units / blocks ..`.
-pub fn a8_slots(k: usize, n: usize) -> usize {
-    let (units, blocks, groups) = (a8_units(k, n), a8_blocks(k, n), k / crate::W8_GROUP);
+pub fn a8_slots(kb: usize, n: usize) -> usize {
+    let (units, blocks, groups) = (a8_units(kb, n), a8_blocks(kb, n), kb / A8_GROUP_BYTES);
     let block_of = |u: usize| (0..blocks).rev().find(|b| b * units / blocks <= u).unwrap_or(0);
     (0..n / A8_FEATURES).map(|t| block_of(t * groups + groups - 1) - block_of(t * groups) + 1).max().unwrap_or(1)
+}
+
+/// The bytes of a weight row of `k` weights of format `wf` (E4M3 or 16-bit) in a
+/// [`KernelKey::GemmSkinnyA8`] launch.
+fn a8_row_bytes(k: usize, wf: WFormat) -> usize {
+    if wf == WFormat::E4m3 {
+        k
+    } else {
+        2 * k
+    }
 }
 
 /// Whether `arch` (`sm_90`, or `compute_90` for PTX) is Hopper's, whose own target (`sm_90a`)
@@ -838,8 +855,11 @@ impl KernelKey {
             KernelKey::GluMul { act, n } => format!("glu_mul_n{n}_to_h16_{}", act_tag(act)),
             KernelKey::ToH16 => "f32_to_h16_rows".into(),
             KernelKey::QuantE4M3 => "quant_e4m3_rows".into(),
-            KernelKey::GemmSkinnyA8 { k, n, cl: 0 } => format!("gemm_skinny_a8_k{k}_n{}", n3(n)),
-            KernelKey::GemmSkinnyA8 { k, n, cl } => format!("gemm_skinny_a8_k{k}_n{}_cl{cl}", n3(n)),
+            KernelKey::GemmSkinnyA8 { k, n, cl, wf } => {
+                let kind = if wf == WFormat::E4m3 { "a8" } else { "w16" };
+                let cl = if cl == 0 { String::new() } else { format!("_cl{cl}") };
+                format!("gemm_skinny_{kind}_k{k}_n{}{cl}", n3(n))
+            }
             KernelKey::Rope { cols, d, rot } => format!("rope_c{cols}_d{d}{}", rot_suffix(d, rot)),
             KernelKey::RopeKv { heads, kv_heads, d, rot, rope_q, rope_k, norm, ld } => format!(
                 "rope_kv_h{heads}_kv{kv_heads}_d{d}{}_{}{}{}{}",
@@ -968,27 +988,42 @@ impl KernelKey {
         }
     }
 
-    /// The W8A8 small-batch kernel that may stand in for this launch (a `GemmSkinny` of E4M3
-    /// weights whose every output count is a multiple of [`A8_FEATURES`]), stream-K.
+    /// The `wgmma` small-batch kernel that may stand in for this launch (a `GemmSkinny` of E4M3
+    /// or 16-bit weights, rows of whole 128-byte groups, every output count a multiple of
+    /// [`A8_FEATURES`]), stream-K.
     pub fn a8(&self) -> Option<KernelKey> {
         match *self {
-            KernelKey::GemmSkinny { k, n, tiles, wf: WFormat::E4m3, b32: false }
-                if tiles * 8 <= A8_ROWS && n.iter().all(|c| c % A8_FEATURES == 0) =>
+            KernelKey::GemmSkinny { k, n, tiles, wf: wf @ (WFormat::E4m3 | WFormat::H16), b32: false }
+                if tiles * 8 <= A8_ROWS
+                    && a8_row_bytes(k, wf).is_multiple_of(A8_GROUP_BYTES)
+                    && n.iter().all(|c| c % A8_FEATURES == 0) =>
             {
-                Some(KernelKey::GemmSkinnyA8 { k, n, cl: 0 })
+                Some(KernelKey::GemmSkinnyA8 { k, n, cl: 0, wf })
             }
             _ => None,
         }
     }
 
-    /// The same W8A8 kernel with a thread-block cluster a tile, where the shape has one
+    /// The same `wgmma` kernel with a thread-block cluster a tile, where the shape has one
     /// ([`a8_cluster`]).
     pub fn a8_clustered(&self) -> Option<KernelKey> {
         match self.a8()? {
-            KernelKey::GemmSkinnyA8 { k, n, .. } => match a8_cluster(k, n.iter().sum()) {
+            KernelKey::GemmSkinnyA8 { k, n, wf, .. } => match a8_cluster(a8_row_bytes(k, wf), n.iter().sum()) {
                 0 => None,
-                cl => Some(KernelKey::GemmSkinnyA8 { k, n, cl }),
+                cl => Some(KernelKey::GemmSkinnyA8 { k, n, cl, wf }),
             },
+            _ => None,
+        }
+    }
+
+    /// The grid of a [`KernelKey::GemmSkinnyA8`] launch ([`a8_grid`]) and the slots of split
+    /// sums its tiles take ([`a8_slots`]); `None` for any other kernel.
+    pub fn a8_split(&self) -> Option<(usize, usize)> {
+        match *self {
+            KernelKey::GemmSkinnyA8 { k, n, cl, wf } => {
+                let (kb, n) = (a8_row_bytes(k, wf), n.iter().sum());
+                Some((a8_grid(kb, n, cl), a8_slots(kb, n)))
+            }
             _ => None,
         }
     }
@@ -1081,21 +1116,22 @@ impl KernelKey {
                 format!("glu_mul<{n}>(a, b, out, n, {})", act_lambda(act)),
             ),
             KernelKey::ToH16 => ("const float* a, h16_t* out, long n".into(), "to_h16(a, out, n)".into()),
-            KernelKey::GemmSkinnyA8 { k, n, cl } => (
+            KernelKey::GemmSkinnyA8 { k, n, cl, wf } => (
                 format!(
                     "const __grid_constant__ TmaMap mx, const float* xs, {}, float* part, unsigned* count, int T, \
                      const __grid_constant__ TmaMap mw0, const __grid_constant__ TmaMap mw1, \
                      const __grid_constant__ TmaMap mw2",
-                    out_params("fp8_t", false).trim_end_matches(", int T")
+                    out_params(wf.ctype(), false).trim_end_matches(", int T")
                 ),
                 format!(
-                    "gemm_skinny_a8<{k}, {}, {}, {}, {}, {}, {A8_STAGES}, {}>(&mx, xs, {}, part, count, T, &mw0, &mw1, \
-                     &mw2)",
+                    "gemm_skinny_a8<{}, {k}, {}, {}, {}, {}, {}, {A8_STAGES}, {}>(&mx, xs, {}, part, count, T, &mw0, \
+                     &mw1, &mw2)",
+                    wf.ctype(),
                     n[0],
                     n[1],
                     n[2],
-                    a8_blocks(k, n.iter().sum()),
-                    a8_slots(k, n.iter().sum()),
+                    a8_blocks(a8_row_bytes(k, wf), n.iter().sum()),
+                    a8_slots(a8_row_bytes(k, wf), n.iter().sum()),
                     cl,
                     OUT_ARGS.trim_end_matches(", T")
                 ),

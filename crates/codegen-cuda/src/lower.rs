@@ -944,22 +944,28 @@ mod tests {
         assert_eq!(tiled(&last[0]), None);
     }
 
-    /// The W8A8 stand-in of a small-batch E4M3 launch: up to 64 rows, output counts multiples of
-    /// 128, one kernel for every row count, none for 16-bit weights, compiled for sm_90a; K split
-    /// so a launch has about two blocks an SM, two groups a part at least, no part empty.
+    /// The `wgmma` stand-in of a small-batch E4M3 or 16-bit launch: up to 64 rows, output counts
+    /// multiples of 128, rows of whole 128-byte groups, one kernel for every row count, compiled
+    /// for sm_90a; K split so a launch has about two blocks an SM, two groups a part at least,
+    /// no part empty.
     #[test]
     fn w8a8_stand_ins_follow_their_layout() {
         let skinny = |n: usize, tiles: usize, w8: bool| {
             let wf = if w8 { WFormat::E4m3 } else { WFormat::H16 };
             KernelKey::GemmSkinny { k: 256, n: [n, 0, 0], tiles, wf, b32: false }
         };
-        let a8 = |n: usize| Some(KernelKey::GemmSkinnyA8 { k: 256, n: [n, 0, 0], cl: 0 });
+        let a8 = |n: usize| Some(KernelKey::GemmSkinnyA8 { k: 256, n: [n, 0, 0], cl: 0, wf: WFormat::E4m3 });
         assert_eq!(skinny(128, 4, true).a8(), a8(128));
         assert_eq!(skinny(128, 8, true).a8(), a8(128));
         assert_eq!(skinny(128, 9, true).a8(), None);
         assert_eq!(skinny(64, 8, true).a8(), None);
-        assert_eq!(skinny(128, 8, false).a8(), None);
-        let key = KernelKey::GemmSkinnyA8 { k: 256, n: [128, 0, 0], cl: 0 };
+        let w16 = KernelKey::GemmSkinnyA8 { k: 256, n: [128, 0, 0], cl: 0, wf: WFormat::H16 };
+        assert_eq!(skinny(128, 8, false).a8(), Some(w16));
+        let odd = KernelKey::GemmSkinny { k: 96, n: [128, 0, 0], tiles: 8, wf: WFormat::H16, b32: false };
+        assert_eq!(odd.a8(), None, "192-byte rows: not whole 128-byte groups");
+        assert!(w16.instance().unwrap().contains("gemm_skinny_w16_k256_n128(const __grid_constant__ TmaMap mx"));
+        assert!(w16.instance().unwrap().contains("gemm_skinny_a8<h16_t, 256, 128, 0, 0, 1, 1, 4, 0>("));
+        let key = KernelKey::GemmSkinnyA8 { k: 256, n: [128, 0, 0], cl: 0, wf: WFormat::E4m3 };
         assert_eq!(
             (key.arch("sm_90"), key.arch("compute_90"), key.arch("sm_100")),
             ("sm_90a".into(), "compute_90a".into(), "sm_100".into())
@@ -991,17 +997,25 @@ mod tests {
         // of a shape that has none.
         let o7b = KernelKey::GemmSkinny { k: 3584, n: [3584, 0, 0], tiles: 8, wf: WFormat::E4m3, b32: false };
         let (plain, clustered) = (o7b.a8().unwrap(), o7b.a8_clustered().unwrap());
-        assert_eq!(clustered, KernelKey::GemmSkinnyA8 { k: 3584, n: [3584, 0, 0], cl: 7 });
+        assert_eq!(clustered, KernelKey::GemmSkinnyA8 { k: 3584, n: [3584, 0, 0], cl: 7, wf: WFormat::E4m3 });
         let o = clustered.instance().unwrap();
         assert!(
             o.contains("__launch_bounds__(128, 1) __cluster_dims__(7, 1, 1) gemm_skinny_a8_k3584_n3584_cl7("),
             "{o}"
         );
-        assert!(o.contains("gemm_skinny_a8<3584, 3584, 0, 0, 196, 7, 4, 7>("), "{o}");
+        assert!(o.contains("gemm_skinny_a8<fp8_t, 3584, 3584, 0, 0, 196, 7, 4, 7>("), "{o}");
         let o = plain.instance().unwrap();
         assert!(o.contains("__launch_bounds__(128, 1) gemm_skinny_a8_k3584_n3584("), "{o}");
-        assert!(o.contains("gemm_skinny_a8<3584, 3584, 0, 0, 196, 7, 4, 0>("), "{o}");
+        assert!(o.contains("gemm_skinny_a8<fp8_t, 3584, 3584, 0, 0, 196, 7, 4, 0>("), "{o}");
         assert_eq!(skinny(128, 8, true).a8_clustered(), None);
+        // 16-bit rows are twice the bytes: the 7B's o as 16-bit weights has twice the units, so
+        // eight blocks a tile (capped), and its launch the grid and slots of those bytes.
+        let o16 = KernelKey::GemmSkinny { k: 3584, n: [3584, 0, 0], tiles: 8, wf: WFormat::H16, b32: false };
+        let c16 = o16.a8_clustered().unwrap();
+        assert_eq!(c16, KernelKey::GemmSkinnyA8 { k: 3584, n: [3584, 0, 0], cl: 8, wf: WFormat::H16 });
+        assert_eq!((c16.a8_split(), o16.a8().unwrap().a8_split()), (Some((224, 11)), Some((264, 11))));
+        assert!(c16.instance().unwrap().contains("gemm_skinny_w16_k3584_n3584_cl8("));
+        assert_eq!(plain.a8_split(), Some((196, 7)));
     }
 
     /// An E4M3 linear weight takes the `w8` variants: the GEMV up to `GEMV_MAX_ROWS`, the

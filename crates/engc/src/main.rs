@@ -75,6 +75,9 @@ enum Cmd {
         /// Target virtual architecture.
         #[arg(long, default_value = "compute_90")]
         arch: String,
+        /// Also write the CUDA source checked to this file (for `scripts/kernel-sass.py`).
+        #[arg(long)]
+        emit: Option<PathBuf>,
     },
     /// Describe a bundle.
     Inspect {
@@ -112,8 +115,8 @@ fn main() -> ExitCode {
             }
         }
         Cmd::Inspect { bundle, graph } => inspect(&bundle, graph),
-        Cmd::CudaCheck { bundle, model, config, tp, dtype, arch } => {
-            cuda_check(bundle, model, config, (tp, dtype), arch)
+        Cmd::CudaCheck { bundle, model, config, tp, dtype, arch, emit } => {
+            cuda_check(bundle, model, config, (tp, dtype), arch, emit)
         }
     };
     match result {
@@ -138,6 +141,7 @@ fn cuda_check(
     config: Option<PathBuf>,
     (tp, dtype): (usize, DType),
     arch: String,
+    emit: Option<PathBuf>,
 ) -> Result<(), String> {
     let source = match (bundle, model, config) {
         (Some(b), None, None) => {
@@ -153,6 +157,9 @@ fn cuda_check(
         }
         _ => return Err("give a bundle, or --model and --config".into()),
     };
+    if let Some(f) = &emit {
+        std::fs::write(f, &source).map_err(|e| format!("{}: {e}", f.display()))?;
+    }
     let arch: &'static str = Box::leak(arch.into_boxed_str());
     let t = std::time::Instant::now();
     let ptx = codegen_cuda::nvrtc::compile_ptx(&source, arch).map_err(|e| e.to_string())?;
@@ -160,7 +167,7 @@ fn cuda_check(
     println!("compiled {kernels} kernels ({} bytes of PTX) for {arch} in {:.2}s", ptx.len(), t.elapsed().as_secs_f64());
     // The W8A8 kernels' wgmma is compiled only for Hopper's own target (`KernelKey::arch`), and
     // PTX leaves inline assembly unchecked: assemble the program for it too.
-    if codegen_cuda::hopper(arch) && source.contains(" gemm_skinny_a8_k") {
+    if codegen_cuda::hopper(arch) && (source.contains(" gemm_skinny_a8_k") || source.contains(" gemm_skinny_w16_k")) {
         codegen_cuda::nvrtc::compile_ptx(&source, "sm_90a").map_err(|e| format!("sm_90a: {e}"))?;
         println!("assembled for sm_90a (wgmma)");
     }

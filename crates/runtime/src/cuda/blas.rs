@@ -49,12 +49,13 @@ pub(crate) enum Gemm {
     Ours,
     /// cuBLASLt (W8A8 for E4M3 weights: `w8a8`).
     Blas,
-    /// Our W8A8 small-batch kernel (`KernelKey::GemmSkinnyA8`), stream-K.
+    /// Our `wgmma` small-batch kernel (`KernelKey::GemmSkinnyA8`: W8A8 for E4M3 weights, or
+    /// 16-bit), stream-K.
     A8,
     /// The schedule's tiled GEMM where the small-batch kernel is the variant at the row count
     /// (`codegen_cuda::tiled`): it fills more SMs on narrow shapes.
     Tiled,
-    /// Our W8A8 small-batch kernel with a thread-block cluster a tile, where the shape has one
+    /// Our `wgmma` small-batch kernel with a thread-block cluster a tile, where the shape has one
     /// (`KernelKey::a8_clustered`). Alone it may be slower than stream-K (q|k|v of the 7B at
     /// 64 rows: 18 against 15 us) and yet shorten the step (a 4-layer 7B FP8 graph at 64 rows:
     /// 851 against 926 us), or the reverse (16 rows: 840 against 790): the graph chooses.
@@ -85,7 +86,8 @@ impl Gemm {
         match (self, self.a8_key(key)) {
             (Gemm::Blas, _) => format!("cublaslt[{}]", key.name()),
             (Gemm::Blas16, _) => format!("cublaslt[{}_h16]", key.name()),
-            (_, Some(a8)) => format!("{} (+quant_e4m3)", a8.name()),
+            (_, Some(a8 @ KernelKey::GemmSkinnyA8 { wf: WFormat::E4m3, .. })) => format!("{} (+quant_e4m3)", a8.name()),
+            (_, Some(a8)) => a8.name(),
             (Gemm::Tiled, _) => key.tiled().map_or_else(|| key.name(), |k| k.name()),
             _ => key.name(),
         }
@@ -201,12 +203,13 @@ impl CudaBackend {
                 f => format!(" {}", f.ctype()),
             };
             let mut line = format!(
-                "GEMM k{} n{:?}{wf} (us: ours / L cuBLASLt / H its 16-bit copy / A ours W8A8 / C its clusters / T ours tiled):",
+                "GEMM k{} n{:?}{wf} (us: ours / L cuBLASLt / H its 16-bit copy / A ours on wgmma / C its clusters / T ours tiled):",
                 shape.0, shape.1
             );
             let fresh = !launches.iter().all(|(t, _)| cached.contains_key(&(*shape, *t)));
-            let w8 = shape.2 == WFormat::E4m3;
-            let refused = if w8 && fresh { self.w8a8_refusals(launches, &mut line)? } else { vec![] };
+            // E4M3 shapes check every candidate, 16-bit ones our wgmma kernel, before the timing.
+            let checked = shape.2 == WFormat::E4m3 || launches.iter().any(|(_, l)| l.key.a8().is_some());
+            let refused = if checked && fresh { self.w8a8_refusals(launches, &mut line)? } else { vec![] };
             for (t, l) in launches {
                 if let Some(&c) = cached.get(&(*shape, *t)) {
                     let _ = write!(line, " t={t} cached{}", c.gemm.mark().0);
@@ -218,7 +221,9 @@ impl CudaBackend {
                 choice.push((*t, best));
                 timed = true;
             }
-            eprintln!("{line} (runs: *: cuBLASLt, %: its 16-bit copy, +: ours W8A8, #: its clusters, ^: ours tiled)");
+            eprintln!(
+                "{line} (runs: *: cuBLASLt, %: its 16-bit copy, +: ours on wgmma, #: its clusters, ^: ours tiled)"
+            );
             choice.sort_by_key(|(t, _)| *t);
             self.blas_choice.insert(*shape, choice);
         }
@@ -553,8 +558,8 @@ mod tests {
         assert_eq!(gemm_shape(&KernelKey::ToH16), None);
     }
 
-    /// The tiled GEMM stands in for the small-batch kernel's launches only; our W8A8 kernel for
-    /// those of E4M3 weights with output counts of whole 128-feature tiles (its clusters where
+    /// The tiled GEMM stands in for the small-batch kernel's launches only; our `wgmma` kernel
+    /// for those of E4M3 or 16-bit weights with output counts of whole 128-feature tiles (its clusters where
     /// stream-K puts several blocks on every tile); cuBLASLt on a 16-bit copy for any E4M3
     /// launch (whether it has one is the load's to say: `w16_refused`).
     #[test]
@@ -566,7 +571,8 @@ mod tests {
         };
         let (b, a, t, c, h) = (Gemm::Blas, Gemm::A8, Gemm::Tiled, Gemm::A8c, Gemm::Blas16);
         let (h16, w8) = (WFormat::H16, WFormat::E4m3);
-        assert_eq!(of(KernelKey::GemmSkinny { k, n, tiles: 8, wf: h16, b32: false }, &[]), [b, t]);
+        assert_eq!(of(KernelKey::GemmSkinny { k, n, tiles: 8, wf: h16, b32: false }, &[]), [b, a, c, t]);
+        assert_eq!(of(KernelKey::GemmSkinny { k, n: [4864, 64, 0], tiles: 8, wf: h16, b32: false }, &[]), [b, t]);
         assert_eq!(of(KernelKey::GemmSkinny { k, n: [4864, 128, 0], tiles: 8, wf: w8, b32: false }, &[b]), [h, a, t]);
         assert_eq!(of(KernelKey::GemmSkinny { k, n, tiles: 16, wf: w8, b32: false }, &[h]), [b, t]);
         assert_eq!(of(KernelKey::Gemm { k, n, wf: w8, b32: false }, &[]), [b, h]);
