@@ -36,7 +36,9 @@
 # its blocks, its CUDA logits against the CPU backend's on the same bundle (which reads the blocks exactly as
 # ir::quant defines them), 16 sequences of 24-60 tokens (24 prefilled: every GEMV, small-batch
 # and tiled variant), held to 1.5 x the error of its dequantized twin compiled as bf16 on CUDA.
-# SHAPES=' ' (blank) with BENCH=0 runs the GGUF checks alone.
+# SHAPES=' ' (blank) with BENCH=0 runs the GGUF checks alone. SUITE=sampling runs, of each
+# shape and dtype, only the sampling kernels against the host's rule and the pipelined seeded
+# sampling (with GGUF=0 BENCH=0: a change to kernels/sample.cuh in a few minutes).
 # Then (BENCH=0 skips) the benchmarks recorded in docs/perf.md, and `engrun probe` (the copy
 # bandwidth and matmul rate the fractions divide by); ENGINE_BENCH=1 adds the nano-vllm workload. Raw results go to $WORK (default
 # /tmp/gpu-out); with the device tool's $OUT set they are packed into $OUT/gpu-check$TAG.tgz
@@ -57,6 +59,9 @@ tps="${TPS:-1}"
 [ -z "${TPS:-}" ] && [ "$gpus" -ge 2 ] && tps="1 2"
 expected=0
 cmp() { python3 scripts/gpu/compare.py "$@"; }
+# Whether the whole tier runs (SUITE=sampling: only the checks that sample, for a change to
+# kernels/sample.cuh).
+full() { [ "${SUITE:-all}" = all ]; }
 # A command that must succeed: its failure is a failed check, its output a file of $work.
 must() {
   local name=$1 log=$2
@@ -99,8 +104,9 @@ for shape in $shapes; do
       [ -d "$b" ] || must compile "$work/$shape$sfx-compile.txt" \
         "$bin/engc" compile --checkpoint "$ckd" "${dflag[@]}" --tp "$tp" -o "$b" || continue
       # Four logits runs against HF (max, rms, greedy each), three settings against the
-      # default, seven sampling settings, four engine checks.
-      expected=$((expected + 26))
+      # default, seven sampling settings, four engine checks; SUITE=sampling: the seven
+      # sampling settings and the pipelined sampled one alone.
+      if full; then expected=$((expected + 26)); else expected=$((expected + 8)); fi
       rm -rf /tmp/engine-cache
       logits() { # RUN FILE-SUFFIX IDS PREFILL [ENV...]
         local run=$1 fs=$2 seqs=$3 pre=$4
@@ -108,6 +114,7 @@ for shape in $shapes; do
         must "logits" "$work/$shape-$run$fs.txt" env "$@" /usr/bin/time -f "%e s wall" \
           "$bin/engrun" logits "$b" --device cuda --ids "$seqs" --prefill "$pre" -o "$ckd/$run$fs.safetensors"
       }
+      if full; then
       logits b1 "$sfx" "$one" 40 && cmp hf "$checks" "$ckd" "$shape" b1 "$sfx" "$tdt"
       logits b16 "$sfx" "$many" 24 && cmp hf "$checks" "$ckd" "$shape" b16 "$sfx" "$tdt"
       # The same 16 sequences, 8 tokens each in the first step: 128 rows on our small-batch
@@ -131,6 +138,7 @@ for shape in $shapes; do
         logits "$run" "$sfx-no$what" "${!which}" "$pre" "$setting" &&
           cmp pair "$checks" "${what}_off$sfx" "$ckd/$run$sfx.safetensors" "$ckd/$run$sfx-no$what.safetensors" "$tdt" "$ckd" "$run"
       done
+      fi
       # The sampling kernels against the host's rule, on the same logits and numbers (top-k 1:
       # greedy, the split argmax).
       : >"$work/$shape$sfx-sampling.txt"
@@ -150,6 +158,7 @@ for shape in $shapes; do
       tol=0.02 lone=()
       [ "$tdt" = f16 ] && tol=0.005
       [ "$tdt" = "$dtype" ] || lone=(env ENGINE_CUBLASLT=0)
+      if full; then
       "${lone[@]}" "$bin/engrun" bench "$b" --device cuda --num-prompts 24 --input-len 600 --output-len 32 --random-range-ratio 0.2 \
         --shared-prefix-len 64 --chunked-prefill-size 256 --warmup 0 --verify-alone $tol --json >"$work/$shape$sfx-alone.txt" 2>&1
       cmp alone "$checks" "engine_alone$sfx" "$work/$shape$sfx-alone.txt"
@@ -163,6 +172,7 @@ for shape in $shapes; do
       "${lone[@]}" "$bin/engrun" bench "$b" --device cuda --num-prompts 256 --input-len 300 --output-len 8 --random-range-ratio 0.5 \
         --warmup 0 --verify-alone $tol --json >"$work/$shape$sfx-alone-wide.txt" 2>&1
       cmp alone "$checks" "engine_alone_wide$sfx" "$work/$shape$sfx-alone-wide.txt"
+      fi
       # Pipelined steps (each launched before the step before has its tokens on the host, which
       # it takes on the device; its penalties made once they are) against the worker waiting for
       # them: seeded sampling gives every request the same tokens. Our GEMMs forced, so that no
@@ -176,7 +186,7 @@ for shape in $shapes; do
       cmp same_tokens "$checks" "engine_pipelined_sampled$sfx" "$work/$shape$sfx-pipe1.json" "$work/$shape$sfx-pipe0.json"
       # /v1/embeddings on the GPU, through the lm_head against HF (not under a final softcap,
       # which bends the logits away from W·h).
-      if ! grep -q '"final_logit_softcapping": *[0-9]' "tests/configs/$shape.json"; then
+      if full && ! grep -q '"final_logit_softcapping": *[0-9]' "tests/configs/$shape.json"; then
         expected=$((expected + 1))
         "$bin/engrun" serve "$b" --device cuda --port 30123 >"$work/$shape$sfx-serve.txt" 2>&1 &
         spid=$!
