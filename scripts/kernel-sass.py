@@ -4,7 +4,9 @@
 Usage: scripts/kernel-sass.py SOURCE [--kernel REGEX] [--arch sm_90] [--top N]
 
 SOURCE is a bundle directory (its kernels/model.cu) or a .cu file in the generated layout (the
-shared templates, then one `extern "C" __global__` line a kernel, as codegen_cuda emits). The
+shared templates, then one `extern "C" __global__` line a kernel, as codegen_cuda emits; `engc
+cuda-check --model M.yaml --config C.json --emit FILE` writes one for a model shape without a
+checkpoint). The
 kernels whose names match REGEX (default: all) are compiled with NVRTC to a cubin for ARCH, as
 the runtime compiles them (`-std=c++17`, one program); ptxas's verbose report gives registers,
 spills and shared memory a kernel. Where `nvdisasm` can be had (PyPI's nvidia-cuda-nvdisasm,

@@ -713,7 +713,7 @@ fn b32_suffix(b32: bool) -> &'static str {
 const OUT_ARGS: &str = "w0, b0, o0, w1, b1, o1, w2, b2, o2, T";
 
 /// Output features of a block of [`KernelKey::GemmSkinnyA8`] (one warpgroup's m64n128
-/// `wgmma`): every output count of a W8A8 stand-in is a multiple of it.
+/// `wgmma`): every output count of a launch it stands in for is a multiple of it.
 pub const A8_FEATURES: usize = 128;
 
 /// The most rows of a [`KernelKey::GemmSkinnyA8`] launch (the `wgmma`'s M).
@@ -1348,7 +1348,7 @@ impl KernelKey {
                 format!("all_gather_oneshot<{ranks}>(x, out, rows, cols, table, rank, cap, counters)"),
             ),
         };
-        // The GEMVs, the norms and the W8A8 GEMM wait for the previous kernel themselves, after
+        // The GEMVs, the norms and the small-batch wgmma GEMM wait for the previous kernel themselves, after
         // loading weights; decode attention (and one-token attention) after its first copies
         // or loads of cached keys; the router after loading its rows.
         let enter = match self {
@@ -1381,7 +1381,7 @@ impl KernelKey {
 mod tests {
     use super::{a8_blocks, a8_slots, argmax_block_counts, argmax_blocks, A8_BLOCKS, A8_SMEM, ARGMAX_BLOCKS};
 
-    /// The blocks of a shared W8A8 tile wait for each other (`kernels/gemm.cuh`), which ends only
+    /// The blocks of a shared tile of the wgmma kernel wait for each other (`kernels/gemm.cuh`), which ends only
     /// if every block of a launch is resident at once: two blocks' shared memory fit an H100 /
     /// H200 SM (228 KB), and no launch has more than two blocks for each of its 132 SMs.
     #[test]

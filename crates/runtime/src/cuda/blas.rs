@@ -93,7 +93,7 @@ impl Gemm {
         }
     }
 
-    /// The instance of our W8A8 kernel this GEMM runs for launch `key`, if it is ours W8A8
+    /// The instance of our `wgmma` kernel this GEMM runs for launch `key`, if it is that kernel
     /// and the launch has one: stream-K, or with clusters.
     pub(crate) fn a8_key(self, key: &KernelKey) -> Option<KernelKey> {
         match self {
@@ -125,7 +125,7 @@ impl Gemm {
 }
 
 /// The GEMMs besides ours that may run launch `l`, less the `refused`: cuBLASLt (not over
-/// GGUF's blocks), our W8A8 kernel and our tiled GEMM where the launch has them.
+/// GGUF's blocks), our `wgmma` kernel and our tiled GEMM where the launch has them.
 pub(crate) fn candidates<'a>(l: &'a Launch, refused: &'a [Gemm]) -> impl Iterator<Item = Gemm> + 'a {
     let has = |g: &Gemm| match g {
         Gemm::A8 | Gemm::A8c => g.a8_key(&l.key).is_some(),
@@ -167,9 +167,10 @@ pub(crate) fn chosen(choice: &[(usize, Choice)], t: usize) -> Gemm {
 
 impl CudaBackend {
     /// Times every linear shape of the schedule with our kernel and with cuBLASLt (and, for
-    /// E4M3 weights at small batches, our W8A8 kernel) at each bucket and keeps the fastest per
-    /// bucket (`ENGINE_CUBLASLT=0`: ours only). A W8A8 candidate whose result on a random input
-    /// is off from ours is refused for the shape first (`w8a8_disagrees`).
+    /// small batches, our `wgmma` kernel) at each bucket and keeps the fastest per
+    /// bucket (`ENGINE_CUBLASLT=0`: ours only). A candidate of an E4M3 shape, or of a 16-bit
+    /// one our `wgmma` kernel may run, whose result on a random input is off from ours is
+    /// refused for the shape first (`w8a8_disagrees`).
     pub(super) fn choose_gemms(&mut self) -> Result<(), RuntimeError> {
         let buckets = buckets();
         let shapes = self.gemm_launches(&buckets);

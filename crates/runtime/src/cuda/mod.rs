@@ -87,7 +87,7 @@ pub struct CudaBackend {
     use_graphs: bool,
     /// Forward-step kernels launched as programmatic dependent launches (`device::pdl_enabled`).
     pdl: bool,
-    /// [`Compiled`]'s `wgmma`: our W8A8 kernel runs only there.
+    /// [`Compiled`]'s `wgmma`: our `wgmma` kernel runs only there.
     wgmma: bool,
     /// cuBLASLt, where it loads; per linear shape, which GEMM runs at each token bucket
     /// (`blas::chosen`) and f32 copies of the biases.
@@ -97,7 +97,7 @@ pub struct CudaBackend {
     choices_file: Option<std::path::PathBuf>,
     bias_f32: HashMap<usize, CudaSlice<f32>>,
     /// W8A8 ([`w8a8`]): the compact cuBLASLt scales of E4M3 weights, and the quantized input of
-    /// a launch with our W8A8 kernel's split sums.
+    /// a launch with our `wgmma` kernel's split sums.
     w8_scales: HashMap<usize, (w8a8::Fp8Scales, CudaSlice<f32>)>,
     w8_input: Option<w8a8::W8Input>,
     /// 16-bit copies of small E4M3 linears, by a launch's first weight ([`w16`]).
@@ -137,7 +137,7 @@ unsafe impl Send for Nccl {}
 pub(crate) struct Compiled {
     program: Arc<Program>,
     bins: Vec<Vec<u8>>,
-    /// Whether the device runs Hopper's own instructions (`sm_90`: the W8A8 kernel's `wgmma`).
+    /// Whether the device runs Hopper's own instructions (`sm_90`: our small-batch kernel's `wgmma`).
     wgmma: bool,
 }
 

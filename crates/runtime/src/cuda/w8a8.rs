@@ -215,7 +215,7 @@ impl CudaBackend {
     }
 
     /// Room for `tokens` quantized input rows (codes and scales), and for the split sums of our
-    /// W8A8 kernel ([`W8Input`]), where the program has E4M3 tensor-core linears.
+    /// `wgmma` kernel ([`W8Input`]), where the program has E4M3 tensor-core linears or that kernel.
     pub(super) fn ensure_w8_input(&mut self, tokens: usize) -> Result<(), RuntimeError> {
         let k = self.w8_k_max();
         let (mut sums, mut tiles, mut any) = (1, 1, false);
@@ -243,7 +243,7 @@ impl CudaBackend {
 
     /// The W8A8 buffers ([`CudaBackend::ensure_w8_input`]).
     fn w8_buffers(&self) -> Result<&W8Input, RuntimeError> {
-        self.w8_input.as_ref().ok_or_else(|| RuntimeError::Unsupported("no E4M3 input buffers".into()))
+        self.w8_input.as_ref().ok_or_else(|| RuntimeError::Unsupported("no W8A8 / wgmma buffers".into()))
     }
 
     /// Quantizes the 16-bit input `x` (`[t, k]`) of a W8A8 launch into the codes and scales
@@ -293,13 +293,13 @@ impl CudaBackend {
         let (Some(key @ KernelKey::GemmSkinnyA8 { wf, .. }), KernelKey::GemmSkinny { k, n, .. }) =
             (g.a8_key(&l.key), l.key)
         else {
-            return Err(RuntimeError::Unsupported(format!("{} has no W8A8 kernel", l.key.name())));
+            return Err(RuntimeError::Unsupported(format!("{} has no wgmma kernel", l.key.name())));
         };
         if !self.wgmma {
-            return Err(RuntimeError::Unsupported("our W8A8 kernel runs on Hopper (sm_90) only".into()));
+            return Err(RuntimeError::Unsupported("our wgmma kernel runs on Hopper (sm_90) only".into()));
         }
         if t > codegen_cuda::A8_ROWS {
-            return Err(RuntimeError::Unsupported(format!("{t} rows in a {}-row W8A8 kernel", codegen_cuda::A8_ROWS)));
+            return Err(RuntimeError::Unsupported(format!("{t} rows in a {}-row wgmma kernel", codegen_cuda::A8_ROWS)));
         }
         let x = self.arg_ptr(&l.args[0]);
         let (x, s, kb) = match wf {
