@@ -44,6 +44,10 @@ fn generated_kernels_compile_with_nvrtc_for_sm90() {
     let f16 = compile_fixture("tiny-qwen2", &dir.join("f16"), 1, Some(ir::DType::F16));
     let source = std::fs::read_to_string(f16.join("kernels/model.cu")).unwrap();
     assert!(source.contains("#define H16_F16 1"), "the f16 bundle's source does not select f16");
+    // Its lm_head's 16-bit wgmma instance (f16 operands) is assembled for sm_90a too.
+    has_kernels(&f16, &["gemm_skinny_w16_k64_n1024("]);
+    let o = cuda_check(&[f16.to_str().unwrap(), "--arch", "compute_90"], Some(&lib));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("assembled for sm_90a (wgmma)"), "f16: {}", stderr(&o));
     runs.push(vec![f16.display().to_string()]);
     // An FP8 checkpoint kept in E4M3: the linears' fp8_t GEMV / GEMM variants and the W8A8 ones (its k and v
     // projections, [64, 128], stayed bf16 in HF's quantizer: their own launch beside q's).

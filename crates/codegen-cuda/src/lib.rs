@@ -197,7 +197,8 @@ pub fn emit(plan: &Plan) -> Result<Program, CodegenError> {
         source += part;
         source += "\n";
     }
-    source += "// ---- instances ----\n";
+    source += nvrtc::INSTANCES;
+    source += "\n";
     for k in &kernels {
         source += &k.instance()?;
     }

@@ -96,8 +96,23 @@ pub fn cache_dir() -> Option<PathBuf> {
 
 /// The source of one kernel alone: the templates and its instance.
 fn kernel_source(program: &Program, key: &KernelKey) -> Result<String, CodegenError> {
-    let common = program.source.split("// ---- instances ----").next().unwrap_or_default();
-    Ok(format!("{common}// ---- instances ----\n{}", key.instance()?))
+    let common = program.source.split(INSTANCES).next().unwrap_or_default();
+    Ok(format!("{common}{INSTANCES}\n{}", key.instance()?))
+}
+
+/// The line of a program's source after its shared templates, before one `extern "C"` line a
+/// kernel.
+pub(crate) const INSTANCES: &str = "// ---- instances ----";
+
+/// The part of a program's `source` that Hopper's own target (`sm_90a`) compiles: its shared
+/// templates and the instances of [`KernelKey::GemmSkinnyA8`] (`gemm_skinny_a8_...`,
+/// `gemm_skinny_w16_...`: the kernels [`KernelKey::arch`] sends there); `None` where it has
+/// none. `engc cuda-check` assembles it, since PTX leaves their inline `wgmma` unchecked.
+pub fn hopper_source(source: &str) -> Option<String> {
+    let (common, instances) = source.split_once(INSTANCES)?;
+    let own = |l: &&str| l.contains(" gemm_skinny_a8_k") || l.contains(" gemm_skinny_w16_k");
+    let lines: Vec<&str> = instances.lines().filter(own).collect();
+    (!lines.is_empty()).then(|| format!("{common}{INSTANCES}\n{}\n", lines.join("\n")))
 }
 
 /// What [`compile_kernels`] did.
@@ -177,4 +192,22 @@ pub fn compile_kernels(program: &Program, arch: &str) -> Result<(Vec<Vec<u8>>, C
         bins.push(b);
     }
     Ok((bins, report))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{hopper_source, INSTANCES};
+
+    /// Hopper's own target compiles the shared templates and the wgmma instances alone.
+    #[test]
+    fn the_hopper_pass_takes_the_templates_and_the_wgmma_instances() {
+        let line = |name: &str| format!("extern \"C\" __global__ void __launch_bounds__(128, 1) {name}(int T) {{ }}");
+        let (a8, w16, gemv) =
+            (line("gemm_skinny_a8_k256_n128"), line("gemm_skinny_w16_k64_n1024_cl2"), line("gemv_k64"));
+        let source = format!("template <int K> void t();\n{INSTANCES}\n{gemv}\n{a8}\n{w16}\n");
+        let own = hopper_source(&source).unwrap();
+        assert_eq!(own, format!("template <int K> void t();\n{INSTANCES}\n{a8}\n{w16}\n"));
+        assert_eq!(hopper_source(&format!("template <int K> void t();\n{INSTANCES}\n{gemv}\n")), None);
+        assert_eq!(hopper_source("no instances"), None);
+    }
 }

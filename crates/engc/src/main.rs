@@ -165,10 +165,10 @@ fn cuda_check(
     let ptx = codegen_cuda::nvrtc::compile_ptx(&source, arch).map_err(|e| e.to_string())?;
     let kernels = ptx.matches(".entry").count();
     println!("compiled {kernels} kernels ({} bytes of PTX) for {arch} in {:.2}s", ptx.len(), t.elapsed().as_secs_f64());
-    // The W8A8 kernels' wgmma is compiled only for Hopper's own target (`KernelKey::arch`), and
-    // PTX leaves inline assembly unchecked: assemble the program for it too.
-    if codegen_cuda::hopper(arch) && (source.contains(" gemm_skinny_a8_k") || source.contains(" gemm_skinny_w16_k")) {
-        codegen_cuda::nvrtc::compile_ptx(&source, "sm_90a").map_err(|e| format!("sm_90a: {e}"))?;
+    // The small-batch kernels' wgmma is compiled only for Hopper's own target
+    // (`KernelKey::arch`), and PTX leaves inline assembly unchecked: assemble them for it too.
+    if let Some(own) = codegen_cuda::hopper(arch).then(|| codegen_cuda::nvrtc::hopper_source(&source)).flatten() {
+        codegen_cuda::nvrtc::compile_ptx(&own, "sm_90a").map_err(|e| format!("sm_90a: {e}"))?;
         println!("assembled for sm_90a (wgmma)");
     }
     Ok(())
