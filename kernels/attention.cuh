@@ -484,20 +484,28 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned* r, unsigned addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
-// The mma.sync A fragments of 16 query rows (row r's D features at row(r), null past the
-// rows), times qs, rounded to h16: the Q of attention_fa and attention_dec.
-template <int D, typename ROW>
-__device__ __forceinline__ void fa_q(unsigned (&qf)[D / 16][4], ROW row, float qs) {
+// The mma.sync A fragments of 16 query rows (feature d of row r: at(r, d), 0 past the rows),
+// times qs, rounded to h16: the Q of attention_fa and attention_dec.
+template <int D, typename AT>
+__device__ __forceinline__ void fa_q(unsigned (&qf)[D / 16][4], AT at, float qs) {
   const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
 #pragma unroll
   for (int ks = 0; ks < D / 16; ks++) {
 #pragma unroll
     for (int e = 0; e < 4; e++) {
-      const float* src = row(g + (e & 1) * 8);
-      const int d = ks * 16 + 2 * c + (e >> 1) * 8;
-      qf[ks][e] = src ? pack_h16x2(src[d] * qs, src[d + 1] * qs) : pack_h16x2(0.0f, 0.0f);
+      const int r = g + (e & 1) * 8, d = ks * 16 + 2 * c + (e >> 1) * 8;
+      qf[ks][e] = pack_h16x2(at(r, d) * qs, at(r, d + 1) * qs);
     }
   }
+}
+
+// fa_q's features of query rows stored whole: row r at row(r), null past the rows.
+template <typename ROW>
+__device__ __forceinline__ auto fa_rows(ROW row) {
+  return [=](int r, int d) {
+    const float* src = row(r);
+    return src ? src[d] : 0.0f;
+  };
 }
 
 // The slot of key p0 + (lane % 16) of a tile (slots sl; keys at n or past take slot 0's): what
@@ -723,7 +731,7 @@ __device__ void attention_fa(const float* q, const h16_t* kc, const h16_t* vc, c
     }
     fa_block_slots<D>(sn, sl, p_lo + (FA_STAGES - 1) * FA_KEYS, n);
     // The queries are read while the first tiles' copies are in flight.
-    fa_q<D>(qf, q_row, qs);
+    fa_q<D>(qf, fa_rows(q_row), qs);
     for (int p0 = p_lo, i = 0; p0 < n; p0 += FA_KEYS, i++) {
       const int pn = p0 + (FA_STAGES - 1) * FA_KEYS;
       if (pn < n) fa_block_load<KVH, D>(kc, vc, sn, kvh, pn, n, stage(i + FA_STAGES - 1), stage(i + FA_STAGES - 1) + TILE);
@@ -743,7 +751,7 @@ __device__ void attention_fa(const float* q, const h16_t* kc, const h16_t* vc, c
     cp_async_wait<0>();
     if (!live) return;
   } else {
-    fa_q<D>(qf, q_row, qs);
+    fa_q<D>(qf, fa_rows(q_row), qs);
     h16_t* k_s = smem + warp * 2 * 16 * S;
     for (int p0 = WIN ? max(0, p_first - WIN + 1) & ~15 : 0; p0 < n_keys; p0 += 16)
       fa_tile<KVH, D, CAP>(qf, kc, vc, sl, kvh, p0, n_keys, k_s, k_s + 16 * S, masked, m, l, o);
@@ -785,6 +793,101 @@ __device__ __forceinline__ DecSplit dec_split(int pos) {
   return d;
 }
 
+// What a decode attention that applies RoPE and the cache write itself (R::ON) takes for the
+// rows alone in their sequence in the step (every decode row): rope_kv's template arguments and
+// inputs (q, k, v the linears' rows, LQ, LK and LV floats apart), and the caches to write. NoRope:
+// rope_kv ran before it for every row.
+template <int ROT_, bool RQ_, bool RK_, bool NQ_, bool NK_, typename NWQ, typename NWK, int LQ_, int LK_, int LV_>
+struct DecRope {
+  static constexpr bool ON = true, RQ = RQ_, RK = RK_, NQ = NQ_, NK = NK_;
+  static constexpr int ROT = ROT_, LQ = LQ_, LK = LK_, LV = LV_;
+  const float *q, *k, *v;
+  const int* pos;
+  const float* inv_freq;
+  float rscale;
+  const int* slot_of;
+  const NWQ* qnw;
+  const NWK* knw;
+  float qeps, keps;
+  h16_t *kc, *vc;
+};
+struct NoRope {
+  static constexpr bool ON = false;
+};
+
+// For row t alone in its sequence, by the NT threads of the block: its G query heads from h0
+// (normalised where NQ, rotated where RQ, as rope_kv does), times qs, rounded to h16 in sq (rows
+// of D: the mma A fragments fa_q reads); where `mine` (the block holds the row's own key) the
+// token's k (as q, by NK and RK) and v as the cache holds them (h16) in own (k then v, D each) and
+// in the cache at slot_of[t]. Every value a thread takes is loaded before any is used (one round
+// trip to memory), the cos and sin of the row's position once a frequency (cs, ROT / 2 of them).
+template <int KVH, int G, int D, int NT, typename R>
+__device__ void dec_own_row(const R& r, int t, int kvh, int h0, bool mine, float qs, h16_t* sq, h16_t* own,
+                            float* rms, float2* cs) {
+  constexpr int ROWS = G + 2, PER = (ROWS * D + NT - 1) / NT, HALF = R::ROT / 2;
+  // Row i of the G + 2: query head h0 + i, then k and v of kv head kvh.
+  const auto src = [&](int i) {
+    return i < G ? r.q + (long)t * R::LQ + (h0 + i) * D
+                 : i == G ? r.k + (long)t * R::LK + kvh * D : r.v + (long)t * R::LV + kvh * D;
+  };
+  const auto partner = [](int d) { return d < HALF ? d + HALF : d - HALF; };
+  const auto skip = [&](int i) { return i >= ROWS * D || (i >= G * D && !mine); };
+  float a[PER], b[PER];
+#pragma unroll
+  for (int u = 0; u < PER; u++) {
+    const int i = threadIdx.x + u * NT, row = i / D, d = i % D;
+    if (skip(i)) continue;
+    a[u] = src(row)[d];
+    b[u] = row <= G && d < R::ROT ? src(row)[partner(d)] : 0.0f;
+  }
+  const float p = (float)r.pos[t];
+  if (R::RQ || R::RK)
+    for (int j = threadIdx.x; j < HALF; j += NT) {
+      float sn, c;
+      sincosf(p * r.inv_freq[j], &sn, &c);
+      cs[j] = make_float2(c * r.rscale, sn * r.rscale);
+    }
+  if (R::NQ || R::NK)
+    for (int i = threadIdx.x >> 5; i <= G; i += NT / 32)
+      if (i < G ? R::NQ : R::NK) rms[i] = head_rms<D>(src(i), i < G ? r.qeps : r.keps);
+  __syncthreads();
+  const long dst = (long)r.slot_of[t] * (KVH * D) + kvh * D;
+#pragma unroll
+  for (int u = 0; u < PER; u++) {
+    const int i = threadIdx.x + u * NT, row = i / D, d = i % D;
+    if (skip(i)) continue;
+    const bool isq = row < G, isk = row == G;
+    float x = a[u], y = b[u];
+    if ((isq && R::NQ) || (isk && R::NK)) {
+      const float s = rms[row];
+      x *= s * to_f32(isq ? r.qnw[d] : r.knw[d]);
+      y *= s * to_f32(isq ? r.qnw[partner(d)] : r.knw[partner(d)]);
+    }
+    if (((isq && R::RQ) || (isk && R::RK)) && d < R::ROT) {
+      const float2 c = cs[d % HALF];
+      x = d < HALF ? x * c.x - y * c.y : x * c.x + y * c.y;
+    }
+    if (isq) {
+      sq[row * D + d] = f32_to_h16(x * qs);
+    } else {
+      const h16_t v = f32_to_h16(x);
+      own[(row - G) * D + d] = v;
+      (isk ? r.kc : r.vc)[dst + d] = v;
+    }
+  }
+  __syncthreads();
+}
+
+// The own key's K and V rows (own: k then v, D each) into row `row` of a warp's tiles k_s and
+// v_s (rows of D + 8), over the copy of its cache slot, which no earlier kernel wrote.
+template <int D>
+__device__ __forceinline__ void dec_put_own(const h16_t* own, int row, h16_t* k_s, h16_t* v_s) {
+  constexpr int DT = D / 8;
+  for (int i = threadIdx.x & 31; i < 2 * DT; i += 32)
+    *(uint4*)((i < DT ? k_s : v_s) + row * (D + 8) + (i % DT) * 8) = *(const uint4*)(own + i * 8);
+  __syncwarp();
+}
+
 // Decode attention on tensor cores, for rows of any sequences: a block per row t, kv head and
 // split of the row's keys (dec_split), whose G = H / KVH query heads (at most 16) are the 16 rows
 // of attention_fa's mma.sync tiles (rows past G are zero and not stored), so each K and V tile
@@ -794,15 +897,19 @@ __device__ __forceinline__ DecSplit dec_split(int pos) {
 // log2 units, P rounded to h16 for P·V). The warps' states merge through shared memory: into the
 // output where the row's keys are one split, else into `part` (each split's unnormalised
 // output, max and sum a head), which attention_dec_merge combines. With MIXED_ONLY, only rows
-// attention_fa leaves run (fa_row). Window, cap and sinks as attention_fa's.
+// attention_fa leaves run (fa_row). Window, cap and sinks as attention_fa's. With R::ON
+// (DecRope), a row alone in its sequence in the step takes its queries rotated from R's q and its
+// own key and value from R's k and v (dec_own_row: the block holding that key writes them to the
+// cache), so every one of its key tiles is copied before the previous kernel ends; the other rows
+// read q (rotated) and the cache as rope_kv left them.
 // grid: T * SPLITS * KVH, row-major (a row's kv heads run together, reading its cache rows
 // whole), block: 32 * WARPS, dynamic shared memory:
 // WARPS * DEC_STAGES * 2 * 16 * (D + 8) 16-bit values. D <= 128.
 template <int H, int KVH, int D, typename O, bool MIXED_ONLY, int WIN, unsigned CAP, typename SW, int SPLITS,
-          int WARPS>
+          int WARPS, typename R>
 __device__ void attention_dec(const float* q, const h16_t* kc, const h16_t* vc, const int* slots,
                               const int* seq_off, const int* pos, float scale, O* out, int T, const SW* sinks,
-                              float* part) {
+                              float* part, const R rope) {
   constexpr int G = H / KVH, S = D + 8, KS = D / 16, DT = D / 8, TILE = 16 * S;
   static_assert(G <= 16 && D % 16 == 0 && D <= 128, "a kv head's query heads fill one mma tile");
   extern __shared__ __align__(16) unsigned char dec_smem[];
@@ -819,7 +926,9 @@ __device__ void attention_dec(const float* q, const h16_t* kc, const h16_t* vc, 
   // position were cached by earlier steps: a tile of only those is copied before the previous
   // kernel ends (pdl_wait; the slots and positions are the step's inputs, uploaded before it).
   const bool settled = t == 0 || seq_off[t - 1] != seq_off[t];
-  const auto early = [&](int j) { return j >= j1 || (settled && ds.base + j * 16 + 16 < ds.n); };
+  // Row t alone in its sequence, its own key from R's k (with R::ON): none of its tiles waits.
+  const bool own = R::ON && settled && (t == T - 1 || seq_off[t + 1] != seq_off[t]);
+  const auto early = [&](int j) { return j >= j1 || own || (settled && ds.base + j * 16 + 16 < ds.n); };
   // The warp's stages, each a K tile then a V tile.
   h16_t* stages = (h16_t*)dec_smem + warp * DEC_STAGES * 2 * TILE;
   const auto k_s = [&](int i) { return stages + (i % DEC_STAGES) * 2 * TILE; };
@@ -839,10 +948,20 @@ __device__ void attention_dec(const float* q, const h16_t* kc, const h16_t* vc, 
   // under the copies' traffic outlasts an iteration, and the copies never wait for one.
   int next = slot(j0 + warp + AHEAD), after = slot(j0 + warp + AHEAD + WARPS);
   pdl_wait();
-  // The queries are read while the first tiles' copies are in flight.
+  // The queries are read (and rotated) while the first tiles' copies are in flight.
   const float qs = scale * 1.4426950408889634f;
   unsigned qf[KS][4];
-  fa_q<D>(qf, [&](int r) { return r < G ? q + ((long)t * H + h0 + r) * D : nullptr; }, qs);
+  // A row alone in its sequence: its queries, own key and value (dec_own_row).
+  __shared__ __align__(16) h16_t own_kv[R::ON ? 2 * D : 8], own_q[R::ON ? G * D : 8];
+  __shared__ float own_rms[R::ON ? G + 1 : 1];
+  __shared__ float2 own_cs[R::ON ? D / 2 : 1];
+  if constexpr (R::ON) {
+    if (own) {
+      dec_own_row<KVH, G, D, 32 * WARPS>(rope, t, kvh, h0, j1 == ds.tiles, qs, own_q, own_kv, own_rms, own_cs);
+      fa_q<D>(qf, [&](int r, int d) { return r < G ? to_f32(own_q[r * D + d]) : 0.0f; }, 1.0f);
+    }
+  }
+  if (!own) fa_q<D>(qf, fa_rows([&](int r) { return r < G ? q + ((long)t * H + h0 + r) * D : nullptr; }), qs);
   float o[DT][4];
 #pragma unroll
   for (int i = 0; i < DT; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
@@ -855,6 +974,7 @@ __device__ void attention_dec(const float* q, const h16_t* kc, const h16_t* vc, 
     cp_async_wait<DEC_STAGES - 1>();
     __syncwarp();
     const int p0 = ds.base + j * 16;
+    if (own && p0 + 16 >= ds.n) dec_put_own<D>(own_kv, ds.n - 1 - p0, k_s(i), k_s(i) + TILE);
     const auto masked = [&](int, int p) { return p < ds.first; };
     if (p0 < ds.first || p0 + 16 > ds.n)
       fa_step<D, CAP>(qf, p0, ds.n, k_s(i), k_s(i) + TILE, masked, m, l, o);

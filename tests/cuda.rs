@@ -356,9 +356,19 @@ fn linears_of_one_launch_write_one_packed_matrix() {
                 };
                 let next = ls[i + 1..].iter().find(|r| outs.iter().all(|o| r.args.contains(o))).unwrap();
                 match next.key {
-                    KernelKey::RopeKv { ld, .. } => {
-                        assert_eq!(ld, [ntot; 3]);
+                    KernelKey::RopeKv { rope, .. } => {
+                        assert_eq!(rope.ld, [ntot; 3]);
                         assert_eq!(next.args[..3], outs[..]);
+                        // Steps of 64 rows and more run decode attention on tensor cores, which
+                        // rotates the rows alone in their sequence itself from the same q, k
+                        // and v, so rope_kv has nothing of a decode step's.
+                        let dec = ls[i + 1..].iter().find(|l| matches!(l.key, KernelKey::AttentionDec(_)));
+                        let dec = dec.filter(|d| d.args[..3] == outs[..]);
+                        assert_eq!(dec.is_some(), t >= 64, "t={t}: {}", next.key.name());
+                        assert_eq!(next.idle_in_decode, t >= 64, "t={t}: {}", next.key.name());
+                        if let Some(dec) = dec {
+                            assert!(matches!(dec.key, KernelKey::AttentionDec(a) if a.rope == Some(rope)));
+                        }
                         qkv += 1;
                     }
                     KernelKey::GluMul { n: half, .. } => {

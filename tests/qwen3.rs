@@ -119,9 +119,16 @@ fn cuda_normalises_each_head_inside_the_rope_kernels() {
                     KernelKey::AddRmsNorm { h, .. } => {
                         assert_eq!((h, l.grid[0]), (hidden, Dim::Per(Count::Tokens, 1, 1)), "{hidden} tp={tp}")
                     }
-                    KernelKey::RopeKv { norm, .. } | KernelKey::AttentionRope1 { norm, .. } => {
+                    KernelKey::RopeKv { rope: codegen_cuda::RopeShape { norm, .. }, .. }
+                    | KernelKey::AttentionRope1 { norm, .. } => {
                         assert!(norm.q.is_some() && norm.k.is_some(), "{hidden} tp={tp}: {:?}", l.key);
                         normed_ropes += 1
+                    }
+                    // Decode attention normalises and rotates the rows alone in their sequence
+                    // with the same norms.
+                    KernelKey::AttentionDec(a) => {
+                        let norm = a.rope.map(|r| r.norm).unwrap_or_default();
+                        assert!(norm.q.is_some() && norm.k.is_some(), "{hidden} tp={tp}: {:?}", l.key);
                     }
                     KernelKey::Gemv { norm: Some(_), .. } | KernelKey::GemvGlu { norm: Some(_), .. } => {
                         fused_gemvs += 1

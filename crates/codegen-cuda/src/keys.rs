@@ -163,17 +163,8 @@ pub enum KernelKey {
         kv_heads: usize,
         /// Head size.
         d: usize,
-        /// Features rotated at the start of each head.
-        rot: usize,
-        /// Whether q is rotated.
-        rope_q: bool,
-        /// Whether k is rotated.
-        rope_k: bool,
-        /// Per-head norms of q and k before the rotation.
-        norm: HeadNorm,
-        /// Row strides of q, k and v in floats: their widths, or the row of the packed matrix
-        /// one launch wrote them into.
-        ld: [usize; 3],
+        /// How the rows rotate, normalise and lie.
+        rope: RopeShape,
     },
     /// Causal GQA attention over the 16-bit paged cache, a block per query row and group of
     /// `per_block` query heads of one kv head (each K and V row read once per block).
@@ -498,6 +489,11 @@ pub const ALL_REDUCE_MAX_BLOCKS: usize = 32;
 /// of them (`Program::half`, the source's `H16_F16`), and the schedule rejects a plan that mixes
 /// them.
 /// Kernel-name suffix of a RoPE over the leading `rot` of `d` features (none for whole heads).
+/// Three sizes in a kernel name, the zeros left out: `a_b_c`.
+fn n3(n: [usize; 3]) -> String {
+    n.iter().filter(|&&x| x > 0).map(|x| x.to_string()).collect::<Vec<_>>().join("_")
+}
+
 fn rot_suffix(d: usize, rot: usize) -> String {
     if rot == d {
         String::new()
@@ -614,14 +610,79 @@ pub struct DecAttention {
     /// Warps of a decode attention block (`crate::schedule::DEC_WARPS`, or fewer where the
     /// step's blocks would not fit the GPU at once).
     pub warps: usize,
+    /// The RoPE and cache write the kernel applies itself to rows alone in their sequence (decode
+    /// rows), so a decode step needs no `rope_kv` before it; `None`: `rope_kv` ran for every row.
+    /// The merge ([`KernelKey::AttentionDecMerge`]) has none.
+    pub rope: Option<RopeShape>,
 }
 
 impl DecAttention {
     /// The part of both kernels' names after their kind.
     fn suffix(self) -> String {
-        let DecAttention { heads, kv_heads, d, out, mixed_only, mask, splits, warps } = self;
+        let DecAttention { heads, kv_heads, d, out, mixed_only, mask, splits, warps, rope } = self;
         let mixed = if mixed_only { "_mixed" } else { "" };
-        format!("h{heads}_kv{kv_heads}_d{d}_to_{out}{mixed}{}_x{splits}_w{warps}", mask.suffix())
+        let rope = rope.map_or(String::new(), |r| format!("_rope{}", r.suffix(heads, kv_heads, d)));
+        format!("h{heads}_kv{kv_heads}_d{d}_to_{out}{mixed}{}_x{splits}_w{warps}{rope}", mask.suffix())
+    }
+
+    /// The decode attention's parameters and its call of `attention_dec`: the attention's
+    /// (`attention_params`), the sinks and the split states; with a rope, `rope_kv`'s inputs
+    /// first ([`HeadNorm::rope_head_params`]), the caches writable and the rotated queries `qo`.
+    fn params_and_call(self) -> Result<(String, String), CodegenError> {
+        let DecAttention { heads, kv_heads, d, out, mixed_only, mask, splits, warps, rope } = self;
+        let o = ctype(out)?;
+        let tmpl = format!("{heads}, {kv_heads}, {d}, {o}, {mixed_only}, {}, {splits}, {warps}", mask.args()?);
+        let tail = format!("{o}* out, int T, {}, float* part", mask.sinks_param()?);
+        Ok(match rope {
+            None => (
+                format!("{}, {}, float* part", attention_params(o), mask.sinks_param()?),
+                format!("attention_dec<{tmpl}, NoRope>(q, kc, vc, slots, seq_off, pos, scale, out, T, sinks, part, {{}})"),
+            ),
+            Some(r) => (
+                format!(
+                    "{}, h16_t* kc, h16_t* vc, const float* qo, const int* slots, const int* seq_off, float scale, {tail}",
+                    r.norm.rope_head_params()?
+                ),
+                format!(
+                    "attention_dec<{tmpl}, DecRope<{0}>>(qo, kc, vc, slots, seq_off, pos, scale, out, T, sinks, part, \
+                     DecRope<{0}>{{{ROPE_HEAD_ARGS}, kc, vc}})",
+                    r.args()?
+                ),
+            ),
+        })
+    }
+}
+
+/// How RoPE and the KV-cache write apply to a layer's q, k and v, alike in `rope_kv` and in a
+/// decode attention that rotates its rows itself (`kernels/attention.cuh`'s `ROT, RQ, RK, NQ,
+/// NK, NWQ, NWK, LQ, LK, LV`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct RopeShape {
+    /// Features rotated at the start of each head.
+    pub rot: usize,
+    /// Whether q is rotated.
+    pub rope_q: bool,
+    /// Whether k is rotated.
+    pub rope_k: bool,
+    /// Per-head norms of q and k before the rotation.
+    pub norm: HeadNorm,
+    /// Row strides of q, k and v in floats: their widths, or the row of the packed matrix one
+    /// launch wrote them into.
+    pub ld: [usize; 3],
+}
+
+impl RopeShape {
+    /// Suffix of kernel names.
+    fn suffix(self, heads: usize, kv_heads: usize, d: usize) -> String {
+        let RopeShape { rot, rope_q, rope_k, norm, ld } = self;
+        let ld = if ld == [heads * d, kv_heads * d, kv_heads * d] { String::new() } else { format!("_ld{}", n3(ld)) };
+        format!("{}_{}{}{}{ld}", rot_suffix(d, rot), u8::from(rope_q), u8::from(rope_k), norm.suffix())
+    }
+
+    /// The template arguments `ROT, RQ, RK, NQ, NK, NWQ, NWK, LQ, LK, LV`.
+    fn args(self) -> Result<String, CodegenError> {
+        let RopeShape { rot, rope_q, rope_k, norm, ld } = self;
+        Ok(format!("{rot}, {rope_q}, {rope_k}, {}, {}, {}, {}", norm.args()?, ld[0], ld[1], ld[2]))
     }
 }
 
@@ -829,7 +890,6 @@ pub fn gemv_split(k: usize) -> usize {
 impl KernelKey {
     /// The kernel's symbol in the generated source.
     pub fn name(&self) -> String {
-        let n3 = |n: [usize; 3]| n.iter().filter(|&&x| x > 0).map(|x| x.to_string()).collect::<Vec<_>>().join("_");
         match *self {
             KernelKey::Embedding { h, w } => format!("embedding_h{h}_{w}"),
             KernelKey::EmbeddingBlocks { h, rows, wf } => format!("embedding_h{h}_v{rows}{}", wf.suffix()),
@@ -861,14 +921,9 @@ impl KernelKey {
                 format!("gemm_skinny_{kind}_k{k}_n{}{cl}", n3(n))
             }
             KernelKey::Rope { cols, d, rot } => format!("rope_c{cols}_d{d}{}", rot_suffix(d, rot)),
-            KernelKey::RopeKv { heads, kv_heads, d, rot, rope_q, rope_k, norm, ld } => format!(
-                "rope_kv_h{heads}_kv{kv_heads}_d{d}{}_{}{}{}{}",
-                rot_suffix(d, rot),
-                u8::from(rope_q),
-                u8::from(rope_k),
-                norm.suffix(),
-                if ld == [heads * d, kv_heads * d, kv_heads * d] { String::new() } else { format!("_ld{}", n3(ld)) }
-            ),
+            KernelKey::RopeKv { heads, kv_heads, d, rope } => {
+                format!("rope_kv_h{heads}_kv{kv_heads}_d{d}{}", rope.suffix(heads, kv_heads, d))
+            }
             KernelKey::Attention { heads, kv_heads, d, per_block, out, mixed_only, mask } => format!(
                 "attention_h{heads}_kv{kv_heads}_d{d}_g{per_block}_to_{out}{}{}",
                 if mixed_only { "_mixed" } else { "" },
@@ -935,14 +990,6 @@ impl KernelKey {
             KernelKey::AllReduce { ranks } => format!("all_reduce_r{ranks}"),
             KernelKey::AllGather { ranks } => format!("all_gather_r{ranks}"),
         }
-    }
-
-    /// Whether the kernel has nothing to do in a step whose every row is a sequence of its own
-    /// (a decode graph's, padding rows included): extend attention takes only groups of 16
-    /// rows of one sequence (`fa_row` of `kernels/attention.cuh`), so the runtime leaves it out
-    /// of such steps.
-    pub fn idle_in_decode(&self) -> bool {
-        matches!(self, KernelKey::AttentionFa { .. })
     }
 
     /// Whether the kernel waits for the previous one itself (`pdl_enter`, or `pdl_trigger` then
@@ -1144,16 +1191,9 @@ impl KernelKey {
                 "const float* x, const int* pos, const float* inv_freq, float scale, float* out".into(),
                 format!("rope<{cols}, {d}, {rot}>(x, pos, inv_freq, scale, out)"),
             ),
-            KernelKey::RopeKv { heads, kv_heads, d, rot, rope_q, rope_k, norm, ld } => (
-                format!("{}, float* qo, h16_t* kc, h16_t* vc", norm.rope_head_params()?),
-                format!(
-                    "rope_kv<{heads}, {kv_heads}, {d}, {rot}, {rope_q}, {rope_k}, {}, {}, {}, {}>({ROPE_HEAD_ARGS}, qo, kc, \
-                     vc)",
-                    norm.args()?,
-                    ld[0],
-                    ld[1],
-                    ld[2]
-                ),
+            KernelKey::RopeKv { heads, kv_heads, d, rope } => (
+                format!("{}, float* qo, h16_t* kc, h16_t* vc", rope.norm.rope_head_params()?),
+                format!("rope_kv<{heads}, {kv_heads}, {d}, {}>({ROPE_HEAD_ARGS}, qo, kc, vc)", rope.args()?),
             ),
             KernelKey::Attention { heads, kv_heads, d, per_block, out, mixed_only, mask } => {
                 let o = ctype(out)?;
@@ -1193,18 +1233,10 @@ impl KernelKey {
                     ),
                 )
             }
-            KernelKey::AttentionDec(DecAttention { heads, kv_heads, d, out, mixed_only, mask, splits, warps }) => {
-                let o = ctype(out)?;
-                (
-                    format!("{}, {}, float* part", attention_params(o), mask.sinks_param()?),
-                    format!(
-                        "attention_dec<{heads}, {kv_heads}, {d}, {o}, {mixed_only}, {}, {splits}, {warps}>(q, kc, vc, \
-                         slots, seq_off, pos, scale, out, T, sinks, part)",
-                        mask.args()?
-                    ),
-                )
-            }
-            KernelKey::AttentionDecMerge(DecAttention { heads, kv_heads, d, out, mixed_only, mask, splits, .. }) => {
+            KernelKey::AttentionDec(a) => a.params_and_call()?,
+            KernelKey::AttentionDecMerge(DecAttention {
+                heads, kv_heads, d, out, mixed_only, mask, splits, ..
+            }) => {
                 let o = ctype(out)?;
                 (
                     format!("const int* seq_off, const int* pos, {o}* out, int T, {}, const float* part", mask.sinks_param()?),
@@ -1332,7 +1364,9 @@ impl KernelKey {
                 "float* logits, const float* adjust, int n".into(),
                 format!("adjust_logits<{vocab}>(logits, adjust, n)"),
             ),
-            KernelKey::FeedTokens => ("int* ids, const int* tokens, int n".into(), "feed_from_step_before(ids, tokens, n)".into()),
+            KernelKey::FeedTokens => {
+                ("int* ids, const int* tokens, int n".into(), "feed_from_step_before(ids, tokens, n)".into())
+            }
             KernelKey::MaskLogits { vocab } => (
                 "float* logits, const unsigned* masks, int m, int words".into(),
                 format!("mask_logits<{vocab}, {MASK_SPAN}>(logits, masks, m, words)"),

@@ -1,6 +1,6 @@
 //! Lowering of plan nodes and fusions to launches (the schedule module says which).
 
-use crate::keys::{intern, DecAttention, HeadNorm, KernelKey, Mask, NormIn, MAP_INPUTS};
+use crate::keys::{intern, DecAttention, HeadNorm, KernelKey, Mask, NormIn, RopeShape, MAP_INPUTS};
 use crate::schedule::{
     dec_splits, dec_warps_rows, gemv_rows, launch, moe_rows_max, one, per_token, skinny_takes, to_h16, Arg, Builder,
     Count, Dim, FusedNorm, Input, Launch, Step, DEC_WARPS, DEC_WARPS_PAST_WAVE, FA_ROWS, FA_WARPS, MOE_DIRECT_TOKENS,
@@ -465,7 +465,8 @@ fn attention(b: &mut Builder, i: usize, pre: &[usize]) -> Result<(), CodegenErro
     let norm = HeadNorm { q: nq.map(|n| b.wdtype(n.1)), k: nk.map(|n| b.wdtype(n.1)) };
     let qo = b.new_val(heads * d, DType::F32, Count::Tokens);
     let ld = [b.row_stride(q), b.row_stride(k), b.row_stride(v)];
-    let key = KernelKey::RopeKv { heads, kv_heads, d, rot, rope_q, rope_k, norm, ld };
+    let shape = RopeShape { rot, rope_q, rope_k, norm, ld };
+    let key = KernelKey::RopeKv { heads, kv_heads, d, rope: shape };
     // q, k, v, where the token goes, how it rotates and is normalised: what rope_kv and the
     // one-token kernel read (`HeadNorm::rope_head_params`).
     let weight = |n: Option<(usize, usize, f32)>| n.map_or(Arg::Null, |n| Arg::Weight(n.1));
@@ -522,10 +523,12 @@ fn attention(b: &mut Builder, i: usize, pre: &[usize]) -> Result<(), CodegenErro
     let mut variants = vec![(1, vec![one]), (FA_ABOVE, vec![rope.clone(), rows(false, 1)])];
     if d <= 128 {
         let fa = KernelKey::AttentionFa { heads, kv_heads, d, out: o, mask };
-        let fa = launch(fa, args.clone(), [per_token(1, FA_ROWS), Dim::Fixed(heads)], (32 * FA_WARPS) as u32);
+        let mut fa = launch(fa, args.clone(), [per_token(1, FA_ROWS), Dim::Fixed(heads)], (32 * FA_WARPS) as u32);
+        fa.idle_in_decode = true;
         // The rows FA leaves (decode rows, mostly) on tensor cores too, a kv head's query
         // heads as the rows of a tile, where they fit one; their keys split over more blocks
-        // where the rows alone do not fill the GPU.
+        // where the rows alone do not fill the GPU. It rotates the rows alone in their
+        // sequence and caches their keys itself, so rope_kv has nothing of a decode step's.
         if group <= 16 {
             let bounds = dec_bounds(kv_heads);
             let most = bounds.iter().map(|b| b.1).max().unwrap_or(1);
@@ -533,7 +536,23 @@ fn attention(b: &mut Builder, i: usize, pre: &[usize]) -> Result<(), CodegenErro
                 1 => Arg::Null,
                 _ => Arg::Buf(b.new_val(most * kv_heads * group * (d + 2), DType::F32, Count::Tokens)),
             };
-            for (bound, dec) in dec_launches(&bounds, (heads, kv_heads, d), o, mask, &args, part) {
+            let dec = DecAttention {
+                heads,
+                kv_heads,
+                d,
+                out: o,
+                mixed_only: true,
+                mask,
+                splits: 1,
+                warps: 1,
+                rope: Some(shape),
+            };
+            // rope_kv's inputs (pos among them), the caches, the rotated q, then the attention's
+            // slots, seq_off, scale, out, T and sinks.
+            let cache = [Arg::KCache(layer), Arg::VCache(layer), Arg::Buf(qo), args[3], args[4]];
+            let dec_args = [&head[..], &cache[..], &args[6..]].concat();
+            let rope = Launch { idle_in_decode: true, ..rope.clone() };
+            for (bound, dec) in dec_launches(&bounds, dec, &dec_args, &args, part) {
                 variants.push((bound, [vec![rope.clone(), fa.clone()], dec].concat()));
             }
         } else {
@@ -571,29 +590,31 @@ fn dec_bounds(kv_heads: usize) -> Vec<(usize, usize, usize)> {
 }
 
 /// The decode attention launches of each bound of `bounds` ([`dec_bounds`]):
-/// [`KernelKey::AttentionDec`] for the rows attention_fa leaves, with `args` (the attention's)
-/// and `part` (the split states: per token, kv head and split, each query head's unnormalised
-/// output, then their maxima and sums, f32, room for the most splits; null where none split),
-/// then the merge of their splits where there are several.
+/// [`KernelKey::AttentionDec`] of `dec`'s shape (its splits and warps the bound's) for the rows
+/// attention_fa leaves, with `dec_args` (its parameters before the split states) and `part` (the
+/// split states: per token, kv head and split, each query head's unnormalised output, then their
+/// maxima and sums, f32, room for the most splits; null where none split), then the merge of
+/// their splits where there are several (from `args`, the attention's: seq_off, pos, out, T and
+/// sinks).
 fn dec_launches(
     bounds: &[(usize, usize, usize)],
-    (heads, kv_heads, d): (usize, usize, usize),
-    out: DType,
-    mask: Mask,
+    dec: DecAttention,
+    dec_args: &[Arg],
     args: &[Arg],
     part: Arg,
 ) -> Vec<(usize, Vec<Launch>)> {
     bounds
         .iter()
         .map(|&(bound, splits, warps)| {
-            let a = DecAttention { heads, kv_heads, d, out, mixed_only: true, mask, splits, warps };
-            let dec_args = [args, &[part]].concat();
-            let grid = [per_token(kv_heads * splits, 1), ONE];
-            let mut launches = vec![launch(KernelKey::AttentionDec(a), dec_args, grid, (32 * warps) as u32)];
+            let a = DecAttention { splits, warps, ..dec };
+            let grid = [per_token(dec.kv_heads * splits, 1), ONE];
+            let launch_args = [dec_args, &[part]].concat();
+            let mut launches = vec![launch(KernelKey::AttentionDec(a), launch_args, grid, (32 * warps) as u32)];
             if splits > 1 {
                 // seq_off, pos, out, T and sinks of the attention's arguments, then the splits.
                 let merge_args = [4, 5, 7, 8, 9].iter().map(|&a| args[a]).chain([part]).collect();
-                launches.push(launch(KernelKey::AttentionDecMerge(a), merge_args, [per_token(kv_heads, 1), ONE], 128));
+                let merge = KernelKey::AttentionDecMerge(DecAttention { rope: None, ..a });
+                launches.push(launch(merge, merge_args, [per_token(dec.kv_heads, 1), ONE], 128));
             }
             (bound, launches)
         })
@@ -822,7 +843,9 @@ fn logits(b: &mut Builder, i: usize) -> Result<(), CodegenError> {
 #[cfg(test)]
 mod tests {
     use super::{dec_bounds, dec_launches, grouped};
-    use crate::{tiled, Arg, Count, DecAttention, Dim, KernelKey, Launch, Mask, Step, WFormat, SKINNY_ROWS};
+    use crate::{
+        tiled, Arg, Count, DecAttention, Dim, HeadNorm, KernelKey, Launch, Mask, RopeShape, Step, WFormat, SKINNY_ROWS,
+    };
     use ir::{DType, Graph, Op};
 
     /// embedding → rms_norm with a `[norm]` weight → linear → logits, all 64 wide, bf16.
@@ -900,27 +923,31 @@ mod tests {
         assert_eq!(dec_bounds(1), [(64, 4, 4), (128, 2, 4), (396, 1, 4), (usize::MAX, 1, 2)]);
         assert_eq!(dec_bounds(16), [(usize::MAX, 1, 2)]);
         let args: Vec<Arg> = (0..10).map(Arg::Buf).collect();
-        let v = dec_launches(&dec_bounds(1), (8, 1, 128), DType::BF16, Mask::default(), &args, Arg::Buf(99));
+        let dec_args: Vec<Arg> = (50..70).map(Arg::Buf).collect();
+        let rope = RopeShape { rot: 128, rope_q: true, rope_k: true, norm: HeadNorm::default(), ld: [1024, 128, 128] };
+        let shape = |splits, warps| DecAttention {
+            heads: 8,
+            kv_heads: 1,
+            d: 128,
+            out: DType::BF16,
+            mixed_only: true,
+            mask: Mask::default(),
+            splits,
+            warps,
+            rope: Some(rope),
+        };
+        let v = dec_launches(&dec_bounds(1), shape(1, 1), &dec_args, &args, Arg::Buf(99));
         for ((_, ls), (splits, warps)) in v.iter().zip([(4, 4), (2, 4), (1, 4), (1, 2)]) {
-            let key = KernelKey::AttentionDec(DecAttention {
-                heads: 8,
-                kv_heads: 1,
-                d: 128,
-                out: DType::BF16,
-                mixed_only: true,
-                mask: Mask::default(),
-                splits,
-                warps,
-            });
+            let key = KernelKey::AttentionDec(shape(splits, warps));
             assert_eq!((ls[0].key, ls[0].block), (key, 32 * warps as u32));
             assert_eq!(key.dyn_smem(), crate::schedule::dec_smem(warps, 128));
             assert_eq!(ls[0].grid, [Dim::Per(Count::Tokens, splits, 1), Dim::Fixed(1)]);
-            assert_eq!(ls[0].args.last(), Some(&Arg::Buf(99)));
+            assert_eq!(ls[0].args, [&dec_args[..], &[Arg::Buf(99)]].concat());
             assert_eq!(ls.len(), if splits > 1 { 2 } else { 1 });
             if splits > 1 {
-                assert!(
-                    matches!(ls[1].key, KernelKey::AttentionDecMerge(DecAttention { splits: s, .. }) if s == splits)
-                );
+                // The merge is the same for a decode attention that rotates its rows or not.
+                let merge = KernelKey::AttentionDecMerge(DecAttention { rope: None, ..shape(splits, warps) });
+                assert_eq!(ls[1].key, merge);
                 let want: Vec<Arg> = [4, 5, 7, 8, 9, 99].into_iter().map(Arg::Buf).collect();
                 assert_eq!(ls[1].args, want);
             }

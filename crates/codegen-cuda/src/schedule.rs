@@ -103,6 +103,11 @@ pub struct Launch {
     pub grid: [Dim; 2],
     /// Threads per block.
     pub block: u32,
+    /// Whether it has nothing to do in a step whose every row is a sequence of its own (a
+    /// decode graph's, padding rows included), so the runtime may leave it out of such steps:
+    /// extend attention (it takes only groups of 16 rows of one sequence, `fa_row` of
+    /// `kernels/attention.cuh`), and `rope_kv` where decode attention rotates such rows itself.
+    pub idle_in_decode: bool,
 }
 
 /// One step of the schedule.
@@ -363,7 +368,7 @@ pub(crate) fn to_h16(v: usize, b: usize, cols: usize) -> Launch {
 }
 
 pub(crate) fn launch(key: KernelKey, args: Vec<Arg>, grid: [Dim; 2], block: u32) -> Launch {
-    Launch { key, args, grid, block }
+    Launch { key, args, grid, block, idle_in_decode: false }
 }
 
 pub(crate) const ONE: Dim = Dim::Fixed(1);

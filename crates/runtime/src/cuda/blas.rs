@@ -567,7 +567,8 @@ mod tests {
     fn candidates_follow_the_launch() {
         let (k, n) = (896, [4864, 4864, 0]);
         let of = |key: KernelKey, refused: &[Gemm]| {
-            let l = Launch { key, args: vec![], grid: [codegen_cuda::Dim::Fixed(1); 2], block: 256 };
+            let l =
+                Launch { key, args: vec![], grid: [codegen_cuda::Dim::Fixed(1); 2], block: 256, idle_in_decode: false };
             candidates(&l, refused).collect::<Vec<_>>()
         };
         let (b, a, t, c, h) = (Gemm::Blas, Gemm::A8, Gemm::Tiled, Gemm::A8c, Gemm::Blas16);

@@ -82,7 +82,7 @@ pub struct CudaBackend {
     last_rows: usize,
     graphs: HashMap<usize, Graph>,
     /// Per decode graph size, whether its capture leaves out the launches idle in decode steps
-    /// (`KernelKey::idle_in_decode`; timed both ways before the first capture: `tune`).
+    /// (`Launch::idle_in_decode`; timed both ways before the first capture: `tune`).
     lean: HashMap<usize, bool>,
     use_graphs: bool,
     /// Forward-step kernels launched as programmatic dependent launches (`device::pdl_enabled`).
@@ -366,7 +366,7 @@ impl CudaBackend {
                 Step::AllGather { src, dst, cols } => self.all_gather(*src, *dst, r, *cols)?,
                 Step::Kernels { .. } => {
                     let c = step.count(t, r);
-                    for l in step.launches(t, r).iter().filter(|l| !(lean && l.key.idle_in_decode())) {
+                    for l in step.launches(t, r).iter().filter(|l| !(lean && l.idle_in_decode)) {
                         let shape = blas::gemm_shape(&l.key);
                         // Where the chosen GEMM refuses a row count its choice covers (cuBLASLt's
                         // W8A8 with block scales at rows not a multiple of four), ours runs.
@@ -618,7 +618,7 @@ fn check_rows(wanted: usize, rows: &[RowSampling]) -> Result<(), RuntimeError> {
 /// sequence offset into the slot table, logit rows, the slot table), then `pad` sequences of
 /// one token (id 0, position 0) writing scratch slot `scratch` (the pool's size). Each padding
 /// row is a sequence of its own, as every decode row is: no 16 rows of a padded decode step are
-/// of one sequence, so extend attention has none (`KernelKey::idle_in_decode`).
+/// of one sequence, so extend attention has none (`Launch::idle_in_decode`).
 fn pack_inputs(batch: &[StepSeq], pad: usize, scratch: usize) -> Packed {
     let wanted: usize = batch.iter().map(|q| q.rows.len()).sum();
     let t: usize = batch.iter().map(|q| q.tokens.len()).sum::<usize>() + pad;

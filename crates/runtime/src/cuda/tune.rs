@@ -84,12 +84,12 @@ impl CudaBackend {
     }
 
     /// Whether decode graph step `p` runs faster without the launches idle in it
-    /// (`KernelKey::idle_in_decode`), by timing its graph both ways, twice in turn. They cost
+    /// (`Launch::idle_in_decode`), by timing its graph both ways, twice in turn. They cost
     /// a launch each, yet leaving them out can slow the kernels around them: measured on an
     /// H200 (docs/perf.md), Qwen2.5-0.5B's steps of 64 and 128 rows 5-7% faster without
     /// extend attention's launch, a 4-layer Qwen2.5-7B's of 64 rows 3% slower.
     pub(super) fn tune_lean(&mut self, p: &Packed) -> Result<(), RuntimeError> {
-        let idle = |s: &codegen_cuda::Step| s.launches(p.t, p.r).iter().any(|l| l.key.idle_in_decode());
+        let idle = |s: &codegen_cuda::Step| s.launches(p.t, p.r).iter().any(|l| l.idle_in_decode);
         if self.untimed() || self.lean.contains_key(&p.t) || !self.program.steps.iter().any(idle) {
             return Ok(());
         }
