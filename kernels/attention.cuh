@@ -879,7 +879,7 @@ __device__ void dec_own_row(const R& r, int t, int kvh, int h0, bool mine, float
 }
 
 // The own key's K and V rows (own: k then v, D each) into row `row` of a warp's tiles k_s and
-// v_s (rows of D + 8), over the copy of its cache slot, which no earlier kernel wrote.
+// v_s (rows of D + 8), over the copy of its cache slot (taken before this step's write of it).
 template <int D>
 __device__ __forceinline__ void dec_put_own(const h16_t* own, int row, h16_t* k_s, h16_t* v_s) {
   constexpr int DT = D / 8;

@@ -536,6 +536,7 @@ fn attention(b: &mut Builder, i: usize, pre: &[usize]) -> Result<(), CodegenErro
                 1 => Arg::Null,
                 _ => Arg::Buf(b.new_val(most * kv_heads * group * (d + 2), DType::F32, Count::Tokens)),
             };
+            // Its splits and warps are each row bound's (dec_launches).
             let dec = DecAttention {
                 heads,
                 kv_heads,
