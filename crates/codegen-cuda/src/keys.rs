@@ -617,6 +617,10 @@ pub struct DecAttention {
 }
 
 impl DecAttention {
+    /// Where the rotated queries (`rope_kv`'s, `qo`) are among the arguments of a decode
+    /// attention with a rope: after `rope_kv`'s eleven inputs and the two caches.
+    pub const ROTATED_Q_ARG: usize = 13;
+
     /// The part of both kernels' names after their kind.
     fn suffix(self) -> String {
         let DecAttention { heads, kv_heads, d, out, mixed_only, mask, splits, warps, rope } = self;
@@ -989,6 +993,17 @@ impl KernelKey {
             KernelKey::Argmax { vocab, blocks } => format!("argmax_v{vocab}_{blocks}blocks"),
             KernelKey::AllReduce { ranks } => format!("all_reduce_r{ranks}"),
             KernelKey::AllGather { ranks } => format!("all_gather_r{ranks}"),
+        }
+    }
+
+    /// The arguments a launch of this kernel need not read where every row is a sequence of its
+    /// own (a decode step), by index: decode attention that rotates those rows itself reads
+    /// `rope_kv`'s rotated queries ([`DecAttention::ROTATED_Q_ARG`]) only for the others. What
+    /// the profile leaves out of the bytes a launch must move.
+    pub fn unread_in_decode(&self) -> &'static [usize] {
+        match self {
+            KernelKey::AttentionDec(DecAttention { rope: Some(_), .. }) => &[DecAttention::ROTATED_Q_ARG],
+            _ => &[],
         }
     }
 
@@ -1413,7 +1428,34 @@ impl KernelKey {
 
 #[cfg(test)]
 mod tests {
-    use super::{a8_blocks, a8_slots, argmax_block_counts, argmax_blocks, A8_BLOCKS, A8_SMEM, ARGMAX_BLOCKS};
+    use super::{
+        a8_blocks, a8_slots, argmax_block_counts, argmax_blocks, DecAttention, HeadNorm, KernelKey, Mask, RopeShape,
+        A8_BLOCKS, A8_SMEM, ARGMAX_BLOCKS,
+    };
+    use ir::DType;
+
+    /// A decode attention with a rope takes `rope_kv`'s rotated queries where
+    /// `ROTATED_Q_ARG` says, and only that one is left out of its bytes in a decode step.
+    #[test]
+    fn the_rotated_queries_are_where_the_profile_looks() {
+        let rope = RopeShape { rot: 64, rope_q: true, rope_k: true, norm: HeadNorm::default(), ld: [256, 64, 64] };
+        let a = |rope| DecAttention {
+            heads: 4,
+            kv_heads: 1,
+            d: 64,
+            out: DType::BF16,
+            mixed_only: true,
+            mask: Mask::default(),
+            splits: 1,
+            warps: 4,
+            rope,
+        };
+        let (params, _) = a(Some(rope)).params_and_call().unwrap();
+        let params: Vec<&str> = params.split(',').map(str::trim).collect();
+        assert_eq!(params[DecAttention::ROTATED_Q_ARG], "const float* qo");
+        assert_eq!(KernelKey::AttentionDec(a(Some(rope))).unread_in_decode(), [DecAttention::ROTATED_Q_ARG]);
+        assert!(KernelKey::AttentionDec(a(None)).unread_in_decode().is_empty());
+    }
 
     /// The blocks of a shared tile of the wgmma kernel wait for each other (`kernels/gemm.cuh`), which ends only
     /// if every block of a launch is resident at once: two blocks' shared memory fit an H100 /

@@ -192,11 +192,14 @@ impl Profile {
 
 impl CudaBackend {
     /// The bytes launch `l` of `t` tokens and `r` logit rows must move at the least
-    /// ([`launch_bytes`]), for the profile's bandwidth column.
+    /// ([`launch_bytes`]; not the arguments it need not read in a decode step,
+    /// `KernelKey::unread_in_decode`), for the profile's bandwidth column.
     pub(super) fn launch_bytes(&self, l: &Launch, t: usize, r: usize) -> usize {
         let weight = |w: usize| self.weights.len(w);
         let kv = KvRead { positions: self.positions, row_bytes: self.plan.kv.row() * 2 };
-        launch_bytes(&l.args, t, r, kv, &self.program.buffers, weight)
+        let unread = l.key.unread_in_decode();
+        let args: Vec<Arg> = l.args.iter().enumerate().filter(|(i, _)| !unread.contains(i)).map(|(_, a)| *a).collect();
+        launch_bytes(&args, t, r, kv, &self.program.buffers, weight)
     }
 
     /// The same for linear launch `l` through GEMM `g`: through cuBLASLt on a 16-bit copy
