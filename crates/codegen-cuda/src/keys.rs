@@ -485,15 +485,12 @@ pub const MASK_SPAN: usize = 4096;
 /// The most blocks a one-shot all-reduce launches (`AR_MAXB` in `kernels/comm.cuh`).
 pub const ALL_REDUCE_MAX_BLOCKS: usize = 32;
 
-/// The C type of a dtype the kernels take. Both 16-bit floats are `h16_t`: a program has one
-/// of them (`Program::half`, the source's `H16_F16`), and the schedule rejects a plan that mixes
-/// them.
-/// Kernel-name suffix of a RoPE over the leading `rot` of `d` features (none for whole heads).
 /// Three sizes in a kernel name, the zeros left out: `a_b_c`.
 fn n3(n: [usize; 3]) -> String {
     n.iter().filter(|&&x| x > 0).map(|x| x.to_string()).collect::<Vec<_>>().join("_")
 }
 
+/// Kernel-name suffix of a RoPE over the leading `rot` of `d` features (none for whole heads).
 fn rot_suffix(d: usize, rot: usize) -> String {
     if rot == d {
         String::new()
@@ -741,6 +738,9 @@ fn opt_ctype(d: Option<DType>) -> Result<&'static str, CodegenError> {
     d.map_or(Ok("float"), ctype)
 }
 
+/// The C type of a dtype the kernels take. Both 16-bit floats are `h16_t`: a program has one
+/// of them (`Program::half`, the source's `H16_F16`), and the schedule rejects a plan that mixes
+/// them.
 pub(crate) fn ctype(d: DType) -> Result<&'static str, CodegenError> {
     match d {
         DType::F32 => Ok("float"),
