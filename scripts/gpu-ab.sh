@@ -16,7 +16,8 @@
 # BIN=bin-gpu-new,CK=-fp8 or Q=fp8,ENGINE_PDL=0), at each batch size in BATCHES (default 1), REPS times (default 2),
 # variants interleaved (AB_DEFAULT=0 leaves out the default run A, e.g. for an A/B of two FP8
 # binaries; the first variant listed then tunes the shared GEMM choices). One line per run in $OUT/ab.txt: shape, setting, batch, TPOT p50, output
-# tok/s, and (ENGINE_CUDA_PROFILE=steps) the GPU time of the graph replay and of sampling, and the step's host wall time.
+# tok/s, and (ENGINE_CUDA_PROFILE=steps) the GPU time of the graph replay and of sampling, the step's host wall time,
+# and the GPU period from one replay's start to the next's (what the GPU spends between steps is the difference).
 # $OUT/ab.jsonl: each run's whole JSON report after the same labels.
 # $OUT/gemm-SHAPE-BINDIR.txt: the GEMM timings and choices each binary logged at its first load (ours or cuBLASLt;
 # and the load's 16-bit copies of an FP8 model's linears, with the time they took);
@@ -84,7 +85,8 @@ for shape in ${SHAPES:-qwen2.5-0.5b}; do
         [ -z "$g" ] || [ -f "$gf" ] || echo "$g" > "$gf"
         # The decode graphs' GEMM tuning (which GEMM each shape runs inside the graph).
         echo "$r" | grep -E '^(GEMMs in the batch|batch-[0-9]+ graph:)' | sed "s/^/$e: /" >> "$out/tune-$shape.txt" || true
-        p=$(echo "$r" | grep "CUDA graph steps" | sed 's/.*replay \([0-9.]*\) us.*sampling \([0-9.]*\) us.*, \([0-9.]*\) us.step wall.*/replay_us \1 sample_us \2 step_wall_us \3/' || true)
+        # The GPU period (one replay's start to the next's) where the binary reports it.
+        p=$(echo "$r" | grep "CUDA graph steps" | sed -E 's/.*replay ([0-9.]+) us.*sampling ([0-9.]+) us.*, ([0-9.]+) us.step wall[^;]*(; GPU period ([0-9.]+) us)?.*/replay_us \1 sample_us \2 step_wall_us \3 period_us \5/' || true)
         python3 -c "import json,sys; j=json.loads(sys.argv[1]); print('$shape $e b$n rep$rep ttft_ms_p50', round(j['ttft_ms_p50'], 3), 'tpot_ms_p50', round(j['tpot_ms_p50'], 4), 'output_tok_s', round(j['output_tok_s']), 'decode_bw', round(j['decode_bandwidth_fraction'], 3), 'roofline', round(j.get('decode_roofline_fraction', 0), 3), 'step_ms', round(j.get('decode_step_ms', 0), 3), sys.argv[2])" "$j" "$p" | tee -a "$out/ab.txt"
       done
     done

@@ -57,6 +57,13 @@ pub(super) struct Steps {
     open: std::collections::VecDeque<OpenStep>,
     /// When the last step finished (`worker::step_time`).
     last_end: Option<Instant>,
+    /// The GPU time from one replayed step's replay start to the next's, summed, over
+    /// `periods` pairs of consecutive replayed steps: against the replay and the sampling, what
+    /// the GPU spends between steps (the inputs' copy, idling for the host).
+    period_ms: f64,
+    periods: usize,
+    /// The last counted step's replay start event, while the steps are replayed in a row.
+    last_replay: Option<CudaEvent>,
 }
 
 /// A step's start on the host, and the events around its replay and its sampling.
@@ -146,12 +153,20 @@ impl Profile {
         let mut s = s.borrow_mut();
         let Some(OpenStep { start, replay, sample }) = s.open.pop_front() else { return };
         let wall = crate::worker::step_time(start, &mut s.last_end);
-        let Some(replay) = replay else { return };
+        let Some(replay) = replay else {
+            s.last_replay = None;
+            return;
+        };
         let ms = |(a, b): &(CudaEvent, CudaEvent)| a.elapsed_ms(b).map(f64::from).unwrap_or(0.0);
         s.steps += 1;
         s.replay_ms += ms(&replay);
         s.sample_ms += sample.as_ref().map_or(0.0, ms);
         s.wall_ms += wall.as_secs_f64() * 1e3;
+        if let Some(Ok(period)) = s.last_replay.as_ref().map(|prev| prev.elapsed_ms(&replay.0)) {
+            s.period_ms += f64::from(period);
+            s.periods += 1;
+        }
+        s.last_replay = Some(replay.0);
     }
 
     /// The summary, on stderr.
@@ -177,9 +192,11 @@ impl Profile {
             Profile::Steps(s) => {
                 let s = s.borrow();
                 let per = |ms: f64| if s.steps > 0 { 1e3 * ms / s.steps as f64 } else { 0.0 };
+                let period = if s.periods > 0 { 1e3 * s.period_ms / s.periods as f64 } else { 0.0 };
                 eprintln!(
                     "CUDA graph steps: {} steps, replay {:.1} us/step on the GPU, sampling {:.1} us/step, {:.1} \
-                     us/step wall on the host (inputs, replay, sampling, copy back)",
+                     us/step wall on the host (inputs, replay, sampling, copy back); GPU period {period:.1} us/step \
+                     (a replay's start to the next's)",
                     s.steps,
                     per(s.replay_ms),
                     per(s.sample_ms),
