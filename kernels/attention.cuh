@@ -14,6 +14,13 @@ __device__ __forceinline__ float head_rms(const float* x, float eps) {
   return rsqrtf(warp_sum(s) / D + eps);
 }
 
+// Rotate-half RoPE of feature x whose partner (the feature ROT / 2 away) is p, with cos c and
+// sin s (times the rope scale): the first half's x c - p s, the second half's x c + p s. What
+// rope_kv, rope_at and decode attention's own rows all compute.
+__device__ __forceinline__ float rope_rotate(float x, float p, float c, float s, bool first_half) {
+  return first_half ? x * c - p * s : x * c + p * s;
+}
+
 // RoPE on the leading ROT features of each head of q (RQ) and k (RK) at positions pos[t], q
 // written to qo (f32), k and v written as h16 into the paged cache at slot slot_of[t]. With NQ
 // (NK) each head of q (k) is RMS-normalised first, times the head-sized weight qnw (knw).
@@ -90,7 +97,7 @@ __device__ void rope_kv(const float* q, const float* k, const float* v, const in
       sincosf(p * fr[u], &sn, &c);
       sn *= scale;
       c *= scale;
-      const float ra = a * c - b * sn, rb = b * c + a * sn;
+      const float ra = rope_rotate(a, b, c, sn, true), rb = rope_rotate(b, a, c, sn, false);
       a = ra;
       b = rb;
     }
@@ -408,7 +415,7 @@ __device__ __forceinline__ float rope_at(const float* x, int d, float p, const f
   sincosf(p * inv_freq[d % (ROT / 2)], &sn, &c);
   sn *= rscale;
   c *= rscale;
-  return d < ROT / 2 ? v * c - other * sn : v * c + other * sn;
+  return rope_rotate(v, other, c, sn, d < ROT / 2);
 }
 
 // A step of one token (decode at batch 1): RoPE, the KV-cache write and attention in one
@@ -865,7 +872,7 @@ __device__ void dec_own_row(const R& r, int t, int kvh, int h0, bool mine, float
     }
     if (((isq && R::RQ) || (isk && R::RK)) && d < R::ROT) {
       const float2 c = cs[d % HALF];
-      x = d < HALF ? x * c.x - y * c.y : x * c.x + y * c.y;
+      x = rope_rotate(x, y, c.x, c.y, d < HALF);
     }
     if (isq) {
       sq[row * D + d] = f32_to_h16(x * qs);

@@ -858,7 +858,7 @@ pub fn a8_slots(kb: usize, n: usize) -> usize {
 
 /// The bytes of a weight row of `k` weights of format `wf` (E4M3 or 16-bit) in a
 /// [`KernelKey::GemmSkinnyA8`] launch.
-fn a8_row_bytes(k: usize, wf: WFormat) -> usize {
+pub fn a8_row_bytes(k: usize, wf: WFormat) -> usize {
     if wf == WFormat::E4m3 {
         k
     } else {

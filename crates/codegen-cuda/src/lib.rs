@@ -17,9 +17,9 @@ pub mod schedule;
 pub use formats::{block_device_layout, WFormat};
 pub use fp8::fp8_device_layout;
 pub use keys::{
-    a8_blocks, a8_cluster, a8_grid, a8_slots, argmax_blocks, hopper, DecAttention, HeadNorm, KernelKey, Mask, NormIn,
-    RopeShape, A8_BLOCKS, A8_BLOCKS_PER_SM, A8_FEATURES, A8_ROWS, A8_SMEM, ALL_REDUCE_MAX_BLOCKS, ARGMAX_BLOCKS,
-    MAP_INPUTS, MASK_SPAN,
+    a8_blocks, a8_cluster, a8_grid, a8_row_bytes, a8_slots, argmax_blocks, hopper, DecAttention, HeadNorm, KernelKey,
+    Mask, NormIn, RopeShape, A8_BLOCKS, A8_BLOCKS_PER_SM, A8_FEATURES, A8_ROWS, A8_SMEM, ALL_REDUCE_MAX_BLOCKS,
+    ARGMAX_BLOCKS, MAP_INPUTS, MASK_SPAN,
 };
 pub use lower::tiled;
 pub use schedule::{

@@ -301,13 +301,10 @@ impl CudaBackend {
         if t > codegen_cuda::A8_ROWS {
             return Err(RuntimeError::Unsupported(format!("{t} rows in a {}-row wgmma kernel", codegen_cuda::A8_ROWS)));
         }
-        let x = self.arg_ptr(&l.args[0]);
-        let (x, s, kb) = match wf {
-            WFormat::E4m3 => {
-                let (q, s) = self.quantize_input(x, k, t, W8_GROUP)?;
-                (q, s, k)
-            }
-            _ => (x, 0, k * self.program.half.size()),
+        let (x, kb) = (self.arg_ptr(&l.args[0]), codegen_cuda::a8_row_bytes(k, wf));
+        let (x, s) = match wf {
+            WFormat::E4m3 => self.quantize_input(x, k, t, W8_GROUP)?,
+            _ => (x, 0),
         };
         let W8Input { sums, count, .. } = self.w8_buffers()?;
         let ptrs: Vec<u64> = [s]
