@@ -401,9 +401,13 @@ fn glu(
     Ok(())
 }
 
-/// Steps of more tokens than this run attention on tensor cores (for groups of 16 rows of one
-/// sequence; the rest per row).
-const FA_ABOVE: usize = 32;
+/// Where attention does not run on tensor cores (head sizes past 128; more than 16 query heads
+/// a kv head for the rows `attention_fa` leaves), steps of up to this many tokens run
+/// `attention_gqa` a block per row and query head (enough blocks), more a block per row and kv
+/// head. Where it does, every step of two tokens or more takes the tensor-core kernels
+/// (H200, 4-layer Qwen2.5-7B decode graph: 906 against 986 us at 32 rows, 896 against 917 at
+/// 16, against `rope_kv` + `attention_gqa`; docs/perf.md, 2026-11-29, third session).
+const GQA_HEAD_ROWS: usize = 32;
 
 /// A fused per-head norm of q or k: its input, the weight and eps (members `pre` of a
 /// rope_attention fusion; `None` where `x`, a rope's input, is not one). A norm whose weight
@@ -520,7 +524,8 @@ fn attention(b: &mut Builder, i: usize, pre: &[usize]) -> Result<(), CodegenErro
     .concat();
     let one = launch(one, one_args, [ONE, Dim::Fixed(heads)], 256);
     let group = heads / kv_heads;
-    let mut variants = vec![(1, vec![one]), (FA_ABOVE, vec![rope.clone(), rows(false, 1)])];
+    let mut variants = vec![(1, vec![one])];
+    let per_head = (GQA_HEAD_ROWS, vec![rope.clone(), rows(false, 1)]);
     if d <= 128 {
         let fa = KernelKey::AttentionFa { heads, kv_heads, d, out: o, mask };
         let mut fa = launch(fa, args.clone(), [per_token(1, FA_ROWS), Dim::Fixed(heads)], (32 * FA_WARPS) as u32);
@@ -557,22 +562,22 @@ fn attention(b: &mut Builder, i: usize, pre: &[usize]) -> Result<(), CodegenErro
                 variants.push((bound, [vec![rope.clone(), fa.clone()], dec].concat()));
             }
         } else {
-            variants.push((usize::MAX, vec![rope, fa, rows(true, group)]));
+            variants.extend([per_head, (usize::MAX, vec![rope, fa, rows(true, group)])]);
         }
     } else {
-        variants.push((usize::MAX, vec![rope, rows(false, group)]));
+        variants.extend([per_head, (usize::MAX, vec![rope, rows(false, group)])]);
     }
     b.steps.push(Step::Kernels { by: Count::Tokens, variants });
     Ok(())
 }
 
-/// The split counts and block warps of decode attention by row bound above [`FA_ABOVE`]: one
+/// The split counts and block warps of decode attention by row bound from two rows: one
 /// bound per split count ([`dec_splits`] at powers of two rows), then the unsplit rows with
 /// [`DEC_WARPS`] warps a block up to [`dec_warps_rows`] and [`DEC_WARPS_PAST_WAVE`] past it, the
 /// last unbounded.
 fn dec_bounds(kv_heads: usize) -> Vec<(usize, usize, usize)> {
     let mut bounds: Vec<(usize, usize, usize)> = vec![];
-    let mut rows = (FA_ABOVE + 1).next_power_of_two();
+    let mut rows = 2;
     let mut splits = dec_splits(rows, kv_heads);
     while splits > 1 {
         match bounds.last_mut() {
@@ -582,7 +587,7 @@ fn dec_bounds(kv_heads: usize) -> Vec<(usize, usize, usize)> {
         rows *= 2;
         splits = dec_splits(rows, kv_heads);
     }
-    let (split_rows, wave_rows) = (bounds.last().map_or(FA_ABOVE, |b| b.0), dec_warps_rows(kv_heads));
+    let (split_rows, wave_rows) = (bounds.last().map_or(1, |b| b.0), dec_warps_rows(kv_heads));
     if wave_rows > split_rows {
         bounds.push((wave_rows, 1, DEC_WARPS));
     }
@@ -919,10 +924,10 @@ mod tests {
         // four kv heads: 256 blocks at 64 rows, none split.
         // Unsplit rows take four warps a block while their blocks fit the GPU at once (396
         // blocks), two past that.
-        assert_eq!(dec_bounds(2), [(64, 2, 4), (198, 1, 4), (usize::MAX, 1, 2)]);
-        assert_eq!(dec_bounds(4), [(99, 1, 4), (usize::MAX, 1, 2)]);
-        assert_eq!(dec_bounds(1), [(64, 4, 4), (128, 2, 4), (396, 1, 4), (usize::MAX, 1, 2)]);
-        assert_eq!(dec_bounds(16), [(usize::MAX, 1, 2)]);
+        assert_eq!(dec_bounds(2), [(16, 8, 4), (32, 4, 4), (64, 2, 4), (198, 1, 4), (usize::MAX, 1, 2)]);
+        assert_eq!(dec_bounds(4), [(8, 8, 4), (16, 4, 4), (32, 2, 4), (99, 1, 4), (usize::MAX, 1, 2)]);
+        assert_eq!(dec_bounds(1), [(32, 8, 4), (64, 4, 4), (128, 2, 4), (396, 1, 4), (usize::MAX, 1, 2)]);
+        assert_eq!(dec_bounds(16), [(2, 8, 4), (4, 4, 4), (8, 2, 4), (24, 1, 4), (usize::MAX, 1, 2)]);
         let args: Vec<Arg> = (0..10).map(Arg::Buf).collect();
         let dec_args: Vec<Arg> = (50..70).map(Arg::Buf).collect();
         let rope = RopeShape { rot: 128, rope_q: true, rope_k: true, norm: HeadNorm::default(), ld: [1024, 128, 128] };
@@ -938,7 +943,7 @@ mod tests {
             rope: Some(rope),
         };
         let v = dec_launches(&dec_bounds(1), shape(1, 1), &dec_args, &args, Arg::Buf(99));
-        for ((_, ls), (splits, warps)) in v.iter().zip([(4, 4), (2, 4), (1, 4), (1, 2)]) {
+        for ((_, ls), (splits, warps)) in v.iter().zip([(8, 4), (4, 4), (2, 4), (1, 4), (1, 2)]) {
             let key = KernelKey::AttentionDec(shape(splits, warps));
             assert_eq!((ls[0].key, ls[0].block), (key, 32 * warps as u32));
             assert_eq!(key.dyn_smem(), crate::schedule::dec_smem(warps, 128));
