@@ -506,6 +506,17 @@ __device__ __forceinline__ void fa_q(unsigned (&qf)[D / 16][4], AT at, float qs)
   }
 }
 
+// The mma.sync A fragments of 16 query rows already rounded to h16: at(r, d) the pair of
+// features d and d + 1 of row r (0 past the rows), as fa_q lays them out.
+template <int D, typename AT>
+__device__ __forceinline__ void fa_q_h16(unsigned (&qf)[D / 16][4], AT at) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ks++)
+#pragma unroll
+    for (int e = 0; e < 4; e++) qf[ks][e] = at(g + (e & 1) * 8, ks * 16 + 2 * c + (e >> 1) * 8);
+}
+
 // fa_q's features of query rows stored whole: row r at row(r), null past the rows.
 template <typename ROW>
 __device__ __forceinline__ auto fa_rows(ROW row) {
@@ -826,26 +837,41 @@ struct NoRope {
 // (normalised where NQ, rotated where RQ, as rope_kv does), times qs, rounded to h16 in sq (rows
 // of D: the mma A fragments fa_q reads); where `mine` (the block holds the row's own key) the
 // token's k (as q, by NK and RK) and v as the cache holds them (h16) in own (k then v, D each) and
-// in the cache at slot_of[t]. Every value a thread takes is loaded before any is used (one round
-// trip to memory), the cos and sin of the row's position once a frequency (cs, ROT / 2 of them).
+// in the cache at slot_of[t]. A thread takes V consecutive features at a time (four where the
+// rows, the rotated half and the row strides allow 16-byte loads) and their partners; every value
+// it takes is loaded before any is used (one round trip to memory), the cos and sin of the row's
+// position once a frequency (cs, ROT / 2 of them). H200, 4-layer Qwen2.5-7B at 128 rows: this
+// prologue was 43% of the kernel's instructions one feature at a time (docs/perf.md, 2026-11-29,
+// third session).
 template <int KVH, int G, int D, int NT, typename R>
 __device__ void dec_own_row(const R& r, int t, int kvh, int h0, bool mine, float qs, h16_t* sq, h16_t* own,
                             float* rms, float2* cs) {
-  constexpr int ROWS = G + 2, PER = (ROWS * D + NT - 1) / NT, HALF = R::ROT / 2;
+  constexpr int HALF = R::ROT / 2;
+  constexpr int V = D % 4 == 0 && HALF % 4 == 0 && R::LQ % 4 == 0 && R::LK % 4 == 0 && R::LV % 4 == 0 ? 4 : 1;
+  constexpr int ROWS = G + 2, DV = D / V, ITEMS = ROWS * DV, PER = (ITEMS + NT - 1) / NT;
   // Row i of the G + 2: query head h0 + i, then k and v of kv head kvh.
   const auto src = [&](int i) {
     return i < G ? r.q + (long)t * R::LQ + (h0 + i) * D
                  : i == G ? r.k + (long)t * R::LK + kvh * D : r.v + (long)t * R::LV + kvh * D;
   };
+  // A rotated feature's partner (features d..d + V - 1 are all in one half: V divides HALF).
   const auto partner = [](int d) { return d < HALF ? d + HALF : d - HALF; };
-  const auto skip = [&](int i) { return i >= ROWS * D || (i >= G * D && !mine); };
-  float a[PER], b[PER];
+  const auto skip = [&](int i) { return i >= ITEMS || (i >= G * DV && !mine); };
+  const auto load = [](const float* p, float (&x)[V]) {
+    if constexpr (V == 4) {
+      const float4 f = *(const float4*)p;
+      x[0] = f.x, x[1] = f.y, x[2] = f.z, x[3] = f.w;
+    } else {
+      x[0] = *p;
+    }
+  };
+  float a[PER][V], b[PER][V];
 #pragma unroll
   for (int u = 0; u < PER; u++) {
-    const int i = threadIdx.x + u * NT, row = i / D, d = i % D;
+    const int i = threadIdx.x + u * NT, row = i / DV, d = i % DV * V;
     if (skip(i)) continue;
-    a[u] = src(row)[d];
-    b[u] = row <= G && d < R::ROT ? src(row)[partner(d)] : 0.0f;
+    load(src(row) + d, a[u]);
+    if (row <= G && d < R::ROT) load(src(row) + partner(d), b[u]);
   }
   const float p = (float)r.pos[t];
   if (R::RQ || R::RK)
@@ -861,25 +887,35 @@ __device__ void dec_own_row(const R& r, int t, int kvh, int h0, bool mine, float
   const long dst = (long)r.slot_of[t] * (KVH * D) + kvh * D;
 #pragma unroll
   for (int u = 0; u < PER; u++) {
-    const int i = threadIdx.x + u * NT, row = i / D, d = i % D;
+    const int i = threadIdx.x + u * NT, row = i / DV, d = i % DV * V;
     if (skip(i)) continue;
     const bool isq = row < G, isk = row == G;
-    float x = a[u], y = b[u];
-    if ((isq && R::NQ) || (isk && R::NK)) {
-      const float s = rms[row];
-      x *= s * to_f32(isq ? r.qnw[d] : r.knw[d]);
-      y *= s * to_f32(isq ? r.qnw[partner(d)] : r.knw[partner(d)]);
+    h16_t h[V];
+#pragma unroll
+    for (int e = 0; e < V; e++) {
+      float x = a[u][e], y = row <= G && d < R::ROT ? b[u][e] : 0.0f;
+      if ((isq && R::NQ) || (isk && R::NK)) {
+        const float s = rms[row];
+        x *= s * to_f32(isq ? r.qnw[d + e] : r.knw[d + e]);
+        y *= s * to_f32(isq ? r.qnw[partner(d + e)] : r.knw[partner(d + e)]);
+      }
+      if (((isq && R::RQ) || (isk && R::RK)) && d < R::ROT) {
+        const float2 c = cs[(d + e) % HALF];
+        x = rope_rotate(x, y, c.x, c.y, d < HALF);
+      }
+      h[e] = f32_to_h16(isq ? x * qs : x);
     }
-    if (((isq && R::RQ) || (isk && R::RK)) && d < R::ROT) {
-      const float2 c = cs[d % HALF];
-      x = rope_rotate(x, y, c.x, c.y, d < HALF);
-    }
+    const auto put = [&](h16_t* to) {
+      if constexpr (V == 4)
+        *(uint2*)to = make_uint2(h[0] | (unsigned)h[1] << 16, h[2] | (unsigned)h[3] << 16);
+      else
+        *to = h[0];
+    };
     if (isq) {
-      sq[row * D + d] = f32_to_h16(x * qs);
+      put(sq + row * D + d);
     } else {
-      const h16_t v = f32_to_h16(x);
-      own[(row - G) * D + d] = v;
-      (isk ? r.kc : r.vc)[dst + d] = v;
+      put(own + (row - G) * D + d);
+      put((isk ? r.kc : r.vc) + dst + d);
     }
   }
   __syncthreads();
@@ -965,7 +1001,7 @@ __device__ void attention_dec(const float* q, const h16_t* kc, const h16_t* vc, 
   if constexpr (R::ON) {
     if (own) {
       dec_own_row<KVH, G, D, 32 * WARPS>(rope, t, kvh, h0, j1 == ds.tiles, qs, own_q, own_kv, own_rms, own_cs);
-      fa_q<D>(qf, [&](int r, int d) { return r < G ? to_f32(own_q[r * D + d]) : 0.0f; }, 1.0f);
+      fa_q_h16<D>(qf, [&](int r, int d) { return r < G ? *(const unsigned*)&own_q[r * D + d] : 0u; });
     }
   }
   if (!own) fa_q<D>(qf, fa_rows([&](int r) { return r < G ? q + ((long)t * H + h0 + r) * D : nullptr; }), qs);
