@@ -16,7 +16,7 @@
 # BIN=bin-gpu-new,CK=-fp8 or Q=fp8,ENGINE_PDL=0), at each batch size in BATCHES (default 1), REPS times (default 2),
 # variants interleaved (AB_DEFAULT=0 leaves out the default run A, e.g. for an A/B of two FP8
 # binaries; the first variant listed then tunes the shared GEMM choices). One line per run in $OUT/ab.txt: shape, setting, batch, TPOT p50, output
-# tok/s, and (ENGINE_CUDA_PROFILE=steps) the GPU time of the graph replay and of sampling, the step's host wall time,
+# tok/s, and (ENGINE_CUDA_PROFILE=steps, medians over the steps) the GPU time of the graph replay and of sampling, the step's host wall time,
 # and the GPU period from one replay's start to the next's (what the GPU spends between steps is the difference).
 # $OUT/ab.jsonl: each run's whole JSON report after the same labels.
 # $OUT/gemm-SHAPE-BINDIR.txt: the GEMM timings and choices each binary logged at its first load (ours or cuBLASLt;

@@ -108,7 +108,8 @@ pub fn copy_bandwidth() -> Result<f64, RuntimeError> {
     crate::probe::host_copy_bandwidth(256 << 20, 5)
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
+/// The median of `v` (its upper middle for an even count; 0 when empty).
+pub(crate) fn median(mut v: Vec<f64>) -> f64 {
     if v.is_empty() {
         return 0.0;
     }

@@ -45,23 +45,24 @@ pub(super) enum Profile {
     Steps(RefCell<Steps>),
 }
 
-/// Totals over graph-replayed steps, and the step under way.
+/// Per graph-replayed step, its times (ms; reported as medians, so that the few steps that span
+/// a pause of the host, a batch changing size or requests arriving, do not spread over the
+/// others), and the step under way.
 #[derive(Default)]
 pub(super) struct Steps {
-    steps: usize,
-    replay_ms: f64,
-    sample_ms: f64,
-    wall_ms: f64,
+    /// The replay's GPU time, the sampling kernel's, the step's host wall time.
+    replay_ms: Vec<f64>,
+    sample_ms: Vec<f64>,
+    wall_ms: Vec<f64>,
     /// The steps under way, oldest first (two where a step launches before the one before
     /// it finishes: `Backend::launch_forward`).
     open: std::collections::VecDeque<OpenStep>,
     /// When the last step finished (`worker::step_time`).
     last_end: Option<Instant>,
-    /// The GPU time from one replayed step's replay start to the next's, summed, over
-    /// `periods` pairs of consecutive replayed steps: against the replay and the sampling, what
-    /// the GPU spends between steps (the inputs' copy, idling for the host).
-    period_ms: f64,
-    periods: usize,
+    /// The GPU time from one replayed step's replay start to the next's, for each pair of
+    /// consecutive replayed steps: against the replay and the sampling, what the GPU spends
+    /// between steps (the inputs' copy, idling for the host).
+    period_ms: Vec<f64>,
     /// The last counted step's replay start event, while the steps are replayed in a row.
     last_replay: Option<CudaEvent>,
 }
@@ -158,13 +159,11 @@ impl Profile {
             return;
         };
         let ms = |(a, b): &(CudaEvent, CudaEvent)| a.elapsed_ms(b).map(f64::from).unwrap_or(0.0);
-        s.steps += 1;
-        s.replay_ms += ms(&replay);
-        s.sample_ms += sample.as_ref().map_or(0.0, ms);
-        s.wall_ms += wall.as_secs_f64() * 1e3;
+        s.replay_ms.push(ms(&replay));
+        s.sample_ms.push(sample.as_ref().map_or(0.0, ms));
+        s.wall_ms.push(wall.as_secs_f64() * 1e3);
         if let Some(Ok(period)) = s.last_replay.as_ref().map(|prev| prev.elapsed_ms(&replay.0)) {
-            s.period_ms += f64::from(period);
-            s.periods += 1;
+            s.period_ms.push(f64::from(period));
         }
         s.last_replay = Some(replay.0);
     }
@@ -191,16 +190,16 @@ impl Profile {
             }
             Profile::Steps(s) => {
                 let s = s.borrow();
-                let per = |ms: f64| if s.steps > 0 { 1e3 * ms / s.steps as f64 } else { 0.0 };
-                let period = if s.periods > 0 { 1e3 * s.period_ms / s.periods as f64 } else { 0.0 };
+                let us = |ms: &[f64]| 1e3 * crate::bench::median(ms.to_vec());
                 eprintln!(
-                    "CUDA graph steps: {} steps, replay {:.1} us/step on the GPU, sampling {:.1} us/step, {:.1} \
-                     us/step wall on the host (inputs, replay, sampling, copy back); GPU period {period:.1} us/step \
+                    "CUDA graph steps: {} steps, medians: replay {:.1} us/step on the GPU, sampling {:.1} us/step, \
+                     {:.1} us/step wall on the host (inputs, replay, sampling, copy back); GPU period {:.1} us/step \
                      (a replay's start to the next's)",
-                    s.steps,
-                    per(s.replay_ms),
-                    per(s.sample_ms),
-                    per(s.wall_ms)
+                    s.replay_ms.len(),
+                    us(&s.replay_ms),
+                    us(&s.sample_ms),
+                    us(&s.wall_ms),
+                    us(&s.period_ms)
                 );
             }
         }
