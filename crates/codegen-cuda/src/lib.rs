@@ -7,6 +7,7 @@
 //! cuda-check` compiles it with NVRTC.
 #![deny(missing_docs)]
 
+mod a8;
 mod formats;
 mod fp8;
 mod keys;
@@ -14,11 +15,13 @@ mod lower;
 pub mod nvrtc;
 pub mod schedule;
 
+pub use a8::{
+    a8_blocks, a8_cluster, a8_grid, a8_row_bytes, a8_slots, A8_BLOCKS, A8_BLOCKS_PER_SM, A8_FEATURES, A8_ROWS, A8_SMEM,
+};
 pub use formats::{block_device_layout, WFormat};
 pub use fp8::fp8_device_layout;
 pub use keys::{
-    a8_blocks, a8_cluster, a8_grid, a8_row_bytes, a8_slots, argmax_blocks, hopper, DecAttention, HeadNorm, KernelKey,
-    Mask, NormIn, RopeShape, A8_BLOCKS, A8_BLOCKS_PER_SM, A8_FEATURES, A8_ROWS, A8_SMEM, ALL_REDUCE_MAX_BLOCKS,
+    argmax_blocks, hopper, DecAttention, HeadNorm, KernelKey, Mask, NormIn, RopeShape, ALL_REDUCE_MAX_BLOCKS,
     ARGMAX_BLOCKS, MAP_INPUTS, MASK_SPAN,
 };
 pub use lower::tiled;
