@@ -40,7 +40,7 @@ pub enum Input {
 /// One kernel argument.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Arg {
-    /// A device buffer of [`Program::buffers`].
+    /// A device buffer of [`Program::buffers`](crate::Program::buffers).
     Buf(usize),
     /// A device buffer from a byte offset on: the columns of one linear in the packed output
     /// of a launch of several (`Builder::packed`).
@@ -49,7 +49,7 @@ pub enum Arg {
     Weight(usize),
     /// A null pointer (an absent bias or table).
     Null,
-    /// A constant array of [`Program::constants`] (f32).
+    /// A constant array of [`Program::constants`](crate::Program::constants) (f32).
     Const(usize),
     /// The K cache of a layer (16-bit).
     KCache(usize),
@@ -239,8 +239,9 @@ const DEC_BLOCKS: usize = 264;
 const DEC_MAX_SPLITS: usize = 8;
 
 /// The splits of each decode row's keys at up to `rows` rows of `kv_heads` kv heads: the power
-/// of two that brings the blocks nearest [`DEC_BLOCKS`] from below, 1 to [`DEC_MAX_SPLITS`]. A
-/// row's keys split only where they are more than [`DEC_SPLIT_MIN`] tiles a split.
+/// of two that brings the blocks nearest `DEC_BLOCKS` (264, two an SM) from below, 1 to
+/// `DEC_MAX_SPLITS` (8). A row's keys split only where they are more than [`DEC_SPLIT_MIN`]
+/// tiles a split.
 pub fn dec_splits(rows: usize, kv_heads: usize) -> usize {
     let mut s = 1;
     while s < DEC_MAX_SPLITS && rows * kv_heads * s * 2 <= DEC_BLOCKS {
