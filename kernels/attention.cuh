@@ -491,23 +491,8 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned* r, unsigned addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
-// The mma.sync A fragments of 16 query rows (feature d of row r: at(r, d), 0 past the rows),
-// times qs, rounded to h16: the Q of attention_fa and attention_dec.
-template <int D, typename AT>
-__device__ __forceinline__ void fa_q(unsigned (&qf)[D / 16][4], AT at, float qs) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
-#pragma unroll
-  for (int ks = 0; ks < D / 16; ks++) {
-#pragma unroll
-    for (int e = 0; e < 4; e++) {
-      const int r = g + (e & 1) * 8, d = ks * 16 + 2 * c + (e >> 1) * 8;
-      qf[ks][e] = pack_h16x2(at(r, d) * qs, at(r, d + 1) * qs);
-    }
-  }
-}
-
 // The mma.sync A fragments of 16 query rows already rounded to h16: at(r, d) the pair of
-// features d and d + 1 of row r (0 past the rows), as fa_q lays them out.
+// features d and d + 1 of row r (0 past the rows).
 template <int D, typename AT>
 __device__ __forceinline__ void fa_q_h16(unsigned (&qf)[D / 16][4], AT at) {
   const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
@@ -515,6 +500,13 @@ __device__ __forceinline__ void fa_q_h16(unsigned (&qf)[D / 16][4], AT at) {
   for (int ks = 0; ks < D / 16; ks++)
 #pragma unroll
     for (int e = 0; e < 4; e++) qf[ks][e] = at(g + (e & 1) * 8, ks * 16 + 2 * c + (e >> 1) * 8);
+}
+
+// The mma.sync A fragments of 16 query rows (feature d of row r: at(r, d), 0 past the rows),
+// times qs, rounded to h16: the Q of attention_fa and attention_dec.
+template <int D, typename AT>
+__device__ __forceinline__ void fa_q(unsigned (&qf)[D / 16][4], AT at, float qs) {
+  fa_q_h16<D>(qf, [&](int r, int d) { return pack_h16x2(at(r, d) * qs, at(r, d + 1) * qs); });
 }
 
 // fa_q's features of query rows stored whole: row r at row(r), null past the rows.
@@ -890,7 +882,7 @@ __device__ void dec_own_row(const R& r, int t, int kvh, int h0, bool mine, float
     const int i = threadIdx.x + u * NT, row = i / DV, d = i % DV * V;
     if (skip(i)) continue;
     const bool isq = row < G, isk = row == G;
-    h16_t h[V];
+    float vals[V];
 #pragma unroll
     for (int e = 0; e < V; e++) {
       float x = a[u][e], y = row <= G && d < R::ROT ? b[u][e] : 0.0f;
@@ -903,13 +895,14 @@ __device__ void dec_own_row(const R& r, int t, int kvh, int h0, bool mine, float
         const float2 c = cs[(d + e) % HALF];
         x = rope_rotate(x, y, c.x, c.y, d < HALF);
       }
-      h[e] = f32_to_h16(isq ? x * qs : x);
+      vals[e] = isq ? x * qs : x;
     }
+    // Rounded to h16 as the cache holds them: V at once.
     const auto put = [&](h16_t* to) {
       if constexpr (V == 4)
-        *(uint2*)to = make_uint2(h[0] | (unsigned)h[1] << 16, h[2] | (unsigned)h[3] << 16);
+        *(uint2*)to = make_uint2(pack_h16x2(vals[0], vals[1]), pack_h16x2(vals[2], vals[3]));
       else
-        *to = h[0];
+        *to = f32_to_h16(vals[0]);
     };
     if (isq) {
       put(sq + row * D + d);
