@@ -638,6 +638,83 @@ __device__ __forceinline__ void fa_step(const unsigned (&qf)[D / 16][4], int p0,
   }
 }
 
+// Transposes an 8x8 matrix of 16-bit pairs held as an mma fragment (lane 4 r + c: row r, columns
+// 2c and 2c + 1).
+__device__ __forceinline__ unsigned movmatrix_trans(unsigned x) {
+  unsigned y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
+  return y;
+}
+
+// The Qᵀ fragments of dec_step_t (the mma's B, features x 8 heads): at(h, d) the rounded pair of
+// features d and d + 1 of head h (0 past the heads).
+template <int D, typename AT>
+__device__ __forceinline__ void dec_q_t(unsigned (&qf)[D / 16][2], AT at) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ks++)
+#pragma unroll
+    for (int e = 0; e < 2; e++) qf[ks][e] = at(g, ks * 16 + 2 * c + e * 8);
+}
+
+// fa_step transposed, for up to 8 query heads a kv head (decode attention): Sᵀ = K·Qᵀ with the
+// tile's 16 keys as the mma's M and the heads as its N (qf: dec_q_t's), the mask and online
+// softmax of heads 2c and 2c + 1 (m: their maxima over the keys, l: the lane's partial sums of
+// keys g and g + 8), then Pᵀ rounded to h16 and moved into the B layout (movmatrix) and
+// Oᵀ += Vᵀ·Pᵀ with the features as M (o[i]: features 16 i.., lane's rows g and g + 8, heads
+// 2c and 2c + 1). Half the mma, exponentials and accumulators of fa_step's 16 rows.
+template <int D, unsigned CAP, bool EDGE, typename MASK>
+__device__ __forceinline__ void dec_step_t(const unsigned (&qf)[D / 16][2], int p0, int n, const h16_t* k_s,
+                                           const h16_t* v_s, MASK masked, float (&m)[2], float (&l)[2],
+                                           float (&o)[D / 16][4]) {
+  constexpr int S = D + 8, KS = D / 16;
+  const int lane = threadIdx.x & 31, g = lane >> 2;
+  float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+  for (int ks = 0; ks < KS; ks++) {
+    unsigned kf[4];
+    ldmatrix_x4(kf, smem_addr(k_s + ((lane & 7) + ((lane >> 3) & 1) * 8) * S + ks * 16 + (lane >> 4) * 8));
+    mma_h16(s, kf, qf[ks]);
+  }
+  // s[e] and s[2 + e]: keys g and g + 8 of head 2c + e
+  float corr[2];
+#pragma unroll
+  for (int e = 0; e < 2; e++) {
+    float mx = NEG_INF;
+#pragma unroll
+    for (int k = 0; k < 2; k++) {
+      float& v = s[2 * k + e];
+      const int p = p0 + g + 8 * k;
+      if (CAP) v = softcap<CAP>(v * 0.6931471805599453f) * 1.4426950408889634f;
+      if (EDGE && (p >= n || masked(0, p))) v = NEG_INF;
+      mx = fmaxf(mx, v);
+    }
+#pragma unroll
+    for (int x = 4; x < 32; x <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, x));
+    const float m_new = fmaxf(m[e], mx);
+    const float base = m_new == NEG_INF ? 0.0f : m_new;
+    corr[e] = exp2f(m[e] - base);
+    m[e] = m_new;
+    s[e] = exp2f(s[e] - base);
+    s[2 + e] = exp2f(s[2 + e] - base);
+    l[e] = l[e] * corr[e] + s[e] + s[2 + e];
+  }
+  if (__any_sync(0xffffffffu, corr[0] != 1.0f || corr[1] != 1.0f)) {
+#pragma unroll
+    for (int i = 0; i < KS; i++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) o[i][e] *= corr[e & 1];
+  }
+  // Pᵀ as the B fragment: keys 2c, 2c + 1 (then 8 more) of head g.
+  const unsigned pb[2] = {movmatrix_trans(pack_h16x2(s[0], s[1])), movmatrix_trans(pack_h16x2(s[2], s[3]))};
+#pragma unroll
+  for (int j = 0; j < KS; j++) {
+    unsigned vf[4];
+    ldmatrix_x4_trans(vf, smem_addr(v_s + ((lane & 7) + (lane >> 4) * 8) * S + j * 16 + ((lane >> 3) & 1) * 8));
+    mma_h16(o[j], vf, pb);
+  }
+}
+
 // fa_load then fa_step, the copies awaited in between: one tile, nothing in flight across
 // tiles (attention_fa's loop).
 template <int KVH, int D, unsigned CAP, typename MASK>
@@ -926,8 +1003,8 @@ __device__ __forceinline__ void dec_put_own(const h16_t* own, int row, h16_t* k_
 
 // Decode attention on tensor cores, for rows of any sequences: a block per row t, kv head and
 // split of the row's keys (dec_split), whose G = H / KVH query heads (at most 16) are the 16 rows
-// of attention_fa's mma.sync tiles (rows past G are zero and not stored), so each K and V tile
-// feeds every head sharing it. The split's tiles go to the WARPS warps in turn; each warp
+// of attention_fa's mma.sync tiles (rows past G are zero and not stored), or, up to 8, the 8
+// columns of dec_step_t's transposed ones, so each K and V tile feeds every head sharing it. The split's tiles go to the WARPS warps in turn; each warp
 // keeps DEC_STAGES tiles in flight (cp.async into its stages of the dynamic shared memory, the
 // next tiles' copies issued before a tile is used) and runs attention_fa's online softmax (f32,
 // log2 units, P rounded to h16 for P·V). The warps' states merge through shared memory: into the
@@ -946,11 +1023,18 @@ template <int H, int KVH, int D, typename O, bool MIXED_ONLY, int WIN, unsigned 
 __device__ void attention_dec(const float* q, const h16_t* kc, const h16_t* vc, const int* slots,
                               const int* seq_off, const int* pos, float scale, O* out, int T, const SW* sinks,
                               float* part, const R rope) {
-  constexpr int G = H / KVH, S = D + 8, KS = D / 16, DT = D / 8, TILE = 16 * S;
+  constexpr int G = H / KVH, KS = D / 16, DT = D / 8, TILE = 16 * (D + 8);
   static_assert(G <= 16 && D % 16 == 0 && D <= 128, "a kv head's query heads fill one mma tile");
+  // Up to 8 heads: the transposed form (dec_step_t), its state of heads 2c and 2c + 1 complete
+  // in lanes g = 0 (lane l's state slot k is head hd(k)); else fa_step's, rows g and g + 8 in
+  // lanes c = 0.
+  constexpr bool TR = G <= 8;
+  constexpr int QN = TR ? 2 : 4, OT = TR ? KS : DT;
   extern __shared__ __align__(16) unsigned char dec_smem[];
   __shared__ float sm_m[WARPS][16], sm_l[WARPS][16];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+  const auto hd = [&](int k) { return TR ? 2 * c + k : g + 8 * k; };
+  const bool full = (TR ? g : c) == 0;
   const int t = blockIdx.x / (KVH * SPLITS), kvh = blockIdx.x % KVH, split = blockIdx.x / KVH % SPLITS;
   const int h0 = kvh * G;
   if (MIXED_ONLY && fa_row(seq_off, t, T)) return;
@@ -986,7 +1070,7 @@ __device__ void attention_dec(const float* q, const h16_t* kc, const h16_t* vc, 
   pdl_wait();
   // The queries are read (and rotated) while the first tiles' copies are in flight.
   const float qs = scale * 1.4426950408889634f;
-  unsigned qf[KS][4];
+  unsigned qf[KS][QN];
   // A row alone in its sequence: its queries, own key and value (dec_own_row).
   __shared__ __align__(16) h16_t own_kv[R::ON ? 2 * D : 8], own_q[R::ON ? G * D : 8];
   __shared__ float own_rms[R::ON ? G + 1 : 1];
@@ -994,13 +1078,23 @@ __device__ void attention_dec(const float* q, const h16_t* kc, const h16_t* vc, 
   if constexpr (R::ON) {
     if (own) {
       dec_own_row<KVH, G, D, 32 * WARPS>(rope, t, kvh, h0, j1 == ds.tiles, qs, own_q, own_kv, own_rms, own_cs);
-      fa_q_h16<D>(qf, [&](int r, int d) { return r < G ? *(const unsigned*)&own_q[r * D + d] : 0u; });
+      const auto at = [&](int r, int d) { return r < G ? *(const unsigned*)&own_q[r * D + d] : 0u; };
+      if constexpr (TR)
+        dec_q_t<D>(qf, at);
+      else
+        fa_q_h16<D>(qf, at);
     }
   }
-  if (!own) fa_q<D>(qf, fa_rows([&](int r) { return r < G ? q + ((long)t * H + h0 + r) * D : nullptr; }), qs);
-  float o[DT][4];
+  if (!own) {
+    const auto row = [&](int r) { return q + ((long)t * H + h0 + r) * D; };
+    if constexpr (TR)
+      dec_q_t<D>(qf, [&](int r, int d) { return r < G ? pack_h16x2(row(r)[d] * qs, row(r)[d + 1] * qs) : 0u; });
+    else
+      fa_q<D>(qf, fa_rows([&](int r) { return r < G ? row(r) : nullptr; }), qs);
+  }
+  float o[OT][4];
 #pragma unroll
-  for (int i = 0; i < DT; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+  for (int i = 0; i < OT; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
   float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
   for (int i = 0, j = j0 + warp; j < j1; i++, j += WARPS) {
     const int mine = next;
@@ -1012,23 +1106,30 @@ __device__ void attention_dec(const float* q, const h16_t* kc, const h16_t* vc, 
     const int p0 = ds.base + j * 16;
     if (own && p0 + 16 >= ds.n) dec_put_own<D>(own_kv, ds.n - 1 - p0, k_s(i), k_s(i) + TILE);
     const auto masked = [&](int, int p) { return p < ds.first; };
-    if (p0 < ds.first || p0 + 16 > ds.n)
+    const bool edge = p0 < ds.first || p0 + 16 > ds.n;
+    if constexpr (TR) {
+      if (edge)
+        dec_step_t<D, CAP, true>(qf, p0, ds.n, k_s(i), k_s(i) + TILE, masked, m, l, o);
+      else
+        dec_step_t<D, CAP, false>(qf, p0, ds.n, k_s(i), k_s(i) + TILE, masked, m, l, o);
+    } else if (edge) {
       fa_step<D, CAP>(qf, p0, ds.n, k_s(i), k_s(i) + TILE, masked, m, l, o);
-    else
+    } else {
       fa_step<D, CAP, false>(qf, p0, ds.n, k_s(i), k_s(i) + TILE, masked, m, l, o);
+    }
     __syncwarp();
   }
   cp_async_wait<0>();
-  // Each warp's row maxima and sums, then the rows' totals (with the sinks where this block
+  // Each warp's head maxima and sums, then the heads' totals (with the sinks where this block
   // has all the keys; log2 units as m).
 #pragma unroll
-  for (int hr = 0; hr < 2; hr++) {
-    float lt = l[hr];
-    lt += __shfl_xor_sync(0xffffffffu, lt, 1);
-    lt += __shfl_xor_sync(0xffffffffu, lt, 2);
-    if (c == 0) {
-      sm_m[warp][g + hr * 8] = m[hr];
-      sm_l[warp][g + hr * 8] = lt;
+  for (int k = 0; k < 2; k++) {
+    float lt = l[k];
+#pragma unroll
+    for (int x = TR ? 4 : 1; x < (TR ? 32 : 4); x <<= 1) lt += __shfl_xor_sync(0xffffffffu, lt, x);
+    if (full) {
+      sm_m[warp][hd(k)] = m[k];
+      sm_l[warp][hd(k)] = lt;
     }
   }
   __syncthreads();
@@ -1036,12 +1137,12 @@ __device__ void attention_dec(const float* q, const h16_t* kc, const h16_t* vc, 
   float* ml = part + (((long)t * KVH + kvh) * SPLITS + split) * G * (D + 2);
   float f[2];
 #pragma unroll
-  for (int hr = 0; hr < 2; hr++) {
-    const int row = g + hr * 8;
+  for (int k = 0; k < 2; k++) {
+    const int row = hd(k);
     const float sink = whole && sinks && row < G ? to_f32(sinks[h0 + row]) * 1.4426950408889634f : NEG_INF;
     const float2 merged = merge_states<WARPS, true>(sink, &sm_m[0][row], &sm_l[0][row], 16);
-    f[hr] = m[hr] == NEG_INF ? 0.0f : exp2f(m[hr] - merged.x) / (whole ? merged.y : 1.0f);
-    if (!whole && warp == 0 && c == 0 && row < G) {
+    f[k] = m[k] == NEG_INF ? 0.0f : exp2f(m[k] - merged.x) / (whole ? merged.y : 1.0f);
+    if (!whole && warp == 0 && full && row < G) {
       ml[G * D + row] = merged.x;
       ml[G * D + G + row] = merged.y;
     }
@@ -1052,10 +1153,13 @@ __device__ void attention_dec(const float* q, const h16_t* kc, const h16_t* vc, 
   float* so = (float*)dec_smem;
   __syncthreads();
 #pragma unroll
-  for (int i = 0; i < DT; i++)
+  for (int i = 0; i < OT; i++)
 #pragma unroll
-    for (int e = 0; e < 4; e++)
-      so[warp * 16 * D + (g + (e >> 1) * 8) * D + i * 8 + 2 * c + (e & 1)] = o[i][e] * f[e >> 1];
+    for (int e = 0; e < 4; e++) {
+      // accumulator e: head and feature
+      const int k = TR ? e & 1 : e >> 1, d = TR ? i * 16 + g + (e >> 1) * 8 : i * 8 + 2 * c + (e & 1);
+      so[warp * 16 * D + hd(k) * D + d] = o[i][e] * f[k];
+    }
   __syncthreads();
   for (int i = threadIdx.x; i < G * D; i += WARPS * 32) {
     float v = so[i];
