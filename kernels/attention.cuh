@@ -662,20 +662,25 @@ __device__ __forceinline__ void dec_q_t(unsigned (&qf)[D / 16][2], AT at) {
 // softmax of heads 2c and 2c + 1 (m: their maxima over the keys, l: the lane's partial sums of
 // keys g and g + 8), then Pᵀ rounded to h16 and moved into the B layout (movmatrix) and
 // Oᵀ += Vᵀ·Pᵀ with the features as M (o[i]: features 16 i.., lane's rows g and g + 8, heads
-// 2c and 2c + 1). Half the mma, exponentials and accumulators of fa_step's 16 rows.
-template <int D, unsigned CAP, bool EDGE, typename MASK>
+// 2c and 2c + 1). Half the mma, exponentials and accumulators of fa_step's 16 rows; the mask
+// (keys at n or past, and those masked(0, p) says) taken for every tile, so the loop holds one
+// copy of the step.
+template <int D, unsigned CAP, typename MASK>
 __device__ __forceinline__ void dec_step_t(const unsigned (&qf)[D / 16][2], int p0, int n, const h16_t* k_s,
                                            const h16_t* v_s, MASK masked, float (&m)[2], float (&l)[2],
                                            float (&o)[D / 16][4]) {
   constexpr int S = D + 8, KS = D / 16;
   const int lane = threadIdx.x & 31, g = lane >> 2;
-  float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  // two accumulators, so each mma waits for the one before last
+  float s[4] = {0.0f, 0.0f, 0.0f, 0.0f}, s2[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
   for (int ks = 0; ks < KS; ks++) {
     unsigned kf[4];
     ldmatrix_x4(kf, smem_addr(k_s + ((lane & 7) + ((lane >> 3) & 1) * 8) * S + ks * 16 + (lane >> 4) * 8));
-    mma_h16(s, kf, qf[ks]);
+    mma_h16(ks % 2 ? s2 : s, kf, qf[ks]);
   }
+#pragma unroll
+  for (int e = 0; e < 4; e++) s[e] += s2[e];
   // s[e] and s[2 + e]: keys g and g + 8 of head 2c + e
   float corr[2];
 #pragma unroll
@@ -686,7 +691,7 @@ __device__ __forceinline__ void dec_step_t(const unsigned (&qf)[D / 16][2], int 
       float& v = s[2 * k + e];
       const int p = p0 + g + 8 * k;
       if (CAP) v = softcap<CAP>(v * 0.6931471805599453f) * 1.4426950408889634f;
-      if (EDGE && (p >= n || masked(0, p))) v = NEG_INF;
+      if (p >= n || masked(0, p)) v = NEG_INF;
       mx = fmaxf(mx, v);
     }
 #pragma unroll
@@ -1108,10 +1113,7 @@ __device__ void attention_dec(const float* q, const h16_t* kc, const h16_t* vc, 
     const auto masked = [&](int, int p) { return p < ds.first; };
     const bool edge = p0 < ds.first || p0 + 16 > ds.n;
     if constexpr (TR) {
-      if (edge)
-        dec_step_t<D, CAP, true>(qf, p0, ds.n, k_s(i), k_s(i) + TILE, masked, m, l, o);
-      else
-        dec_step_t<D, CAP, false>(qf, p0, ds.n, k_s(i), k_s(i) + TILE, masked, m, l, o);
+      dec_step_t<D, CAP>(qf, p0, ds.n, k_s(i), k_s(i) + TILE, masked, m, l, o);
     } else if (edge) {
       fa_step<D, CAP>(qf, p0, ds.n, k_s(i), k_s(i) + TILE, masked, m, l, o);
     } else {

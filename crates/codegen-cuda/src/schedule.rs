@@ -210,9 +210,9 @@ pub const DEC_WARPS: usize = 4;
 /// whose four-warp blocks would run in two waves runs in one.
 pub const DEC_WARPS_PAST_WAVE: usize = 2;
 
-/// Blocks of [`DEC_WARPS`] warps an H100 / H200 holds at once: three an SM of 132 (their
-/// shared memory, [`dec_smem`], and registers).
-const DEC_WAVE: usize = 396;
+/// Blocks of [`DEC_WARPS`] warps an H100 / H200 holds at once: two an SM of 132 (their
+/// shared memory, [`dec_smem`]: 102 KB a block of head size 128).
+const DEC_WAVE: usize = 264;
 
 /// The most unsplit decode rows of `kv_heads` kv heads whose blocks of [`DEC_WARPS`] warps fit
 /// the GPU at once; more rows take [`DEC_WARPS_PAST_WAVE`] warps a block.
@@ -220,8 +220,11 @@ pub fn dec_warps_rows(kv_heads: usize) -> usize {
     DEC_WAVE / kv_heads.max(1)
 }
 
-/// Key tiles (16 keys) each decode attention warp has in flight (`DEC_STAGES`).
-pub const DEC_STAGES: usize = 2;
+/// Key tiles (16 keys) each decode attention warp stages (`DEC_STAGES`): two in flight while it
+/// uses a third. H200, 4-layer Qwen2.5-7B (docs/perf.md, 2026-11-29, fourth session): a call
+/// at 256 rows of 800 keys 102.6 us against 109.3 with two stages, 64 x 1024 47.1 against
+/// 48.8, 128 rows of ~160 keys 19.8 against 20.7 a layer.
+pub const DEC_STAGES: usize = 3;
 
 /// The fewest key tiles of a split of a decode row's keys (`DEC_SPLIT_MIN`): eight a warp of a
 /// [`DEC_WARPS`] block (512 keys), so a split's fixed costs (its queries, the warps' merge, the

@@ -251,12 +251,12 @@ mod tests {
     fn decode_attention_splits_keys_until_the_rows_fill_the_gpu() {
         // Two kv heads: 64 rows make 128 blocks, under one an SM, so their keys split in two;
         // four kv heads: 256 blocks at 64 rows, none split.
-        // Unsplit rows take four warps a block while their blocks fit the GPU at once (396
+        // Unsplit rows take four warps a block while their blocks fit the GPU at once (264
         // blocks), two past that.
-        assert_eq!(dec_bounds(2), [(16, 8, 4), (32, 4, 4), (64, 2, 4), (198, 1, 4), (usize::MAX, 1, 2)]);
-        assert_eq!(dec_bounds(4), [(8, 8, 4), (16, 4, 4), (32, 2, 4), (99, 1, 4), (usize::MAX, 1, 2)]);
-        assert_eq!(dec_bounds(1), [(32, 8, 4), (64, 4, 4), (128, 2, 4), (396, 1, 4), (usize::MAX, 1, 2)]);
-        assert_eq!(dec_bounds(16), [(2, 8, 4), (4, 4, 4), (8, 2, 4), (24, 1, 4), (usize::MAX, 1, 2)]);
+        assert_eq!(dec_bounds(2), [(16, 8, 4), (32, 4, 4), (64, 2, 4), (132, 1, 4), (usize::MAX, 1, 2)]);
+        assert_eq!(dec_bounds(4), [(8, 8, 4), (16, 4, 4), (32, 2, 4), (66, 1, 4), (usize::MAX, 1, 2)]);
+        assert_eq!(dec_bounds(1), [(32, 8, 4), (64, 4, 4), (128, 2, 4), (264, 1, 4), (usize::MAX, 1, 2)]);
+        assert_eq!(dec_bounds(16), [(2, 8, 4), (4, 4, 4), (8, 2, 4), (16, 1, 4), (usize::MAX, 1, 2)]);
         let args: Vec<Arg> = (0..10).map(Arg::Buf).collect();
         let dec_args: Vec<Arg> = (50..70).map(Arg::Buf).collect();
         let rope = RopeShape { rot: 128, rope_q: true, rope_k: true, norm: HeadNorm::default(), ld: [1024, 128, 128] };
