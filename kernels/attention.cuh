@@ -1009,10 +1009,11 @@ __device__ __forceinline__ void dec_put_own(const h16_t* own, int row, h16_t* k_
 // Decode attention on tensor cores, for rows of any sequences: a block per row t, kv head and
 // split of the row's keys (dec_split), whose G = H / KVH query heads (at most 16) are the 16 rows
 // of attention_fa's mma.sync tiles (rows past G are zero and not stored), or, up to 8, the 8
-// columns of dec_step_t's transposed ones, so each K and V tile feeds every head sharing it. The split's tiles go to the WARPS warps in turn; each warp
-// keeps DEC_STAGES tiles in flight (cp.async into its stages of the dynamic shared memory, the
-// next tiles' copies issued before a tile is used) and runs attention_fa's online softmax (f32,
-// log2 units, P rounded to h16 for P·V). The warps' states merge through shared memory: into the
+// columns of dec_step_t's transposed ones, so each K and V tile feeds every head sharing it.
+// The split's tiles go to the WARPS warps in turn; each warp stages DEC_STAGES tiles (cp.async
+// into its stages of the dynamic shared memory; the next DEC_STAGES - 1 tiles' copies in flight
+// while a tile is used) and runs attention_fa's online softmax (f32, log2 units, P rounded to h16
+// for P·V). The warps' states merge through shared memory: into the
 // output where the row's keys are one split, else into `part` (each split's unnormalised
 // output, max and sum a head), which attention_dec_merge combines. With MIXED_ONLY, only rows
 // attention_fa leaves run (fa_row). Window, cap and sinks as attention_fa's. With R::ON
