@@ -210,14 +210,28 @@ pub const DEC_WARPS: usize = 4;
 /// whose four-warp blocks would run in two waves runs in one.
 pub const DEC_WARPS_PAST_WAVE: usize = 2;
 
-/// Blocks of [`DEC_WARPS`] warps an H100 / H200 holds at once: two an SM of 132 (their
-/// shared memory, [`dec_smem`]: 102 KB a block of head size 128).
-const DEC_WAVE: usize = 264;
+/// The SMs of the GPU decode attention's block counts are reckoned for (an H100 SXM / H200).
+const GPU_SMS: usize = 132;
+
+/// Shared memory an SM of an H100 / H200 gives its blocks (228 KB).
+const SM_SMEM: usize = 228 * 1024;
+
+/// Shared memory a decode attention block takes beside its stages, at most: its static arrays
+/// (the own row's queries, key, value and rotation, the warps' maxima and sums: under 6 KB at head
+/// size 128 with 16 query heads) and the 1 KB the driver keeps a block.
+const DEC_SMEM_BESIDE: usize = 7 * 1024;
+
+/// Blocks of [`DEC_WARPS`] warps an H100 / H200 holds at once: as many an SM as their shared
+/// memory allows at head size 128 ([`dec_smem`]; two with three stages, three with two). Their
+/// registers allow three or more (the 16-row form 168 a thread, the transposed one 128).
+fn dec_wave() -> usize {
+    GPU_SMS * (SM_SMEM / (dec_smem(DEC_WARPS, 128) + DEC_SMEM_BESIDE))
+}
 
 /// The most unsplit decode rows of `kv_heads` kv heads whose blocks of [`DEC_WARPS`] warps fit
 /// the GPU at once; more rows take [`DEC_WARPS_PAST_WAVE`] warps a block.
 pub fn dec_warps_rows(kv_heads: usize) -> usize {
-    DEC_WAVE / kv_heads.max(1)
+    dec_wave() / kv_heads.max(1)
 }
 
 /// Key tiles (16 keys) each decode attention warp stages (`DEC_STAGES`): two in flight while it
@@ -236,7 +250,7 @@ pub const DEC_SPLIT_MIN: usize = 8 * DEC_WARPS;
 /// (docs/perf.md): splitting to a thousand blocks was slower at 64 rows of the 7B shape (four kv
 /// heads, 256 blocks unsplit) and at 256 rows of the 0.5B shape (two kv heads); only rows that
 /// leave SMs idle gain from it.
-const DEC_BLOCKS: usize = 264;
+const DEC_BLOCKS: usize = 2 * GPU_SMS;
 
 /// The most blocks a decode row's keys split into.
 const DEC_MAX_SPLITS: usize = 8;
@@ -706,7 +720,10 @@ fn map_bufs(step: &mut Step, f: impl Fn(usize) -> usize, arg: impl Fn(usize) -> 
 
 #[cfg(test)]
 mod tests {
-    use super::{fa_smem, launch, moe_rows_max, Count, Dim, Step, FA_KEYS, FA_STAGES, FA_WARPS, MOE_TILE, ONE};
+    use super::{
+        dec_smem, dec_wave, fa_smem, launch, moe_rows_max, Count, Dim, Step, DEC_STAGES, DEC_WARPS, FA_KEYS, FA_STAGES,
+        FA_WARPS, MOE_TILE, ONE,
+    };
     use crate::keys::KernelKey;
 
     /// A step runs the first variant whose bound holds its count (tokens or logit rows, as the
@@ -736,6 +753,14 @@ mod tests {
         }
         assert!(2 * fa_smem(128) <= 228 * 1024);
         assert_eq!(FA_KEYS % 16, 0, "keys in mma tiles of 16");
+    }
+
+    /// Decode attention's four-warp blocks: two an SM with three key stages of head size 128
+    /// (102 KB each), so 264 fit an H200 at once.
+    #[test]
+    fn decode_attention_wave_follows_its_stages() {
+        assert_eq!(dec_smem(DEC_WARPS, 128), DEC_WARPS * DEC_STAGES * 8704);
+        assert_eq!((DEC_STAGES, dec_wave()), (3, 264));
     }
 
     /// `Dim::Groups` bounds the tiles of splits of `count * per` items into at most `groups`
