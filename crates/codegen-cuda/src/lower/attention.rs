@@ -135,7 +135,8 @@ pub(super) fn attention(b: &mut Builder, i: usize, pre: &[usize]) -> Result<(), 
     let one = launch(one, one_args, [ONE, Dim::Fixed(heads)], 256);
     let group = heads / kv_heads;
     let mut variants = vec![(1, vec![one])];
-    let per_head = (GQA_HEAD_ROWS, vec![rope.clone(), rows(false, 1)]);
+    // Few rows of the shapes attention_dec does not take: a block per row and query head.
+    let per_head = || (GQA_HEAD_ROWS, vec![rope.clone(), rows(false, 1)]);
     if d <= 128 {
         let fa = KernelKey::AttentionFa { heads, kv_heads, d, out: o, mask };
         let mut fa = launch(fa, args.clone(), [per_token(1, FA_ROWS), Dim::Fixed(heads)], (32 * FA_WARPS) as u32);
@@ -172,10 +173,10 @@ pub(super) fn attention(b: &mut Builder, i: usize, pre: &[usize]) -> Result<(), 
                 variants.push((bound, [vec![rope.clone(), fa.clone()], dec].concat()));
             }
         } else {
-            variants.extend([per_head, (usize::MAX, vec![rope, fa, rows(true, group)])]);
+            variants.extend([per_head(), (usize::MAX, vec![rope, fa, rows(true, group)])]);
         }
     } else {
-        variants.extend([per_head, (usize::MAX, vec![rope, rows(false, group)])]);
+        variants.extend([per_head(), (usize::MAX, vec![rope, rows(false, group)])]);
     }
     b.steps.push(Step::Kernels { by: Count::Tokens, variants });
     Ok(())
