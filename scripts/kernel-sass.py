@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """What ptxas makes of generated kernels, without a GPU: registers, spills and the SASS opcode mix.
 
-Usage: scripts/kernel-sass.py SOURCE [--kernel REGEX] [--arch sm_90] [--top N]
+Usage: scripts/kernel-sass.py SOURCE [--kernel REGEX] [--arch sm_90] [--top N] [--dump FILE]
 
 SOURCE is a bundle directory (its kernels/model.cu) or a .cu file in the generated layout (the
 shared templates, then one `extern "C" __global__` line a kernel, as codegen_cuda emits; `engc
@@ -12,7 +12,8 @@ the runtime compiles them (`-std=c++17`, one program); ptxas's verbose report gi
 spills and shared memory a kernel. Where `nvdisasm` can be had (PyPI's nvidia-cuda-nvdisasm,
 installed into the venv of scripts/pyenv.sh on first use; its 13.x release reads sm_90 cubins),
 each kernel's static instruction count and most common opcodes follow: what docs/perf.md's
-instruction counts of the decode GEMVs (2026-11-27) were measured with.
+instruction counts of the decode GEMVs (2026-11-27) were measured with. --dump FILE writes the
+whole SASS (nvdisasm's text) of the matched kernels, to read a loop's body or count it.
 """
 import argparse
 import collections
@@ -90,11 +91,14 @@ def nvdisasm():
     return None
 
 
-def opcode_mix(tool, cubin):
+def disassemble(tool, cubin):
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        sass = subprocess.run([tool, "-c", f.name], capture_output=True, text=True).stdout
+        return subprocess.run([tool, "-c", f.name], capture_output=True, text=True).stdout
+
+
+def opcode_mix(sass):
     mix, name = collections.defaultdict(collections.Counter), None
     for line in sass.splitlines():
         if m := re.match(r"^\.text\.(\w+):", line):
@@ -110,13 +114,18 @@ def main():
     ap.add_argument("--kernel", default=".", help="a regex over kernel names")
     ap.add_argument("--arch", default="sm_90")
     ap.add_argument("--top", type=int, default=8, help="opcodes shown a kernel")
+    ap.add_argument("--dump", help="write the whole SASS of the matched kernels to this file")
     a = ap.parse_args()
     src, n = source_of(a.source, a.kernel)
     print(f"{n} kernels, {a.arch}", file=sys.stderr)
     cubin, log = compile_cubin(nvrtc(), src, a.arch)
     report = ptxas_report(log)
     tool = nvdisasm()
-    mix = opcode_mix(tool, cubin) if tool else {}
+    sass = disassemble(tool, cubin) if tool else ""
+    mix = opcode_mix(sass)
+    if a.dump and sass:
+        with open(a.dump, "w") as f:
+            f.write(sass)
     for name in sorted(report):
         print(f"{name}: {report[name]}")
         if name in mix:
