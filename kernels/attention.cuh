@@ -1112,14 +1112,12 @@ __device__ void attention_dec(const float* q, const h16_t* kc, const h16_t* vc, 
     const int p0 = ds.base + j * 16;
     if (own && p0 + 16 >= ds.n) dec_put_own<D>(own_kv, ds.n - 1 - p0, k_s(i), k_s(i) + TILE);
     const auto masked = [&](int, int p) { return p < ds.first; };
-    const bool edge = p0 < ds.first || p0 + 16 > ds.n;
-    if constexpr (TR) {
+    if constexpr (TR)
       dec_step_t<D, CAP>(qf, p0, ds.n, k_s(i), k_s(i) + TILE, masked, m, l, o);
-    } else if (edge) {
+    else if (p0 < ds.first || p0 + 16 > ds.n)
       fa_step<D, CAP>(qf, p0, ds.n, k_s(i), k_s(i) + TILE, masked, m, l, o);
-    } else {
+    else
       fa_step<D, CAP, false>(qf, p0, ds.n, k_s(i), k_s(i) + TILE, masked, m, l, o);
-    }
     __syncwarp();
   }
   cp_async_wait<0>();
