@@ -492,16 +492,18 @@ __device__ void moe_down_rows(const h16_t* a, const int* perm, const int* tiles,
 // order (pair t K + k); the sums are the warp-per-feature kernels' (moe_up_rows,
 // moe_down_rows + moe_combine) bit for bit.
 
-// The routing of the pair's token (every warp picks from the logits; blocks of the token's
-// first pair and features 0..7 write ids and weights for moe_down_direct), then gate and up
-// with the activation, a warp per feature i of the pair's expert: a[r][i] for pair
-// r = blockIdx.y, its 16-bit input staged in shared memory. grid: (I / 8, T K), block: 256.
+// The routing of the pair's token (every warp picks from the logits once; blocks of the
+// token's first pair and features 0..7 write ids and weights for moe_down_direct), then gate and
+// up with the activation, a warp per feature i of the pair's expert in turn (i from blockIdx.x *
+// 8 + warp, gridDim.x * 8 apart: the blocks of a step fit the GPU at once, so the routing's
+// latency is paid once and not again each wave; the next feature's rows are loaded while a
+// feature's sums are reduced and stored): a[r][i] for pair r = blockIdx.y, its 16-bit input
+// staged in shared memory. grid: (at most I / 8, T K), block: 256.
 template <int H, int I, int K, int E, bool NORM, typename B, typename ACT>
 __device__ void moe_up_direct(const float* x, const float* logits, int* ids, float* weights, const h16_t* gate,
                               const h16_t* up, const B* gb, const B* ub, h16_t* a, ACT act) {
   __shared__ __align__(16) h16_t xs[H];
-  const int r = blockIdx.y, t = r / K, k = r % K, lane = threadIdx.x & 31;
-  const int i = blockIdx.x * 8 + (threadIdx.x >> 5);
+  const int r = blockIdx.y, t = r / K, k = r % K, lane = threadIdx.x & 31, step = gridDim.x * 8;
   for (int c = threadIdx.x; c < H; c += blockDim.x) xs[c] = f32_to_h16(x[(long)t * H + c]);
   int pe[K];
   float pw[K];
@@ -512,22 +514,30 @@ __device__ void moe_up_direct(const float* x, const float* logits, int* ids, flo
     if (j == k) e = pe[j];
   using Part = RowPart<H, 1, h16_t>;
   const Part part;
-  const long row = (long)e * I + i;
   uint4 w[2][Part::L];  // gate, up
-  part.load((const uint4*)(gate + row * H), nullptr, w[0], nullptr);
-  part.load((const uint4*)(up + row * H), nullptr, w[1], nullptr);
+  const auto load = [&](int i) {
+    const long row = (long)e * I + i;
+    part.load((const uint4*)(gate + row * H), nullptr, w[0], nullptr);
+    part.load((const uint4*)(up + row * H), nullptr, w[1], nullptr);
+  };
+  int i = blockIdx.x * 8 + (threadIdx.x >> 5);
+  load(i);
   if (k == 0 && blockIdx.x == 0 && threadIdx.x == 0)
 #pragma unroll
     for (int j = 0; j < K; j++) {
       ids[t * K + j] = pe[j];
       weights[t * K + j] = pw[j];
     }
-  const float bg = gb ? to_f32(gb[row]) : 0.0f, bu = ub ? to_f32(ub[row]) : 0.0f;
   __syncthreads();
-  float s[2];
-  part.template dot<1, 2>(xs, w, nullptr, 1, s);
-  const float g = warp_sum(s[0]) + bg, u = warp_sum(s[1]) + bu;
-  if (lane == 0) a[(long)r * I + i] = f32_to_h16(act(g, u));
+  for (; i < I; i += step) {
+    const long row = (long)e * I + i;
+    const float bg = gb ? to_f32(gb[row]) : 0.0f, bu = ub ? to_f32(ub[row]) : 0.0f;
+    float s[2];
+    part.template dot<1, 2>(xs, w, nullptr, 1, s);
+    if (i + step < I) load(i + step);
+    const float g = warp_sum(s[0]) + bg, u = warp_sum(s[1]) + bu;
+    if (lane == 0) a[(long)r * I + i] = f32_to_h16(act(g, u));
+  }
 }
 
 // The weights of a token's experts that moe_down_direct loads at once: all K where a lane's

@@ -305,6 +305,14 @@ pub const MOE_ROWS_PAIRS: usize = 8;
 /// token order, no sort: `moe_up_direct` / `moe_down_direct`); above, the grouped ones.
 pub const MOE_DIRECT_TOKENS: usize = 1;
 
+/// Blocks along the features of a direct step's `moe_up_direct` (of `inter` / 8 at most, eight
+/// warps each): two an SM of [`GPU_SMS`] over the `k` pairs of [`MOE_DIRECT_TOKENS`] token, so
+/// the step's blocks run at once (their registers allow two an SM) and pay the routing every
+/// block does first once, not once a wave; the warps take the features in turn.
+pub fn moe_up_direct_blocks(inter: usize, k: usize) -> usize {
+    (2 * GPU_SMS / (k * MOE_DIRECT_TOKENS).max(1)).min(inter / 8).max(1)
+}
+
 /// The most tokens a step of a mixture of `experts` choosing `k` a token runs the grouped
 /// experts a warp per feature ([`MOE_ROWS_PAIRS`] pairs an expert on average).
 pub fn moe_rows_max(experts: usize, k: usize) -> usize {
@@ -721,8 +729,8 @@ fn map_bufs(step: &mut Step, f: impl Fn(usize) -> usize, arg: impl Fn(usize) -> 
 #[cfg(test)]
 mod tests {
     use super::{
-        dec_smem, dec_wave, fa_smem, launch, moe_rows_max, Count, Dim, Step, DEC_STAGES, DEC_WARPS, FA_KEYS, FA_STAGES,
-        FA_WARPS, MOE_TILE, ONE,
+        dec_smem, dec_wave, fa_smem, launch, moe_rows_max, moe_up_direct_blocks, Count, Dim, Step, DEC_STAGES,
+        DEC_WARPS, FA_KEYS, FA_STAGES, FA_WARPS, GPU_SMS, MOE_DIRECT_TOKENS, MOE_TILE, ONE,
     };
     use crate::keys::KernelKey;
 
@@ -761,6 +769,19 @@ mod tests {
     fn decode_attention_wave_follows_its_stages() {
         assert_eq!(dec_smem(DEC_WARPS, 128), DEC_WARPS * DEC_STAGES * 8704);
         assert_eq!((DEC_STAGES, dec_wave()), (3, 264));
+    }
+
+    /// A direct step's `moe_up_direct` blocks all fit the GPU at once (two an SM), take at most
+    /// one block a group of eight features, and at least one: Qwen3-30B-A3B (768 features, 8
+    /// experts a token), gpt-oss-20b (2,880, 4), a tiny fixture's 64 features, a top-1 router.
+    #[test]
+    fn direct_moe_up_blocks_fit_one_wave() {
+        for (inter, k, want) in [(768, 8, 33), (2880, 4, 66), (64, 2, 8), (32768, 1, 264), (8, 64, 1)] {
+            let b = moe_up_direct_blocks(inter, k);
+            assert_eq!(b, want, "inter {inter} k {k}");
+            assert!(b * k * MOE_DIRECT_TOKENS <= 2 * GPU_SMS || b == 1, "inter {inter} k {k}");
+            assert!((1..=inter / 8).contains(&b), "inter {inter} k {k}");
+        }
     }
 
     /// `Dim::Groups` bounds the tiles of splits of `count * per` items into at most `groups`
