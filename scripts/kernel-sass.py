@@ -2,6 +2,7 @@
 """What ptxas makes of generated kernels, without a GPU: registers, spills and the SASS opcode mix.
 
 Usage: scripts/kernel-sass.py SOURCE [--kernel REGEX] [--arch sm_90] [--top N] [--dump FILE]
+       scripts/kernel-sass.py SOURCE --waves LAUNCHES [--sms 132]
 
 SOURCE is a bundle directory (its kernels/model.cu) or a .cu file in the generated layout (the
 shared templates, then one `extern "C" __global__` line a kernel, as codegen_cuda emits; `engc
@@ -14,6 +15,13 @@ installed into the venv of scripts/pyenv.sh on first use; its 13.x release reads
 each kernel's static instruction count and most common opcodes follow: what docs/perf.md's
 instruction counts of the decode GEMVs (2026-11-27) were measured with. --dump FILE writes the
 whole SASS (nvdisasm's text) of the matched kernels, to read a loop's body or count it.
+
+--waves FILE reads the launches of a step (`engc cuda-check ... --launches T --launches-to FILE`:
+kernel, blocks, threads, dynamic shared memory) and prints, launch by launch, the blocks an SM
+of an H100 / H200 holds at once (by registers, shared memory, threads; --sms SMs, default 132)
+and the waves the launch takes: a launch of more than one wave cannot have all its blocks
+loading before the kernel ahead of it ends (the decode GEMVs' weights, loaded before
+`pdl_wait`), and each wave pays its blocks' latency again. The kernels are those of FILE.
 """
 import argparse
 import collections
@@ -108,6 +116,46 @@ def opcode_mix(sass):
     return mix
 
 
+# An sm_90 SM: its register file, the most warps and blocks it holds, its shared memory and
+# what the driver keeps of it a block (the CUDA occupancy rules of compute capability 9.0).
+SM_REGS, SM_WARPS, SM_BLOCKS, SM_SMEM, BLOCK_SMEM_RESERVED = 65536, 64, 32, 233472, 1024
+
+
+def blocks_per_sm(regs, smem, threads):
+    """Blocks of `threads` threads, `regs` registers a thread and `smem` bytes of shared memory
+    (static and dynamic) an sm_90 SM holds at once."""
+    warps = -(-threads // 32)
+    per_warp = -(-max(regs, 1) * 32 // 256) * 256  # registers are given a warp 256 at a time
+    by_regs = (SM_REGS // per_warp) // warps
+    by_smem = SM_SMEM // (smem + BLOCK_SMEM_RESERVED)
+    return max(0, min(by_regs, by_smem, SM_WARPS // warps, SM_BLOCKS))
+
+
+def read_launches(path):
+    """[(kernel, blocks, threads, dynamic smem, idle)] of an `engc cuda-check --launches` file."""
+    rows = []
+    for n, line in enumerate(open(path), 1):
+        f = line.rstrip("\n").split("\t")
+        if len(f) < 4:
+            sys.exit(f"{path}:{n}: expected kernel, blocks, threads, shared memory (tab separated)")
+        rows.append((f[0], int(f[1]), int(f[2]), int(f[3]), len(f) > 4 and f[4] == "idle"))
+    return rows
+
+
+def waves_table(launches, report, sms):
+    """Per launch: its blocks, the blocks an SM holds, and the waves that makes."""
+    print(f"{'kernel':<60} {'blocks':>7} {'thr':>4} {'regs':>4} {'smem':>7} {'/SM':>4} {'waves':>6}")
+    for name, blocks, threads, dyn, idle in launches:
+        m = re.match(r"(\d+) registers, .*?(\d+) bytes smem", report.get(name, ""))
+        if not m:
+            print(f"{name[:60]:<60} {blocks:>7} (no ptxas report)")
+            continue
+        regs, smem = int(m.group(1)), int(m.group(2)) + dyn
+        per = blocks_per_sm(regs, smem, threads)
+        waves = f"{blocks / (per * sms):.2f}" if per else "none"
+        print(f"{name[:60]:<60} {blocks:>7} {threads:>4} {regs:>4} {smem:>7} {per:>4} {waves:>6}{' idle' if idle else ''}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("source")
@@ -115,11 +163,19 @@ def main():
     ap.add_argument("--arch", default="sm_90")
     ap.add_argument("--top", type=int, default=8, help="opcodes shown a kernel")
     ap.add_argument("--dump", help="write the whole SASS of the matched kernels to this file")
+    ap.add_argument("--waves", help="a step's launches (engc cuda-check --launches-to): their waves")
+    ap.add_argument("--sms", type=int, default=132, help="SMs of the GPU (--waves)")
     a = ap.parse_args()
+    launches = read_launches(a.waves) if a.waves else None
+    if launches:
+        a.kernel = "^(" + "|".join(sorted({re.escape(l[0]) for l in launches})) + ")$"
     src, n = source_of(a.source, a.kernel)
     print(f"{n} kernels, {a.arch}", file=sys.stderr)
     cubin, log = compile_cubin(nvrtc(), src, a.arch)
     report = ptxas_report(log)
+    if launches:
+        waves_table(launches, report, a.sms)
+        return
     tool = nvdisasm()
     sass = disassemble(tool, cubin) if tool else ""
     mix = opcode_mix(sass)

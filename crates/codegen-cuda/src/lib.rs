@@ -103,6 +103,25 @@ impl Program {
     }
 }
 
+impl Program {
+    /// The launches of a forward step of `tokens` tokens, one logit row each (a decode step of
+    /// that batch; sampling not counted), in order, one line each: the kernel's name, its
+    /// blocks (grid x times y), threads a block and dynamic shared memory a block (bytes), tab
+    /// separated, and `idle` where a decode graph leaves the launch out ([`Launch`]'s
+    /// `idle_in_decode`). The small-batch linears' launches are the schedule's own (the runtime
+    /// may time another GEMM in their place). What `scripts/kernel-sass.py --waves` reads.
+    pub fn launch_table(&self, tokens: usize) -> String {
+        let count = |_: Count| tokens;
+        let mut out = String::new();
+        for l in self.steps.iter().flat_map(|s| s.launches(tokens, tokens)) {
+            let blocks = l.grid[0].size(count) * l.grid[1].size(count);
+            let idle = if l.idle_in_decode { "\tidle" } else { "" };
+            out += &format!("{}\t{blocks}\t{}\t{}{idle}\n", l.key.name(), l.block, l.key.dyn_smem());
+        }
+        out
+    }
+}
+
 fn launches_at(steps: &[Step], count: usize) -> usize {
     steps
         .iter()

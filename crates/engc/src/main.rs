@@ -78,6 +78,14 @@ enum Cmd {
         /// Also write the CUDA source checked to this file (for `scripts/kernel-sass.py`).
         #[arg(long)]
         emit: Option<PathBuf>,
+        /// Also write the launches of a step of this many tokens (one logit row each) to the
+        /// file of --launches-to: kernel, blocks, threads, dynamic shared memory (for
+        /// `scripts/kernel-sass.py --waves`).
+        #[arg(long, requires = "launches_to")]
+        launches: Option<usize>,
+        /// Where --launches writes.
+        #[arg(long, requires = "launches")]
+        launches_to: Option<PathBuf>,
     },
     /// Describe a bundle.
     Inspect {
@@ -115,8 +123,8 @@ fn main() -> ExitCode {
             }
         }
         Cmd::Inspect { bundle, graph } => inspect(&bundle, graph),
-        Cmd::CudaCheck { bundle, model, config, tp, dtype, arch, emit } => {
-            cuda_check(bundle, model, config, (tp, dtype), arch, emit)
+        Cmd::CudaCheck { bundle, model, config, tp, dtype, arch, emit, launches, launches_to } => {
+            cuda_check(bundle, model, config, (tp, dtype), arch, emit, launches.zip(launches_to))
         }
     };
     match result {
@@ -142,23 +150,37 @@ fn cuda_check(
     (tp, dtype): (usize, DType),
     arch: String,
     emit: Option<PathBuf>,
+    launches: Option<(usize, PathBuf)>,
 ) -> Result<(), String> {
-    let source = match (bundle, model, config) {
+    // A bundle's own source (what it runs), its plan only where the launches are asked for.
+    let (source, program) = match (bundle, model, config) {
         (Some(b), None, None) => {
             let p = b.join("kernels/model.cu");
-            std::fs::read_to_string(&p).map_err(|e| format!("{}: {e}", p.display()))?
+            let source = std::fs::read_to_string(&p).map_err(|e| format!("{}: {e}", p.display()))?;
+            let program = match launches {
+                Some(_) => {
+                    let plan = Bundle::open(&b).map_err(|e| e.to_string())?.plan;
+                    Some(codegen_cuda::emit_for_bundle(&plan, Some(&source)).map_err(|e| e.to_string())?)
+                }
+                None => None,
+            };
+            (source, program)
         }
         (None, Some(m), Some(c)) => {
             let text = std::fs::read_to_string(&c).map_err(|e| format!("{}: {e}", c.display()))?;
             let cfg: serde_json::Value =
                 serde_json::from_str(&text).map_err(|e| format!("{}: invalid JSON: {e}", c.display()))?;
             let plan = compiler::plan_for_config(&m, &cfg, tp, dtype).map_err(|e| e.to_string())?;
-            codegen_cuda::emit(&plan).map_err(|e| e.to_string())?.source
+            let program = codegen_cuda::emit(&plan).map_err(|e| e.to_string())?;
+            (program.source.clone(), Some(program))
         }
         _ => return Err("give a bundle, or --model and --config".into()),
     };
     if let Some(f) = &emit {
         std::fs::write(f, &source).map_err(|e| format!("{}: {e}", f.display()))?;
+    }
+    if let (Some((tokens, f)), Some(program)) = (&launches, &program) {
+        std::fs::write(f, program.launch_table(*tokens)).map_err(|e| format!("{}: {e}", f.display()))?;
     }
     let arch: &'static str = Box::leak(arch.into_boxed_str());
     let t = std::time::Instant::now();

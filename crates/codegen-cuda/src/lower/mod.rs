@@ -512,6 +512,26 @@ mod tests {
         g.to_plan().unwrap()
     }
 
+    /// A step's launch table lists the launches a step of that many tokens runs, in order,
+    /// with their blocks, threads and dynamic shared memory: at one token the GEMV applying the
+    /// norm (8 outputs a block of 256 threads), at 64 the norm and the small-batch kernel.
+    #[test]
+    fn the_launch_table_lists_a_steps_launches() {
+        let program = crate::emit(&plan(64)).unwrap();
+        for t in [1, 64] {
+            let table = program.launch_table(t);
+            assert_eq!(table.lines().count(), program.launches(t), "{table}");
+            assert!(table.lines().all(|l| l.split('\t').count() == 4), "{table}");
+        }
+        let one = program.launch_table(1);
+        assert!(one.contains("gemv_k64_n64_r1_norm_bf16\t8\t256\t0\n"), "{one}");
+        let many = program.launch_table(64);
+        assert!(
+            many.starts_with("embedding_h64_bf16\t64\t256\t0\nrms_norm_h64_bf16_to_bf16\t64\t256\t0\n"),
+            "{many}"
+        );
+    }
+
     /// A norm over groups of 32 of a 64-wide row runs as the row kernel over 2 groups per token
     /// at every batch size; a whole-row norm is one block per token, and the batch-1 GEMV
     /// reading it applies it itself (`XNorm` takes whole rows only).
