@@ -160,12 +160,23 @@ pub fn plan_for_config(
     tp: usize,
     dtype: DType,
 ) -> Result<Plan, CompileError> {
+    plan_for_config_quant(model_yaml, config, (tp, dtype), None)
+}
+
+/// [`plan_for_config`] with the linears' weights quantized as `--quant` would (their dtype in
+/// the plan; no weights are read).
+pub fn plan_for_config_quant(
+    model_yaml: &std::path::Path,
+    config: &serde_json::Value,
+    (tp, dtype): (usize, DType),
+    quant: Option<Quant>,
+) -> Result<Plan, CompileError> {
     if tp == 0 {
         return Err(CompileError::Usage("--tp must be at least 1".into()));
     }
     let spec = ModelSpec::load(model_yaml)?;
     let model = spec::bind(&spec, config)?;
-    Ok(build_plan(&model, (dtype, &BTreeMap::new()), (tp, LmHead::default(), None), None)?.0)
+    Ok(build_plan(&model, (dtype, &BTreeMap::new()), (tp, LmHead::default(), quant), None)?.0)
 }
 
 /// Checks that every tensor the model names exists with its shape and a supported dtype.

@@ -18,7 +18,7 @@ pub mod passes;
 pub mod select;
 pub mod shard;
 
-pub use driver::{compile, plan_for_config, CompileOptions, CompileReport};
+pub use driver::{compile, plan_for_config, plan_for_config_quant, CompileOptions, CompileReport};
 pub use passes::{LmHead, Quant};
 pub use select::{find_model, model_dirs};
 

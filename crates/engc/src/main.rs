@@ -72,6 +72,9 @@ enum Cmd {
         /// Weight and activation dtype (with --config): bf16, f16 or f32.
         #[arg(long, value_parser = parse_dtype, default_value = "bf16")]
         dtype: DType,
+        /// Quantize the linears' weights (with --config) as `compile --quant` does: fp8.
+        #[arg(long, value_parser = parse_quant, requires = "config")]
+        quant: Option<Quant>,
         /// Target virtual architecture.
         #[arg(long, default_value = "compute_90")]
         arch: String,
@@ -123,8 +126,8 @@ fn main() -> ExitCode {
             }
         }
         Cmd::Inspect { bundle, graph } => inspect(&bundle, graph),
-        Cmd::CudaCheck { bundle, model, config, tp, dtype, arch, emit, launches, launches_to } => {
-            cuda_check(bundle, model, config, (tp, dtype), arch, emit, launches.zip(launches_to))
+        Cmd::CudaCheck { bundle, model, config, tp, dtype, quant, arch, emit, launches, launches_to } => {
+            cuda_check(bundle, model, config, (tp, dtype, quant), arch, emit, launches.zip(launches_to))
         }
     };
     match result {
@@ -147,7 +150,7 @@ fn cuda_check(
     bundle: Option<PathBuf>,
     model: Option<PathBuf>,
     config: Option<PathBuf>,
-    (tp, dtype): (usize, DType),
+    (tp, dtype, quant): (usize, DType, Option<Quant>),
     arch: String,
     emit: Option<PathBuf>,
     launches: Option<(usize, PathBuf)>,
@@ -170,7 +173,7 @@ fn cuda_check(
             let text = std::fs::read_to_string(&c).map_err(|e| format!("{}: {e}", c.display()))?;
             let cfg: serde_json::Value =
                 serde_json::from_str(&text).map_err(|e| format!("{}: invalid JSON: {e}", c.display()))?;
-            let plan = compiler::plan_for_config(&m, &cfg, tp, dtype).map_err(|e| e.to_string())?;
+            let plan = compiler::plan_for_config_quant(&m, &cfg, (tp, dtype), quant).map_err(|e| e.to_string())?;
             let program = codegen_cuda::emit(&plan).map_err(|e| e.to_string())?;
             (program.source.clone(), Some(program))
         }

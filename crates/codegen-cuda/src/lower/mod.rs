@@ -526,10 +526,7 @@ mod tests {
         let one = program.launch_table(1);
         assert!(one.contains("gemv_k64_n64_r1_norm_bf16\t8\t256\t0\n"), "{one}");
         let many = program.launch_table(64);
-        assert!(
-            many.starts_with("embedding_h64_bf16\t64\t256\t0\nrms_norm_h64_bf16_to_bf16\t64\t256\t0\n"),
-            "{many}"
-        );
+        assert!(many.starts_with("embedding_h64_bf16\t64\t256\t0\nrms_norm_h64_bf16_to_bf16\t64\t256\t0\n"), "{many}");
     }
 
     /// A norm over groups of 32 of a 64-wide row runs as the row kernel over 2 groups per token
