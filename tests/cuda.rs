@@ -168,6 +168,45 @@ fn generated_kernels_compile_with_nvrtc_for_sm90() {
     }
 }
 
+/// `engc cuda-check --quant fp8 --launches T --launches-to FILE` writes the launches of a T-token
+/// step of the shape with its linears in E4M3 (kernel, blocks, threads, dynamic shared memory):
+/// at one token the 7B's q|k|v and o GEMVs (two warps an output, four outputs a block), at 64
+/// decode attention's four-warp blocks with their stages (three of K and V tiles a warp).
+#[test]
+fn cuda_check_writes_a_steps_launches() {
+    let lib = nvrtc_lib();
+    let dir = scratch(env!("CARGO_TARGET_TMPDIR"), "cuda-launches");
+    let config = repo().join("tests/configs/qwen2.5-7b-l2.json").display().to_string();
+    let model = repo().join("models/qwen2.yaml").display().to_string();
+    for (t, quant, lines) in [
+        (
+            "1",
+            Some("fp8"),
+            &["gemv_k3584_n3584_512_512_r1_f8\t1152\t256\t0", "gemv_k3584_n3584_r1_f8\t896\t256\t0"][..],
+        ),
+        (
+            "64",
+            None,
+            &["attention_dec_h28_kv4_d128_to_bf16_mixed_x1_w4_rope_11_ld4608_4608_4608\t256\t128\t104448"][..],
+        ),
+    ] {
+        let file = dir.join(format!("launches-{t}.tsv"));
+        let mut args = vec!["--model", &model, "--config", &config, "--launches", t, "--launches-to"];
+        let path = file.display().to_string();
+        args.push(&path);
+        if let Some(q) = quant {
+            args.extend(["--quant", q]);
+        }
+        let o = cuda_check(&args, Some(&lib));
+        assert!(o.status.success(), "{args:?}: {}", stderr(&o));
+        let table = std::fs::read_to_string(&file).unwrap();
+        assert!(table.lines().all(|l| l.split('\t').count() >= 4), "{table}");
+        for line in lines {
+            assert!(table.lines().any(|l| l == *line), "no `{line}` in {table}");
+        }
+    }
+}
+
 /// Without NVRTC on the library path, `engc cuda-check` says so; where a system-wide NVRTC is
 /// found instead, the kernels must compile.
 #[test]
