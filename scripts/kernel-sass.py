@@ -71,17 +71,17 @@ def compile_cubin(lib, src, arch):
 
 
 def ptxas_report(log):
-    """{kernel: 'N registers, S bytes spilled, M bytes smem'} from ptxas's verbose log."""
-    out, name = {}, None
+    """{kernel: (registers, bytes spilled, bytes of static shared memory)} from ptxas's verbose log."""
+    out, spilled, name = {}, {}, None
     for line in log.splitlines():
         if m := re.search(r"Compiling entry function '(\w+)'", line):
             name = m.group(1)
         elif (m := re.search(r"Function properties for (\w+)", line)) and m.group(1) != name:
             name = None  # a called function's report (a __noinline__ one), not the kernel's
         elif name and (m := re.search(r"(\d+) bytes spill stores", line)):
-            out[name] = f"{m.group(1)} bytes spilled"
+            spilled[name] = int(m.group(1))
         elif name and (m := re.search(r"Used (\d+) registers(?:.*?(\d+) bytes smem)?", line)):
-            out[name] = f"{m.group(1)} registers, {out.get(name, '0 bytes spilled')}, {m.group(2) or 0} bytes smem"
+            out[name] = (int(m.group(1)), spilled.get(name, 0), int(m.group(2) or 0))
     return out
 
 
@@ -146,11 +146,11 @@ def waves_table(launches, report, sms):
     """Per launch: its blocks, the blocks an SM holds, and the waves that makes."""
     print(f"{'kernel':<60} {'blocks':>7} {'thr':>4} {'regs':>4} {'smem':>7} {'/SM':>4} {'waves':>6}")
     for name, blocks, threads, dyn, idle in launches:
-        m = re.match(r"(\d+) registers, .*?(\d+) bytes smem", report.get(name, ""))
-        if not m:
+        if name not in report:
             print(f"{name[:60]:<60} {blocks:>7} (no ptxas report)")
             continue
-        regs, smem = int(m.group(1)), int(m.group(2)) + dyn
+        regs, _, smem = report[name]
+        smem += dyn
         per = blocks_per_sm(regs, smem, threads)
         waves = f"{blocks / (per * sms):.2f}" if per else "none"
         print(f"{name[:60]:<60} {blocks:>7} {threads:>4} {regs:>4} {smem:>7} {per:>4} {waves:>6}{' idle' if idle else ''}")
@@ -183,7 +183,8 @@ def main():
         with open(a.dump, "w") as f:
             f.write(sass)
     for name in sorted(report):
-        print(f"{name}: {report[name]}")
+        regs, spilled, smem = report[name]
+        print(f"{name}: {regs} registers, {spilled} bytes spilled, {smem} bytes smem")
         if name in mix:
             ops = mix[name]
             top = ", ".join(f"{op} {c}" for op, c in ops.most_common(a.top))

@@ -101,9 +101,7 @@ impl Program {
     pub fn launches(&self, count: usize) -> usize {
         launches_at(&self.steps, count)
     }
-}
 
-impl Program {
     /// The launches of a forward step of `tokens` tokens, one logit row each (a decode step of
     /// that batch; sampling not counted), in order, one line each: the kernel's name, its
     /// blocks (grid x times y), threads a block and dynamic shared memory a block (bytes), tab

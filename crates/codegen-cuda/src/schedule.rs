@@ -210,7 +210,8 @@ pub const DEC_WARPS: usize = 4;
 /// whose four-warp blocks would run in two waves runs in one.
 pub const DEC_WARPS_PAST_WAVE: usize = 2;
 
-/// The SMs of the GPU decode attention's block counts are reckoned for (an H100 SXM / H200).
+/// The SMs of the GPU the block counts of decode attention and the direct MoE kernels are
+/// reckoned for (an H100 SXM / H200).
 const GPU_SMS: usize = 132;
 
 /// Shared memory an SM of an H100 / H200 gives its blocks (228 KB).
