@@ -114,27 +114,56 @@ __device__ void moe_route(const L* logits, int* ids, float* weights) {
   moe_pick<E, K, NORM>(logits + (long)blockIdx.x * E, blockIdx.x, ids, weights);
 }
 
-// A mixture of experts' router logits: w[e] · x[t] (+ bias[e]) in f32 from the f32 input, for
-// token t = blockIdx.x and experts blockIdx.y * 8 + warp: one warp per (token, expert), the
-// same sums at any batch, and at batch 1 the router's rows spread over E / 8 blocks. 16-bit
-// rows are loaded before waiting for the previous kernel (the sums as moe_dot_part's).
-// grid: (T, ceil(E / 8)), block: 256.
-template <int H, int E, typename W, typename B>
-__device__ void moe_router_logits(const float* x, const W* w, const B* bias, float* logits) {
+// Where the router's f32 input rows come from: x as it is (RouterX), or an RMS norm (with its
+// residual add when ADD) the router launch applies itself at one token (RouterNorm): every
+// block normalises row t into shared memory exactly as add_rms_norm would (norm_row, after the
+// block's router rows are loaded), and the blocks of blockIdx.y 0 write the normalised row to
+// x (the experts' input) and the sum to s. Both wait for the previous kernel.
+struct RouterX {};
+template <typename WN, bool ADD>
+struct RouterNorm {
+  const float *a, *b;
+  float* s;
+  const WN* nw;
+  float eps;
+  float* x;
+};
+template <int H>
+__device__ __forceinline__ const float* router_rows(const float* x, int t, RouterX) {
+  pdl_wait();
+  return x + (long)t * H;
+}
+template <int H, typename WN, bool ADD>
+__device__ __forceinline__ const float* router_rows(const float*, int t, RouterNorm<WN, ADD> n) {
+  __shared__ __align__(16) float xs[H];
+  const long o = (long)t * H;
+  norm_row<H>(n.a + o, ADD ? n.b + o : nullptr, ADD && blockIdx.y == 0 ? n.s + o : nullptr, n.nw, xs, n.eps);
+  __syncthreads();
+  if (blockIdx.y == 0)
+    for (int c = threadIdx.x; c < H; c += blockDim.x) n.x[o + c] = xs[c];
+  return xs;
+}
+
+// A mixture of experts' router logits: w[e] · x[t] (+ bias[e]) in f32 from the f32 input (its
+// rows by N: RouterX or RouterNorm), for token t = blockIdx.x and experts blockIdx.y * 8 + warp:
+// one warp per (token, expert), the same sums at any batch, and at batch 1 the router's rows
+// spread over E / 8 blocks. 16-bit rows are loaded before waiting for the previous kernel (the
+// sums as moe_dot_part's). grid: (T, ceil(E / 8)), block: 256.
+template <int H, int E, typename W, typename B, typename N>
+__device__ void moe_router_logits(const float* x, const W* w, const B* bias, float* logits, N rows) {
   const int t = blockIdx.x, lane = threadIdx.x & 31, e = blockIdx.y * 8 + (threadIdx.x >> 5);
-  if (e >= E) {
-    pdl_wait();
-    return;
-  }
-  const float* xr = x + (long)t * H;
-  float s = 0.0f;
-  if constexpr (sizeof(W) == 2 && H % 8 == 0) {
-    constexpr int L = (H + 255) / 256;
-    uint4 wv[L];
+  const bool live = e < E;
+  constexpr bool WIDE = sizeof(W) == 2 && H % 8 == 0;
+  constexpr int L = (H + 255) / 256;
+  uint4 wv[WIDE ? L : 1];
+  if constexpr (WIDE)
 #pragma unroll
     for (int j = 0; j < L; j++)
-      if (256 * j + lane * 8 < H) wv[j] = ld_stream_first(w + (long)e * H + 256 * j + lane * 8);
-    pdl_wait();
+      if (live && 256 * j + lane * 8 < H) wv[j] = ld_stream_first(w + (long)e * H + 256 * j + lane * 8);
+  const float* xr = router_rows<H>(x, t, rows);
+  if (!live) return;
+  float s = 0.0f;
+  if constexpr (WIDE) {
 #pragma unroll
     for (int j = 0; j < L; j++) {
       const int c = 256 * j + lane * 8;
@@ -150,7 +179,6 @@ __device__ void moe_router_logits(const float* x, const W* w, const B* bias, flo
       }
     }
   } else {
-    pdl_wait();
     s = moe_dot_part<H>(xr, w + (long)e * H);
   }
   s = warp_sum(s);

@@ -275,6 +275,9 @@ pub enum KernelKey {
         w: DType,
         /// The router bias's dtype, where it has one.
         bias: Option<DType>,
+        /// The RMS norm it applies to its input itself (at one token: `RouterNorm`), writing
+        /// the normalised rows for the experts.
+        norm: Option<NormIn>,
     },
     /// The gate and up projections of each (token, chosen expert) with the activation.
     MoeUp {
@@ -684,9 +687,11 @@ impl KernelKey {
                 format!("map_{:016x}", fnv(&format!("{:?}{}", &ins[..arity], self.map_body())))
             }
             KernelKey::MoeRoute { e, k, norm, logits } => format!("moe_route_e{e}_k{k}_{}_{logits}", u8::from(norm)),
-            KernelKey::MoeRouterLogits { h, e, w, bias } => {
-                format!("moe_router_logits_h{h}_e{e}_{w}{}", bias.map_or(String::new(), |b| format!("_b{b}")))
-            }
+            KernelKey::MoeRouterLogits { h, e, w, bias, norm } => format!(
+                "moe_router_logits_h{h}_e{e}_{w}{}{}",
+                bias.map_or(String::new(), |b| format!("_b{b}")),
+                norm.map_or(String::new(), |n| n.suffix())
+            ),
             KernelKey::MoeUp { h, i, k, w, bias, act } => format!(
                 "moe_up_h{h}_i{i}_k{k}_{w}{}_a{:08x}",
                 bias.map_or(String::new(), |b| format!("_b{b}")),
@@ -1012,12 +1017,22 @@ impl KernelKey {
                     format!("moe_route<{e}, {k}, {norm}, {l}>(logits, ids, weights)"),
                 )
             }
-            KernelKey::MoeRouterLogits { h, e, w, bias } => {
+            KernelKey::MoeRouterLogits { h, e, w, bias, norm } => {
                 let (t, b) = (ctype(w)?, opt_ctype(bias)?);
-                (
-                    format!("const float* x, const {t}* w, const {b}* bias, float* logits"),
-                    format!("moe_router_logits<{h}, {e}, {t}, {b}>(x, w, bias, logits)"),
-                )
+                let call = |rows: &str| format!("moe_router_logits<{h}, {e}, {t}, {b}>(x, w, bias, logits, {rows})");
+                let rest = format!("const {t}* w, const {b}* bias, float* logits");
+                match norm {
+                    None => (format!("const float* x, {rest}"), call("RouterX{}")),
+                    Some(n) => {
+                        let tn = ctype(n.w)?;
+                        (
+                            format!(
+                                "const float* a, const float* b, float* s, const {tn}* nw, float eps, float* x, {rest}"
+                            ),
+                            call(&format!("RouterNorm<{tn}, {}>{{a, b, s, nw, eps, x}}", n.add)),
+                        )
+                    }
+                }
             }
             KernelKey::MoeUp { h, i, k, w, bias, act } => {
                 let (t, b) = (ctype(w)?, opt_ctype(bias)?);

@@ -3,7 +3,7 @@
 use crate::keys::{intern, KernelKey, NormIn, MAP_INPUTS};
 use crate::schedule::{
     gemv_rows, launch, one, per_token, skinny_takes, Arg, Builder, Count, Dim, FusedNorm, Input, Launch, Step,
-    NORM_IN_GEMV_ROWS, ONE, SKINNY_ROWS,
+    MOE_DIRECT_TOKENS, NORM_IN_GEMV_ROWS, ONE, SKINNY_ROWS,
 };
 use crate::{CodegenError, WFormat};
 use attention::{attention, head_norm_fuses};
@@ -133,14 +133,17 @@ fn rms_norm(b: &mut Builder, c: usize, x: usize, add: Option<(usize, usize)>) {
     let key = KernelKey::AddRmsNorm { h: group, w: b.wdtype(w), add: add.is_some(), out: b.vals_dtype(out) };
     let args = vec![Arg::Buf(x), y, s, Arg::Weight(w), Arg::Buf(out), Arg::F32(eps)];
     let l = launch(key, args, [per_token(b.cols(c) / group, 1), ONE], 256);
-    if !norm_fuses(b, c) {
+    let rows = if norm_fuses(b, c) {
+        NORM_IN_GEMV_ROWS
+    } else if moe_norm_fuses(b, c) {
+        MOE_DIRECT_TOKENS
+    } else {
         b.steps.push(one(l));
         return;
-    }
+    };
     let key = NormIn { w: b.wdtype(w), add: add.is_some() };
     b.fused_norm[c] = Some(FusedNorm { args: [Arg::Buf(x), y, s, Arg::Weight(w), Arg::F32(eps)], key });
-    b.steps
-        .push(Step::Kernels { by: Count::Tokens, variants: vec![(NORM_IN_GEMV_ROWS, vec![]), (usize::MAX, vec![l])] });
+    b.steps.push(Step::Kernels { by: Count::Tokens, variants: vec![(rows, vec![]), (usize::MAX, vec![l])] });
 }
 
 /// `s = x + rms_norm(y); rms_norm(s)` in one launch (a `norm_add_norm` fusion).
@@ -209,6 +212,27 @@ fn norm_fuses(b: &Builder, c: usize) -> bool {
         && all_read_c
         && NORM_IN_GEMV_ROWS * b.cols(c) * b.half.size() <= NORM_SMEM
         && b.node_val[c].is_some_and(|v| b.vals_dtype(v) == b.half)
+}
+
+/// Whether norm node `c` normalises whole rows (f32 out, at most [`NORM_SMEM`] a row) whose
+/// only readers are the router and the experts of one `moe_router` fusion that takes the direct
+/// path: at up to [`MOE_DIRECT_TOKENS`] tokens its router launch applies the norm (`RouterNorm`
+/// in `kernels/moe.cuh`) and writes the rows the experts read, one launch less a layer.
+fn moe_norm_fuses(b: &Builder, c: usize) -> bool {
+    let readers = &b.consumers[c];
+    let Some(f) = readers.first().and_then(|&r| b.fusion_of[r]) else { return false };
+    let fusion = &b.plan.fusions[f];
+    let (mut nodes, mut read) = (fusion.nodes.clone(), readers.clone());
+    nodes.sort();
+    read.sort();
+    b.fuse_norms
+        && fusion.kind == FusionKind::MoeRouter
+        && nodes == read
+        && read.iter().all(|&j| b.plan.nodes[j].inputs[0] == c)
+        && moe::direct(b, fusion.nodes[1])
+        && b.cols(b.plan.nodes[c].inputs[1]) == b.cols(c)
+        && b.cols(c) * 4 <= NORM_SMEM
+        && b.node_val[c].is_some_and(|v| b.vals_dtype(v) == DType::F32)
 }
 
 /// One linear of a group: weight, bias, output value, output features.
@@ -527,6 +551,65 @@ mod tests {
         assert!(one.contains("gemv_k64_n64_r1_norm_bf16\t8\t256\t0\n"), "{one}");
         let many = program.launch_table(64);
         assert!(many.starts_with("embedding_h64_bf16\t64\t256\t0\nrms_norm_h64_bf16_to_bf16\t64\t256\t0\n"), "{many}");
+    }
+
+    /// embedding → (a residual add and) an RMS norm → a router linear and 8 experts of 32
+    /// features, 2 a token (a `moe_router` fusion) → logits, 64 wide, bf16.
+    fn moe_plan(add: bool) -> ir::Plan {
+        let mut g = Graph::new(DType::BF16);
+        let mut w = |name: &str, shape: Vec<usize>| {
+            g.add(Op::Weight { name: name.into(), shape, dtype: DType::BF16, derived: None }, &[], name).unwrap()
+        };
+        let (table, nw, rw) = (w("table", vec![64, 64]), w("norm", vec![64]), w("router", vec![8, 64]));
+        let (gate, up, down) = (w("gate", vec![8, 32, 64]), w("up", vec![8, 32, 64]), w("down", vec![8, 64, 32]));
+        let t = g.add(Op::Tokens, &[], "tokens").unwrap();
+        let x = g.add(Op::Embedding, &[t, table], "x").unwrap();
+        let src = if add { g.add(Op::Add, &[x, x], "sum").unwrap() } else { x };
+        let h = g.add(Op::RmsNorm { eps: 1e-6 }, &[src, nw], "h").unwrap();
+        if add {
+            g.fusions.push(ir::Fusion { kind: ir::FusionKind::AddNorm, nodes: vec![src, h] });
+        }
+        let r = g.add(Op::Linear { bias: false }, &[h, rw], "router").unwrap();
+        let f = |name| ir::scalar::Fun::named(name).unwrap();
+        let silu = ir::scalar::Scalar::call(f("silu"), vec![ir::scalar::Scalar::Arg(0)]);
+        let act = ir::scalar::Scalar::call(f("*"), vec![silu, ir::scalar::Scalar::Arg(1)]);
+        let moe = Op::Moe { top_k: 2, norm_topk: true, act, bias: false };
+        let m = g.add(moe, &[h, r, gate, up, down], "moe").unwrap();
+        g.fusions.push(ir::Fusion { kind: ir::FusionKind::MoeRouter, nodes: vec![r, m] });
+        g.output = Some(g.add(Op::Logits, &[m, table], "logits").unwrap());
+        g.to_plan().unwrap()
+    }
+
+    /// The norm before a mixture of experts whose experts take the direct path is applied by the
+    /// router's launch at one token (no norm launch there) and runs as its own launch above,
+    /// before the plain router; with and without the residual add.
+    #[test]
+    fn a_direct_moe_router_applies_its_norm_at_one_token() {
+        for add in [false, true] {
+            let program = crate::emit(&moe_plan(add)).unwrap();
+            let variants: Vec<Vec<(usize, Vec<KernelKey>)>> = program
+                .steps
+                .iter()
+                .filter_map(|s| match s {
+                    Step::Kernels { variants, .. } => {
+                        Some(variants.iter().map(|(r, ls)| (*r, ls.iter().map(|l| l.key).collect())).collect())
+                    }
+                    _ => None,
+                })
+                .collect();
+            let norm = KernelKey::AddRmsNorm { h: 64, w: DType::BF16, add, out: DType::F32 };
+            let norms: Vec<_> = variants.iter().filter(|v| v.iter().any(|(_, ks)| ks.contains(&norm))).collect();
+            assert_eq!(norms.len(), 1, "add {add}");
+            assert_eq!(norms[0].iter().map(|(r, ks)| (*r, ks.len())).collect::<Vec<_>>(), [(1, 0), (usize::MAX, 1)]);
+            let router = |norm| KernelKey::MoeRouterLogits { h: 64, e: 8, w: DType::BF16, bias: None, norm };
+            let moe = variants.iter().find(|v| v.iter().any(|(_, ks)| ks.contains(&router(None)))).unwrap();
+            let firsts: Vec<_> = moe.iter().map(|(r, ks)| (*r, ks[0])).collect();
+            let normed = router(Some(crate::NormIn { w: DType::BF16, add }));
+            assert_eq!(firsts[0], (1, normed), "add {add}");
+            assert!(firsts[1..].iter().all(|&(r, k)| r > 1 && k == router(None)), "add {add}: {firsts:?}");
+            let name = normed.name();
+            assert!(program.source.contains(&format!("void {name}(")), "{name}");
+        }
     }
 
     /// A norm over groups of 32 of a 64-wide row runs as the row kernel over 2 groups per token

@@ -35,25 +35,35 @@ pub(super) fn moe(b: &mut Builder, i: usize, router: Option<usize>) -> Result<()
     }
     let (ids, weights) = (b.new_val(k, DType::I32, Count::Tokens), b.new_val(k, DType::F32, Count::Tokens));
     let out = b.out(i, DType::F32);
-    // The router logits: the fused router linear's, in f32 from the f32 input, or the plan's.
-    let logits = match router {
+    // The router logits: the fused router linear's, in f32 from the f32 input, or the plan's;
+    // where the input's norm was left to this launch (`moe_norm_fuses`), the router applies it
+    // at one token (`normed`) and each variant starts with its router launch.
+    let (logits, normed) = match router {
         Some(r) => {
             let rin = &b.plan.nodes[r].inputs;
             let (w, rb) = (rin[1], rin.get(2).copied());
             let logits = b.new_val(e, DType::F32, Count::Tokens);
-            let key = KernelKey::MoeRouterLogits { h, e, w: b.wdtype(w), bias: rb.map(|j| b.wdtype(j)) };
+            let key = |norm| KernelKey::MoeRouterLogits { h, e, w: b.wdtype(w), bias: rb.map(|j| b.wdtype(j)), norm };
             let args = vec![Arg::Buf(x), Arg::Weight(w), rb.map_or(Arg::Null, Arg::Weight), Arg::Buf(logits)];
-            b.steps.push(one(launch(key, args, [per_token(1, 1), Dim::Fixed(e.div_ceil(8))], 256)));
-            logits
+            let grid = [per_token(1, 1), Dim::Fixed(e.div_ceil(8))];
+            let plain = launch(key(None), args.clone(), grid, 256);
+            let normed = b.fused_norm[ins[0]].clone().map(|n| {
+                let args = [&n.args[..], &args[..]].concat();
+                [launch(key(Some(n.key)), args, grid, 256), plain.clone()]
+            });
+            if normed.is_none() {
+                b.steps.push(one(plain));
+            }
+            (logits, normed)
         }
-        None => b.f32_val(ins[1])?,
+        None => (b.f32_val(ins[1])?, None),
     };
     let route = KernelKey::MoeRoute { e, k, norm, logits: DType::F32 };
     let route = launch(route, vec![Arg::Buf(logits), Arg::Buf(ids), Arg::Buf(weights)], [per_token(1, 1), ONE], 32);
     // 16-bit experts: up to MOE_DIRECT_TOKENS tokens the pairs in token order, the routing in
     // the gate/up launch; above, the grouped kernels over the pairs sorted by expert (faster
     // than per pair from one token, docs/perf.md); others per pair.
-    let variants = if w == b.half && h.is_multiple_of(32) && inter.is_multiple_of(32) {
+    let mut variants = if direct(b, i) {
         let a = b.new_val(k * inter, b.half, Count::Tokens);
         let groups = Grouped { x, ids, weights, out, e, h, inter, k, a, up_bias, down_bias, act };
         let direct = direct_moe(logits, &ins, &groups, norm, &bias_arg);
@@ -76,8 +86,21 @@ pub(super) fn moe(b: &mut Builder, i: usize, router: Option<usize>) -> Result<()
         let down = launch(down, down_args, [per_token(1, 1), Dim::Fixed(h.div_ceil(8))], 256);
         vec![(usize::MAX, vec![route, up, down])]
     };
+    if let Some([normed, plain]) = normed {
+        for (rows, ls) in &mut variants {
+            ls.insert(0, if *rows <= MOE_DIRECT_TOKENS { normed.clone() } else { plain.clone() });
+        }
+    }
     b.steps.push(Step::Kernels { by: Count::Tokens, variants });
     Ok(())
+}
+
+/// Whether mixture of experts `i` runs its experts of the program's 16-bit float through the
+/// direct kernels at up to [`MOE_DIRECT_TOKENS`] tokens (and the grouped ones above).
+pub(super) fn direct(b: &Builder, i: usize) -> bool {
+    let ins = &b.plan.nodes[i].inputs;
+    let inter = b.plan.nodes[ins[2]].ty.dim(1).unwrap_or(0);
+    ins[2..5].iter().all(|&j| b.wdtype(j) == b.half) && b.cols(i).is_multiple_of(32) && inter.is_multiple_of(32)
 }
 
 /// What the grouped MoE kernels share with the per-token ones: buffers and sizes.
