@@ -9,6 +9,12 @@
 # a step (decode steps of 1, 2 and 8 rows). Prints, per run, the largest logit difference of
 # each later binary set against the first, the logits' largest magnitude, and how many positions'
 # argmax differ; $OUT/logits-ab.txt keeps the lines.
+# With ENGINE_GEMM_CHOICES (one choices file for every binary), the first binary set runs the
+# three sequences' counts once before the compared runs, output unused: the 8-sequence run
+# times the 8-row GEMMs again inside its decode graph ("GEMMs in the batch-8 graph") and
+# rewrites their choices, which the 4-token prefills of the 1- and 2-sequence runs also use, so
+# without it the later binaries would read choices the first one's runs did not have (on
+# 2026-11-29, 0.02 apart at 1 and 2 sequences between two binaries equal to the bit).
 set -euo pipefail
 out="${OUT:-/tmp/gpu-out}"
 mkdir -p "$out"
@@ -21,9 +27,14 @@ for ck in ${CKS:-/tmp/ck-qwen2.5-0.5b}; do
     quant=()
     [ "$q" = none ] || quant=(--quant "$q")
     files=()
+    warm=${ENGINE_GEMM_CHOICES:+1}
     for bin in "${bins[@]}"; do
       b=$ck${quant[1]:+-${quant[1]}}.$(basename "$bin").bundle
       [ -d "$b" ] || $bin/engc compile "${MODEL:-models/qwen2.yaml}" --checkpoint "$ck" "${quant[@]}" -o "$b" 2>&1 | tail -1
+      for n in 1 2 8; do
+        [ -z "$warm" ] || "$bin/engrun" logits "$b" --device cuda --ids "$(seqs "$n")" --prefill 4 -o /tmp/logits-ab-warm.safetensors >/dev/null
+      done
+      warm=
       for n in 1 2 8; do
         f=/tmp/logits-ab-$(basename "$ck")-$q-$(basename "$bin")-$n.safetensors
         "$bin/engrun" logits "$b" --device cuda --ids "$(seqs "$n")" --prefill 4 -o "$f" >/dev/null
