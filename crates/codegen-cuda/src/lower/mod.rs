@@ -183,14 +183,21 @@ const NORM_SMEM: usize = 32 << 10;
 /// 0.5B shape's (2 and 17 MB, one wave) saved 2% (docs/perf.md).
 const NORM_MAX_WEIGHT_BYTES: usize = 24 << 20;
 
+/// The fusion of the first reader of norm node `c`, where norms may fuse into their readers
+/// (`fuse_norms`) and `c` normalises whole rows (not groups of them: `XNorm` and `RouterNorm`
+/// take whole rows): what [`norm_fuses`] and [`moe_norm_fuses`] look at.
+fn readers_fusion<'a>(b: &'a Builder, c: usize) -> Option<&'a ir::Fusion<usize>> {
+    let f = b.consumers[c].first().and_then(|&r| b.fusion_of[r])?;
+    (b.fuse_norms && b.cols(b.plan.nodes[c].inputs[1]) == b.cols(c)).then(|| &b.plan.fusions[f])
+}
+
 /// Whether norm node `c` normalises whole rows (not groups of them: the GEMVs' `XNorm` takes
 /// whole rows), only feeds the fast linears of one fusion that runs as one launch (the linears
 /// of one input, or the gate and up of a GLU) of at most [`NORM_MAX_WEIGHT_BYTES`], reading
 /// its 16-bit output, and its rows fit in [`NORM_SMEM`].
 fn norm_fuses(b: &Builder, c: usize) -> bool {
     let readers = &b.consumers[c];
-    let Some(f) = readers.first().and_then(|&r| b.fusion_of[r]) else { return false };
-    let fusion = &b.plan.fusions[f];
+    let Some(fusion) = readers_fusion(b, c) else { return false };
     let one_launch = match fusion.kind {
         FusionKind::Linears => true,
         FusionKind::Glu => b.feeds_linears(fusion.nodes[3]),
@@ -203,9 +210,7 @@ fn norm_fuses(b: &Builder, c: usize) -> bool {
     let format = readers.first().and_then(|&j| b.fast_format(j));
     let all_read_c = readers.iter().all(|&j| b.plan.nodes[j].inputs[0] == c && b.fast_format(j) == format);
     let bytes: usize = readers.iter().map(|&j| b.cols(j) * b.cols(c) * b.half.size()).sum();
-    b.fuse_norms
-        && b.cols(b.plan.nodes[c].inputs[1]) == b.cols(c)
-        && bytes <= NORM_MAX_WEIGHT_BYTES
+    bytes <= NORM_MAX_WEIGHT_BYTES
         && one_launch
         && linears == *readers
         && format.is_some()
@@ -220,17 +225,12 @@ fn norm_fuses(b: &Builder, c: usize) -> bool {
 /// in `kernels/moe.cuh`) and writes the rows the experts read, one launch less a layer.
 fn moe_norm_fuses(b: &Builder, c: usize) -> bool {
     let readers = &b.consumers[c];
-    let Some(f) = readers.first().and_then(|&r| b.fusion_of[r]) else { return false };
-    let fusion = &b.plan.fusions[f];
-    let (mut nodes, mut read) = (fusion.nodes.clone(), readers.clone());
-    nodes.sort();
-    read.sort();
-    b.fuse_norms
-        && fusion.kind == FusionKind::MoeRouter
-        && nodes == read
-        && read.iter().all(|&j| b.plan.nodes[j].inputs[0] == c)
+    let Some(fusion) = readers_fusion(b, c) else { return false };
+    fusion.kind == FusionKind::MoeRouter
+        && readers.len() == fusion.nodes.len()
+        && fusion.nodes.iter().all(|j| readers.contains(j))
+        && readers.iter().all(|&j| b.plan.nodes[j].inputs[0] == c)
         && moe::direct(b, fusion.nodes[1])
-        && b.cols(b.plan.nodes[c].inputs[1]) == b.cols(c)
         && b.cols(c) * 4 <= NORM_SMEM
         && b.node_val[c].is_some_and(|v| b.vals_dtype(v) == DType::F32)
 }
