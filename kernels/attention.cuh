@@ -434,14 +434,16 @@ __device__ void attention_rope1(const float* q, const float* k, const float* v, 
   constexpr int G = S::G, GP = S::GP;
   const int h = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = lane % GP, grp = lane / GP;
   const int kvh = h / (H / KVH), n = pos[0] + 1;
-  // The first passes' cached keys before waiting for the previous kernel: the position and
-  // slots are the step's inputs, uploaded before its first kernel, and the keys before the
-  // token's own were cached by earlier steps (as attention_dec's early copies).
+  // The first two rounds of passes' cached keys (256 keys at D 128) before waiting for the
+  // previous kernel: the position and slots are the step's inputs, uploaded before its first
+  // kernel, and the keys before the token's own were cached by earlier steps (as
+  // attention_dec's early copies). Added in kv16_scan's order, so the sums are the scan's.
   const int* sl = slots + seq_off[0];
   const int first = WIN ? max(0, n - WIN) : 0, p0 = first + warp * S::KPW;
-  long row[S::U];
-  uint4 kv[S::U][4];
-  kv16_load<KVH, D>(kc, vc, sl, p0, n - 1, kvh, row, kv);
+  long row[2][S::U];
+  uint4 kv[2][S::U][4];
+#pragma unroll
+  for (int b = 0; b < 2; b++) kv16_load<KVH, D>(kc, vc, sl, p0 + b * S::U * S::STATES, n - 1, kvh, row[b], kv[b]);
   pdl_wait();
   // The head's rotated q and the token's k and v (h16 values, as the cache holds them), once
   // per block through shared memory; the norm scales of the q and k heads first (warps 0, 1).
@@ -473,8 +475,9 @@ __device__ void attention_rope1(const float* q, const float* k, const float* v, 
     acc[i] = 0.0f;
   }
   float m = NEG_INF, l = 0.0f;
-  kv16_add_passes<D, CAP>(qv, row, kv, m, l, acc);
-  kv16_scan<KVH, D, CAP>(qv, kc, vc, sl, first + S::U * S::STATES, n - 1, kvh, m, l, acc);
+#pragma unroll
+  for (int b = 0; b < 2; b++) kv16_add_passes<D, CAP>(qv, row[b], kv[b], m, l, acc);
+  kv16_scan<KVH, D, CAP>(qv, kc, vc, sl, first + 2 * S::U * S::STATES, n - 1, kvh, m, l, acc);
   if (warp == 0) {
     float s = 0.0f;
 #pragma unroll

@@ -40,8 +40,17 @@ __device__ __forceinline__ float moe_dot_part(const float* x, const W* w) {
 // The routing of one token (ir::moe::route) from its E logits, by one warp: the K experts of
 // the largest logits (on equal logits the lower index first) in pe, weighted (pw) by the
 // softmax of the logits over the chosen ones (NORM) or over all E; every lane gets them.
-template <int E, int K, bool NORM, typename L>
-__device__ __forceinline__ void moe_choose(const L* logits, int* pe, float* pw) {
+// LD loads a logit: LdPlain, or LdL2 (through L2 only, for logits another kernel may have
+// written while this one runs).
+struct LdPlain {
+  template <typename L>
+  __device__ __forceinline__ float operator()(const L* p) const { return to_f32(*p); }
+};
+struct LdL2 {
+  __device__ __forceinline__ float operator()(const float* p) const { return ld_cg(p); }
+};
+template <int E, int K, bool NORM, typename L, typename LD = LdPlain>
+__device__ __forceinline__ void moe_choose(const L* logits, int* pe, float* pw, LD ld = LD()) {
   constexpr int PER = (E + 31) / 32;
   const int lane = threadIdx.x & 31;
   float v[PER];
@@ -49,7 +58,7 @@ __device__ __forceinline__ void moe_choose(const L* logits, int* pe, float* pw) 
 #pragma unroll
   for (int j = 0; j < PER; j++) {
     const int e = lane + 32 * j;
-    v[j] = e < E ? to_f32(logits[e]) : NEG_INF;
+    v[j] = e < E ? ld(logits + e) : NEG_INF;
     taken[j] = e >= E;
   }
   float pl[K];
@@ -520,15 +529,14 @@ __device__ void moe_down_rows(const h16_t* a, const int* perm, const int* tiles,
 // order (pair t K + k); the sums are the warp-per-feature kernels' (moe_up_rows,
 // moe_down_rows + moe_combine) bit for bit.
 
-// The routing of the pair's token (every warp picks from the logits once; blocks of the
-// token's first pair and features 0..7 write ids and weights for moe_down_direct), then gate and
+// The routing of the pair's token (every warp picks from the logits once), then gate and
 // up with the activation, a warp per feature i of the pair's expert in turn (i from blockIdx.x *
 // 8 + warp, gridDim.x * 8 apart: the blocks of a step fit the GPU at once, so the routing's
 // latency is paid once and not again each wave; the next feature's rows are loaded while a
 // feature's sums are reduced and stored): a[r][i] for pair r = blockIdx.y, its 16-bit input
 // staged in shared memory. grid: (at most I / 8, T K), block: 256.
 template <int H, int I, int K, int E, bool NORM, typename B, typename ACT>
-__device__ void moe_up_direct(const float* x, const float* logits, int* ids, float* weights, const h16_t* gate,
+__device__ void moe_up_direct(const float* x, const float* logits, const h16_t* gate,
                               const h16_t* up, const B* gb, const B* ub, h16_t* a, ACT act) {
   __shared__ __align__(16) h16_t xs[H];
   const int r = blockIdx.y, t = r / K, k = r % K, lane = threadIdx.x & 31, step = gridDim.x * 8;
@@ -550,12 +558,6 @@ __device__ void moe_up_direct(const float* x, const float* logits, int* ids, flo
   };
   int i = blockIdx.x * 8 + (threadIdx.x >> 5);
   load(i);
-  if (k == 0 && blockIdx.x == 0 && threadIdx.x == 0)
-#pragma unroll
-    for (int j = 0; j < K; j++) {
-      ids[t * K + j] = pe[j];
-      weights[t * K + j] = pw[j];
-    }
   __syncthreads();
   for (; i < I; i += step) {
     const long row = (long)e * I + i;
@@ -576,15 +578,32 @@ __host__ __device__ constexpr int moe_direct_group() {
 }
 
 // out[t][h] = Σ_k weights[t][k] · (down[e_k][h] · a[t K + k] + db[e_k][h]), a warp per output
-// feature h of token t = blockIdx.y, the experts' rows loaded in groups (moe_direct_group).
-// grid: (H / 8, T), block: 256.
-template <int H, int I, int K, typename B>
-__device__ void moe_down_direct(const h16_t* a, const int* ids, const float* weights, const h16_t* down, const B* db,
-                                float* out) {
+// feature h of token t = blockIdx.y, the experts' rows loaded in groups (moe_direct_group). The
+// token's experts and weights are moe_up_direct's, chosen again from the router's logits
+// before waiting for moe_up_direct (which lets this launch start only once all its blocks have
+// waited for the logits' kernel: KernelKey's PDL entry), so the first group's rows load while
+// moe_up_direct still runs. grid: (H / 8, T), block: 256.
+template <int H, int I, int K, int E, bool NORM, typename B>
+__device__ void moe_down_direct(const float* logits, const h16_t* a, const h16_t* down, const B* db, float* out) {
   using Part = RowPart<I, 1, h16_t>;
   constexpr int G = moe_direct_group<Part::L, K>();
   const Part part;
   const int t = blockIdx.y, lane = threadIdx.x & 31, h = blockIdx.x * 8 + (threadIdx.x >> 5);
+  // The choice by warp 0, for the block through shared memory (registers are the rows').
+  __shared__ int pe[K];
+  __shared__ float pw[K];
+  if (threadIdx.x < 32) {
+    int e[K];
+    float w[K];
+    moe_choose<E, K, NORM>(logits + (long)t * E, e, w, LdL2());
+    if (lane == 0)
+#pragma unroll
+      for (int k = 0; k < K; k++) {
+        pe[k] = e[k];
+        pw[k] = w[k];
+      }
+  }
+  __syncthreads();
   float sum = 0.0f;
 #pragma unroll
   for (int k0 = 0; k0 < K; k0 += G) {
@@ -593,16 +612,17 @@ __device__ void moe_down_direct(const h16_t* a, const int* ids, const float* wei
 #pragma unroll
     for (int j = 0; j < G; j++)
       if (k0 + j < K) {
-        row[j] = (long)ids[t * K + k0 + j] * H + h;
+        row[j] = (long)pe[k0 + j] * H + h;
         part.load((const uint4*)(down + row[j] * I), nullptr, wd[j], nullptr);
       }
+    if (k0 == 0) pdl_wait();
 #pragma unroll
     for (int j = 0; j < G; j++)
       if (k0 + j < K) {
         float s;
         part.template dot<1>(a + ((long)t * K + k0 + j) * I, &wd[j], nullptr, 1, &s);
         const float v = warp_sum(s), b = db ? to_f32(db[row[j]]) : 0.0f;
-        sum += __fmul_rn(weights[t * K + k0 + j], v + b);
+        sum += __fmul_rn(pw[k0 + j], v + b);
       }
   }
   if (lane == 0) out[(long)t * H + h] = sum;

@@ -370,6 +370,10 @@ pub enum KernelKey {
         i: usize,
         /// Experts per token.
         k: usize,
+        /// Experts (it chooses them again from the router logits, as `MoeUpDirect` does).
+        e: usize,
+        /// Softmax over the chosen experts only.
+        norm: bool,
         /// The bias's dtype, where there is one.
         bias: Option<DType>,
     },
@@ -717,9 +721,11 @@ impl KernelKey {
                 bias.map_or(String::new(), |b| format!("_b{b}")),
                 fnv(act) as u32
             ),
-            KernelKey::MoeDownDirect { h, i, k, bias } => {
-                format!("moe_down_direct_h{h}_i{i}_k{k}{}", bias.map_or(String::new(), |b| format!("_b{b}")))
-            }
+            KernelKey::MoeDownDirect { h, i, k, e, norm, bias } => format!(
+                "moe_down_direct_h{h}_i{i}_k{k}_e{e}_{}{}",
+                u8::from(norm),
+                bias.map_or(String::new(), |b| format!("_b{b}"))
+            ),
             KernelKey::MoeCombine { h, k } => format!("moe_combine_h{h}_k{k}"),
             KernelKey::Gather { h, x, out } => format!("gather_h{h}_{x}_to_{out}"),
             KernelKey::Sample { vocab } => format!("sample_v{vocab}"),
@@ -1086,23 +1092,20 @@ impl KernelKey {
                 let b = opt_ctype(bias)?;
                 (
                     format!(
-                        "const float* x, const float* logits, int* ids, float* weights, const h16_t* gate, \
-                         const h16_t* up, const {b}* gb, const {b}* ub, h16_t* a"
+                        "const float* x, const float* logits, const h16_t* gate, const h16_t* up, const {b}* gb, \
+                         const {b}* ub, h16_t* a"
                     ),
                     format!(
-                        "moe_up_direct<{h}, {i}, {k}, {e}, {norm}, {b}>(x, logits, ids, weights, gate, up, gb, ub, a, \
+                        "moe_up_direct<{h}, {i}, {k}, {e}, {norm}, {b}>(x, logits, gate, up, gb, ub, a, \
                          [](float x0, float x1) {{ return {act}; }})"
                     ),
                 )
             }
-            KernelKey::MoeDownDirect { h, i, k, bias } => {
+            KernelKey::MoeDownDirect { h, i, k, e, norm, bias } => {
                 let b = opt_ctype(bias)?;
                 (
-                    format!(
-                        "const h16_t* a, const int* ids, const float* weights, const h16_t* down, const {b}* db, \
-                         float* out"
-                    ),
-                    format!("moe_down_direct<{h}, {i}, {k}, {b}>(a, ids, weights, down, db, out)"),
+                    format!("const float* logits, const h16_t* a, const h16_t* down, const {b}* db, float* out"),
+                    format!("moe_down_direct<{h}, {i}, {k}, {e}, {norm}, {b}>(logits, a, down, db, out)"),
                 )
             }
             KernelKey::MoeCombine { h, k } => (
@@ -1155,7 +1158,11 @@ impl KernelKey {
             | KernelKey::AddRmsNorm { .. }
             | KernelKey::NormAddRmsNorm { .. }
             | KernelKey::AttentionDec(_)
-            | KernelKey::AttentionRope1 { .. } => "pdl_trigger(); ",
+            | KernelKey::AttentionRope1 { .. }
+            | KernelKey::MoeDownDirect { .. } => "pdl_trigger(); ",
+            // Its dependent (moe_down_direct) reads the router logits before its own wait:
+            // they are complete once every block of this launch has waited.
+            KernelKey::MoeUpDirect { .. } => "pdl_wait(); pdl_trigger(); ",
             _ => "pdl_enter(); ",
         };
         // The direct down projection's loads of a token's experts fit 128 registers: two blocks

@@ -127,16 +127,15 @@ fn gate_up_args(ins: &[usize], bias_arg: &impl Fn(usize) -> Arg) -> [Arg; 4] {
 
 /// The direct MoE launches of a step of few tokens (`kernels/moe.cuh`): the routing with gate
 /// and up a warp per (pair, feature) in turn ([`moe_up_direct_blocks`]), then each token's down
-/// projections weighted and summed a warp per output feature.
+/// projections weighted and summed a warp per output feature, its routing chosen again from the
+/// logits so that its first rows load before it waits for the gate/up launch.
 fn direct_moe(logits: usize, ins: &[usize], g: &Grouped, norm: bool, bias_arg: &impl Fn(usize) -> Arg) -> Vec<Launch> {
-    let Grouped { x, ids, weights, out, e, h, inter, k, a, .. } = *g;
+    let Grouped { x, out, e, h, inter, k, a, .. } = *g;
     let up = KernelKey::MoeUpDirect { h, i: inter, k, e, norm, bias: g.up_bias, act: g.act };
-    let ins4 = [Arg::Buf(x), Arg::Buf(logits), Arg::Buf(ids), Arg::Buf(weights)];
-    let up_args = [&ins4[..], &gate_up_args(ins, bias_arg), &[Arg::Buf(a)]].concat();
+    let up_args = [&[Arg::Buf(x), Arg::Buf(logits)][..], &gate_up_args(ins, bias_arg), &[Arg::Buf(a)]].concat();
     let up = launch(up, up_args, [Dim::Fixed(moe_up_direct_blocks(inter, k)), per_token(k, 1)], 256);
-    let down = KernelKey::MoeDownDirect { h, i: inter, k, bias: g.down_bias };
-    let down_args =
-        vec![Arg::Buf(a), Arg::Buf(ids), Arg::Buf(weights), Arg::Weight(ins[4]), bias_arg(7), Arg::Buf(out)];
+    let down = KernelKey::MoeDownDirect { h, i: inter, k, e, norm, bias: g.down_bias };
+    let down_args = vec![Arg::Buf(logits), Arg::Buf(a), Arg::Weight(ins[4]), bias_arg(7), Arg::Buf(out)];
     vec![up, launch(down, down_args, [Dim::Fixed(h / 8), per_token(1, 1)], 256)]
 }
 
