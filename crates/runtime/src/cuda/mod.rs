@@ -760,6 +760,7 @@ impl CudaBackend {
             let dst = self.ptr(&self.sample_params);
             self.staging.upload(staging::Upload::Params, &self.stream, &params, dst)?;
         }
+        self.staging.tokens_free(&self.stream)?;
         let out = self.bufs[self.program.output].slice(0..wanted * vocab);
         let (key, grid) = if greedy {
             let blocks = codegen_cuda::argmax_blocks(wanted);
@@ -784,8 +785,9 @@ impl CudaBackend {
     }
 
     /// Replaces the step's ids that name a row of the step before (`-1 - row`, [`Packed::feed`])
-    /// by the token chosen there, still in `tokens`.
-    fn feed_tokens(&mut self, t: usize) -> Result<(), RuntimeError> {
+    /// by the token chosen there, still in `tokens`. A decode graph starts with it (ids of steps
+    /// not fed are all tokens, left as they are).
+    pub(super) fn feed_tokens(&mut self, t: usize) -> Result<(), RuntimeError> {
         let mut ids = self.inputs.slice_mut(0..t);
         let mut b = self.stream.launch_builder(&self.funcs[&KernelKey::FeedTokens]);
         let n = t as i32;
@@ -871,15 +873,25 @@ impl CudaBackend {
         if p.host.len() > self.inputs.len() {
             self.graphs.clear();
             self.inputs = self.stream.alloc_zeros::<i32>(p.host.len() * 2).map_err(driver("alloc"))?;
+            self.staging.inputs_read(&self.stream)?;
         }
         let dst = self.ptr(&self.inputs);
-        self.staging.upload(staging::Upload::Inputs, &self.stream, &p.host, dst)?;
+        self.staging.upload_inputs(&self.stream, &p.host, dst)?;
+        let run = self.run(p);
+        // Whatever ran, nothing after this point of the stream reads the inputs.
+        self.staging.inputs_read(&self.stream)?;
+        run
+    }
+
+    /// Queues step `p` (its inputs queued for copying): through its size's graph where it
+    /// takes one, capturing the graph first where there is none yet.
+    fn run(&mut self, p: &Packed) -> Result<(), RuntimeError> {
         let t = p.t;
-        if p.fed {
-            self.feed_tokens(t)?;
-        }
         self.positions = (p.host.len() - p.off[5]).saturating_sub(1);
         if !p.graph {
+            if p.fed {
+                self.feed_tokens(t)?;
+            }
             return self.enqueue(t, p.r, &p.off, false);
         }
         if !self.graphs.contains_key(&t) {

@@ -4,6 +4,8 @@
 //! stream, so the host can pack and launch the next step while the GPU runs this one
 //! (pipelined steps, `Backend::launch_forward`). Two buffers of each kind, taken in turn: a
 //! step's buffer is written again only two steps later, after its event says the copy is done.
+//! The inputs and the tokens go on streams of their own, ordered with the step's stream by
+//! events, so the step's stream runs kernels only.
 
 use super::driver;
 use crate::RuntimeError;
@@ -68,7 +70,12 @@ impl Ring {
 
     /// Queues the copy of `host` (4-byte values) to device memory at `dst` (room for
     /// `host.len()` values) on `stream`.
-    fn upload<W: Word>(&mut self, stream: &Arc<CudaStream>, host: &[W], dst: CUdeviceptr) -> Result<(), RuntimeError> {
+    fn upload<W: Word>(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        host: &[W],
+        dst: CUdeviceptr,
+    ) -> Result<&CudaEvent, RuntimeError> {
         let (_, b) = self.take(stream, host.len(), true)?;
         let pinned = &mut b.buf.as_mut_slice().map_err(driver("pinned host memory"))?[..host.len()];
         for (p, h) in pinned.iter_mut().zip(host) {
@@ -77,7 +84,31 @@ impl Ring {
         // Safety: `dst` holds `host.len()` values (the caller's); the pinned source stays
         // untouched until `copied` completes (`take` waits for it).
         unsafe { result::memcpy_htod_async(dst, pinned, stream.cu_stream()) }.map_err(driver("copying to the GPU"))?;
-        b.copied.record(stream).map_err(driver("recording an event"))
+        b.copied.record(stream).map_err(driver("recording an event"))?;
+        Ok(&b.copied)
+    }
+}
+
+/// A stream beside the step's for one direction of copies, and an event recorded on the
+/// step's stream that its next copy waits for.
+struct Side {
+    stream: Arc<CudaStream>,
+    after: CudaEvent,
+}
+
+impl Side {
+    fn new(main: &Arc<CudaStream>) -> Result<Side, RuntimeError> {
+        let ctx = main.context();
+        let stream = ctx.new_stream().map_err(driver("creating a stream"))?;
+        let after = ctx.new_event(None).map_err(driver("creating an event"))?;
+        Ok(Side { stream, after })
+    }
+}
+
+impl Drop for Side {
+    /// The pinned buffers are freed after the copies still queued here.
+    fn drop(&mut self) {
+        let _ = self.stream.synchronize();
     }
 }
 
@@ -122,6 +153,24 @@ pub(super) struct Staging {
     tokens: Ring,
     /// Per step whose tokens were queued for copying and not yet taken: its buffer and count.
     pending: VecDeque<(usize, usize)>,
+    /// The token buffer of the last copy queued, which the next write of the tokens on the
+    /// device waits for ([`Staging::tokens_free`]).
+    last: Option<usize>,
+    /// The streams the inputs are copied to the device on (after the step before read them,
+    /// [`Staging::inputs_read`]) and the tokens back (after they were chosen), so that neither
+    /// copy waits on the step's stream for the other, nor the next step for them: the next
+    /// step's inputs are copied while this step's tokens are chosen, its tokens go back while
+    /// the next step runs.
+    up: Option<Side>,
+    down: Option<Side>,
+}
+
+/// `side`, made beside `main` on first use.
+fn side<'a>(side: &'a mut Option<Side>, main: &Arc<CudaStream>) -> Result<&'a Side, RuntimeError> {
+    if side.is_none() {
+        *side = Some(Side::new(main)?);
+    }
+    Ok(side.as_ref().expect("made above"))
 }
 
 impl Staging {
@@ -134,22 +183,58 @@ impl Staging {
         host: &[W],
         dst: CUdeviceptr,
     ) -> Result<(), RuntimeError> {
-        self.uploads[what as usize].upload(stream, host, dst)
+        self.uploads[what as usize].upload(stream, host, dst).map(|_| ())
     }
 
-    /// Queues the copy of the `wanted` tokens at `src` to the host; [`Staging::take`] returns
-    /// them, steps in the order they were queued (at most two at once).
+    /// Queues the copy of a step's packed inputs to device memory at `dst` on the inputs'
+    /// stream, after the step before read them ([`Staging::inputs_read`]); `main`'s work queued
+    /// next waits for it.
+    pub fn upload_inputs(
+        &mut self,
+        main: &Arc<CudaStream>,
+        host: &[i32],
+        dst: CUdeviceptr,
+    ) -> Result<(), RuntimeError> {
+        let up = side(&mut self.up, main)?;
+        up.stream.wait(&up.after).map_err(driver("ordering a copy"))?;
+        let copied = self.uploads[Upload::Inputs as usize].upload(&up.stream, host, dst)?;
+        main.wait(copied).map_err(driver("ordering a copy"))
+    }
+
+    /// Marks the point of `main` after which the device's inputs may be written again: the
+    /// next [`Staging::upload_inputs`] waits for the work queued on `main` so far.
+    pub fn inputs_read(&mut self, main: &Arc<CudaStream>) -> Result<(), RuntimeError> {
+        side(&mut self.up, main)?.after.record(main).map_err(driver("recording an event"))
+    }
+
+    /// Makes the work queued next on `main` wait until the last queued copy of the tokens to
+    /// the host is done (before the tokens are written again).
+    pub fn tokens_free(&self, main: &Arc<CudaStream>) -> Result<(), RuntimeError> {
+        let Some(i) = self.last else { return Ok(()) };
+        let b = self.tokens.bufs[i].as_ref().expect("a queued step's buffer");
+        main.wait(&b.copied).map_err(driver("ordering a copy"))
+    }
+
+    /// Queues the copy of the `wanted` tokens at `src` to the host, after the work queued on
+    /// `stream` so far, on the tokens' stream; [`Staging::take`] returns them, steps in the
+    /// order they were queued (at most two at once).
     pub fn download(&mut self, stream: &Arc<CudaStream>, src: CUdeviceptr, wanted: usize) -> Result<(), RuntimeError> {
         if self.pending.len() == 2 {
             return Err(RuntimeError::Invalid("a third step launched before the first one's tokens were taken".into()));
         }
-        let (i, b) = self.tokens.take(stream, wanted, false)?;
+        let down = side(&mut self.down, stream)?;
+        down.after.record(stream).map_err(driver("recording an event"))?;
+        down.stream.wait(&down.after).map_err(driver("ordering a copy"))?;
+        let (i, b) = self.tokens.take(&down.stream, wanted, false)?;
         if wanted > 0 {
             let pinned = &mut b.buf.as_mut_slice().map_err(driver("pinned host memory"))?[..wanted];
-            // Safety: `src` holds `wanted` tokens; the buffer is read only after `copied`.
-            unsafe { result::memcpy_dtoh_async(pinned, src, stream.cu_stream()) }.map_err(driver("copying tokens"))?;
+            // Safety: `src` holds `wanted` tokens, not written again before `copied`
+            // (`tokens_free`); the buffer is read only after `copied`.
+            unsafe { result::memcpy_dtoh_async(pinned, src, down.stream.cu_stream()) }
+                .map_err(driver("copying tokens"))?;
         }
-        b.copied.record(stream).map_err(driver("recording an event"))?;
+        b.copied.record(&down.stream).map_err(driver("recording an event"))?;
+        self.last = Some(i);
         self.pending.push_back((i, wanted));
         Ok(())
     }

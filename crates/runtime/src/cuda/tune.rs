@@ -21,13 +21,14 @@ use std::collections::HashMap;
 use std::fmt::Write;
 
 impl CudaBackend {
-    /// Captures the graph of packed decode step `p` (its inputs already on the device).
+    /// Captures the graph of packed decode step `p` (its inputs already on the device): the fed
+    /// tokens' replacement ([`CudaBackend::feed_tokens`]), then the step.
     pub(super) fn capture(&mut self, p: &Packed) -> Result<CudaGraph, RuntimeError> {
         self.stream
             .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(driver("capturing a graph"))?;
         let lean = p.graph && self.lean.get(&p.t).copied().unwrap_or(true);
-        let enq = self.enqueue(p.t, p.r, &p.off, lean);
+        let enq = self.feed_tokens(p.t).and_then(|()| self.enqueue(p.t, p.r, &p.off, lean));
         let graph = self.stream.end_capture(CUgraphInstantiate_flags(0)).map_err(driver("capturing a graph"))?;
         enq?;
         graph.ok_or_else(|| RuntimeError::Unsupported("CUDA: graph capture gave nothing".into()))
