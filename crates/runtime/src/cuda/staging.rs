@@ -148,6 +148,14 @@ pub(super) enum Upload {
 /// The pinned buffers of one backend, and the steps whose tokens are on their way back.
 #[derive(Default)]
 pub(super) struct Staging {
+    /// The streams the inputs are copied to the device on (after the step before read them,
+    /// [`Staging::inputs_read`]) and the tokens back (after they were chosen), so that neither
+    /// copy waits on the step's stream for the other, nor the next step for them: the next
+    /// step's inputs are copied while this step's tokens are chosen, its tokens go back while
+    /// the next step runs. Dropped first (fields drop in order): their copies end before the
+    /// pinned buffers below are freed.
+    up: Option<Side>,
+    down: Option<Side>,
     /// One ring per kind of [`Upload`], in its order.
     uploads: [Ring; 4],
     tokens: Ring,
@@ -156,13 +164,6 @@ pub(super) struct Staging {
     /// The token buffer of the last copy queued, which the next write of the tokens on the
     /// device waits for ([`Staging::tokens_free`]).
     last: Option<usize>,
-    /// The streams the inputs are copied to the device on (after the step before read them,
-    /// [`Staging::inputs_read`]) and the tokens back (after they were chosen), so that neither
-    /// copy waits on the step's stream for the other, nor the next step for them: the next
-    /// step's inputs are copied while this step's tokens are chosen, its tokens go back while
-    /// the next step runs.
-    up: Option<Side>,
-    down: Option<Side>,
 }
 
 /// `side`, made beside `main` on first use.
