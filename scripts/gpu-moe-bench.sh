@@ -8,6 +8,10 @@
 # BINS="bin-gpu-old bin-gpu" runs each folder's binaries on its own bundle, one after the other
 # (results named SHAPE-FOLDER-RUN); the default is BIN (bin-gpu) alone, named SHAPE-RUN. RUNS
 # picks among b1 b16 b64 b128 prefill4096 profile (default all but b128).
+# A checkpoint made here has no reference logits (REF=0: built in bf16 on the GPU). CKROOT puts
+# it elsewhere than /tmp, e.g. the full Qwen3-30B-A3B (61 GB, `SHAPES=qwen3-30b-a3b`, one
+# binary): CKROOT=/dev/shm on the two-GPU machine (256 GB of memory, 128 GB of disk), so the
+# checkpoint and its bundle (another 61 GB, in /tmp) both fit.
 set -uo pipefail
 bins="${BINS:-${BIN:-bin-gpu}}"
 runs="${RUNS:-b1 b16 b64 prefill4096 profile}"
@@ -16,8 +20,8 @@ mkdir -p "$work"
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
 export ENGINE_CACHE_DIR=/tmp/engine-cache
 for shape in ${SHAPES:-qwen3-30b-a3b-l4 gpt-oss-20b-l4}; do
-  ck=/tmp/ck-$shape
-  [ -f "$ck/config.json" ] || python3 scripts/gpu/hf_reference.py "$shape" "$ck" "tests/configs/$shape.json" >"$work/$shape-hf.txt" 2>&1
+  ck=${CKROOT:-/tmp}/ck-$shape
+  [ -f "$ck/config.json" ] || REF=0 python3 scripts/gpu/hf_reference.py "$shape" "$ck" "tests/configs/$shape.json" >"$work/$shape-hf.txt" 2>&1
   for bin in $bins; do
     tag=$([ -n "${BINS:-}" ] && echo "-$(basename "$bin")")
     b=/tmp/ck-$shape$tag.bundle

@@ -3,7 +3,8 @@
 Usage: hf_reference.py SHAPE CHECKPOINT_DIR CONFIG_JSON
 
 With REF=0 in the environment only the checkpoint is written (bf16, no reference logits): what
-the benchmarks need.
+the benchmarks need. The model is then built in bf16 on the GPU, so a shape of up to ~65 GB of
+weights fits an H200 (the full Qwen3-30B-A3B: 61 GB).
 
 Builds the model in f32 (a mixture of experts' routers with a wider spread: `is_router`) with weights rounded to bf16 values (so the f32 reference and the bf16
 model hold the very same weights), saves it to CHECKPOINT_DIR, and writes there `seqs.json` (the
@@ -26,8 +27,9 @@ torch.backends.cuda.matmul.allow_tf32 = False
 extra = {k: v for k, v in cfg.items() if k not in ("architectures", "model_type", "torch_dtype")}
 config = AutoConfig.for_model(cfg["model_type"], **extra)
 config.architectures = cfg["architectures"]
+ref = os.environ.get("REF") != "0"
 with torch.device("cuda"):
-    model = AutoModelForCausalLM.from_config(config).float()
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32 if ref else torch.bfloat16)
 # Gemma's norms multiply by (1 + w): their stored weights sit near 0, not 1 (a stored 1 would
 # double every norm's output, sharpen attention to near one-hot and make the bf16 forward
 # chaotic).
@@ -62,8 +64,8 @@ def run(m):
         return torch.cat([m(torch.tensor([s]).cuda()).logits[0].float().cpu() for s in seqs])
 
 
-if os.environ.get("REF") == "0":
-    model.to(torch.bfloat16).save_pretrained(ck)
+if not ref:
+    model.save_pretrained(ck)
     print(f"{shape}: saved a random checkpoint (no reference logits)")
     sys.exit(0)
 f32 = run(model)
