@@ -29,7 +29,7 @@ config = AutoConfig.for_model(cfg["model_type"], **extra)
 config.architectures = cfg["architectures"]
 ref = os.environ.get("REF") != "0"
 with torch.device("cuda"):
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32 if ref else torch.bfloat16)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32 if ref else torch.bfloat16)
 # Gemma's norms multiply by (1 + w): their stored weights sit near 0, not 1 (a stored 1 would
 # double every norm's output, sharpen attention to near one-hot and make the bf16 forward
 # chaotic).
