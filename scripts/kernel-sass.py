@@ -21,7 +21,13 @@ kernel, blocks, threads, dynamic shared memory) and prints, launch by launch, th
 of an H100 / H200 holds at once (by registers, shared memory, threads; --sms SMs, default 132)
 and the waves the launch takes: a launch of more than one wave cannot have all its blocks
 loading before the kernel ahead of it ends (the decode GEMVs' weights, loaded before
-`pdl_wait`), and each wave pays its blocks' latency again. The kernels are those of FILE.
+`pdl_wait`), and each wave pays its blocks' latency again. `beside`: the share of the launch's
+blocks that fit in what the launch before it leaves of the SMs (its first wave spread evenly):
+only those start, and load their weights, when the launch before lets it (programmatic launch:
+once every block before has started). Where the launch before fits one wave its blocks end
+together, so the rest start only after it; where it takes more, its last blocks start as others
+end, and more of the launch's blocks start before it ends than the share says. The kernels are
+those of FILE.
 """
 import argparse
 import collections
@@ -121,14 +127,36 @@ def opcode_mix(sass):
 SM_REGS, SM_WARPS, SM_BLOCKS, SM_SMEM, BLOCK_SMEM_RESERVED = 65536, 64, 32, 233472, 1024
 
 
-def blocks_per_sm(regs, smem, threads):
-    """Blocks of `threads` threads, `regs` registers a thread and `smem` bytes of shared memory
-    (static and dynamic) an sm_90 SM holds at once."""
+def block_cost(regs, smem, threads):
+    """What one block of `threads` threads, `regs` registers a thread and `smem` bytes of shared
+    memory (static and dynamic) takes of an sm_90 SM: (register warps' allocations, shared
+    memory, warps, blocks)."""
     warps = -(-threads // 32)
     per_warp = -(-max(regs, 1) * 32 // 256) * 256  # registers are given a warp 256 at a time
-    by_regs = (SM_REGS // per_warp) // warps
-    by_smem = SM_SMEM // (smem + BLOCK_SMEM_RESERVED)
-    return max(0, min(by_regs, by_smem, SM_WARPS // warps, SM_BLOCKS))
+    return (per_warp, warps), smem + BLOCK_SMEM_RESERVED, warps, 1
+
+
+def blocks_fit(cost, free=(SM_REGS, SM_SMEM, SM_WARPS, SM_BLOCKS)):
+    """Blocks of `cost` (block_cost) that fit in an SM's `free` registers, shared memory, warps
+    and block slots."""
+    (per_warp, warps), smem, w, b = cost
+    regs, fsmem, fwarps, fblocks = free
+    return max(0, min((regs // per_warp) // warps, fsmem // smem, fwarps // w, fblocks // b))
+
+
+def beside(prev, prev_blocks, cost, blocks, sms):
+    """Blocks of a launch (`cost`, `blocks`) that fit beside the first wave of the launch before
+    it (`prev`, `prev_blocks`, spread evenly over `sms` SMs): those that can start, and load
+    what they load before `pdl_wait`, while the launch before runs."""
+    per = blocks_fit(prev)
+    held = min(prev_blocks, per * sms)
+    total = 0
+    for sm in range(sms):
+        n = held // sms + (sm < held % sms)
+        (pw, pwarps), psmem, pw2, pb = prev
+        free = (SM_REGS - n * pw * pwarps, SM_SMEM - n * psmem, SM_WARPS - n * pw2, SM_BLOCKS - n * pb)
+        total += blocks_fit(cost, free)
+    return min(blocks, total)
 
 
 def read_launches(path):
@@ -143,17 +171,24 @@ def read_launches(path):
 
 
 def waves_table(launches, report, sms):
-    """Per launch: its blocks, the blocks an SM holds, and the waves that makes."""
-    print(f"{'kernel':<60} {'blocks':>7} {'thr':>4} {'regs':>4} {'smem':>7} {'/SM':>4} {'waves':>6}")
+    """Per launch: its blocks, the blocks an SM holds, the waves that makes, and the share of
+    its blocks that fit beside the launch before it (`beside`)."""
+    print(f"{'kernel':<60} {'blocks':>7} {'thr':>4} {'regs':>4} {'smem':>7} {'/SM':>4} {'waves':>6} {'beside':>7}")
+    prev = None
     for name, blocks, threads, dyn, idle in launches:
         if name not in report:
             print(f"{name[:60]:<60} {blocks:>7} (no ptxas report)")
+            prev = None
             continue
         regs, _, smem = report[name]
         smem += dyn
-        per = blocks_per_sm(regs, smem, threads)
+        cost = block_cost(regs, smem, threads)
+        per = blocks_fit(cost)
         waves = f"{blocks / (per * sms):.2f}" if per else "none"
-        print(f"{name[:60]:<60} {blocks:>7} {threads:>4} {regs:>4} {smem:>7} {per:>4} {waves:>6}{' idle' if idle else ''}")
+        early = f"{beside(*prev, cost, blocks, sms) / blocks:.2f}" if prev and blocks else "-"
+        print(f"{name[:60]:<60} {blocks:>7} {threads:>4} {regs:>4} {smem:>7} {per:>4} {waves:>6} {early:>7}"
+              f"{' idle' if idle else ''}")
+        prev = (cost, blocks)
 
 
 def main():
