@@ -127,21 +127,21 @@ def opcode_mix(sass):
 SM_REGS, SM_WARPS, SM_BLOCKS, SM_SMEM, BLOCK_SMEM_RESERVED = 65536, 64, 32, 233472, 1024
 
 
+SM_FREE = (SM_REGS, SM_SMEM, SM_WARPS, SM_BLOCKS)
+
+
 def block_cost(regs, smem, threads):
     """What one block of `threads` threads, `regs` registers a thread and `smem` bytes of shared
-    memory (static and dynamic) takes of an sm_90 SM: (register warps' allocations, shared
-    memory, warps, blocks)."""
+    memory (static and dynamic) takes of an sm_90 SM, in SM_FREE's order: registers, shared
+    memory, warps, block slots."""
     warps = -(-threads // 32)
     per_warp = -(-max(regs, 1) * 32 // 256) * 256  # registers are given a warp 256 at a time
-    return (per_warp, warps), smem + BLOCK_SMEM_RESERVED, warps, 1
+    return per_warp * warps, smem + BLOCK_SMEM_RESERVED, warps, 1
 
 
-def blocks_fit(cost, free=(SM_REGS, SM_SMEM, SM_WARPS, SM_BLOCKS)):
-    """Blocks of `cost` (block_cost) that fit in an SM's `free` registers, shared memory, warps
-    and block slots."""
-    (per_warp, warps), smem, w, b = cost
-    regs, fsmem, fwarps, fblocks = free
-    return max(0, min((regs // per_warp) // warps, fsmem // smem, fwarps // w, fblocks // b))
+def blocks_fit(cost, free=SM_FREE):
+    """Blocks of `cost` (block_cost) that fit in what an SM has `free` (SM_FREE's order)."""
+    return max(0, min(f // c for f, c in zip(free, cost)))
 
 
 def beside(prev, prev_blocks, cost, blocks, sms):
@@ -153,9 +153,7 @@ def beside(prev, prev_blocks, cost, blocks, sms):
     total = 0
     for sm in range(sms):
         n = held // sms + (sm < held % sms)
-        (pw, pwarps), psmem, pw2, pb = prev
-        free = (SM_REGS - n * pw * pwarps, SM_SMEM - n * psmem, SM_WARPS - n * pw2, SM_BLOCKS - n * pb)
-        total += blocks_fit(cost, free)
+        total += blocks_fit(cost, [f - n * c for f, c in zip(SM_FREE, prev)])
     return min(blocks, total)
 
 

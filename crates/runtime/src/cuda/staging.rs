@@ -161,9 +161,6 @@ pub(super) struct Staging {
     tokens: Ring,
     /// Per step whose tokens were queued for copying and not yet taken: its buffer and count.
     pending: VecDeque<(usize, usize)>,
-    /// The token buffer of the last copy queued, which the next write of the tokens on the
-    /// device waits for ([`Staging::tokens_free`]).
-    last: Option<usize>,
 }
 
 /// `side`, made beside `main` on first use.
@@ -209,9 +206,9 @@ impl Staging {
     }
 
     /// Makes the work queued next on `main` wait until the last queued copy of the tokens to
-    /// the host is done (before the tokens are written again).
+    /// the host is done (before the tokens are written again; a step's tokens taken are done).
     pub fn tokens_free(&self, main: &Arc<CudaStream>) -> Result<(), RuntimeError> {
-        let Some(i) = self.last else { return Ok(()) };
+        let Some(&(i, _)) = self.pending.back() else { return Ok(()) };
         let b = self.tokens.bufs[i].as_ref().expect("a queued step's buffer");
         main.wait(&b.copied).map_err(driver("ordering a copy"))
     }
@@ -235,7 +232,6 @@ impl Staging {
                 .map_err(driver("copying tokens"))?;
         }
         b.copied.record(&down.stream).map_err(driver("recording an event"))?;
-        self.last = Some(i);
         self.pending.push_back((i, wanted));
         Ok(())
     }
