@@ -9,9 +9,10 @@
 # (results named SHAPE-FOLDER-RUN); the default is BIN (bin-gpu) alone, named SHAPE-RUN. RUNS
 # picks among b1 b16 b64 b128 prefill4096 profile (default all but b128).
 # A checkpoint made here has no reference logits (REF=0: built in bf16 on the GPU). CKROOT puts
-# it elsewhere than /tmp, e.g. the full Qwen3-30B-A3B (61 GB, `SHAPES=qwen3-30b-a3b`, one
-# binary): CKROOT=/dev/shm on the two-GPU machine (256 GB of memory, 128 GB of disk), so the
-# checkpoint and its bundle (another 61 GB, in /tmp) both fit.
+# it and its bundles elsewhere than /tmp, e.g. the full Qwen3-30B-A3B (61 GB,
+# `SHAPES=qwen3-30b-a3b`, one binary): CKROOT=/dev/shm on the two-GPU machine (256 GB of memory;
+# its /tmp disk had 64 GB free), so the checkpoint and its bundle
+# (another 61 GB) both fit.
 set -uo pipefail
 bins="${BINS:-${BIN:-bin-gpu}}"
 runs="${RUNS:-b1 b16 b64 prefill4096 profile}"
@@ -24,7 +25,7 @@ for shape in ${SHAPES:-qwen3-30b-a3b-l4 gpt-oss-20b-l4}; do
   [ -f "$ck/config.json" ] || REF=0 python3 scripts/gpu/hf_reference.py "$shape" "$ck" "tests/configs/$shape.json" >"$work/$shape-hf.txt" 2>&1
   for bin in $bins; do
     tag=$([ -n "${BINS:-}" ] && echo "-$(basename "$bin")")
-    b=/tmp/ck-$shape$tag.bundle
+    b=${CKROOT:-/tmp}/ck-$shape$tag.bundle
     [ -d "$b" ] || "$bin/engc" compile --checkpoint "$ck" --dtype bf16 -o "$b" >"$work/$shape$tag-compile.txt" 2>&1 || continue
     for run in "b1:--num-prompts 1 --input-len 128 --output-len 128" \
       "b16:--num-prompts 16 --input-len 128 --output-len 128" \

@@ -69,7 +69,13 @@ struct HashingFile {
 
 impl HashingFile {
     fn write(&mut self, bytes: &[u8]) -> Result<(), BundleError> {
-        self.hash.update(bytes);
+        // On all cores for a large tensor (the same hash; blake3 gains from threads above
+        // ~128 KiB).
+        if bytes.len() >= 1 << 20 {
+            self.hash.update_rayon(bytes);
+        } else {
+            self.hash.update(bytes);
+        }
         self.file.write_all(bytes).map_err(|e| io_err(&self.path, e))
     }
 }

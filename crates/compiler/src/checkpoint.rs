@@ -21,7 +21,7 @@ pub struct TensorInfo {
     pub shape: Vec<usize>,
     /// Whether the engine can read this element type (an FP8 weight: with its scale tensor).
     pub readable: bool,
-    /// Safetensors file index, or the GGUF tensor name.
+    /// Where its bytes are: a safetensors file and the byte range in it, or the GGUF tensor name.
     location: Location,
     /// An FP8 weight's scale tensor and the grid of its scales.
     scale: Option<(String, Grid)>,
@@ -29,7 +29,9 @@ pub struct TensorInfo {
 
 #[derive(Debug, Clone, PartialEq)]
 enum Location {
-    File(usize),
+    /// The index of a safetensors file of the checkpoint and the tensor's bytes in it (read
+    /// from the header once, at open: a header of ~19k tensors takes milliseconds to parse).
+    File(usize, std::ops::Range<usize>),
     Gguf(String),
 }
 
@@ -148,17 +150,20 @@ impl Checkpoint {
         let f = std::fs::File::open(path).map_err(|e| ckpt_err(path, e.to_string()))?;
         // SAFETY: read-only mapping of a checkpoint file that is not modified while compiling.
         let map = unsafe { memmap2::Mmap::map(&f) }.map_err(|e| ckpt_err(path, e.to_string()))?;
-        let (_, meta) = safetensors::SafeTensors::read_metadata(&map)
+        // Validates the header: offsets contiguous, each tensor's bytes its shape's, the data
+        // ending with the file.
+        let (n, meta) = safetensors::SafeTensors::read_metadata(&map)
             .map_err(|e| ckpt_err(path, format!("not a valid safetensors file: {e}")))?;
         let idx = self.files.len();
         for (name, info) in meta.tensors() {
             let dtype_name = format!("{:?}", info.dtype);
             let readable = DType::from_safetensors_name(&dtype_name).is_some_and(DType::is_float);
-            let location = Location::File(idx);
+            let (start, end) = info.data_offsets;
+            let location = Location::File(idx, 8 + n + start..8 + n + end);
             let t = TensorInfo { dtype_name, shape: info.shape.clone(), readable, location, scale: None };
             // Two files holding one name (a stray copy beside the weights): which one is meant
             // is not for us to guess.
-            if let Some(Location::File(other)) = self.tensors.insert(name.clone(), t).map(|t| t.location) {
+            if let Some(Location::File(other, _)) = self.tensors.insert(name.clone(), t).map(|t| t.location) {
                 let first = self.files[other].0.display().to_string();
                 return Err(ckpt_err(
                     path,
@@ -269,13 +274,18 @@ impl Checkpoint {
 
     /// A safetensors tensor's bytes, as stored.
     fn bytes(&self, name: &str, info: &TensorInfo) -> Result<&[u8], CompileError> {
-        let Location::File(file) = info.location else {
+        let Location::File(file, range) = &info.location else {
             return Err(ckpt_err(&self.path, format!("tensor `{name}` is a GGUF tensor")));
         };
-        let (path, map) = &self.files[file];
-        let st = safetensors::SafeTensors::deserialize(map).map_err(|e| ckpt_err(path, e.to_string()))?;
-        let view = st.tensor(name).map_err(|e| ckpt_err(path, format!("tensor `{name}`: {e}")))?;
-        Ok(view.data())
+        let (path, map) = &self.files[*file];
+        map.get(range.clone()).ok_or_else(|| ckpt_err(path, format!("tensor `{name}` lies past the file's end")))
+    }
+
+    /// A bf16, f16 or f32 tensor's bytes as stored, with their dtype (`None` for FP8, GGUF
+    /// and other tensors): what a weight of the same dtype copies as it is.
+    pub fn dense_bytes(&self, name: &str) -> Option<(DType, &[u8])> {
+        let info = self.tensors.get(name).filter(|t| t.scale.is_none())?;
+        Some((info.dtype()?, self.bytes(name, info).ok()?))
     }
 
     /// The most common float dtype among the tensors (the checkpoint's storage type).

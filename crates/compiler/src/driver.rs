@@ -261,6 +261,11 @@ fn write_rank_weights(
                 if dtype == DType::F8_E4M3 {
                     return quantize_fp8(ckpt, bw, (shape, tp, rank));
                 }
+                if derived.is_none() && shape == bw.shape {
+                    if let Some(bytes) = arrange::read_stored(ckpt, bw, dtype) {
+                        return Ok(bytes);
+                    }
+                }
                 let data = arrange::read(ckpt, bw)?;
                 // The plan's shape says whether this rank holds a slice (a replicated lm_head
                 // keeps its whole shape even where the model marks it column-parallel).

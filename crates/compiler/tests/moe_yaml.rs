@@ -193,17 +193,16 @@ fn per_layer_if_not_a_bool() {
     fails(&guarded("i == == 0"), &["bad.yaml:", "per_layer.if", "`i == == 0`"]);
 }
 
+/// The f32 values of the `k`-th tensor of a [`checkpoint`], `n` of them.
+fn values(k: usize, n: usize) -> Vec<u8> {
+    (0..n).flat_map(|i| (k as f32 + i as f32 * 0.01).to_le_bytes()).collect()
+}
+
 /// A tiny checkpoint of [`config`]'s shapes, as `tensors` gives them (name, shape), in `dir`.
 fn checkpoint(dir: &Path, tensors: &[(String, Vec<usize>)]) {
     std::fs::write(dir.join("config.json"), config().to_string()).expect("config.json");
-    let data: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
-        .iter()
-        .map(|(n, s)| {
-            let vals: Vec<u8> =
-                (0..s.iter().product::<usize>()).flat_map(|i| (i as f32 * 0.01).to_le_bytes()).collect();
-            (n.clone(), s.clone(), vals)
-        })
-        .collect();
+    let data: Vec<(String, Vec<usize>, Vec<u8>)> =
+        tensors.iter().enumerate().map(|(k, (n, s))| (n.clone(), s.clone(), values(k, s.iter().product()))).collect();
     let views: Vec<(String, safetensors::tensor::TensorView)> = data
         .iter()
         .map(|(n, s, d)| {
@@ -348,4 +347,41 @@ fn qwen3_moe_dense_layers_by_list_and_step() {
     let routers: Vec<usize> =
         p.weights().filter(|(n, _, _)| n.ends_with("mlp.gate.weight")).map(|(n, _, _)| layer_of(n)).collect();
     assert_eq!(routers, sparse);
+}
+
+/// A weight stored as the plan's dtype is copied from the checkpoint as it is (per-expert
+/// tensors one after the other, in the experts' order): the bundle's f32 stack holds the
+/// checkpoint's bytes, and a bf16 compile (which converts) their bf16 roundings.
+#[test]
+fn weights_of_the_checkpoint_dtype_are_copied_as_stored() {
+    let dir = tempfile::tempdir().expect("a temp dir");
+    let ck = dir.path().join("ckpt");
+    std::fs::create_dir_all(&ck).expect("checkpoint dir");
+    checkpoint(&ck, &tensors(true));
+    let model = dir.path().join("m.yaml");
+    std::fs::write(&model, PER_EXPERT).expect("writing the YAML");
+    let gate = |dtype: DType| -> Vec<u8> {
+        let out = dir.path().join(format!("{dtype}.bundle"));
+        let opts = CompileOptions {
+            model: model.clone(),
+            checkpoint: ck.clone(),
+            tp: 1,
+            dtype: Some(dtype),
+            tokenizer: None,
+            out: out.clone(),
+            dump_after: None,
+            lm_head: Default::default(),
+            quant: None,
+        };
+        compiler::compile(&opts).unwrap_or_else(|e| panic!("compiling {dtype}: {e}"));
+        let bytes = std::fs::read(out.join("weights/rank0.safetensors")).expect("the bundle's weights");
+        let st = safetensors::SafeTensors::deserialize(&bytes).expect("a safetensors file");
+        st.tensor("layers.0.experts.*.gate.weight").expect("the gate stack").data().to_vec()
+    };
+    let at = |e: usize| tensors(true).iter().position(|(n, _)| *n == format!("layers.0.experts.{e}.gate.weight"));
+    let stored: Vec<u8> = (0..EXPERTS).flat_map(|e| values(at(e).expect("expert e's gate"), INTER * HIDDEN)).collect();
+    let f32_stack = gate(DType::F32);
+    assert_eq!(f32_stack, stored);
+    let bf16 = DType::BF16.from_f32(&DType::F32.to_f32(&f32_stack));
+    assert_eq!(gate(DType::BF16), bf16);
 }
