@@ -467,7 +467,8 @@ __device__ void moe_combine(const float* y, const int* pos_of, float* out) {
 // GEMVs do) and dotted with each of the tile's pairs' rows in turn, four pairs at a time.
 
 // Gate and up with the activation as moe_up_grouped computes them, a warp per feature i of
-// the tile's expert. grid: (I / 8, tiles), block: 256.
+// the tile's expert. grid: (I / warps, tiles), block: warps of 32
+// (codegen_cuda::schedule::MOE_UP_ROWS_WARPS).
 template <int H, int I, int K, typename B, typename ACT>
 __device__ void moe_up_rows(const h16_t* x, const int* perm, const int* tiles, const h16_t* gate, const h16_t* up,
                             const B* gb, const B* ub, h16_t* a, ACT act) {
@@ -475,7 +476,7 @@ __device__ void moe_up_rows(const h16_t* x, const int* perm, const int* tiles, c
   if (!moe_tile(tiles, t)) return;
   using Part = RowPart<H, 1, h16_t>;
   const Part part;
-  const int lane = threadIdx.x & 31, i = blockIdx.x * 8 + (threadIdx.x >> 5);
+  const int lane = threadIdx.x & 31, i = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
   const long row = (long)t.e * I + i;
   uint4 w[2][Part::L];  // gate, up
   part.load((const uint4*)(gate + row * H), nullptr, w[0], nullptr);
@@ -486,8 +487,10 @@ __device__ void moe_up_rows(const h16_t* x, const int* perm, const int* tiles, c
 #pragma unroll
     for (int q = 0; q < 4; q++) {
       const h16_t* xr = x + (long)(perm[t.p0 + min(r0 + q, t.n - 1)] / K) * H;
-      part.template dot<1>(xr, w, nullptr, 1, sg + q);
-      part.template dot<1>(xr, w + 1, nullptr, 1, su + q);
+      float s[2];
+      part.template dot<1, 2>(xr, w, nullptr, 1, s);
+      sg[q] = s[0];
+      su[q] = s[1];
     }
 #pragma unroll
     for (int q = 0; q < 4; q++) {

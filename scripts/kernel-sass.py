@@ -50,7 +50,7 @@ def source_of(path, pattern):
     if os.path.isdir(path):
         path = os.path.join(path, "kernels", "model.cu")
     lines = open(path).read().splitlines(keepends=True)
-    entry = re.compile(r'^extern "C" __global__ void (?:__launch_bounds__\([^)]*\) )?(?:__cluster_dims__\([^)]*\) )?(\w+)\(')
+    entry = re.compile(r'^extern "C" __global__ void (?:__launch_bounds__\((?:[^()]|\(\))*\) )?(?:__cluster_dims__\([^)]*\) )?(\w+)\(')
     first = next((i for i, l in enumerate(lines) if entry.match(l)), len(lines))
     kernels = [l for l in lines[first:] if (m := entry.match(l)) and re.search(pattern, m.group(1))]
     if not kernels:

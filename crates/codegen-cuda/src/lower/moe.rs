@@ -4,7 +4,7 @@
 use crate::keys::{intern, KernelKey};
 use crate::schedule::{
     launch, moe_rows_max, moe_up_direct_blocks, one, per_token, to_h16, Arg, Builder, Count, Dim, Launch, Step,
-    MOE_DIRECT_TOKENS, MOE_TILE, ONE,
+    MOE_DIRECT_TOKENS, MOE_TILE, MOE_UP_ROWS_WARPS, ONE,
 };
 use crate::CodegenError;
 use ir::{DType, Op};
@@ -161,12 +161,17 @@ fn grouped_moe(b: &mut Builder, ins: &[usize], g: &Grouped, bias_arg: &impl Fn(u
     let combine = KernelKey::MoeCombine { h, k };
     let combine = launch(combine, vec![Arg::Buf(y), Arg::Buf(pos_of), Arg::Buf(out)], [per_token(1, 1), ONE], 256);
     [true, false].map(|rows| {
-        // Tensor-core tiles are 16 features a block; a warp per feature, 8.
-        let per_block = if rows { 8 } else { 16 };
+        // Tensor-core tiles are 16 features a block; a warp per feature, as many as its warps
+        // (down: 8).
+        let (up_block, up_threads) = match rows {
+            true => (MOE_UP_ROWS_WARPS, 32 * MOE_UP_ROWS_WARPS as u32),
+            false => (16, 256),
+        };
+        let down_block = if rows { 8 } else { 16 };
         let up = KernelKey::MoeUpGrouped { rows, h, i: inter, k, bias: g.up_bias, act: g.act };
         let ins3 = [Arg::Buf(x16), Arg::Buf(perm), Arg::Buf(tiles)];
         let up_args = [&ins3[..], &gate_up_args(ins, bias_arg), &[Arg::Buf(a)]].concat();
-        let up = launch(up, up_args, [Dim::Fixed(inter / per_block), tile_dim], 256);
+        let up = launch(up, up_args, [Dim::Fixed(inter / up_block), tile_dim], up_threads);
         let down = KernelKey::MoeDownGrouped { rows, h, i: inter, bias: g.down_bias };
         let down_args = vec![
             Arg::Buf(a),
@@ -177,7 +182,7 @@ fn grouped_moe(b: &mut Builder, ins: &[usize], g: &Grouped, bias_arg: &impl Fn(u
             bias_arg(7),
             Arg::Buf(y),
         ];
-        let down = launch(down, down_args, [Dim::Fixed(h / per_block), tile_dim], 256);
+        let down = launch(down, down_args, [Dim::Fixed(h / down_block), tile_dim], 256);
         vec![to_h16.clone(), count.clone(), sort.clone(), up, down, combine.clone()]
     })
 }
