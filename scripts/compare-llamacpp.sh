@@ -19,7 +19,9 @@
 # on it; `ours` runs ours on the checkpoint and writes the table. A 7B does not fit one call's
 # ten minutes: run STAGES=lcpp, then STAGES=ours in the next call while the machine is still
 # held (its /tmp keeps the build, the checkpoint and llama.cpp's logs; WORK, default
-# /tmp/compare, must be the same).
+# /tmp/compare, must be the same). CKROOT (default /tmp) holds the checkpoint, its GGUF and our
+# bundle: /dev/shm on the two-GPU machine for the full Qwen3-30B-A3B (61 GB each; the GGUF is
+# removed before our bundle is compiled, so 122 GB at most).
 set -uo pipefail
 bin="${BIN:-bin-gpu}"
 lcpp="${LCPP:-peers-gpu}"
@@ -48,7 +50,7 @@ if has lcpp && [ -n "$quant" ] && [ ! -x $lb/llama-quantize ]; then
     { echo "error: building scripts/gpu/llama_quantize.c failed (see $work/lcpp-build.txt)" >&2; exit 1; }
 fi
 for shape in ${SHAPES:-qwen2.5-0.5b}; do
-  ck=/tmp/cmp-$shape
+  ck=${CKROOT:-/tmp}/cmp-$shape
   name=$shape${quant:+-$quant}
   gguf=$ck.gguf
   [ -z "$quant" ] || gguf=$ck-$quant.gguf
