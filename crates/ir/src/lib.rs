@@ -21,7 +21,7 @@ pub use graph::{Graph, Node};
 pub use interp::{Interpreter, KvCache, KvStore};
 pub use op::{Derived, Op};
 pub use petgraph::stable_graph::NodeIndex;
-pub use plan::{KvLayout, Plan, PlanNode, WeightUse};
+pub use plan::{chosen_share, KvLayout, Plan, PlanNode, WeightUse};
 pub use rope::RopeScaling;
 pub use scalar::{Fun, Scalar};
 pub use types::{DType, Dim, TensorType, BLOCK};

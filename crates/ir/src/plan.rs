@@ -114,13 +114,9 @@ impl Plan {
     pub fn weight_use(&self) -> WeightUse {
         let mut experts = Vec::new();
         let mut stacked = std::collections::HashSet::new();
-        for n in &self.nodes {
-            if let Op::Moe { top_k, .. } = n.op {
-                let e = self.nodes[n.inputs[1]].ty.last().unwrap_or(1);
-                let stacks = &n.inputs[2..];
-                experts.push((stacks.iter().map(|&i| self.bytes_of(i)).sum(), top_k, e));
-                stacked.extend(stacks.iter().copied());
-            }
+        for (stacks, k, e) in self.moe_stacks() {
+            experts.push((stacks.iter().map(|&i| self.bytes_of(i)).sum(), k, e));
+            stacked.extend(stacks.iter().copied());
         }
         // A table only the embedding reads gives one row per token.
         let mut gathered = vec![None; self.nodes.len()];
@@ -135,6 +131,18 @@ impl Plan {
             .map(|i| self.bytes_of(i))
             .sum();
         WeightUse { dense, experts }
+    }
+
+    /// Each mixture of experts' weight stacks (plan nodes), with its experts per token and its
+    /// experts.
+    pub fn moe_stacks(&self) -> impl Iterator<Item = (&[usize], usize, usize)> + '_ {
+        self.nodes.iter().filter_map(|n| match n.op {
+            Op::Moe { top_k, .. } => {
+                let e = self.nodes[n.inputs[1]].ty.last().unwrap_or(1);
+                Some((&n.inputs[2..], top_k, e))
+            }
+            _ => None,
+        })
     }
 
     /// Multiply-adds per token of the linears and of the experts a token chooses (2 FLOPs
@@ -243,9 +251,15 @@ impl WeightUse {
     /// experts the rows choose: `k` of `E` for one row; for more, the expected number of
     /// distinct experts were each row's choice uniform, `E · (1 − (1 − k/E)^rows)`.
     pub fn at(&self, rows: usize) -> f64 {
-        let chosen = |k: usize, e: usize| 1.0 - (1.0 - k as f64 / e.max(1) as f64).powi(rows as i32);
-        self.dense as f64 + self.experts.iter().map(|&(b, k, e)| b as f64 * chosen(k, e)).sum::<f64>()
+        self.dense as f64 + self.experts.iter().map(|&(b, k, e)| b as f64 * chosen_share(k, e, rows)).sum::<f64>()
     }
+}
+
+/// The share of a stack of `e` experts that `rows` tokens choosing `k` each read: `k / e` for
+/// one row; for more, the expected share of distinct experts were each row's choice uniform,
+/// `1 − (1 − k/E)^rows` (what [`WeightUse::at`] and the CUDA profile count).
+pub fn chosen_share(k: usize, e: usize, rows: usize) -> f64 {
+    1.0 - (1.0 - k as f64 / e.max(1) as f64).powi(rows.min(i32::MAX as usize) as i32)
 }
 
 #[cfg(test)]
@@ -276,6 +290,16 @@ mod tests {
         // Two rows choose 4 · (1 − (1/2)²) = 3 experts on average.
         assert_eq!(u.at(2), u.dense as f64 + 3.0 * (3 * 8 * 32 * 2) as f64);
         assert!(u.at(1000) <= (u.dense + u.experts[0].0) as f64);
+        // The stacks the CUDA profile counts by the same share: @gate, @up and @down.
+        let stacks: Vec<_> = plan.moe_stacks().map(|(ws, k, e)| (ws.to_vec(), k, e)).collect();
+        let name = |w: usize| match &plan.nodes[w].op {
+            crate::Op::Weight { name, .. } => name.clone(),
+            op => op.name().to_string(),
+        };
+        let names: Vec<_> = stacks[0].0.iter().map(|&w| name(w)).collect();
+        assert_eq!((stacks.len(), stacks[0].1, stacks[0].2), (1, 2, 4));
+        assert_eq!(names, ["gate", "up", "down"]);
+        assert_eq!((super::chosen_share(2, 4, 1), super::chosen_share(2, 4, 2)), (0.5, 0.75));
         // The router's 4 x 32 and two experts' gate, up and down per token.
         assert_eq!(plan.matmul_params(), 4 * 32 + 2 * 3 * 8 * 32);
         assert_eq!(plan.logits_params(), 16 * 32);

@@ -176,7 +176,10 @@ impl Profile {
                 let total: f64 = p.values().map(|v| v.0).sum();
                 let mut rows: Vec<_> = p.iter().collect();
                 rows.sort_by(|a, b| b.1 .0.total_cmp(&a.1 .0));
-                eprintln!("CUDA kernel time: {total:.2} ms in all (MB a call it must move at least, and at what rate)");
+                eprintln!(
+                    "CUDA kernel time: {total:.2} ms in all (MB a call it must move at least, experts as many \
+                     as its tokens choose at uniform routing, and at what rate)"
+                );
                 for (name, (ms, n, bytes)) in rows.iter().take(30) {
                     eprintln!(
                         "{:>9.3} ms {:>5.1}% {n:>7} calls {:>8.2} us/call {:>9.3} MB/call {:>8.1} GB/s  {name}",
@@ -209,9 +212,18 @@ impl Profile {
 impl CudaBackend {
     /// The bytes launch `l` of `t` tokens and `r` logit rows must move at the least
     /// ([`launch_bytes`]; not the arguments it need not read in a decode step,
-    /// `KernelKey::unread_in_decode`), for the profile's bandwidth column.
+    /// `KernelKey::unread_in_decode`; of a mixture of experts' stacks the experts `t` tokens
+    /// choose, `ir::chosen_share`), for the profile's bandwidth column.
     pub(super) fn launch_bytes(&self, l: &Launch, t: usize, r: usize) -> usize {
-        let weight = |w: usize| self.weights.len(w);
+        let stacks: HashMap<usize, f64> = self
+            .plan
+            .moe_stacks()
+            .flat_map(|(ws, k, e)| ws.iter().map(move |&w| (w, ir::chosen_share(k, e, t))))
+            .collect();
+        let weight = |w: usize| {
+            let len = self.weights.len(w);
+            stacks.get(&w).map_or(len, |share| (len as f64 * share).round() as usize)
+        };
         let kv = KvRead { positions: self.positions, row_bytes: self.plan.kv.row() * 2 };
         let unread = l.key.unread_in_decode();
         let args: Vec<Arg> = l.args.iter().enumerate().filter(|(i, _)| !unread.contains(i)).map(|(_, a)| *a).collect();
