@@ -261,15 +261,14 @@ fn write_rank_weights(
                 if dtype == DType::F8_E4M3 {
                     return quantize_fp8(ckpt, bw, (shape, tp, rank));
                 }
-                if derived.is_none() && shape == bw.shape {
-                    if let Some(bytes) = arrange::read_stored(ckpt, bw, dtype) {
-                        return Ok(bytes);
-                    }
-                }
-                let data = arrange::read(ckpt, bw)?;
                 // The plan's shape says whether this rank holds a slice (a replicated lm_head
                 // keeps its whole shape even where the model marks it column-parallel).
-                let data = if shape == bw.shape { data } else { shard::cut(bw, &data, tp, rank)? };
+                let whole = shape == bw.shape;
+                if let Some(bytes) = derived.is_none().then(|| arrange::read_stored(ckpt, bw, dtype)).flatten() {
+                    return if whole { Ok(bytes) } else { shard::cut_bytes(bw, &bytes, dtype.size(), tp, rank) };
+                }
+                let data = arrange::read(ckpt, bw)?;
+                let data = if whole { data } else { shard::cut(bw, &data, tp, rank)? };
                 let data = match derived {
                     Some(d) => data.iter().map(|&x| d.expr.eval(&[x])).collect(),
                     None => data,

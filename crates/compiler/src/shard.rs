@@ -73,6 +73,12 @@ pub fn cut(w: &BoundWeight, data: &[f32], tp: usize, rank: usize) -> Result<Vec<
     cut_units(w, data, tp, rank, Some)
 }
 
+/// Cuts `rank`'s slice out of the bytes of a tensor of `elem`-byte elements (a weight copied
+/// as the checkpoint stores it: `arrange::read_stored`).
+pub fn cut_bytes(w: &BoundWeight, data: &[u8], elem: usize, tp: usize, rank: usize) -> Result<Vec<u8>, CompileError> {
+    cut_units(w, data, tp, rank, |n| Some(n * elem))
+}
+
 /// Cuts `rank`'s slice out of the blocks of a block-type tensor (`data`: its bytes, rows of
 /// whole blocks of that type's length, 32 or a k-quant's 256); a slice that would split a
 /// block is an error.

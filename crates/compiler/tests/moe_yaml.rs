@@ -351,7 +351,8 @@ fn qwen3_moe_dense_layers_by_list_and_step() {
 
 /// A weight stored as the plan's dtype is copied from the checkpoint as it is (per-expert
 /// tensors one after the other, in the experts' order): the bundle's f32 stack holds the
-/// checkpoint's bytes, and a bf16 compile (which converts) their bf16 roundings.
+/// checkpoint's bytes (at tp 2 rank 0 its slice of them), and a bf16 compile (which
+/// converts) their bf16 roundings.
 #[test]
 fn weights_of_the_checkpoint_dtype_are_copied_as_stored() {
     let dir = tempfile::tempdir().expect("a temp dir");
@@ -360,12 +361,12 @@ fn weights_of_the_checkpoint_dtype_are_copied_as_stored() {
     checkpoint(&ck, &tensors(true));
     let model = dir.path().join("m.yaml");
     std::fs::write(&model, PER_EXPERT).expect("writing the YAML");
-    let gate = |dtype: DType| -> Vec<u8> {
-        let out = dir.path().join(format!("{dtype}.bundle"));
+    let gate = |dtype: DType, tp: usize| -> Vec<u8> {
+        let out = dir.path().join(format!("{dtype}-{tp}.bundle"));
         let opts = CompileOptions {
             model: model.clone(),
             checkpoint: ck.clone(),
-            tp: 1,
+            tp,
             dtype: Some(dtype),
             tokenizer: None,
             out: out.clone(),
@@ -380,8 +381,12 @@ fn weights_of_the_checkpoint_dtype_are_copied_as_stored() {
     };
     let at = |e: usize| tensors(true).iter().position(|(n, _)| *n == format!("layers.0.experts.{e}.gate.weight"));
     let stored: Vec<u8> = (0..EXPERTS).flat_map(|e| values(at(e).expect("expert e's gate"), INTER * HIDDEN)).collect();
-    let f32_stack = gate(DType::F32);
+    let f32_stack = gate(DType::F32, 1);
     assert_eq!(f32_stack, stored);
     let bf16 = DType::BF16.from_f32(&DType::F32.to_f32(&f32_stack));
-    assert_eq!(gate(DType::BF16), bf16);
+    assert_eq!(gate(DType::BF16, 1), bf16);
+    // Rank 0 of 2 holds the first half of each expert's rows (a column-parallel stack).
+    let half = INTER / 2 * HIDDEN * 4;
+    let rank0: Vec<u8> = stored.chunks(2 * half).flat_map(|e| e[..half].to_vec()).collect();
+    assert_eq!(gate(DType::F32, 2), rank0);
 }
