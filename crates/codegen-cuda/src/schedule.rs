@@ -306,6 +306,8 @@ pub const MOE_ROWS_PAIRS: usize = 8;
 /// registers a thread fit three 4-warp blocks an SM (12 warps) where they fit one 8-warp block
 /// (8 warps), so more of its weight rows are in flight and the blocks' loads and sums overlap
 /// (measured on an H200, docs/perf.md: a batch-64 step 2.96 -> 2.59 ms, batch 16 1.64 -> 1.42).
+/// It must divide the experts' intermediate size: the grouped path runs only where that is a
+/// multiple of 32 (`lower::moe::direct`).
 pub const MOE_UP_ROWS_WARPS: usize = 4;
 
 /// The most tokens a step of a mixture of 16-bit experts runs the direct kernels (pairs in

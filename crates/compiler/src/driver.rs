@@ -221,8 +221,10 @@ fn config_dtype(config: &serde_json::Value) -> Option<DType> {
 }
 
 /// Writes one rank's weights: a weight the plan keeps in its checkpoint's block type as its
-/// blocks ([`read_blocks`]), one `--quant fp8` made FP8 quantized ([`quantize_fp8`]), the rest
-/// read as f32 (FP8 and block weights dequantized) and converted to the plan's dtype.
+/// blocks ([`read_blocks`]), one `--quant fp8` made FP8 quantized ([`quantize_fp8`]), one
+/// stored in the plan's dtype and taken whole copied as stored ([`arrange::read_stored`], a
+/// rank's slice cut from its bytes), the rest read as f32 (FP8 and block weights dequantized)
+/// and converted to the plan's dtype.
 fn write_rank_weights(
     w: &mut BundleWriter,
     (plan, kept): (&Plan, &BTreeMap<String, DType>),
