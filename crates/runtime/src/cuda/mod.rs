@@ -64,6 +64,9 @@ pub struct CudaBackend {
     /// The KV positions the step's sequences hold (its slot table's length, less the scratch
     /// slot's entry), for the profile's bytes.
     positions: usize,
+    /// Each mixture of experts' weight stacks: experts per token and experts, for the
+    /// profile's bytes (`Plan::moe_stacks`).
+    expert_stacks: HashMap<usize, (usize, usize)>,
     /// The schedule's buffers, `cap.0` token rows (or `cap.1` logit rows) each.
     bufs: Vec<CudaSlice<f32>>,
     cap: (usize, usize),
@@ -245,7 +248,9 @@ impl CudaBackend {
         let pipelined = comm.is_none()
             && !Profile::per_launch(&profile)
             && std::env::var("ENGINE_PIPELINE").map_or(true, |v| v != "0");
+        let expert_stacks = plan.moe_stacks().flat_map(|(ws, k, e)| ws.iter().map(move |&w| (w, (k, e)))).collect();
         let mut be = CudaBackend {
+            expert_stacks,
             plan,
             program,
             stream,

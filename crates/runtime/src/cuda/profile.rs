@@ -215,14 +215,10 @@ impl CudaBackend {
     /// `KernelKey::unread_in_decode`; of a mixture of experts' stacks the experts `t` tokens
     /// choose, `ir::chosen_share`), for the profile's bandwidth column.
     pub(super) fn launch_bytes(&self, l: &Launch, t: usize, r: usize) -> usize {
-        let stacks: HashMap<usize, f64> = self
-            .plan
-            .moe_stacks()
-            .flat_map(|(ws, k, e)| ws.iter().map(move |&w| (w, ir::chosen_share(k, e, t))))
-            .collect();
         let weight = |w: usize| {
             let len = self.weights.len(w);
-            stacks.get(&w).map_or(len, |share| (len as f64 * share).round() as usize)
+            let share = |&(k, e): &(usize, usize)| (len as f64 * ir::chosen_share(k, e, t)).round() as usize;
+            self.expert_stacks.get(&w).map_or(len, share)
         };
         let kv = KvRead { positions: self.positions, row_bytes: self.plan.kv.row() * 2 };
         let unread = l.key.unread_in_decode();
